@@ -1,0 +1,774 @@
+# cython: language_level=3, embedsignature=True
+"""Transfer core: copy plans, bounds checks, device runtimes and GIL-free executors.
+
+Everything that is done per block, per row or per tensor lives here. The Python layers above
+validate argument types, resolve keys to caches and call this module once per transfer.
+
+A *plan* is a list of ``(src, dst, nbytes)`` descriptors computed from two cache layouts (tensor
+base addresses, rows or blocks, row stride), tensor index lists and block/row selections. Every
+index is checked against the layouts before the first descriptor is produced, and descriptors
+whose source and destination both continue the previous one are merged. An *executor* runs a plan
+through a device runtime with the GIL released.
+"""
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memmove, memset
+from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlerror, dlopen, dlsym
+
+cimport numpy as cnp
+
+cdef extern from "<stdlib.h>" nogil:
+    int posix_memalign(void **memptr, size_t alignment, size_t size)
+import numpy as np
+
+from llm_datadist._acl cimport DD_ACL_MEM_MALLOC_HUGE_FIRST
+from llm_datadist._runtime cimport (
+    DD_MEMCPY_DEVICE_TO_DEVICE, DD_MEMCPY_DEVICE_TO_HOST, DD_MEMCPY_HOST_TO_DEVICE,
+    DD_MEMCPY_HOST_TO_HOST,
+)
+from llm_datadist cimport _status
+
+from llm_datadist.status import LLMException, LLMStatusCode
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #ifndef LLM_DATADIST_DEBUG
+    #define LLM_DATADIST_DEBUG 0
+    #endif
+    """
+    int LLM_DATADIST_DEBUG
+
+MEMCPY_HOST_TO_HOST = DD_MEMCPY_HOST_TO_HOST
+MEMCPY_HOST_TO_DEVICE = DD_MEMCPY_HOST_TO_DEVICE
+MEMCPY_DEVICE_TO_HOST = DD_MEMCPY_DEVICE_TO_HOST
+MEMCPY_DEVICE_TO_DEVICE = DD_MEMCPY_DEVICE_TO_DEVICE
+MEMCPY_KIND_NAMES = {
+    DD_MEMCPY_HOST_TO_HOST: "host-to-host",
+    DD_MEMCPY_HOST_TO_DEVICE: "host-to-device",
+    DD_MEMCPY_DEVICE_TO_HOST: "device-to-host",
+    DD_MEMCPY_DEVICE_TO_DEVICE: "device-to-device",
+}
+
+#: True when the extension was built with LLM_DATADIST_DEBUG=1 (bounds checks, line tracing).
+DEBUG_BUILD = bool(LLM_DATADIST_DEBUG)
+
+# The status codes as compiled from dd_status.h (tests compare them with llm_datadist.status).
+C_STATUS_CODES = {
+    "LLM_SUCCESS": _status.DD_LLM_SUCCESS,
+    "LLM_FAILED": _status.DD_LLM_FAILED,
+    "LLM_WAIT_PROC_TIMEOUT": _status.DD_LLM_WAIT_PROC_TIMEOUT,
+    "LLM_KV_CACHE_NOT_EXIST": _status.DD_LLM_KV_CACHE_NOT_EXIST,
+    "LLM_REPEAT_REQUEST": _status.DD_LLM_REPEAT_REQUEST,
+    "LLM_REQUEST_ALREADY_COMPLETED": _status.DD_LLM_REQUEST_ALREADY_COMPLETED,
+    "LLM_PARAM_INVALID": _status.DD_LLM_PARAM_INVALID,
+    "LLM_ENGINE_FINALIZED": _status.DD_LLM_ENGINE_FINALIZED,
+    "LLM_NOT_YET_LINK": _status.DD_LLM_NOT_YET_LINK,
+    "LLM_ALREADY_LINK": _status.DD_LLM_ALREADY_LINK,
+    "LLM_LINK_FAILED": _status.DD_LLM_LINK_FAILED,
+    "LLM_UNLINK_FAILED": _status.DD_LLM_UNLINK_FAILED,
+    "LLM_NOTIFY_PROMPT_UNLINK_FAILED": _status.DD_LLM_NOTIFY_PROMPT_UNLINK_FAILED,
+    "LLM_CLUSTER_NUM_EXCEED_LIMIT": _status.DD_LLM_CLUSTER_NUM_EXCEED_LIMIT,
+    "LLM_PROCESSING_LINK": _status.DD_LLM_PROCESSING_LINK,
+    "LLM_DEVICE_OUT_OF_MEMORY": _status.DD_LLM_DEVICE_OUT_OF_MEMORY,
+    "LLM_PREFIX_ALREADY_EXIST": _status.DD_LLM_PREFIX_ALREADY_EXIST,
+    "LLM_PREFIX_NOT_EXIST": _status.DD_LLM_PREFIX_NOT_EXIST,
+    "LLM_SEQ_LEN_OVER_LIMIT": _status.DD_LLM_SEQ_LEN_OVER_LIMIT,
+    "LLM_NO_FREE_BLOCK": _status.DD_LLM_NO_FREE_BLOCK,
+    "LLM_BLOCKS_OUT_OF_MEMORY": _status.DD_LLM_BLOCKS_OUT_OF_MEMORY,
+    "LLM_CACHE_INCOMPATIBLE": _status.DD_LLM_CACHE_INCOMPATIBLE,
+    "LLM_CACHE_KEY_ALREADY_EXIST": _status.DD_LLM_CACHE_KEY_ALREADY_EXIST,
+    "LLM_COPY_CACHE_FAILED": _status.DD_LLM_COPY_CACHE_FAILED,
+    "LLM_CACHE_ID_ALREADY_EXIST": _status.DD_LLM_CACHE_ID_ALREADY_EXIST,
+    "LLM_EXIST_LINK": _status.DD_LLM_EXIST_LINK,
+    "LLM_FEATURE_NOT_ENABLED": _status.DD_LLM_FEATURE_NOT_ENABLED,
+    "LLM_TIMEOUT": _status.DD_LLM_TIMEOUT,
+    "LLM_LINK_BUSY": _status.DD_LLM_LINK_BUSY,
+    "LLM_OUT_OF_MEMORY": _status.DD_LLM_OUT_OF_MEMORY,
+    "LLM_DEVICE_MEM_ERROR": _status.DD_LLM_DEVICE_MEM_ERROR,
+    "LLM_SUSPECT_REMOTE_ERROR": _status.DD_LLM_SUSPECT_REMOTE_ERROR,
+}
+
+cdef uint64_t _ALIGNMENT = 64
+# ACL answers aclInit on an already initialised process with ACL_ERROR_REPEAT_INITIALIZE.
+cdef int _ACL_ERROR_REPEAT_INITIALIZE = 100002
+
+
+cdef inline object _param_invalid(str message):
+    return LLMException(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runtimes
+# ------------------------------------------------------------------------------------------------
+
+cdef int _host_set_device(void *ctx, int32_t device_id) noexcept nogil:
+    return 0
+
+
+cdef int _host_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
+    cdef int rc = posix_memalign(ptr, _ALIGNMENT, size if size > 0 else 1)
+    if rc == 0:
+        # Library-owned memory starts zeroed so that a cache's content never depends on the heap.
+        memset(ptr[0], 0, size)
+    return rc
+
+
+cdef int _host_free(void *ctx, void *ptr) noexcept nogil:
+    free(ptr)
+    return 0
+
+
+cdef inline void _host_copy(void *dst, const void *src, size_t count) noexcept nogil:
+    cdef const char *s = <const char *>src
+    cdef char *d = <char *>dst
+    if s == d:
+        return
+    if s < d + count and d < s + count:
+        memmove(dst, src, count)
+    else:
+        memcpy(dst, src, count)
+
+
+cdef int _host_memcpy(void *ctx, void *dst, const void *src, size_t count, int kind) noexcept nogil:
+    _host_copy(dst, src, count)
+    return 0
+
+
+cdef int _acl_set_device(void *ctx, int32_t device_id) noexcept nogil:
+    return (<AclApi *>ctx).set_device(device_id)
+
+
+cdef int _acl_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
+    return (<AclApi *>ctx).malloc(ptr, size if size > 0 else 1, DD_ACL_MEM_MALLOC_HUGE_FIRST)
+
+
+cdef int _acl_free(void *ctx, void *ptr) noexcept nogil:
+    return (<AclApi *>ctx).free(ptr)
+
+
+cdef int _acl_memcpy(void *ctx, void *dst, const void *src, size_t count, int kind) noexcept nogil:
+    # The planner has already checked that count fits the destination, so destMax = count.
+    return (<AclApi *>ctx).memcpy(dst, count, src, count, kind)
+
+
+cdef int _cuda_set_device(void *ctx, int32_t device_id) noexcept nogil:
+    return (<CudaApi *>ctx).set_device(device_id)
+
+
+cdef int _cuda_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
+    return (<CudaApi *>ctx).malloc(ptr, size if size > 0 else 1)
+
+
+cdef int _cuda_free(void *ctx, void *ptr) noexcept nogil:
+    return (<CudaApi *>ctx).free(ptr)
+
+
+cdef int _cuda_memcpy(void *ctx, void *dst, const void *src, size_t count, int kind) noexcept nogil:
+    return (<CudaApi *>ctx).memcpy(dst, src, count, kind)
+
+
+cdef class Runtime:
+    """A device runtime: a C function table (set_device, malloc, free, memcpy with kind).
+
+    Obtain one with :func:`load_runtime`; runtimes are cached for the life of the process so the
+    function pointers they hand out stay valid.
+    """
+
+    def __init__(self):
+        raise TypeError("use llm_datadist._core.load_runtime(name) to obtain a Runtime")
+
+    def set_device(self, int32_t device_id):
+        """Bind the calling process to ``device_id``; raises LLMException on a runtime error."""
+        cdef int rc
+        with nogil:
+            rc = self.table.set_device(self.table.ctx, device_id)
+        if rc != 0:
+            raise LLMException(f"{self.name}: set device {device_id} failed with error {rc}",
+                               status_code=LLMStatusCode.LLM_FAILED)
+
+    def device_count(self):
+        """Number of devices the runtime reports (1 for host and cpu, cudaGetDeviceCount for cuda)."""
+        cdef int count = 1
+        cdef int rc = 0
+        if self.name == "cuda":
+            with nogil:
+                rc = self.cuda.get_device_count(&count)
+            if rc != 0:
+                return 0
+        return count
+
+    def memcpy(self, uint64_t dst, uint64_t src, uint64_t nbytes, int kind):
+        """Copy one range through the runtime (kind is a MEMCPY_* constant)."""
+        cdef int rc
+        if kind < DD_MEMCPY_HOST_TO_HOST or kind > DD_MEMCPY_DEVICE_TO_DEVICE:
+            raise _param_invalid(f"memcpy kind {kind} is not one of 0..3")
+        with nogil:
+            rc = self.table.memcpy_kind(self.table.ctx, <void *>dst, <const void *>src,
+                                        nbytes, kind)
+        if rc != 0:
+            raise LLMException(f"{self.name}: memcpy {MEMCPY_KIND_NAMES[kind]} of {nbytes} bytes "
+                               f"failed with error {rc}", status_code=LLMStatusCode.LLM_FAILED)
+
+    def __repr__(self):
+        where = f" from {self.library}" if self.library else ""
+        return f"<Runtime {self.name}{where}>"
+
+
+cdef dict _RUNTIMES = {}
+
+_RUNTIME_LIBRARIES = {"acl": "libascendcl.so", "cuda": "libcudart.so"}
+
+
+cdef void *_resolve(void *handle, str library, str symbol) except NULL:
+    cdef bytes name = symbol.encode()
+    dlerror()
+    cdef void *fn = dlsym(handle, name)
+    if fn == NULL:
+        raise LLMException(f"{library} does not export {symbol}", status_code=LLMStatusCode.LLM_FAILED)
+    return fn
+
+
+cdef Runtime _new_runtime(str name, str library):
+    cdef Runtime rt = Runtime.__new__(Runtime)
+    cdef bytes path
+    cdef const char *err
+    cdef int rc
+    rt.name = name
+    rt.library = library or ""
+    rt.host_addressable = name in ("host", "cpu")
+    rt.table.ctx = NULL
+    if name in ("host", "cpu"):
+        rt.table.set_device = _host_set_device
+        rt.table.malloc_device = _host_malloc
+        rt.table.free_device = _host_free
+        rt.table.memcpy_kind = _host_memcpy
+        return rt
+    path = library.encode()
+    rt.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL)
+    if rt.handle == NULL:
+        err = dlerror()
+        reason = err.decode(errors="replace") if err != NULL else "unknown error"
+        raise LLMException(f"cannot load the {name} runtime library {library}: {reason}",
+                           status_code=LLMStatusCode.LLM_FAILED)
+    # The handle is never closed: Allocations and plans may still call into the library at exit.
+    if name == "acl":
+        rt.acl.init = <dd_aclInit_fn>_resolve(rt.handle, library, "aclInit")
+        rt.acl.set_device = <dd_aclrtSetDevice_fn>_resolve(rt.handle, library, "aclrtSetDevice")
+        rt.acl.malloc = <dd_aclrtMalloc_fn>_resolve(rt.handle, library, "aclrtMalloc")
+        rt.acl.free = <dd_aclrtFree_fn>_resolve(rt.handle, library, "aclrtFree")
+        rt.acl.memcpy = <dd_aclrtMemcpy_fn>_resolve(rt.handle, library, "aclrtMemcpy")
+        rc = rt.acl.init(NULL)
+        if rc != 0 and rc != _ACL_ERROR_REPEAT_INITIALIZE:
+            raise LLMException(f"aclInit failed with error {rc}", status_code=LLMStatusCode.LLM_FAILED)
+        rt.table.ctx = &rt.acl
+        rt.table.set_device = _acl_set_device
+        rt.table.malloc_device = _acl_malloc
+        rt.table.free_device = _acl_free
+        rt.table.memcpy_kind = _acl_memcpy
+    else:
+        rt.cuda.get_device_count = <dd_cudaGetDeviceCount_fn>_resolve(
+            rt.handle, library, "cudaGetDeviceCount")
+        rt.cuda.set_device = <dd_cudaSetDevice_fn>_resolve(rt.handle, library, "cudaSetDevice")
+        rt.cuda.malloc = <dd_cudaMalloc_fn>_resolve(rt.handle, library, "cudaMalloc")
+        rt.cuda.free = <dd_cudaFree_fn>_resolve(rt.handle, library, "cudaFree")
+        rt.cuda.memcpy = <dd_cudaMemcpy_fn>_resolve(rt.handle, library, "cudaMemcpy")
+        rt.table.ctx = &rt.cuda
+        rt.table.set_device = _cuda_set_device
+        rt.table.malloc_device = _cuda_malloc
+        rt.table.free_device = _cuda_free
+        rt.table.memcpy_kind = _cuda_memcpy
+    return rt
+
+
+def load_runtime(str name, library=None):
+    """Return the runtime ``name`` ("host", "cpu", "acl" or "cuda"), loading it on first use.
+
+    ``library`` overrides the shared library opened for "acl" (default ``libascendcl.so``) and
+    "cuda" (default ``libcudart.so``). A library that cannot be opened, or that lacks one of the
+    functions used, raises ``LLMException(LLM_FAILED)`` naming the library and the reason.
+    """
+    if name not in ("host", "cpu", "acl", "cuda"):
+        raise _param_invalid(f"unknown device runtime {name!r}; expected host, cpu, acl or cuda")
+    if name in _RUNTIME_LIBRARIES:
+        library = str(library) if library else _RUNTIME_LIBRARIES[name]
+    else:
+        library = ""
+    key = (name, library)
+    rt = _RUNTIMES.get(key)
+    if rt is None:
+        rt = _new_runtime(name, library)
+        _RUNTIMES[key] = rt
+    return rt
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory
+# ------------------------------------------------------------------------------------------------
+
+cdef class Allocation:
+    """Memory owned by the library, freed through its runtime when the last reference goes."""
+
+    def __init__(self, Runtime runtime not None, uint64_t nbytes, bint on_device):
+        cdef void *ptr = NULL
+        cdef int rc
+        self.table = runtime.table
+        if not on_device:
+            self.table.malloc_device = _host_malloc
+            self.table.free_device = _host_free
+        with nogil:
+            rc = self.table.malloc_device(self.table.ctx, &ptr, nbytes)
+        if rc != 0 or ptr == NULL:
+            status = (LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY if on_device
+                      else LLMStatusCode.LLM_OUT_OF_MEMORY)
+            raise LLMException(f"{runtime.name}: allocating {nbytes} bytes failed (error {rc})",
+                               status_code=status)
+        self.addr = <uint64_t>ptr
+        self.nbytes = nbytes
+        self.on_device = on_device
+        self.runtime = runtime
+
+    def __dealloc__(self):
+        if self.addr != 0:
+            self.table.free_device(self.table.ctx, <void *>self.addr)
+            self.addr = 0
+
+    @property
+    def host_addressable(self):
+        return (not self.on_device) or self.runtime.host_addressable
+
+    def __repr__(self):
+        where = f"{self.runtime.name} device" if self.on_device else "host"
+        return f"<Allocation {self.nbytes} bytes of {where} memory at {self.addr:#x}>"
+
+
+cdef class HostRegion:
+    """A writable buffer over host memory ``[addr, addr + nbytes)``; keeps ``owner`` alive."""
+
+    def __init__(self, uint64_t addr, uint64_t nbytes, owner=None):
+        if addr == 0 and nbytes != 0:
+            raise _param_invalid("cannot view memory at address 0")
+        self.addr = addr
+        self.nbytes = nbytes
+        self.owner = owner
+        self.shape[0] = <Py_ssize_t>nbytes
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        buffer.buf = <void *>self.addr
+        buffer.obj = self
+        buffer.len = <Py_ssize_t>self.nbytes
+        buffer.readonly = 0
+        buffer.itemsize = 1
+        buffer.format = "B"
+        buffer.ndim = 1
+        buffer.shape = self.shape
+        buffer.strides = &buffer.itemsize
+        buffer.suboffsets = NULL
+        buffer.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        pass
+
+    def as_array(self, dtype, shape):
+        """A zero-copy numpy array of ``dtype``/``shape`` over this region (keeps it alive)."""
+        return np.frombuffer(self, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts and plans
+# ------------------------------------------------------------------------------------------------
+
+cdef class CacheLayout:
+    """The geometry the planners check against: tensor base addresses, rows (or blocks) per tensor
+    and the bytes of one row (the stride)."""
+
+    def __cinit__(self, addrs, uint64_t num_rows, uint64_t row_bytes):
+        cdef Py_ssize_t i, n = len(addrs)
+        if n <= 0:
+            raise _param_invalid("a cache needs at least one tensor address")
+        if n > 0xFFFFFFFF:
+            raise _param_invalid(f"too many tensors: {n}")
+        if num_rows > 0 and row_bytes > UINT64_MAX // num_rows:
+            raise _param_invalid(f"{num_rows} rows of {row_bytes} bytes overflow 64 bits")
+        self.addrs = <uint64_t *>malloc(n * sizeof(uint64_t))
+        if self.addrs == NULL:
+            raise MemoryError()
+        self.num_tensors = <uint32_t>n
+        for i in range(n):
+            self.addrs[i] = addrs[i]
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+
+    def __dealloc__(self):
+        free(self.addrs)
+
+    @property
+    def tensor_addrs(self):
+        return [self.addrs[i] for i in range(self.num_tensors)]
+
+    @property
+    def tensor_bytes(self):
+        return self.num_rows * self.row_bytes
+
+    def __repr__(self):
+        return (f"CacheLayout(num_tensors={self.num_tensors}, num_rows={self.num_rows}, "
+                f"row_bytes={self.row_bytes})")
+
+
+cdef class CopyPlan:
+    """A list of ``(src, dst, nbytes)`` copy descriptors produced by one of the planners."""
+
+    def __cinit__(self):
+        self.descs = NULL
+        self.count = 0
+        self.capacity = 0
+        self.total_bytes = 0
+
+    def __dealloc__(self):
+        free(self.descs)
+
+    cdef int reserve(self, size_t extra) except -1:
+        cdef size_t wanted
+        cdef dd_copy_desc *grown
+        if extra > (<size_t>-1) // sizeof(dd_copy_desc) - self.count:
+            raise _param_invalid(f"a transfer of {extra} descriptors is too large")
+        wanted = self.count + extra
+        if wanted <= self.capacity:
+            return 0
+        grown = <dd_copy_desc *>realloc(self.descs, wanted * sizeof(dd_copy_desc))
+        if grown == NULL:
+            raise MemoryError(f"cannot hold {wanted} copy descriptors")
+        self.descs = grown
+        self.capacity = wanted
+        return 0
+
+    cdef void add(self, uint64_t src, uint64_t dst, uint64_t nbytes) noexcept nogil:
+        # Callers reserve first. A descriptor that continues the previous one on both sides is
+        # merged into it, unless the merged ranges would overlap (then the copies must stay
+        # separate and ordered, as the caller listed them).
+        cdef dd_copy_desc *last
+        self.total_bytes += nbytes
+        if self.count > 0:
+            last = &self.descs[self.count - 1]
+            if (last.src + last.nbytes == src and last.dst + last.nbytes == dst
+                    and (last.src + last.nbytes + nbytes <= last.dst
+                         or last.dst + last.nbytes + nbytes <= last.src)):
+                last.nbytes += nbytes
+                return
+        self.descs[self.count].src = src
+        self.descs[self.count].dst = dst
+        self.descs[self.count].nbytes = nbytes
+        self.count += 1
+
+    def __len__(self):
+        return self.count
+
+    def descriptors(self):
+        """The descriptors as a new ``(n, 3)`` uint64 array of ``src, dst, nbytes``."""
+        out = np.empty((self.count, 3), dtype=np.uint64)
+        cdef uint64_t[:, ::1] view = out
+        cdef size_t i
+        for i in range(self.count):
+            view[i, 0] = self.descs[i].src
+            view[i, 1] = self.descs[i].dst
+            view[i, 2] = self.descs[i].nbytes
+        return out
+
+    def __repr__(self):
+        return f"<CopyPlan {self.count} descriptors, {self.total_bytes} bytes>"
+
+
+cdef object _as_index_array(object values, str name):
+    """``values`` as a C-contiguous int64 array (a copy only when needed)."""
+    try:
+        arr = np.ascontiguousarray(values, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise _param_invalid(f"{name} must be a sequence of integers in int64 range: {exc}") from None
+    if arr.ndim != 1:
+        raise _param_invalid(f"{name} must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+cdef inline Py_ssize_t _first_out_of_range(cnp.int64_t *values, Py_ssize_t n,
+                                          uint64_t limit) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if values[i] < 0 or <uint64_t>values[i] >= limit:
+            return i
+    return -1
+
+
+cdef object _checked_indices(object values, uint64_t limit, str name, str what):
+    """Index array for ``values`` (None = all of ``range(limit)``), each checked in [0, limit)."""
+    if values is None:
+        return np.arange(limit, dtype=np.int64)
+    arr = _as_index_array(values, name)
+    cdef cnp.int64_t[::1] view = arr
+    cdef Py_ssize_t bad = -1
+    if arr.shape[0] > 0:
+        with nogil:
+            bad = _first_out_of_range(&view[0], view.shape[0], limit)
+    if bad >= 0:
+        raise _param_invalid(f"{name}[{bad}] = {arr[bad]} is out of range: the cache has "
+                             f"{limit} {what} (valid: 0..{limit - 1 if limit else 'none'})")
+    return arr
+
+
+cdef object _tensor_pairs(CacheLayout src, CacheLayout dst, src_tensors, dst_tensors):
+    s = _checked_indices(src_tensors, src.num_tensors, "src tensor index", "tensors")
+    d = _checked_indices(dst_tensors, dst.num_tensors, "dst tensor index", "tensors")
+    if s.shape[0] != d.shape[0]:
+        raise _param_invalid(f"source selects {s.shape[0]} tensors but destination selects "
+                             f"{d.shape[0]}; they must match one to one")
+    if s.shape[0] == 0:
+        raise _param_invalid("no tensor selected")
+    return s, d
+
+
+def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
+                src_blocks, dst_blocks, int64_t nbytes=-1):
+    """Plan block copies: for each selected tensor pair ``(s, d)`` and each ``k``, copy ``nbytes``
+    from block ``src_blocks[k]`` of tensor ``s`` to block ``dst_blocks[k]`` of tensor ``d``.
+
+    ``src_tensors``/``dst_tensors``: tensor indices (None = all). ``nbytes`` -1 = the source
+    block size; it must fit both block sizes. Raises ``LLMException(LLM_PARAM_INVALID)`` naming
+    the first bad value; nothing is planned then.
+    """
+    st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
+    sb = _checked_indices(src_blocks, src.num_rows, "src_blocks", "blocks")
+    db = _checked_indices(dst_blocks, dst.num_rows, "dst_blocks", "blocks")
+    if sb.shape[0] != db.shape[0]:
+        raise _param_invalid(f"src_blocks has {sb.shape[0]} entries but dst_blocks has "
+                             f"{db.shape[0]}; they must have the same length")
+    if nbytes == -1:
+        nbytes = <int64_t>src.row_bytes
+    if nbytes <= 0 or <uint64_t>nbytes > src.row_bytes or <uint64_t>nbytes > dst.row_bytes:
+        raise _param_invalid(f"block copy size {nbytes} must be in [1, min(src block "
+                             f"{src.row_bytes}, dst block {dst.row_bytes})]")
+    cdef CopyPlan plan = CopyPlan()
+    cdef Py_ssize_t nt = st.shape[0], nb = sb.shape[0]
+    if nb == 0:
+        return plan
+    if nt > 0 and <size_t>nb > (<size_t>-1) // <size_t>nt:
+        raise _param_invalid("too many descriptors")
+    plan.reserve(<size_t>nt * <size_t>nb)
+    cdef cnp.int64_t[::1] stv = st, dtv = dt, sbv = sb, dbv = db
+    cdef Py_ssize_t t, k
+    cdef uint64_t sbase, dbase, n = <uint64_t>nbytes
+    cdef uint64_t sstride = src.row_bytes, dstride = dst.row_bytes
+    with nogil:
+        for t in range(nt):
+            sbase = src.addrs[stv[t]]
+            dbase = dst.addrs[dtv[t]]
+            for k in range(nb):
+                plan.add(sbase + <uint64_t>sbv[k] * sstride, dbase + <uint64_t>dbv[k] * dstride, n)
+    return plan
+
+
+def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
+              uint64_t src_row, uint64_t dst_row, uint64_t src_offset=0, uint64_t dst_offset=0,
+              int64_t size=-1):
+    """Plan row copies of a contiguous cache: for each selected tensor pair, copy ``size`` bytes
+    from ``src_row``/``src_offset`` to ``dst_row``/``dst_offset``.
+
+    ``size`` -1 = the rest of the source row after ``src_offset``. Both ranges must lie inside
+    their rows; rows must exist. Raises ``LLMException(LLM_PARAM_INVALID)`` otherwise.
+    """
+    st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
+    if src_row >= src.num_rows:
+        raise _param_invalid(f"source batch index {src_row} is out of range: the cache has "
+                             f"{src.num_rows} rows")
+    if dst_row >= dst.num_rows:
+        raise _param_invalid(f"destination batch index {dst_row} is out of range: the cache has "
+                             f"{dst.num_rows} rows")
+    if src_offset >= src.row_bytes:
+        raise _param_invalid(f"offset {src_offset} is outside the source row of {src.row_bytes} bytes")
+    if size == -1:
+        size = <int64_t>(src.row_bytes - src_offset)
+    if size <= 0:
+        raise _param_invalid(f"size {size} must be -1 or > 0")
+    if <uint64_t>size > src.row_bytes - src_offset:
+        raise _param_invalid(f"offset {src_offset} + size {size} exceeds the source row of "
+                             f"{src.row_bytes} bytes")
+    if dst_offset >= dst.row_bytes or <uint64_t>size > dst.row_bytes - dst_offset:
+        raise _param_invalid(f"offset {dst_offset} + size {size} exceeds the destination row of "
+                             f"{dst.row_bytes} bytes")
+    cdef CopyPlan plan = CopyPlan()
+    cdef Py_ssize_t nt = st.shape[0], t
+    plan.reserve(<size_t>nt)
+    cdef cnp.int64_t[::1] stv = st, dtv = dt
+    cdef uint64_t soff = src_row * src.row_bytes + src_offset
+    cdef uint64_t doff = dst_row * dst.row_bytes + dst_offset
+    with nogil:
+        for t in range(nt):
+            plan.add(src.addrs[stv[t]] + soff, dst.addrs[dtv[t]] + doff, <uint64_t>size)
+    return plan
+
+
+def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
+                       dst_tensors, uint64_t src_row, dst_blocks):
+    """Plan a contiguous row scattered into blocks: chunk ``k`` of source row ``src_row`` (one
+    destination block long; the last chunk may be shorter) goes to block ``dst_blocks[k]``.
+
+    Every chunk must start inside the row. Raises ``LLMException(LLM_PARAM_INVALID)`` otherwise.
+    """
+    st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
+    if src_row >= src.num_rows:
+        raise _param_invalid(f"source batch index {src_row} is out of range: the cache has "
+                             f"{src.num_rows} rows")
+    db = _checked_indices(dst_blocks, dst.num_rows, "dst_blocks", "blocks")
+    cdef Py_ssize_t nb = db.shape[0], nt = st.shape[0], t, k
+    cdef uint64_t block = dst.row_bytes, row = src.row_bytes
+    if block == 0 or <uint64_t>nb > (row + block - 1) // block:
+        raise _param_invalid(f"{nb} destination blocks of {block} bytes do not fit a source row "
+                             f"of {row} bytes")
+    cdef CopyPlan plan = CopyPlan()
+    if nb == 0:
+        return plan
+    plan.reserve(<size_t>nt * <size_t>nb)
+    cdef cnp.int64_t[::1] stv = st, dtv = dt, dbv = db
+    cdef uint64_t sbase, dbase, chunk
+    with nogil:
+        for t in range(nt):
+            sbase = src.addrs[stv[t]] + src_row * row
+            dbase = dst.addrs[dtv[t]]
+            for k in range(nb):
+                chunk = row - <uint64_t>k * block
+                if chunk > block:
+                    chunk = block
+                plan.add(sbase + <uint64_t>k * block, dbase + <uint64_t>dbv[k] * block, chunk)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer ranges
+# ------------------------------------------------------------------------------------------------
+
+cdef int _check_tensor_num_per_layer(object tensor_num_per_layer, uint64_t num_tensors) except -1:
+    if isinstance(tensor_num_per_layer, bool) or not isinstance(tensor_num_per_layer, int):
+        raise _param_invalid(f"tensor_num_per_layer must be an int, got {tensor_num_per_layer!r}")
+    if tensor_num_per_layer < 1 or tensor_num_per_layer > num_tensors:
+        raise _param_invalid(f"tensor_num_per_layer {tensor_num_per_layer} must be in "
+                             f"[1, {num_tensors}] (the number of tensors of the cache)")
+    if tensor_num_per_layer != 2 and num_tensors % tensor_num_per_layer != 0:
+        raise _param_invalid(f"tensor_num_per_layer {tensor_num_per_layer} must divide the "
+                             f"number of tensors {num_tensors}")
+    return 0
+
+
+def layer_range_to_tensor_indices(layer_range, uint64_t num_tensors, tensor_num_per_layer=2):
+    """Tensor indices of a Python half-open layer ``range`` (step 1; None = all layers).
+
+    Layer ``l`` is tensors ``[l*N, (l+1)*N)`` with ``N = tensor_num_per_layer``.
+    """
+    _check_tensor_num_per_layer(tensor_num_per_layer, num_tensors)
+    cdef uint64_t n = tensor_num_per_layer
+    cdef uint64_t num_layers = num_tensors // n
+    if layer_range is None:
+        return list(range(num_layers * n))
+    if not isinstance(layer_range, range):
+        raise _param_invalid(f"layer range must be a range, got {type(layer_range).__name__}")
+    if layer_range.step != 1:
+        raise _param_invalid(f"layer range {layer_range} must have step 1")
+    if layer_range.start < 0 or layer_range.start >= layer_range.stop:
+        raise _param_invalid(f"layer range {layer_range} must satisfy 0 <= start < stop")
+    if layer_range.stop > num_layers:
+        raise _param_invalid(f"layer range {layer_range} exceeds the {num_layers} layers of a "
+                             f"cache of {num_tensors} tensors with {n} tensors per layer")
+    return list(range(layer_range.start * n, layer_range.stop * n))
+
+
+def inclusive_layer_range_to_tensor_indices(layer_range, uint64_t num_tensors,
+                                            tensor_num_per_layer=2):
+    """Tensor indices of a C++ inclusive layer pair ``(first, second)``; ``(-1, -1)`` = all layers.
+
+    Each value must lie in ``[0, num_tensors / tensor_num_per_layer - 1]`` and first <= second.
+    """
+    _check_tensor_num_per_layer(tensor_num_per_layer, num_tensors)
+    cdef uint64_t n = tensor_num_per_layer
+    cdef int64_t max_layer = <int64_t>(num_tensors // n) - 1
+    try:
+        first, second = layer_range
+        first = int(first)
+        second = int(second)
+    except (TypeError, ValueError):
+        raise _param_invalid(f"layer range must be a pair of ints, got {layer_range!r}") from None
+    if first == -1 and second == -1:
+        return list(range((max_layer + 1) * n))
+    if first < 0 or second < 0 or first > second or second > max_layer:
+        raise _param_invalid(f"layer range ({first}, {second}) is invalid: need 0 <= first <= "
+                             f"second <= {max_layer} (or (-1, -1) for all layers)")
+    return list(range(first * n, (second + 1) * n))
+
+
+def resolve_layer_ranges(src_range, dst_range, uint64_t src_num_tensors,
+                         uint64_t dst_num_tensors, tensor_num_per_layer=2, bint inclusive=False):
+    """Source and destination tensor index lists for a pair of layer ranges.
+
+    Python ranges (``inclusive=False``, None = all layers) or C++ inclusive pairs
+    (``inclusive=True``, ``(-1, -1)`` = all layers). The spans must be equal.
+    """
+    convert = inclusive_layer_range_to_tensor_indices if inclusive else layer_range_to_tensor_indices
+    if inclusive:
+        src_range = (-1, -1) if src_range is None else src_range
+        dst_range = (-1, -1) if dst_range is None else dst_range
+    src_idx = convert(src_range, src_num_tensors, tensor_num_per_layer)
+    dst_idx = convert(dst_range, dst_num_tensors, tensor_num_per_layer)
+    if len(src_idx) != len(dst_idx):
+        n = tensor_num_per_layer
+        raise _param_invalid(f"source layer range {src_range} spans {len(src_idx) // n} layers "
+                             f"but destination layer range {dst_range} spans "
+                             f"{len(dst_idx) // n}; the spans must be equal")
+    return src_idx, dst_idx
+
+
+# ------------------------------------------------------------------------------------------------
+# Executors
+# ------------------------------------------------------------------------------------------------
+
+cdef int _run_plan(const dd_runtime_table *table, const dd_copy_desc *descs, size_t count,
+                   int kind, size_t *failed_at) noexcept nogil:
+    cdef size_t i
+    cdef int rc
+    if kind == DD_MEMCPY_HOST_TO_HOST:
+        for i in range(count):
+            _host_copy(<void *>descs[i].dst, <const void *>descs[i].src, descs[i].nbytes)
+        return 0
+    for i in range(count):
+        rc = table.memcpy_kind(table.ctx, <void *>descs[i].dst, <const void *>descs[i].src,
+                               descs[i].nbytes, kind)
+        if rc != 0:
+            failed_at[0] = i
+            return rc
+    return 0
+
+
+def execute(CopyPlan plan not None, Runtime runtime not None, int kind):
+    """Run every descriptor of ``plan`` with the GIL released.
+
+    Host-to-host copies use memcpy (memmove where ranges overlap); the other kinds go through the
+    runtime's memcpy with that kind. A runtime error raises ``LLMException(LLM_FAILED)`` naming the
+    runtime, the kind and the descriptor.
+    """
+    cdef int rc
+    cdef size_t failed_at = 0
+    if kind < DD_MEMCPY_HOST_TO_HOST or kind > DD_MEMCPY_DEVICE_TO_DEVICE:
+        raise _param_invalid(f"memcpy kind {kind} is not one of 0..3")
+    with nogil:
+        rc = _run_plan(&runtime.table, plan.descs, plan.count, kind, &failed_at)
+    if rc != 0:
+        raise LLMException(f"{runtime.name}: {MEMCPY_KIND_NAMES[kind]} copy failed with error {rc} "
+                           f"at descriptor {failed_at} of {plan.count}",
+                           status_code=LLMStatusCode.LLM_FAILED)
+
+
+def memcpy_baseline(CopyPlan plan not None):
+    """Benchmark baseline: a bare memcpy loop over the plan's descriptors (GIL released)."""
+    cdef size_t i
+    cdef const dd_copy_desc *d = plan.descs
+    with nogil:
+        for i in range(plan.count):
+            memcpy(<void *>d[i].dst, <const void *>d[i].src, d[i].nbytes)

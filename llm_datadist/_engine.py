@@ -1,0 +1,399 @@
+"""The engine: one per process, shared by the Python-style and the C++-style API.
+
+It owns the cache registry (cache_id counter, keys, blocks keys), memory allocated per placement,
+the device runtime, and turns local copy requests into one core plan + one execution each. It
+speaks in plain values (placements as ``HOST``/``DEVICE`` ints, shapes as tuples) and raises
+``LLMException`` carrying a status; each API style maps that to its own surface.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from llm_datadist import _core
+from llm_datadist._device import select_runtime
+from llm_datadist._memory import resolve_addresses
+from llm_datadist._validate import INT32_MAX, param_invalid
+from llm_datadist.data_type import DataType, numpy_dtype
+from llm_datadist.llm_types import tensor_bytes
+from llm_datadist.status import LLMException, LLMStatusCode
+
+logger = logging.getLogger("llm_datadist")
+
+HOST = 0
+DEVICE = 1
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+
+# Cache kinds: a contiguous cache (rows = batch), a blocks cache (rows = blocks), or MIX (the
+# C++ RegisterKvCache kind, usable both ways).
+CONTIGUOUS = "cache"
+BLOCKS = "blocks"
+MIX = "mix"
+
+_KIND_BY_PLACEMENT = {
+    (HOST, HOST): _core.MEMCPY_HOST_TO_HOST,
+    (HOST, DEVICE): _core.MEMCPY_HOST_TO_DEVICE,
+    (DEVICE, HOST): _core.MEMCPY_DEVICE_TO_HOST,
+    (DEVICE, DEVICE): _core.MEMCPY_DEVICE_TO_DEVICE,
+}
+
+
+def _not_exist(message: str) -> LLMException:
+    return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
+@dataclass(eq=False)
+class CacheRecord:
+    """One cache known to the engine (or a transient one, cache_id -1, for staging buffers)."""
+
+    cache_id: int
+    num_tensors: int
+    shape: Tuple[int, ...]
+    data_type: DataType
+    placement: int
+    kind: str
+    addrs: List[int]
+    tensor_bytes: int
+    layout: Any  # _core.CacheLayout: rows = shape[0], row bytes = tensor_bytes // shape[0]
+    registered: bool
+    allocations: List[Any] = field(default_factory=list)
+    keepalive: List[Any] = field(default_factory=list)
+    owner_keys: set = field(default_factory=set)
+    pool_bytes: int = 0
+    id_released: bool = False
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+    @property
+    def num_rows(self) -> int:
+        return self.layout.num_rows
+
+
+@dataclass
+class MemoryPool:
+    """Byte accounting for a configured pool (``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig``)."""
+
+    capacity: int
+    used: int = 0
+
+
+def parse_listen_ip_info(value: str) -> Tuple[str, int]:
+    """``"ip:port"`` (or ``"[ipv6]:port"``) as (ip, port); LLM_PARAM_INVALID if malformed."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise param_invalid(f"listen ip info {value!r} must look like 'ip:port'")
+    return host, int(port)
+
+
+def _parse_pool(options: Dict[str, str], key: str) -> Optional[MemoryPool]:
+    text = options.get(key, "")
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+        size = int(cfg["memory_size"])
+    except (ValueError, KeyError, TypeError):
+        raise param_invalid(f"option {key} must be JSON with a memory_size, got {text!r}") from None
+    if size <= 0:
+        raise param_invalid(f"option {key}: memory_size must be > 0, got {size}")
+    return MemoryPool(size)
+
+
+_active_lock = threading.Lock()
+_active_engine: Optional["Engine"] = None
+
+
+class Engine:
+    """Cache registry, memory and local transfers of one cluster (one process)."""
+
+    def __init__(self, cluster_id: int, role: str) -> None:
+        self.cluster_id = cluster_id
+        self.role = role
+        self.initialized = False
+        self.options: Dict[str, str] = {}
+        self.device_id = 0
+        self.sync_kv_timeout_ms = DEFAULT_SYNC_KV_TIMEOUT_MS
+        self.listen: Optional[Tuple[str, int]] = None
+        self.runtime = None
+        self.runtime_reason = ""
+        self.pools: Dict[int, Optional[MemoryPool]] = {HOST: None, DEVICE: None}
+        self._lock = threading.RLock()
+        self._caches: Dict[int, CacheRecord] = {}
+        self._keys: Dict[tuple, Tuple[CacheRecord, int]] = {}
+        self._blocks_keys: Dict[int, CacheRecord] = {}
+        self._next_cache_id = 1
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
+                   listen: Optional[Tuple[str, int]]) -> None:
+        """Claim the process's one engine slot, load the device runtime and bind the device."""
+        global _active_engine
+        with _active_lock:
+            if self.initialized:
+                return
+            if _active_engine is not None:
+                raise LLMException("another llm_datadist instance is already initialized in this "
+                                   "process; finalize it first", status_code=LLMStatusCode.LLM_FAILED)
+            pools = {DEVICE: _parse_pool(options, "llm.MemPoolConfig"),
+                     HOST: _parse_pool(options, "llm.HostMemPoolConfig")}
+            runtime, reason = select_runtime()
+            runtime.set_device(device_id)
+            self.options = dict(options)
+            self.device_id = device_id
+            self.sync_kv_timeout_ms = sync_kv_timeout_ms
+            self.listen = listen
+            self.runtime, self.runtime_reason = runtime, reason
+            self.pools = pools
+            self.initialized = True
+            _active_engine = self
+        logger.info("llm_datadist cluster %d (%s) initialized on %s device %d", self.cluster_id,
+                    self.role, runtime.name, device_id)
+
+    def finalize(self) -> None:
+        """Drop every cache (allocated memory is freed once no numpy view holds it)."""
+        global _active_engine
+        with _active_lock:
+            if not self.initialized:
+                return
+            with self._lock:
+                self._caches.clear()
+                self._keys.clear()
+                self._blocks_keys.clear()
+                for pool in self.pools.values():
+                    if pool is not None:
+                        pool.used = 0
+            self.initialized = False
+            if _active_engine is self:
+                _active_engine = None
+
+    # -- registry ------------------------------------------------------------------------------
+    def _new_record(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+                    kind: str, addrs: List[int], registered: bool, cache_id: int) -> CacheRecord:
+        nbytes = tensor_bytes(shape, data_type)
+        if len(addrs) != num_tensors:
+            raise param_invalid(f"{len(addrs)} addresses given for {num_tensors} tensors")
+        layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
+        return CacheRecord(cache_id, num_tensors, tuple(shape), data_type, placement, kind,
+                           list(addrs), nbytes, layout, registered)
+
+    def _bind_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]],
+                   blocks_model_id: Optional[int]) -> None:
+        """Check then bind row keys (k-th key -> row k; None = placeholder) and a blocks key."""
+        if len(owner_keys) > record.num_rows:
+            raise param_invalid(f"{len(owner_keys)} cache keys given for a batch of {record.num_rows}")
+        seen = set()
+        for key in owner_keys:
+            if key is None:
+                continue
+            if key in seen or key in self._keys:
+                raise param_invalid(f"cache key {key} is already bound")
+            seen.add(key)
+        for row, key in enumerate(owner_keys):
+            if key is not None:
+                self._keys[key] = (record, row)
+                record.owner_keys.add(key)
+        if blocks_model_id is not None:
+            self._blocks_keys[blocks_model_id] = record
+
+    def _commit(self, record: CacheRecord, owner_keys, blocks_model_id) -> CacheRecord:
+        with self._lock:
+            self._bind_keys(record, owner_keys, blocks_model_id)
+            record.cache_id = self._next_cache_id
+            self._next_cache_id += 1
+            self._caches[record.cache_id] = record
+        return record
+
+    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+                 addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
+                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+        """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
+        self.check_initialized()
+        if not addrs:
+            raise param_invalid("addrs must not be empty")
+        nbytes = tensor_bytes(shape, data_type)
+        resolved, keepalive = resolve_addresses(addrs, nbytes, self.runtime.name)
+        record = self._new_record(num_tensors, shape, data_type, placement, kind, resolved, True, -1)
+        record.keepalive = keepalive
+        return self._commit(record, owner_keys, blocks_model_id)
+
+    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+                 kind: str, owner_keys: Sequence[Optional[tuple]] = (),
+                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+        """Allocate ``num_tensors`` zeroed tensors (device memory through the runtime)."""
+        self.check_initialized()
+        if num_tensors <= 0:
+            raise param_invalid(f"num_tensors must be > 0, got {num_tensors}")
+        nbytes = tensor_bytes(shape, data_type)
+        total = nbytes * num_tensors
+        pool = self.pools.get(placement)
+        with self._lock:
+            if pool is not None:
+                if pool.used + total > pool.capacity:
+                    raise LLMException(f"memory pool exhausted: {total} bytes asked, "
+                                       f"{pool.capacity - pool.used} of {pool.capacity} free",
+                                       status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+                pool.used += total
+        try:
+            allocations = [_core.Allocation(self.runtime, nbytes, placement == DEVICE)
+                           for _ in range(num_tensors)]
+            record = self._new_record(num_tensors, shape, data_type, placement, kind,
+                                      [a.addr for a in allocations], False, -1)
+            record.allocations = allocations
+            record.pool_bytes = total if pool is not None else 0
+            return self._commit(record, owner_keys, blocks_model_id)
+        except BaseException:
+            if pool is not None:
+                with self._lock:
+                    pool.used -= total
+            raise
+
+    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+                  addrs: Sequence[int], kind: str) -> CacheRecord:
+        """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
+        return self._new_record(num_tensors, shape, data_type, placement, kind, list(addrs), True, -1)
+
+    def lookup(self, cache_id: int) -> CacheRecord:
+        with self._lock:
+            record = self._caches.get(cache_id)
+        if record is None or record.id_released:
+            raise _not_exist(f"cache_id {cache_id} is not registered or allocated in cluster "
+                             f"{self.cluster_id}")
+        return record
+
+    def _drop(self, record: CacheRecord) -> None:
+        """Remove a record and everything that names it (lock held)."""
+        self._caches.pop(record.cache_id, None)
+        for key in record.owner_keys:
+            self._keys.pop(key, None)
+        record.owner_keys.clear()
+        for model_id in [m for m, r in self._blocks_keys.items() if r is record]:
+            del self._blocks_keys[model_id]
+        pool = self.pools.get(record.placement)
+        if pool is not None and record.pool_bytes:
+            pool.used -= record.pool_bytes
+            record.pool_bytes = 0
+
+    def deallocate(self, cache_id: int) -> None:
+        """Drop the id reference of an allocated cache; memory goes when no key is bound to it."""
+        self.check_initialized()
+        with self._lock:
+            record = self._caches.get(cache_id)
+            if record is None or record.id_released:
+                return
+            if record.registered:
+                raise param_invalid(f"cache {cache_id} is registered memory; use unregister_cache")
+            if record.owner_keys:
+                record.id_released = True
+            else:
+                self._drop(record)
+
+    def unregister(self, cache_id: int) -> None:
+        self.check_initialized()
+        with self._lock:
+            record = self._caches.get(cache_id)
+            if record is None:
+                return
+            if not record.registered:
+                raise param_invalid(f"cache {cache_id} was allocated; use deallocate_cache")
+            self._drop(record)
+
+    def remove_key(self, owner_key: Optional[tuple]) -> None:
+        self.check_initialized()
+        with self._lock:
+            entry = self._keys.get(owner_key)
+            if entry is None or entry[0].registered:
+                return
+            record = entry[0]
+            del self._keys[owner_key]
+            record.owner_keys.discard(owner_key)
+            if record.id_released and not record.owner_keys:
+                self._drop(record)
+
+    def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
+        with self._lock:
+            entry = self._keys.get(owner_key)
+        if entry is None:
+            raise _not_exist(f"no cache is bound to key {owner_key} in cluster {self.cluster_id}")
+        return entry
+
+    def find_blocks_key(self, model_id: int) -> CacheRecord:
+        with self._lock:
+            record = self._blocks_keys.get(model_id)
+        if record is None:
+            raise _not_exist(f"no blocks cache is registered with model_id {model_id} in cluster "
+                             f"{self.cluster_id}")
+        return record
+
+    def check_initialized(self) -> None:
+        if not self.initialized:
+            raise LLMException("llm_datadist is not initialized", status_code=LLMStatusCode.LLM_FAILED)
+
+    # -- views -----------------------------------------------------------------------------------
+    def tensor_views(self, record: CacheRecord) -> list:
+        """Zero-copy numpy views of a record's tensors (host-addressable memory only)."""
+        if record.placement == DEVICE and not self.runtime.host_addressable:
+            raise LLMException(f"device memory of the {self.runtime.name} runtime cannot be viewed "
+                               f"from the host", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        owners = record.allocations or record.keepalive or [None] * record.num_tensors
+        dtype = numpy_dtype(record.data_type)
+        return [_core.HostRegion(addr, record.tensor_bytes, owner).as_array(dtype, record.shape)
+                for addr, owner in zip(record.addrs, owners)]
+
+    # -- local transfers -------------------------------------------------------------------------
+    def _run(self, plan, src: CacheRecord, dst: CacheRecord) -> None:
+        _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)])
+
+    def copy_rows(self, dst: CacheRecord, src: CacheRecord, dst_row: int, src_row: int,
+                  offset: int, size: int) -> None:
+        """Copy row ``src_row`` of every tensor of ``src`` into row ``dst_row`` of ``dst``, from
+        ``offset`` on, ``size`` bytes (-1 = rest of the source row)."""
+        self.check_initialized()
+        if src.num_tensors != dst.num_tensors:
+            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
+        plan = _core.plan_rows(src.layout, dst.layout, None, None, src_row, dst_row, offset, offset, size)
+        self._run(plan, src, dst)
+
+    def copy_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks,
+                    block_bytes: int = -1) -> None:
+        """Copy blocks ``src_blocks[k]`` -> ``dst_blocks[k]`` of every tensor, in list order."""
+        self.check_initialized()
+        if src.num_tensors != dst.num_tensors:
+            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
+        plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
+        self._run(plan, src, dst)
+
+    def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks,
+                    block_bytes: int, num_blocks_src: int, num_blocks_dst: int) -> None:
+        """Swap blocks between host and device caches with explicit block geometry."""
+        self.check_initialized()
+        if (src.placement, dst.placement) not in ((HOST, DEVICE), (DEVICE, HOST)):
+            raise param_invalid(f"swap from placement {src.placement} to {dst.placement} is not "
+                                f"supported: one side must be HOST and the other DEVICE")
+        if src.num_tensors != dst.num_tensors:
+            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
+        src_layout = _core.CacheLayout(src.addrs, num_blocks_src, block_bytes)
+        dst_layout = _core.CacheLayout(dst.addrs, num_blocks_dst, block_bytes)
+        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, block_bytes)
+        self._run(plan, src, dst)
+
+
+def check_device_id(text: str) -> int:
+    """Device id option (``"0"``); llm_datadist binds exactly one device per process."""
+    parts = [p for p in text.split(";") if p != ""]
+    if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) > INT32_MAX:
+        raise param_invalid(f"device id option {text!r} must name exactly one device id")
+    return int(parts[0])
+
+
+def check_sync_timeout(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) <= INT32_MAX:
+        raise param_invalid(f"llm.SyncKvCacheWaitTime must be a positive int32 in ms, got {text!r}")
+    return int(text)

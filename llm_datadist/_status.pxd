@@ -1,0 +1,37 @@
+# Mirror of include/llm_datadist/dd_status.h.
+from libc.stdint cimport uint32_t
+
+cdef extern from "llm_datadist/dd_status.h" nogil:
+    ctypedef uint32_t dd_status
+    uint32_t DD_LLM_SUCCESS
+    uint32_t DD_LLM_FAILED
+    uint32_t DD_LLM_WAIT_PROC_TIMEOUT
+    uint32_t DD_LLM_KV_CACHE_NOT_EXIST
+    uint32_t DD_LLM_REPEAT_REQUEST
+    uint32_t DD_LLM_REQUEST_ALREADY_COMPLETED
+    uint32_t DD_LLM_PARAM_INVALID
+    uint32_t DD_LLM_ENGINE_FINALIZED
+    uint32_t DD_LLM_NOT_YET_LINK
+    uint32_t DD_LLM_ALREADY_LINK
+    uint32_t DD_LLM_LINK_FAILED
+    uint32_t DD_LLM_UNLINK_FAILED
+    uint32_t DD_LLM_NOTIFY_PROMPT_UNLINK_FAILED
+    uint32_t DD_LLM_CLUSTER_NUM_EXCEED_LIMIT
+    uint32_t DD_LLM_PROCESSING_LINK
+    uint32_t DD_LLM_DEVICE_OUT_OF_MEMORY
+    uint32_t DD_LLM_PREFIX_ALREADY_EXIST
+    uint32_t DD_LLM_PREFIX_NOT_EXIST
+    uint32_t DD_LLM_SEQ_LEN_OVER_LIMIT
+    uint32_t DD_LLM_NO_FREE_BLOCK
+    uint32_t DD_LLM_BLOCKS_OUT_OF_MEMORY
+    uint32_t DD_LLM_CACHE_INCOMPATIBLE
+    uint32_t DD_LLM_CACHE_KEY_ALREADY_EXIST
+    uint32_t DD_LLM_COPY_CACHE_FAILED
+    uint32_t DD_LLM_CACHE_ID_ALREADY_EXIST
+    uint32_t DD_LLM_EXIST_LINK
+    uint32_t DD_LLM_FEATURE_NOT_ENABLED
+    uint32_t DD_LLM_TIMEOUT
+    uint32_t DD_LLM_LINK_BUSY
+    uint32_t DD_LLM_OUT_OF_MEMORY
+    uint32_t DD_LLM_DEVICE_MEM_ERROR
+    uint32_t DD_LLM_SUSPECT_REMOTE_ERROR

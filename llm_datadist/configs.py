@@ -1,0 +1,381 @@
+"""``LLMRole``, ``LLMConfig`` (alias ``LlmConfig``) and ``LLMClusterInfo``."""
+
+from __future__ import annotations
+
+import json
+import socket
+from enum import IntEnum
+from typing import Dict, List, Optional, Tuple
+
+from llm_datadist._validate import (
+    check_int,
+    check_isinstance,
+    check_int32,
+    check_uint16,
+    check_uint32,
+    check_uint64,
+    raise_if_false,
+    INT32_MAX,
+)
+
+__all__ = ["LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo"]
+
+
+class LLMRole(IntEnum):
+    PROMPT = 1
+    DECODER = 2
+    MIX = 3
+
+
+ROLE_NAMES = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
+
+
+def _check_pool_cfg(name: str, value: str) -> None:
+    if value == "":
+        return
+    try:
+        cfg = json.loads(value)
+    except ValueError as exc:
+        raise_if_false(False, f"{name} must be a JSON object, got {value!r}: {exc}")
+    raise_if_false(isinstance(cfg, dict), f"{name} must be a JSON object, got {value!r}")
+    size = cfg.get("memory_size")
+    raise_if_false(isinstance(size, int) and not isinstance(size, bool) and size > 0,
+                   f"{name}.memory_size must be a positive integer, got {size!r}")
+    page_shift = cfg.get("page_shift", 16)
+    raise_if_false(isinstance(page_shift, int) and 10 <= page_shift < 31,
+                   f"{name}.page_shift must be in [10, 31), got {page_shift!r}")
+
+
+class LLMConfig:
+    """Options for ``LLMDataDist.init``. Each setter validates its value at once;
+    ``generate_options()`` returns the option dict (the same dict object on every call)."""
+
+    def __init__(self) -> None:
+        self._options: Dict[str, str] = {}
+        self._device_id = None
+        self._sync_kv_timeout = None
+        self._listen_ip_info = ""
+        self._enable_cache_manager = None
+        self._enable_remote_cache_accessible = None
+        self._enable_switch_role = False
+        self._ge_options: Dict[str, str] = {}
+        self._mem_utilization = 0.95
+        self._buf_pool_cfg = ""
+        self._mem_pool_cfg = ""
+        self._host_mem_pool_cfg = ""
+        self._link_total_time = None
+        self._link_retry_count = None
+        self._rdma_traffic_class = None
+        self._rdma_service_level = None
+        self._local_comm_res = None
+        self._transfer_backend = None
+        self._global_resource_config = None
+        self._deploy_res_path = None
+        self._output_max_size = None
+
+    # -- device and timeouts --------------------------------------------------------------------
+    @property
+    def device_id(self):
+        return self._device_id
+
+    @device_id.setter
+    def device_id(self, value) -> None:
+        check_isinstance("device_id", value, [int, list, tuple], int)
+        ids = list(value) if isinstance(value, (list, tuple)) else [value]
+        for device in ids:
+            check_int("device_id", device, 0, INT32_MAX)
+        self._device_id = value
+
+    @property
+    def sync_kv_timeout(self):
+        return self._sync_kv_timeout
+
+    @sync_kv_timeout.setter
+    def sync_kv_timeout(self, value) -> None:
+        check_isinstance("sync_kv_timeout", value, [int, str])
+        if isinstance(value, str):
+            raise_if_false(value.isdigit(), f"sync_kv_timeout must be a digit string, got {value!r}")
+            number = int(value)
+        else:
+            number = value
+        check_int32("sync_kv_timeout", number)
+        raise_if_false(number > 0, f"sync_kv_timeout must be > 0, got {value!r}")
+        self._sync_kv_timeout = value
+
+    @property
+    def listen_ip_info(self) -> str:
+        return self._listen_ip_info
+
+    @listen_ip_info.setter
+    def listen_ip_info(self, value: str) -> None:
+        check_isinstance("listen_ip_info", value, str, allow_none=False)
+        self._listen_ip_info = value
+
+    # -- feature switches ---------------------------------------------------------------------
+    def _bool_setter(self, name: str, value) -> bool:
+        check_isinstance(name, value, bool, allow_none=False)
+        return value
+
+    @property
+    def enable_cache_manager(self) -> bool:
+        return bool(self._enable_cache_manager)
+
+    @enable_cache_manager.setter
+    def enable_cache_manager(self, value: bool) -> None:
+        self._enable_cache_manager = self._bool_setter("enable_cache_manager", value)
+
+    @property
+    def enable_remote_cache_accessible(self) -> bool:
+        return bool(self._enable_remote_cache_accessible)
+
+    @enable_remote_cache_accessible.setter
+    def enable_remote_cache_accessible(self, value: bool) -> None:
+        self._enable_remote_cache_accessible = self._bool_setter("enable_remote_cache_accessible", value)
+
+    @property
+    def enable_switch_role(self) -> bool:
+        return self._enable_switch_role
+
+    @enable_switch_role.setter
+    def enable_switch_role(self, value: bool) -> None:
+        self._enable_switch_role = self._bool_setter("enable_switch_role", value)
+
+    @property
+    def ge_options(self) -> Dict[str, str]:
+        return self._ge_options
+
+    @ge_options.setter
+    def ge_options(self, value: Dict[str, str]) -> None:
+        check_isinstance("ge_options", value, dict, str, allow_none=False)
+        self._ge_options = value
+
+    # -- memory --------------------------------------------------------------------------------
+    @property
+    def mem_utilization(self) -> float:
+        return self._mem_utilization
+
+    @mem_utilization.setter
+    def mem_utilization(self, value: float) -> None:
+        check_isinstance("mem_utilization", value, [float, int], allow_none=False)
+        raise_if_false(0 <= value <= 1, f"mem_utilization must be in [0, 1], got {value}")
+        self._mem_utilization = float(value)
+
+    @property
+    def buf_pool_cfg(self) -> str:
+        return self._buf_pool_cfg
+
+    @buf_pool_cfg.setter
+    def buf_pool_cfg(self, value: str) -> None:
+        check_isinstance("buf_pool_cfg", value, str, allow_none=False)
+        self._buf_pool_cfg = value
+
+    @property
+    def mem_pool_cfg(self) -> str:
+        return self._mem_pool_cfg
+
+    @mem_pool_cfg.setter
+    def mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("mem_pool_cfg", value, str, allow_none=False)
+        _check_pool_cfg("mem_pool_cfg", value)
+        self._mem_pool_cfg = value
+
+    @property
+    def host_mem_pool_cfg(self) -> str:
+        return self._host_mem_pool_cfg
+
+    @host_mem_pool_cfg.setter
+    def host_mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str, allow_none=False)
+        _check_pool_cfg("host_mem_pool_cfg", value)
+        self._host_mem_pool_cfg = value
+
+    # -- links ---------------------------------------------------------------------------------
+    @property
+    def link_total_time(self) -> int:
+        return 0 if self._link_total_time is None else self._link_total_time
+
+    @link_total_time.setter
+    def link_total_time(self, value: int) -> None:
+        self._link_total_time = check_uint32("link_total_time", value)
+
+    @property
+    def link_retry_count(self) -> int:
+        return 1 if self._link_retry_count is None else self._link_retry_count
+
+    @link_retry_count.setter
+    def link_retry_count(self, value: int) -> None:
+        self._link_retry_count = check_int("link_retry_count", value, 1, 100)
+
+    @property
+    def rdma_traffic_class(self):
+        return self._rdma_traffic_class
+
+    @rdma_traffic_class.setter
+    def rdma_traffic_class(self, value: int) -> None:
+        self._rdma_traffic_class = check_uint32("rdma_traffic_class", value)
+
+    @property
+    def rdma_service_level(self):
+        return self._rdma_service_level
+
+    @rdma_service_level.setter
+    def rdma_service_level(self, value: int) -> None:
+        self._rdma_service_level = check_uint32("rdma_service_level", value)
+
+    @property
+    def local_comm_res(self) -> str:
+        return "" if self._local_comm_res is None else self._local_comm_res
+
+    @local_comm_res.setter
+    def local_comm_res(self, value: str) -> None:
+        check_isinstance("local_comm_res", value, str, allow_none=False)
+        self._local_comm_res = value
+
+    @property
+    def transfer_backend(self):
+        return self._transfer_backend
+
+    @transfer_backend.setter
+    def transfer_backend(self, value: str) -> None:
+        check_isinstance("transfer_backend", value, str, allow_none=False)
+        self._transfer_backend = value
+
+    @property
+    def global_resource_config(self):
+        return self._global_resource_config
+
+    @global_resource_config.setter
+    def global_resource_config(self, value: str) -> None:
+        check_isinstance("global_resource_config", value, str, allow_none=False)
+        self._global_resource_config = value
+
+    # -- legacy --------------------------------------------------------------------------------
+    @property
+    def deploy_res_path(self):
+        return self._deploy_res_path
+
+    @deploy_res_path.setter
+    def deploy_res_path(self, value: str) -> None:
+        check_isinstance("deploy_res_path", value, str, allow_none=False)
+        self._deploy_res_path = value
+
+    @property
+    def output_max_size(self):
+        return self._output_max_size
+
+    @output_max_size.setter
+    def output_max_size(self, value: int) -> None:
+        self._output_max_size = check_uint64("output_max_size", value)
+
+    # -- emission ------------------------------------------------------------------------------
+    def generate_options(self) -> Dict[str, str]:
+        """Merge every set option into the internal dict and return it (same object each call)."""
+        opts = self._options
+        opts.update(self._ge_options)
+        if self._device_id is not None:
+            ids = self._device_id if isinstance(self._device_id, (list, tuple)) else [self._device_id]
+            opts["ge.exec.deviceId"] = ";".join(str(d) for d in ids)
+            opts["ge.session_device_id"] = str(ids[0]) if ids else ""
+        if self._sync_kv_timeout is not None:
+            opts["llm.SyncKvCacheWaitTime"] = str(self._sync_kv_timeout)
+        if self._deploy_res_path is not None:
+            opts["llm.deployResPath"] = self._deploy_res_path
+        if self._mem_pool_cfg:
+            opts["llm.MemPoolConfig"] = self._mem_pool_cfg
+        if self._host_mem_pool_cfg:
+            opts["llm.HostMemPoolConfig"] = self._host_mem_pool_cfg
+        if self._buf_pool_cfg:
+            opts["llm.BufPoolCfg"] = self._buf_pool_cfg
+        if self._listen_ip_info:
+            opts["llm.listenIpInfo"] = self._listen_ip_info
+        if self._enable_cache_manager is not None:
+            opts["llm.EnableCacheManager"] = "1" if self._enable_cache_manager else "0"
+        if self._enable_remote_cache_accessible is not None:
+            opts["llm.EnableRemoteCacheAccessible"] = "1" if self._enable_remote_cache_accessible else "0"
+        if self._enable_switch_role:
+            opts["llm.EnableSwitchRole"] = "1"
+        if self._link_total_time is not None:
+            opts["llm.LinkTotalTime"] = str(self._link_total_time)
+        if self._link_retry_count is not None:
+            opts["llm.LinkRetryCount"] = str(self._link_retry_count)
+        if self._rdma_traffic_class is not None:
+            opts["llm.RdmaTrafficClass"] = str(self._rdma_traffic_class)
+        if self._rdma_service_level is not None:
+            opts["llm.RdmaServiceLevel"] = str(self._rdma_service_level)
+        if self._local_comm_res is not None:
+            opts["llm.LocalCommRes"] = self._local_comm_res
+        if self._transfer_backend is not None:
+            opts["llm.TransferBackend"] = self._transfer_backend
+        if self._global_resource_config is not None:
+            opts["llm.GlobalResourceConfig"] = self._global_resource_config
+        opts["llm.MemoryUtilization"] = str(self._mem_utilization)
+        if self._output_max_size is not None:
+            opts["llm.OutputMaxSize"] = str(self._output_max_size)
+        return opts
+
+    gen_options = generate_options
+
+
+LlmConfig = LLMConfig
+
+
+def pack_ip(ip) -> int:
+    """A dotted IPv4 string as CANN packs it: the inet_aton bytes read little-endian."""
+    if isinstance(ip, int) and not isinstance(ip, bool):
+        return check_uint32("ip", ip)
+    check_isinstance("ip", ip, str, allow_none=False)
+    try:
+        return int.from_bytes(socket.inet_aton(ip), "little")
+    except OSError:
+        raise ValueError(f"ip {ip!r} is not a dotted IPv4 address") from None
+
+
+def unpack_ip(ip: int) -> str:
+    return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
+
+
+class LLMClusterInfo:
+    """Where a remote cluster listens (and which local address to use) for link/unlink."""
+
+    def __init__(self) -> None:
+        self._remote_cluster_id = None
+        self._remote_role_type = 0
+        self._local_ip_info_list: List[Tuple[int, int]] = []
+        self._remote_ip_info_list: List[Tuple[int, int]] = []
+
+    @property
+    def remote_cluster_id(self) -> Optional[int]:
+        return self._remote_cluster_id
+
+    @remote_cluster_id.setter
+    def remote_cluster_id(self, value: int) -> None:
+        self._remote_cluster_id = check_uint64("remote_cluster_id", value)
+
+    @property
+    def remote_role_type(self) -> int:
+        return self._remote_role_type
+
+    @remote_role_type.setter
+    def remote_role_type(self, value) -> None:
+        check_isinstance("remote_role_type", value, int, allow_none=False)
+        self._remote_role_type = int(value)
+
+    def append_local_ip_info(self, ip, port: int) -> None:
+        self._local_ip_info_list.append((pack_ip(ip), check_uint16("port", port)))
+
+    def append_remote_ip_info(self, ip, port: int) -> None:
+        self._remote_ip_info_list.append((pack_ip(ip), check_uint16("port", port)))
+
+    @property
+    def local_ip_info_list(self) -> List[Tuple[int, int]]:
+        return self._local_ip_info_list
+
+    @property
+    def remote_ip_info_list(self) -> List[Tuple[int, int]]:
+        return self._remote_ip_info_list
+
+    def __repr__(self) -> str:
+        local = [f"{unpack_ip(ip)}:{port}" for ip, port in self._local_ip_info_list]
+        remote = [f"{unpack_ip(ip)}:{port}" for ip, port in self._remote_ip_info_list]
+        return (f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, "
+                f"local={local}, remote={remote})")

@@ -1,0 +1,53 @@
+"""``DataType``: element types of cache tensors (values are GE ``ge::DataType`` numbers)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+
+__all__ = ["DataType", "element_size", "numpy_dtype"]
+
+
+class DataType(Enum):
+    DT_FLOAT = 0
+    DT_FLOAT16 = 1
+    DT_INT8 = 2
+    DT_INT32 = 3
+    DT_UINT8 = 4
+    DT_INT16 = 6
+    DT_UINT16 = 7
+    DT_UINT32 = 8
+    DT_INT64 = 9
+    DT_UINT64 = 10
+    DT_DOUBLE = 11
+    DT_BOOL = 12
+    DT_STRING = 13
+    DT_BF16 = 27
+
+
+_ELEMENT_SIZE = {
+    DataType.DT_FLOAT: 4, DataType.DT_FLOAT16: 2, DataType.DT_INT8: 1, DataType.DT_INT32: 4,
+    DataType.DT_UINT8: 1, DataType.DT_INT16: 2, DataType.DT_UINT16: 2, DataType.DT_UINT32: 4,
+    DataType.DT_INT64: 8, DataType.DT_UINT64: 8, DataType.DT_DOUBLE: 8, DataType.DT_BOOL: 1,
+    DataType.DT_BF16: 2,
+}
+
+# numpy has no bfloat16: BF16 tensors are viewed as their raw 16-bit patterns (uint16).
+_NUMPY_DTYPE = {
+    DataType.DT_FLOAT: np.float32, DataType.DT_FLOAT16: np.float16, DataType.DT_INT8: np.int8,
+    DataType.DT_INT32: np.int32, DataType.DT_UINT8: np.uint8, DataType.DT_INT16: np.int16,
+    DataType.DT_UINT16: np.uint16, DataType.DT_UINT32: np.uint32, DataType.DT_INT64: np.int64,
+    DataType.DT_UINT64: np.uint64, DataType.DT_DOUBLE: np.float64, DataType.DT_BOOL: np.bool_,
+    DataType.DT_BF16: np.uint16,
+}
+
+
+def element_size(data_type: DataType) -> int | None:
+    """Bytes per element, or None for types without a fixed size (DT_STRING)."""
+    return _ELEMENT_SIZE.get(data_type)
+
+
+def numpy_dtype(data_type: DataType):
+    """The numpy dtype used for zero-copy views of tensors of ``data_type``."""
+    return np.dtype(_NUMPY_DTYPE[data_type])

@@ -1,0 +1,179 @@
+"""``LLMDataDist``: one cluster (one process) of the CANN Python API."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from llm_datadist import _engine
+from llm_datadist._validate import check_int32, check_isinstance, check_uint64, raise_if_false
+from llm_datadist.cache_manager import CacheManager
+from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole
+from llm_datadist.llm_types import RegisterMemStatus
+from llm_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ["LLMDataDist"]
+
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _finalize_at_exit() -> None:
+    instance = LLMDataDist._initialized_instance
+    if instance is not None:
+        try:
+            instance.finalize()
+        except LLMException:
+            pass
+
+
+def _transport_missing(method: str) -> LLMException:
+    return LLMException(f"{method}: this build has no transport yet (links between clusters arrive "
+                        f"with the transport layer)", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+class LLMDataDist:
+    """A cluster of a disaggregated service: ``LLMDataDist(role, cluster_id)``, then ``init``.
+
+    Only one instance may be initialized per process; ``finalize`` (or process exit) releases it.
+    """
+
+    _initialized_instance: Optional["LLMDataDist"] = None
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_uint64("cluster_id", cluster_id)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._engine: Optional[_engine.Engine] = None
+        self._cache_manager: Optional[CacheManager] = None
+        self._is_v2 = False
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        return self._role
+
+    def _is_initialized(self) -> bool:
+        return self._engine is not None and self._engine.initialized
+
+    def init(self, options: Dict[str, str]) -> None:
+        """Initialize with engine options (see ``LLMConfig.generate_options``); no-op if done."""
+        global _atexit_registered
+        if self._is_initialized():
+            return
+        check_isinstance("options", options, dict, str, allow_none=False)
+        if LLMDataDist._initialized_instance is not None:
+            raise LLMException("another LLMDataDist is already initialized in this process",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        opts = dict(options)
+        opts["llm.Role"] = ROLE_NAMES[self._role]
+        if "llm.LocalCommRes" in opts:
+            opts.setdefault("llm.EnableCacheManager", "1")
+            opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
+        is_v2 = opts.get("llm.EnableCacheManager") == "1"
+        raise_if_false(not ("llm.LocalCommRes" in opts and not is_v2),
+                       "llm.LocalCommRes needs the cache manager (llm.EnableCacheManager=1)")
+        if "llm.TransferBackend" in opts:
+            raise_if_false(is_v2, "llm.TransferBackend needs the cache manager")
+            opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
+            raise_if_false(opts["llm.EnableRemoteCacheAccessible"] == "1",
+                           "llm.TransferBackend needs llm.EnableRemoteCacheAccessible=1")
+            raise_if_false(bool(opts.get("llm.listenIpInfo")), "llm.TransferBackend needs listen_ip_info")
+        flow_mem = opts.get("ge.flowGraphMemMaxSize")
+        if flow_mem is not None:
+            raise_if_false(flow_mem.isdigit(), f"ge.flowGraphMemMaxSize must be one decimal number, got {flow_mem!r}")
+        listen = None
+        if opts.get("llm.listenIpInfo"):
+            listen = _engine.parse_listen_ip_info(opts["llm.listenIpInfo"])
+            if is_v2:
+                opts["llm.ListenIp"], opts["llm.ListenPort"] = listen[0], str(listen[1])
+        device_id = _engine.check_device_id(opts.get("ge.exec.deviceId", "0"))
+        timeout = _engine.check_sync_timeout(opts.get("llm.SyncKvCacheWaitTime",
+                                                      str(_engine.DEFAULT_SYNC_KV_TIMEOUT_MS)))
+        engine = _engine.Engine(self._cluster_id, ROLE_NAMES[self._role])
+        engine.initialize(opts, device_id, timeout, listen)
+        self._engine = engine
+        self._is_v2 = is_v2
+        self._cache_manager = CacheManager(self, engine, opts) if is_v2 else None
+        LLMDataDist._initialized_instance = self
+        with _atexit_lock:
+            if not _atexit_registered:
+                atexit.register(_finalize_at_exit)
+                _atexit_registered = True
+
+    def finalize(self) -> None:
+        """Release every cache and the process slot (no-op if not initialized)."""
+        if not self._is_initialized():
+            return
+        if self._cache_manager is not None:
+            self._cache_manager._mark_finalized()
+        self._engine.finalize()
+        self._cache_manager = None
+        if LLMDataDist._initialized_instance is self:
+            LLMDataDist._initialized_instance = None
+
+    def _check_init(self) -> None:
+        if not self._is_initialized():
+            raise RuntimeError("llm datadist is not initialized")
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        self._check_init()
+        raise_if_false(self._is_v2, "cache_manager needs enable_cache_manager=True "
+                       "(llm.EnableCacheManager=1); use kv_cache_manager in v1 mode")
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self):
+        self._check_init()
+        raise_if_false(not self._is_v2, "kv_cache_manager is the v1 API; this instance runs in "
+                       "cache manager (v2) mode, use cache_manager")
+        raise LLMException("the v1 KvCacheManager mode is not implemented by this library; enable the "
+                           "cache manager (LLMConfig.enable_cache_manager = True) and use cache_manager",
+                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+    # -- links (transport layer) ---------------------------------------------------------------
+    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int) -> None:
+        check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
+        check_int32("timeout", timeout)
+        raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
+
+    def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
+                      ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        self._check_init()
+        self._check_clusters(clusters, timeout)
+        raise _transport_missing("link_clusters")
+
+    def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
+                        force: bool = False) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        self._check_init()
+        self._check_clusters(clusters, timeout)
+        raise _transport_missing("unlink_clusters")
+
+    def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
+        self._check_init()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_isinstance("switch_options", switch_options, dict, str)
+        raise _transport_missing("switch_role")
+
+    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        self._check_init()
+        raise _transport_missing("link")
+
+    def unlink(self, comm_id: int) -> None:
+        self._check_init()
+        raise _transport_missing("unlink")
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        self._check_init()
+        raise _transport_missing("query_register_mem_status")
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        self._check_init()
+        raise_if_false(not self._is_v2, "check_link_status is a v1 API")
+        raise _transport_missing("check_link_status")

@@ -1,0 +1,473 @@
+"""Data model of the CANN Python API: placements, cache descriptions, caches and keys."""
+
+from __future__ import annotations
+
+import math
+import threading
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import List, Optional, Union
+
+from llm_datadist import _core
+from llm_datadist._validate import (
+    UINT64_MAX,
+    check_int32,
+    check_int64,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+    is_instance_strict,
+    param_invalid,
+    raise_if_false,
+)
+from llm_datadist.data_type import DataType, element_size, numpy_dtype
+from llm_datadist.status import LLMException, LLMStatusCode
+
+__all__ = [
+    "Placement", "Memtype", "RegisterMemStatus", "CacheDesc", "Cache", "KvCache", "CacheKey",
+    "CacheKeyByIdAndIndex", "BlocksCacheKey", "MemInfo", "LayerSynchronizer", "TransferConfig",
+    "TransferWithCacheKeyConfig", "CacheTask",
+]
+
+INVALID_ID = UINT64_MAX
+MAX_SHAPE_DIMS = 31
+
+
+class Placement(Enum):
+    HOST = 0
+    DEVICE = 1
+
+
+class Memtype(Enum):
+    MEM_TYPE_DEVICE = 0
+    MEM_TYPE_HOST = 1
+
+
+class RegisterMemStatus(Enum):
+    OK = 0
+    PREPARING = 1
+    FAILED = 2
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.FAILED
+
+
+class CacheDesc:
+    """Describes a cache: ``num_tensors`` tensors of one ``shape`` and ``data_type``.
+
+    ``shape`` is stored by reference (``update_dim`` changes it in place); ``size`` is the bytes of
+    one tensor.
+    """
+
+    def __init__(self, num_tensors: int, shape, data_type: DataType,
+                 placement: Placement = Placement.DEVICE, batch_dim_index: int = 0,
+                 seq_len_dim_index: int = -1, kv_tensor_format: Optional[str] = None) -> None:
+        check_uint32("num_tensors", num_tensors)
+        self._check_shape(shape)
+        check_isinstance("data_type", data_type, DataType, allow_none=False)
+        check_isinstance("placement", placement, Placement, allow_none=False)
+        check_int32("batch_dim_index", batch_dim_index)
+        raise_if_false(0 <= batch_dim_index < max(len(shape), 1),
+                       f"batch_dim_index {batch_dim_index} must be in [0, {len(shape)})")
+        check_int32("seq_len_dim_index", seq_len_dim_index)
+        raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
+                       f"seq_len_dim_index {seq_len_dim_index} must be -1 or in [0, {len(shape)})")
+        check_isinstance("kv_tensor_format", kv_tensor_format, str)
+        self._num_tensors = num_tensors
+        self._shape = shape
+        self._data_type = data_type
+        self._placement = placement
+        self._batch_dim_index = batch_dim_index
+        self._seq_len_dim_index = seq_len_dim_index
+        self._kv_tensor_format = kv_tensor_format
+
+    @staticmethod
+    def _check_shape(shape) -> None:
+        check_isinstance("shape", shape, [list, tuple], int, allow_none=False)
+        for dim in shape:
+            check_int64("shape dim", dim)
+
+    @property
+    def num_tensors(self) -> int:
+        return self._num_tensors
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def data_type(self) -> DataType:
+        return self._data_type
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def batch_dim(self) -> int:
+        return self._batch_dim_index
+
+    batch_dim_index = batch_dim
+
+    @property
+    def batch_size(self) -> int:
+        return self._shape[self._batch_dim_index]
+
+    @property
+    def seq_len_dim_index(self) -> int:
+        return self._seq_len_dim_index
+
+    @property
+    def kv_tensor_format(self) -> Optional[str]:
+        return self._kv_tensor_format
+
+    @property
+    def size(self) -> int:
+        """Bytes of one tensor: prod(shape) * element size."""
+        return tensor_bytes(self._shape, self._data_type)
+
+    def update_dim(self, dim_index: int, value: int) -> None:
+        check_int32("dim_index", dim_index)
+        check_int64("value", value)
+        raise_if_false(0 <= dim_index < len(self._shape),
+                       f"dim_index {dim_index} must be in [0, {len(self._shape)})")
+        if isinstance(self._shape, tuple):
+            shape = list(self._shape)
+            shape[dim_index] = value
+            self._shape = tuple(shape)
+        else:
+            self._shape[dim_index] = value
+
+    def __repr__(self) -> str:
+        return (f"CacheDesc(num_tensors={self._num_tensors}, shape={list(self._shape)}, "
+                f"data_type={self._data_type}, placement={self._placement}, "
+                f"batch_dim_index={self._batch_dim_index}, seq_len_dim_index={self._seq_len_dim_index})")
+
+
+def tensor_bytes(shape, data_type: DataType) -> int:
+    """prod(shape) * element size, checking what the engine needs (1..31 dims, positive dims)."""
+    size = element_size(data_type)
+    raise_if_false(size is not None, f"data type {data_type} has no fixed element size")
+    raise_if_false(1 <= len(shape) <= MAX_SHAPE_DIMS,
+                   f"shape {list(shape)} must have 1..{MAX_SHAPE_DIMS} dimensions")
+    raise_if_false(all(dim > 0 for dim in shape), f"shape {list(shape)} must have positive dimensions")
+    return math.prod(shape) * size
+
+
+class Cache:
+    """A registered or allocated cache: ``num_tensors`` tensors at ``tensor_addrs``.
+
+    Built by the CacheManager (or ``create_cpu_cache``), not by users. ``as_numpy()`` returns
+    zero-copy numpy views of the tensors when their memory is host-addressable.
+    """
+
+    def __init__(self, cache_id: int, cache_desc: CacheDesc, tensor_addrs: List[int],
+                 cache_manager=None, is_registered: bool = False, is_blocks_cache: bool = False) -> None:
+        self._cache_id = cache_id
+        self._cache_desc = cache_desc
+        self._tensor_addrs = list(tensor_addrs)
+        self._cache_manager = cache_manager
+        self._is_registered = is_registered
+        self._is_blocks_cache = is_blocks_cache
+        self._valid = True
+        self._keepalive = None
+
+    @property
+    def cache_id(self) -> int:
+        return self._cache_id
+
+    @property
+    def cache_desc(self) -> CacheDesc:
+        return self._cache_desc
+
+    @property
+    def tensor_addrs(self) -> List[int]:
+        return self._tensor_addrs
+
+    @property
+    def is_blocks_cache(self) -> bool:
+        return self._is_blocks_cache
+
+    @property
+    def is_registered(self) -> bool:
+        return self._is_registered
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs) -> "Cache":
+        """A host staging cache over caller-owned memory (cache_id -1, a blocks cache), e.g. for
+        ``swap_blocks``. ``addrs``: a list of addresses (or numpy arrays / torch tensors)."""
+        from llm_datadist._memory import resolve_addresses
+
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        raise_if_false(cache_desc.placement == Placement.HOST,
+                       "create_cpu_cache needs a cache_desc with placement HOST")
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        raise_if_false(len(addrs) == cache_desc.num_tensors,
+                       f"{len(addrs)} addresses given for {cache_desc.num_tensors} tensors")
+        resolved, keepalive = resolve_addresses(addrs, cache_desc.size, "cpu")
+        cache = cls(-1, cache_desc, resolved, None, True, True)
+        cache._keepalive = keepalive
+        return cache
+
+    def as_numpy(self, index: Optional[int] = None):
+        """Zero-copy numpy view(s) of the tensors: a list, or tensor ``index`` alone.
+
+        Raises ``LLMException(LLM_KV_CACHE_NOT_EXIST)`` after deallocation and
+        ``LLMException(LLM_FEATURE_NOT_ENABLED)`` for device memory the host cannot address.
+        """
+        if not self._valid or not self._tensor_addrs:
+            raise LLMException(f"cache {self._cache_id} was released", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        if self._cache_manager is not None:
+            views = self._cache_manager._tensor_views(self)
+        else:
+            desc = self._cache_desc
+            nbytes = desc.size
+            views = [_core.HostRegion(addr, nbytes, self._keepalive).as_array(
+                numpy_dtype(desc.data_type), tuple(desc.shape)) for addr in self._tensor_addrs]
+        return views if index is None else views[index]
+
+    def __repr__(self) -> str:
+        return (f"Cache(cache_id={self._cache_id}, is_blocks_cache={self._is_blocks_cache}, "
+                f"num_tensors={len(self._tensor_addrs)}, desc={self._cache_desc})")
+
+
+class KvCache(Cache):
+    """The v1 (KvCacheManager mode) cache type; v1 mode is not implemented, the type is kept for
+    programs that only name it. ``per_device_tensor_addrs`` is the single device's address list."""
+
+    @property
+    def per_device_tensor_addrs(self) -> List[List[int]]:
+        return [self._tensor_addrs]
+
+
+def _parse_key_args(cls_name: str, args, kwargs, positional: List[str], aliases: dict, max_params: int):
+    raise_if_false(len(args) + len(kwargs) <= max_params,
+                   f"{cls_name} takes at most {max_params} parameters, got {len(args) + len(kwargs)}")
+    values = dict(zip(positional, args))
+    used_names = {}
+    for name, value in kwargs.items():
+        canonical = aliases.get(name, name)
+        if canonical not in positional:
+            raise param_invalid(f"{cls_name} got an unknown keyword argument {name!r}")
+        if canonical in values:
+            raise param_invalid(f"{cls_name} got {canonical!r} twice")
+        values[canonical] = value
+        used_names[canonical] = name
+    return values, used_names
+
+
+class CacheKey:
+    """Binds one row of a contiguous cache: ``CacheKey(cluster_id, req_id, model_id=0,
+    prefix_id=2**64-1)``; ``prompt_cluster_id`` is accepted instead of ``cluster_id``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        values, _ = _parse_key_args("CacheKey", args, kwargs,
+                                    ["cluster_id", "req_id", "model_id", "prefix_id"],
+                                    {"prompt_cluster_id": "cluster_id"}, 4)
+        raise_if_false("cluster_id" in values, "CacheKey needs cluster_id (or prompt_cluster_id)")
+        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
+        self._req_id = check_uint64("req_id", values.get("req_id", INVALID_ID))
+        self._model_id = check_uint64("model_id", values.get("model_id", 0))
+        self._prefix_id = check_uint64("prefix_id", values.get("prefix_id", INVALID_ID))
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    prompt_cluster_id = cluster_id
+
+    @property
+    def req_id(self) -> int:
+        return self._req_id
+
+    @property
+    def model_id(self) -> int:
+        return self._model_id
+
+    @property
+    def prefix_id(self) -> int:
+        return self._prefix_id
+
+    def owner_key(self):
+        """The key as its owner indexes it: (prefix_id or req_id, model_id); None for a placeholder."""
+        if self._prefix_id != INVALID_ID:
+            return ("prefix", self._prefix_id, self._model_id)
+        if self._req_id != INVALID_ID:
+            return ("req", self._req_id, self._model_id)
+        return None
+
+    def _fields(self):
+        return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CacheKey) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(("CacheKey",) + self._fields())
+
+    def __repr__(self) -> str:
+        return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
+                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+
+
+class CacheKeyByIdAndIndex:
+    """Addresses a row of a peer's cache by cache_id: ``(cluster_id, cache_id, batch_index=0)``."""
+
+    def __init__(self, cluster_id: int, cache_id: int, batch_index: int = 0) -> None:
+        self._cluster_id = check_uint64("cluster_id", cluster_id)
+        self._cache_id = check_int64("cache_id", cache_id)
+        self._batch_index = check_uint32("batch_index", batch_index)
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def cache_id(self) -> int:
+        return self._cache_id
+
+    @property
+    def batch_index(self) -> int:
+        return self._batch_index
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, CacheKeyByIdAndIndex)
+                and (self._cluster_id, self._cache_id, self._batch_index)
+                == (other._cluster_id, other._cache_id, other._batch_index))
+
+    def __hash__(self) -> int:
+        return hash(("CacheKeyByIdAndIndex", self._cluster_id, self._cache_id, self._batch_index))
+
+    def __repr__(self) -> str:
+        return (f"CacheKeyByIdAndIndex(cluster_id={self._cluster_id}, cache_id={self._cache_id}, "
+                f"batch_index={self._batch_index})")
+
+
+class BlocksCacheKey:
+    """Names a blocks cache: ``BlocksCacheKey(cluster_id, model_id=0)`` (keyword ``cluster_id``
+    or ``prompt_cluster_id``). Its owner knows it by ``model_id`` alone."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        values, used = _parse_key_args("BlocksCacheKey", args, kwargs, ["cluster_id", "model_id"],
+                                       {"prompt_cluster_id": "cluster_id"}, 2)
+        raise_if_false("cluster_id" in values, "BlocksCacheKey needs cluster_id (or prompt_cluster_id)")
+        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
+        self._model_id = check_uint64("model_id", values.get("model_id", 0))
+        self._cluster_id_name = used.get("cluster_id", "cluster_id")
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    prompt_cluster_id = cluster_id
+
+    @property
+    def model_id(self) -> int:
+        return self._model_id
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, BlocksCacheKey)
+                and (self._cluster_id, self._model_id) == (other._cluster_id, other._model_id))
+
+    def __hash__(self) -> int:
+        return hash(("BlocksCacheKey", self._cluster_id, self._model_id))
+
+    def __repr__(self) -> str:
+        return f"BlocksCacheKey({self._cluster_id_name}={self._cluster_id}, model_id={self._model_id})"
+
+
+class MemInfo:
+    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
+        check_isinstance("mem_type", mem_type, Memtype, allow_none=False)
+        self.mem_type = mem_type
+        self.addr = check_uint64("addr", addr)
+        self.size = check_uint64("size", size)
+
+    def __repr__(self) -> str:
+        return f"MemInfo(mem_type={self.mem_type}, addr={self.addr:#x}, size={self.size})"
+
+
+class LayerSynchronizer(ABC):
+    """Tells ``transfer_cache_async`` when a layer's KV is ready to be sent."""
+
+    @abstractmethod
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        """Wait until layer ``layer_index`` is computed; False aborts the transfer."""
+
+
+def _check_range(name: str, value, allow_none: bool) -> None:
+    check_isinstance(name, value, range, allow_none=allow_none)
+    if value is not None:
+        raise_if_false(value.step == 1, f"{name} {value} must have step 1")
+        raise_if_false(0 <= value.start < value.stop, f"{name} {value} must satisfy 0 <= start < stop")
+
+
+class TransferConfig:
+    """Layer-wise transfer to raw destination addresses (K, V per layer, in order)."""
+
+    def __init__(self, dst_cluster_id: int, dst_addrs: List[int], src_layer_range: Optional[range] = None,
+                 src_batch_index: int = 0) -> None:
+        self.dst_cluster_id = check_uint64("dst_cluster_id", dst_cluster_id)
+        check_isinstance("dst_addrs", dst_addrs, list, int, allow_none=False)
+        _check_range("src_layer_range", src_layer_range, True)
+        if src_layer_range is not None:
+            raise_if_false(len(dst_addrs) == 2 * len(src_layer_range),
+                           f"dst_addrs needs {2 * len(src_layer_range)} addresses for "
+                           f"{src_layer_range}, got {len(dst_addrs)}")
+        self.dst_addrs = dst_addrs
+        self.src_layer_range = src_layer_range
+        self.src_batch_index = check_uint32("src_batch_index", src_batch_index)
+
+
+class TransferWithCacheKeyConfig:
+    """Layer-wise transfer into a peer cache named by a key."""
+
+    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
+                 dst_layer_range: range, src_batch_index: int = 0) -> None:
+        check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex], allow_none=False)
+        _check_range("src_layer_range", src_layer_range, False)
+        _check_range("dst_layer_range", dst_layer_range, False)
+        raise_if_false(len(src_layer_range) == len(dst_layer_range),
+                       f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
+                       f"must span the same number of layers")
+        check_uint32("src_batch_index", src_batch_index)
+        raise_if_false(not isinstance(cache_key, BlocksCacheKey) or src_batch_index == 0,
+                       "src_batch_index must be 0 with a BlocksCacheKey")
+        self.cache_key = cache_key
+        self.src_layer_range = src_layer_range
+        self.dst_layer_range = dst_layer_range
+        self.src_batch_index = src_batch_index
+
+
+class CacheTask:
+    """Handle of a background layer-wise transfer (``transfer_cache_async``)."""
+
+    def __init__(self, thread: threading.Thread, results: list) -> None:
+        self._thread = thread
+        self._results = results
+
+    def _join(self, timeout_in_millis: Optional[int]) -> bool:
+        if timeout_in_millis is not None:
+            check_int32("timeout_in_millis", timeout_in_millis)
+            self._thread.join(timeout_in_millis / 1000.0)
+        else:
+            self._thread.join()
+        return not self._thread.is_alive()
+
+    def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
+        if not self._join(timeout_in_millis):
+            return LLMStatusCode.LLM_TIMEOUT
+        for result in self._results:
+            if result is not None and result != LLMStatusCode.LLM_SUCCESS:
+                return result
+        return LLMStatusCode.LLM_SUCCESS
+
+    def get_results(self, timeout_in_millis: Optional[int] = None) -> List[Optional[LLMStatusCode]]:
+        if not self._join(timeout_in_millis):
+            return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
+        return list(self._results)
+
+
+def is_int(value) -> bool:
+    return is_instance_strict(value, int)
