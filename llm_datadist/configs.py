@@ -26,6 +26,9 @@ class LLMRole(IntEnum):
     DECODER = 2
     MIX = 3
 
+    def __str__(self) -> str:  # "LLMRole.PROMPT" on every Python version, as in CANN
+        return f"{type(self).__name__}.{self.name}"
+
 
 ROLE_NAMES = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
 

@@ -43,6 +43,9 @@ class LLMStatusCode(IntEnum):
     LLM_DEVICE_MEM_ERROR = 507053
     LLM_SUSPECT_REMOTE_ERROR = 507057
 
+    def __str__(self) -> str:  # "LLMStatusCode.LLM_SUCCESS" on every Python version
+        return f"{type(self).__name__}.{self.name}"
+
 
 # C++ names (namespace llm_datadist) -> value. Every DD_<name> of dd_status.h appears here.
 CPP_STATUS_CODES: dict[str, int] = {

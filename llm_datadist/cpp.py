@@ -1,0 +1,445 @@
+"""The CANN C++ API (``llm_datadist/llm_datadist.h``) as Python wrappers.
+
+Names, defaults and ``Status`` return codes follow the C++ header: methods never raise for bad
+input, they return a status (``LLM_SUCCESS``, ``LLM_PARAM_INVALID``, ...). Output parameters stay
+output parameters, so documented C++ examples translate line by line::
+
+    from llm_datadist import cpp
+
+    dd = cpp.LlmDataDist(1, cpp.LlmRole.kPrompt)
+    status = dd.Initialize({cpp.OPTION_DEVICE_ID: "0"})
+    desc = cpp.CacheDesc(num_tensors=4, data_type=cpp.DT_INT32, shape=[4, 16])
+    cache = cpp.Cache()
+    status = dd.AllocateCache(desc, cache)        # fills cache.cache_id / tensor_addrs
+    cache_id = cpp.Ref()                           # stands for ``int64_t &cache_id``
+    status = dd.RegisterKvCache(desc, addrs, cpp.RegisterCfg(), cache_id)
+
+An output ``int64_t&`` may be passed as a :class:`Ref` (or anything with a settable ``value``,
+such as ``ctypes.c_int64``, or a list whose first element is set). ``std::pair`` layer ranges are
+tuples; ``std::vector`` arguments are lists.
+
+Differences from the V2 native library (documented in the README): ``AllocateCache``,
+``DeallocateCache``, ``CopyKvCache`` and ``CopyKvBlocks`` are implemented (as in the V1 library)
+instead of returning ``LLM_FEATURE_NOT_ENABLED``; allocated caches are MIX caches usable as rows
+and as blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from enum import IntEnum
+from typing import Any, Dict, List, Sequence, Tuple
+
+from llm_datadist import _engine
+from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
+from llm_datadist.data_type import DataType
+from llm_datadist.status import CPP_STATUS_CODES, LLMException
+
+logger = logging.getLogger("llm_datadist")
+
+
+class Status(int):
+    """``llm_datadist::Status`` (uint32): an int that prints its name."""
+
+    def is_ok(self) -> bool:
+        return self == 0
+
+    @property
+    def name(self) -> str:
+        return _STATUS_NAMES.get(int(self), f"UNKNOWN_STATUS_{int(self):#x}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+    __str__ = __repr__
+
+
+_STATUS_NAMES = {value: name for name, value in CPP_STATUS_CODES.items()}
+
+LLM_SUCCESS = Status(CPP_STATUS_CODES["LLM_SUCCESS"])
+LLM_FAILED = Status(CPP_STATUS_CODES["LLM_FAILED"])
+LLM_WAIT_PROC_TIMEOUT = Status(CPP_STATUS_CODES["LLM_WAIT_PROC_TIMEOUT"])
+LLM_KV_CACHE_NOT_EXIST = Status(CPP_STATUS_CODES["LLM_KV_CACHE_NOT_EXIST"])
+LLM_REPEAT_REQUEST = Status(CPP_STATUS_CODES["LLM_REPEAT_REQUEST"])
+LLM_REQUEST_ALREADY_COMPLETED = Status(CPP_STATUS_CODES["LLM_REQUEST_ALREADY_COMPLETED"])
+LLM_PARAM_INVALID = Status(CPP_STATUS_CODES["LLM_PARAM_INVALID"])
+LLM_ENGINE_FINALIZED = Status(CPP_STATUS_CODES["LLM_ENGINE_FINALIZED"])
+LLM_NOT_YET_LINK = Status(CPP_STATUS_CODES["LLM_NOT_YET_LINK"])
+LLM_ALREADY_LINK = Status(CPP_STATUS_CODES["LLM_ALREADY_LINK"])
+LLM_LINK_FAILED = Status(CPP_STATUS_CODES["LLM_LINK_FAILED"])
+LLM_UNLINK_FAILED = Status(CPP_STATUS_CODES["LLM_UNLINK_FAILED"])
+LLM_NOTIFY_PROMPT_UNLINK_FAILED = Status(CPP_STATUS_CODES["LLM_NOTIFY_PROMPT_UNLINK_FAILED"])
+LLM_CLUSTER_NUM_EXCEED_LIMIT = Status(CPP_STATUS_CODES["LLM_CLUSTER_NUM_EXCEED_LIMIT"])
+LLM_PROCESSING_LINK = Status(CPP_STATUS_CODES["LLM_PROCESSING_LINK"])
+LLM_DEVICE_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_DEVICE_OUT_OF_MEMORY"])
+LLM_PREFIX_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_PREFIX_ALREADY_EXIST"])
+LLM_PREFIX_NOT_EXIST = Status(CPP_STATUS_CODES["LLM_PREFIX_NOT_EXIST"])
+LLM_SEQ_LEN_OVER_LIMIT = Status(CPP_STATUS_CODES["LLM_SEQ_LEN_OVER_LIMIT"])
+LLM_NO_FREE_BLOCK = Status(CPP_STATUS_CODES["LLM_NO_FREE_BLOCK"])
+LLM_BLOCKS_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_BLOCKS_OUT_OF_MEMORY"])
+LLM_CACHE_INCOMPATIBLE = Status(CPP_STATUS_CODES["LLM_CACHE_INCOMPATIBLE"])
+LLM_CACHE_KEY_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_CACHE_KEY_ALREADY_EXIST"])
+LLM_COPY_CACHE_FAILED = Status(CPP_STATUS_CODES["LLM_COPY_CACHE_FAILED"])
+LLM_CACHE_ID_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_CACHE_ID_ALREADY_EXIST"])
+LLM_EXIST_LINK = Status(CPP_STATUS_CODES["LLM_EXIST_LINK"])
+LLM_FEATURE_NOT_ENABLED = Status(CPP_STATUS_CODES["LLM_FEATURE_NOT_ENABLED"])
+LLM_TIMEOUT = Status(CPP_STATUS_CODES["LLM_TIMEOUT"])
+LLM_LINK_BUSY = Status(CPP_STATUS_CODES["LLM_LINK_BUSY"])
+LLM_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_OUT_OF_MEMORY"])
+LLM_DEVICE_MEM_ERROR = Status(CPP_STATUS_CODES["LLM_DEVICE_MEM_ERROR"])
+LLM_SUSPECT_REMOTE_ERROR = Status(CPP_STATUS_CODES["LLM_SUSPECT_REMOTE_ERROR"])
+SUCCESS = LLM_SUCCESS
+FAILED = LLM_FAILED
+
+# Option keys (llm_datadist.h).
+OPTION_LISTEN_IP_INFO = "llm.ListenIpInfo"
+OPTION_DEVICE_ID = "llm.DeviceId"
+OPTION_SYNC_CACHE_WAIT_TIME = "llm.SyncKvCacheWaitTime"
+OPTION_BUF_POOL_CFG = "llm.BufPoolCfg"
+OPTION_ENABLE_SET_ROLE = "llm.EnableSwitchRole"
+OPTION_LOCAL_COMM_RES = "llm.LocalCommRes"
+OPTION_TRANSFER_BACKEND = "llm.TransferBackend"
+OPTION_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
+
+# ge::DataType names (the ones with a fixed element size are usable in caches).
+DT_FLOAT = DataType.DT_FLOAT
+DT_FLOAT16 = DataType.DT_FLOAT16
+DT_INT8 = DataType.DT_INT8
+DT_INT32 = DataType.DT_INT32
+DT_UINT8 = DataType.DT_UINT8
+DT_INT16 = DataType.DT_INT16
+DT_UINT16 = DataType.DT_UINT16
+DT_UINT32 = DataType.DT_UINT32
+DT_INT64 = DataType.DT_INT64
+DT_UINT64 = DataType.DT_UINT64
+DT_DOUBLE = DataType.DT_DOUBLE
+DT_BOOL = DataType.DT_BOOL
+DT_STRING = DataType.DT_STRING
+DT_BF16 = DataType.DT_BF16
+DT_UNDEFINED = 28
+
+
+class LlmRole(IntEnum):
+    kPrompt = 1
+    kDecoder = 2
+    kMix = 3
+    kEnd = 4
+
+
+class CachePlacement(IntEnum):
+    kHost = 0
+    kDevice = 1
+
+
+_ROLE_NAMES = {LlmRole.kPrompt: "Prompt", LlmRole.kDecoder: "Decoder", LlmRole.kMix: "Mix"}
+
+
+class _Struct:
+    """A C++ struct: fields with defaults, settable by keyword or attribute."""
+
+    _fields: Tuple[Tuple[str, Any], ...] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        for name, default in self._fields:
+            value = kwargs.pop(name, default)
+            setattr(self, name, list(value) if isinstance(default, list) and value is default else value)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} has no field(s) {', '.join(kwargs)}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name, _ in self._fields)
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and all(
+            getattr(self, n) == getattr(other, n) for n, _ in self._fields)
+
+
+class IpInfo(_Struct):
+    _fields = (("ip", ""), ("port", 0))
+
+
+class ClusterInfo(_Struct):
+    _fields = (("remote_cluster_id", 0), ("remote_role_type", 0), ("local_ip_infos", []),
+               ("remote_ip_infos", []))
+
+
+class CacheIndex(_Struct):
+    _fields = (("cluster_id", 0), ("cache_id", 0), ("batch_index", 0))
+
+
+class CacheDesc(_Struct):
+    _fields = (("placement", CachePlacement.kDevice), ("num_tensors", 0), ("data_type", DT_UNDEFINED),
+               ("shape", []))
+
+
+class Cache(_Struct):
+    _fields = (("cache_id", -1), ("tensor_addrs", []), ("cache_desc", None))
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.cache_desc is None:
+            self.cache_desc = CacheDesc()
+
+
+class KvCacheExtParam(_Struct):
+    _fields = (("src_layer_range", (-1, -1)), ("dst_layer_range", (-1, -1)), ("tensor_num_per_layer", 2))
+
+
+class RegisterCfg(_Struct):
+    _fields = ()
+
+
+class Ref:
+    """A mutable holder for C++ output parameters such as ``int64_t &cache_id``."""
+
+    def __init__(self, value: Any = 0) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Ref({self.value!r})"
+
+
+def _set_output(holder: Any, value: Any) -> None:
+    if isinstance(holder, list):
+        if holder:
+            holder[0] = value
+        else:
+            holder.append(value)
+    elif hasattr(holder, "value"):
+        holder.value = value
+    else:
+        raise param_invalid(f"output parameter must be a cpp.Ref, an object with .value or a list, "
+                            f"got {type(holder).__name__}")
+
+
+def _returns_status(method):
+    """Run a method, turning every error into its status: C++ methods report, never raise."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if method.__name__ != "Initialize" and not self._engine.initialized:
+            logger.error("%s called before Initialize", method.__name__)
+            return LLM_FAILED
+        try:
+            result = method(self, *args, **kwargs)
+        except LLMException as exc:
+            logger.error("%s failed: %s", method.__name__, exc)
+            return Status(int(exc.status_code))
+        except (TypeError, ValueError, AttributeError) as exc:
+            logger.error("%s: invalid parameter: %s", method.__name__, exc)
+            return LLM_PARAM_INVALID
+        return LLM_SUCCESS if result is None else result
+
+    return wrapper
+
+
+def _check_uint(name: str, value: Any, bits: int) -> int:
+    if not is_instance_strict(value, int) or not 0 <= value < 2**bits:
+        raise param_invalid(f"{name} must be a uint{bits}, got {value!r}")
+    return value
+
+
+def _data_type(value: Any) -> DataType:
+    if isinstance(value, DataType):
+        return value
+    try:
+        return DataType(value)
+    except ValueError:
+        raise param_invalid(f"data_type {value!r} is not a supported ge::DataType") from None
+
+
+def _placement(value: Any) -> int:
+    if value not in (CachePlacement.kHost, CachePlacement.kDevice):
+        raise param_invalid(f"placement {value!r} must be kHost or kDevice")
+    return _engine.DEVICE if value == CachePlacement.kDevice else _engine.HOST
+
+
+def _desc_values(desc: CacheDesc) -> Tuple[int, List[int], DataType, int]:
+    if not isinstance(desc, CacheDesc):
+        raise param_invalid(f"cache_desc must be a cpp.CacheDesc, got {type(desc).__name__}")
+    num_tensors = _check_uint("num_tensors", desc.num_tensors, 32)
+    shape = list(desc.shape)
+    if not shape or not all(is_instance_strict(d, int) for d in shape):
+        raise param_invalid(f"shape {desc.shape!r} must be a non-empty list of ints")
+    return num_tensors, shape, _data_type(desc.data_type), _placement(desc.placement)
+
+
+def _block_list(name: str, values: Sequence[int]) -> List[int]:
+    if not isinstance(values, (list, tuple)):
+        raise param_invalid(f"{name} must be a list of uint64")
+    return [_check_uint(name, v, 64) for v in values]
+
+
+class LlmDataDist:
+    """``llm_datadist::LlmDataDist(cluster_id, role)``; every method returns a ``Status``."""
+
+    def __init__(self, cluster_id: int, role: LlmRole) -> None:
+        if not is_instance_strict(cluster_id, int) or not 0 <= cluster_id <= UINT64_MAX:
+            raise ValueError(f"cluster_id must be a uint64, got {cluster_id!r}")
+        self._cluster_id = cluster_id
+        self._role = LlmRole(role)
+        self._engine = _engine.Engine(cluster_id, _ROLE_NAMES.get(self._role, "Mix"))
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @_returns_status
+    def Initialize(self, options: Dict[str, str]) -> Status:
+        """Options: OPTION_DEVICE_ID (required, one device), OPTION_LISTEN_IP_INFO,
+        OPTION_SYNC_CACHE_WAIT_TIME (ms, default 1000). Success also when already initialized."""
+        if self._engine.initialized:
+            return LLM_SUCCESS
+        if self._role not in _ROLE_NAMES:
+            raise param_invalid(f"role {self._role!r} is not kPrompt, kDecoder or kMix")
+        if not isinstance(options, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in options.items()):
+            raise param_invalid("options must map str to str")
+        device = options.get(OPTION_DEVICE_ID, options.get("ge.exec.deviceId"))
+        if device is None:
+            raise param_invalid(f"option {OPTION_DEVICE_ID} is required")
+        device_id = _engine.check_device_id(device)
+        timeout = _engine.check_sync_timeout(options.get(OPTION_SYNC_CACHE_WAIT_TIME,
+                                                         str(_engine.DEFAULT_SYNC_KV_TIMEOUT_MS)))
+        listen_text = options.get(OPTION_LISTEN_IP_INFO, options.get("llm.listenIpInfo", ""))
+        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        opts = dict(options)
+        opts["llm.Role"] = _ROLE_NAMES[self._role]
+        opts["llm.EnableRemoteCacheAccessible"] = "1"
+        self._engine.initialize(opts, device_id, timeout, listen)
+        return LLM_SUCCESS
+
+    def Finalize(self) -> None:
+        self._engine.finalize()
+
+    @_returns_status
+    def SetRole(self, role: LlmRole, options: Dict[str, str] = None) -> Status:
+        """Change the role label; OPTION_LISTEN_IP_INFO in ``options`` sets where to listen."""
+        if role not in _ROLE_NAMES:
+            raise param_invalid(f"role {role!r} is not kPrompt, kDecoder or kMix")
+        options = options or {}
+        listen_text = options.get(OPTION_LISTEN_IP_INFO, "")
+        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        self._role = LlmRole(role)
+        self._engine.role = _ROLE_NAMES[self._role]
+        self._engine.listen = listen
+        return LLM_SUCCESS
+
+    # -- caches --------------------------------------------------------------------------------
+    @_returns_status
+    def AllocateCache(self, cache_desc: CacheDesc, cache: Cache) -> Status:
+        """Allocate ``num_tensors`` zeroed tensors and fill ``cache`` (id, addresses, desc)."""
+        num_tensors, shape, data_type, placement = _desc_values(cache_desc)
+        if not isinstance(cache, Cache):
+            raise param_invalid(f"cache must be a cpp.Cache output object, got {type(cache).__name__}")
+        record = self._engine.allocate(num_tensors, shape, data_type, placement, _engine.MIX)
+        cache.cache_id = record.cache_id
+        cache.tensor_addrs = list(record.addrs)
+        cache.cache_desc = cache_desc
+        return LLM_SUCCESS
+
+    @_returns_status
+    def DeallocateCache(self, cache_id: int) -> Status:
+        self._engine.deallocate(cache_id)
+        return LLM_SUCCESS
+
+    @_returns_status
+    def RegisterKvCache(self, cache_desc: CacheDesc, addrs: Sequence[int], cfg: RegisterCfg,
+                        cache_id: Any) -> Status:
+        """Register caller-owned memory as a MIX cache; the new id goes to ``cache_id``."""
+        num_tensors, shape, data_type, placement = _desc_values(cache_desc)
+        if not isinstance(addrs, (list, tuple)) or not addrs:
+            raise param_invalid("addrs must be a non-empty list of addresses")
+        if len(addrs) != num_tensors:
+            raise param_invalid(f"{len(addrs)} addresses for num_tensors {num_tensors}")
+        record = self._engine.register(num_tensors, shape, data_type, placement, list(addrs), _engine.MIX)
+        _set_output(cache_id, record.cache_id)
+        return LLM_SUCCESS
+
+    @_returns_status
+    def UnregisterKvCache(self, cache_id: int) -> Status:
+        self._engine.unregister(cache_id)
+        return LLM_SUCCESS
+
+    def _record(self, cache: Cache, name: str):
+        if not isinstance(cache, Cache):
+            raise param_invalid(f"{name} must be a cpp.Cache, got {type(cache).__name__}")
+        return self._engine.lookup(cache.cache_id)
+
+    @staticmethod
+    def _check_not_host_to_host(src, dst, method: str) -> None:
+        if src.placement == _engine.HOST and dst.placement == _engine.HOST:
+            raise param_invalid(f"{method} does not copy host to host")
+
+    @_returns_status
+    def CopyKvCache(self, src_cache: Cache, dst_cache: Cache, src_batch_index: int = 0,
+                    dst_batch_index: int = 0, offset: int = 0, size: int = -1) -> Status:
+        """Copy row ``src_batch_index`` of each tensor into row ``dst_batch_index`` (from
+        ``offset``, ``size`` bytes, -1 = rest of the row). Device to device or device to host."""
+        src, dst = self._record(src_cache, "src_cache"), self._record(dst_cache, "dst_cache")
+        if src.placement == _engine.HOST:
+            raise param_invalid("CopyKvCache copies from a device cache (D2D or D2H)")
+        _check_uint("src_batch_index", src_batch_index, 32)
+        _check_uint("dst_batch_index", dst_batch_index, 32)
+        _check_uint("offset", offset, 64)
+        if not is_instance_strict(size, int) or not (size == -1 or size > 0):
+            raise param_invalid(f"size {size!r} must be -1 or > 0")
+        self._engine.copy_rows(dst, src, dst_batch_index, src_batch_index, offset, size)
+        return LLM_SUCCESS
+
+    @_returns_status
+    def CopyKvBlocks(self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
+                     dst_blocks_list: Sequence[Sequence[int]]) -> Status:
+        """Copy blocks ``src_blocks`` into each block list of ``dst_blocks_list`` (D2D, D2H, H2D)."""
+        src, dst = self._record(src_cache, "src_cache"), self._record(dst_cache, "dst_cache")
+        self._check_not_host_to_host(src, dst, "CopyKvBlocks")
+        src_list = _block_list("src_blocks", src_blocks)
+        if not src_list:
+            raise param_invalid("src_blocks must not be empty")
+        if not isinstance(dst_blocks_list, (list, tuple)) or not dst_blocks_list:
+            raise param_invalid("dst_blocks_list must be a non-empty list of block lists")
+        checked = [_block_list("dst_blocks", d) for d in dst_blocks_list]
+        for dst_list in checked:
+            if len(dst_list) != len(src_list):
+                raise param_invalid(f"a dst block list has {len(dst_list)} entries, src_blocks has "
+                                    f"{len(src_list)}")
+        self._engine.copy_blocks(src, dst, src_list * len(checked), [b for d in checked for b in d])
+        return LLM_SUCCESS
+
+    # -- links and transfers (transport layer) --------------------------------------------------
+    def _transport_missing(self, method: str) -> Status:
+        logger.error("%s: this build has no transport yet (links and transfers between clusters "
+                     "arrive with the transport layer)", method)
+        return LLM_FEATURE_NOT_ENABLED
+
+    @_returns_status
+    def LinkLlmClusters(self, clusters: Sequence[ClusterInfo], rets: List[Status],
+                        timeout_in_millis: int = 1000) -> Status:
+        return self._transport_missing("LinkLlmClusters")
+
+    @_returns_status
+    def UnlinkLlmClusters(self, clusters: Sequence[ClusterInfo], rets: List[Status],
+                          timeout_in_millis: int = 1000, force_flag: bool = False) -> Status:
+        return self._transport_missing("UnlinkLlmClusters")
+
+    @_returns_status
+    def PullKvCache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
+                    size: int = -1, ext_param: KvCacheExtParam = None) -> Status:
+        return self._transport_missing("PullKvCache")
+
+    @_returns_status
+    def PullKvBlocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], ext_param: KvCacheExtParam = None) -> Status:
+        return self._transport_missing("PullKvBlocks")
+
+    @_returns_status
+    def PushKvCache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                    size: int = -1, ext_param: KvCacheExtParam = None) -> Status:
+        return self._transport_missing("PushKvCache")
+
+    @_returns_status
+    def PushKvBlocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], ext_param: KvCacheExtParam = None) -> Status:
+        return self._transport_missing("PushKvBlocks")
