@@ -6,6 +6,7 @@ Set LLM_DATADIST_DEBUG=1 to build with bounds checks, wraparound checks and line
 
 import os
 
+import Cython
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -22,7 +23,11 @@ directives = {
     "linetrace": DEBUG,
     "auto_pickle": False,
 }
-macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("LLM_DATADIST_DEBUG", "1" if DEBUG else "0")]
+macros = [
+    ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+    ("LLM_DATADIST_DEBUG", "1" if DEBUG else "0"),
+    ("LLM_DATADIST_CYTHON_VERSION", f'"{Cython.__version__}"'),
+]
 if DEBUG:
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
     compile_args = ["-O0", "-g"]

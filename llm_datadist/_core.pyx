@@ -39,8 +39,12 @@ cdef extern from *:
     #ifndef LLM_DATADIST_DEBUG
     #define LLM_DATADIST_DEBUG 0
     #endif
+    #ifndef LLM_DATADIST_CYTHON_VERSION
+    #define LLM_DATADIST_CYTHON_VERSION "unknown"
+    #endif
     """
     int LLM_DATADIST_DEBUG
+    const char *LLM_DATADIST_CYTHON_VERSION
 
 MEMCPY_HOST_TO_HOST = DD_MEMCPY_HOST_TO_HOST
 MEMCPY_HOST_TO_DEVICE = DD_MEMCPY_HOST_TO_DEVICE
@@ -55,6 +59,8 @@ MEMCPY_KIND_NAMES = {
 
 #: True when the extension was built with LLM_DATADIST_DEBUG=1 (bounds checks, line tracing).
 DEBUG_BUILD = bool(LLM_DATADIST_DEBUG)
+#: The Cython version that generated this extension.
+CYTHON_VERSION = LLM_DATADIST_CYTHON_VERSION.decode()
 
 # The status codes as compiled from dd_status.h (tests compare them with llm_datadist.status).
 C_STATUS_CODES = {

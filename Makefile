@@ -1,0 +1,20 @@
+.PHONY: build debug test bench lint clean
+
+build:        ## compile the Cython core in place
+	python setup.py build_ext --inplace
+
+debug:        ## build with bounds checks and line tracing (LLM_DATADIST_DEBUG=1)
+	LLM_DATADIST_DEBUG=1 python setup.py build_ext --inplace --force
+
+test:         ## the test suite (same command as the README and CI)
+	python -m pytest
+
+bench:        ## pytest-benchmark suites
+	python -m pytest bench/ --benchmark-only
+
+lint:
+	ruff check llm_datadist tests bench
+	cython-lint llm_datadist/*.pyx llm_datadist/*.pxd
+
+clean:
+	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/*.so
