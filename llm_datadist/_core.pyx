@@ -11,11 +11,10 @@ whose source and destination both continue the previous one are merged. An *exec
 through a device runtime with the GIL released.
 """
 
-from cpython.buffer cimport PyBUF_WRITABLE
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memmove, memset
-from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlerror, dlopen, dlsym
+from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
 cimport numpy as cnp
 
@@ -118,7 +117,8 @@ cdef int _host_set_device(void *ctx, int32_t device_id) noexcept nogil:
 cdef int _host_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
     cdef int rc = posix_memalign(ptr, _ALIGNMENT, size if size > 0 else 1)
     if rc == 0:
-        # Library-owned memory starts zeroed so that a cache's content never depends on the heap.
+        # Host and cpu-runtime memory starts zeroed (acl/cuda device memory, like aclrtMalloc's,
+        # is not initialised).
         memset(ptr[0], 0, size)
     return rc
 
@@ -238,11 +238,43 @@ cdef void *_resolve(void *handle, str library, str symbol) except NULL:
     return fn
 
 
+cdef int _bind_acl(Runtime rt, str library) except -1:
+    cdef int rc
+    rt.acl.init = <dd_aclInit_fn>_resolve(rt.handle, library, "aclInit")
+    rt.acl.set_device = <dd_aclrtSetDevice_fn>_resolve(rt.handle, library, "aclrtSetDevice")
+    rt.acl.malloc = <dd_aclrtMalloc_fn>_resolve(rt.handle, library, "aclrtMalloc")
+    rt.acl.free = <dd_aclrtFree_fn>_resolve(rt.handle, library, "aclrtFree")
+    rt.acl.memcpy = <dd_aclrtMemcpy_fn>_resolve(rt.handle, library, "aclrtMemcpy")
+    rc = rt.acl.init(NULL)
+    if rc != 0 and rc != _ACL_ERROR_REPEAT_INITIALIZE:
+        raise LLMException(f"aclInit failed with error {rc}", status_code=LLMStatusCode.LLM_FAILED)
+    rt.table.ctx = &rt.acl
+    rt.table.set_device = _acl_set_device
+    rt.table.malloc_device = _acl_malloc
+    rt.table.free_device = _acl_free
+    rt.table.memcpy_kind = _acl_memcpy
+    return 0
+
+
+cdef int _bind_cuda(Runtime rt, str library) except -1:
+    rt.cuda.get_device_count = <dd_cudaGetDeviceCount_fn>_resolve(
+        rt.handle, library, "cudaGetDeviceCount")
+    rt.cuda.set_device = <dd_cudaSetDevice_fn>_resolve(rt.handle, library, "cudaSetDevice")
+    rt.cuda.malloc = <dd_cudaMalloc_fn>_resolve(rt.handle, library, "cudaMalloc")
+    rt.cuda.free = <dd_cudaFree_fn>_resolve(rt.handle, library, "cudaFree")
+    rt.cuda.memcpy = <dd_cudaMemcpy_fn>_resolve(rt.handle, library, "cudaMemcpy")
+    rt.table.ctx = &rt.cuda
+    rt.table.set_device = _cuda_set_device
+    rt.table.malloc_device = _cuda_malloc
+    rt.table.free_device = _cuda_free
+    rt.table.memcpy_kind = _cuda_memcpy
+    return 0
+
+
 cdef Runtime _new_runtime(str name, str library):
     cdef Runtime rt = Runtime.__new__(Runtime)
     cdef bytes path
     cdef const char *err
-    cdef int rc
     rt.name = name
     rt.library = library or ""
     rt.host_addressable = name in ("host", "cpu")
@@ -260,33 +292,16 @@ cdef Runtime _new_runtime(str name, str library):
         reason = err.decode(errors="replace") if err != NULL else "unknown error"
         raise LLMException(f"cannot load the {name} runtime library {library}: {reason}",
                            status_code=LLMStatusCode.LLM_FAILED)
-    # The handle is never closed: Allocations and plans may still call into the library at exit.
-    if name == "acl":
-        rt.acl.init = <dd_aclInit_fn>_resolve(rt.handle, library, "aclInit")
-        rt.acl.set_device = <dd_aclrtSetDevice_fn>_resolve(rt.handle, library, "aclrtSetDevice")
-        rt.acl.malloc = <dd_aclrtMalloc_fn>_resolve(rt.handle, library, "aclrtMalloc")
-        rt.acl.free = <dd_aclrtFree_fn>_resolve(rt.handle, library, "aclrtFree")
-        rt.acl.memcpy = <dd_aclrtMemcpy_fn>_resolve(rt.handle, library, "aclrtMemcpy")
-        rc = rt.acl.init(NULL)
-        if rc != 0 and rc != _ACL_ERROR_REPEAT_INITIALIZE:
-            raise LLMException(f"aclInit failed with error {rc}", status_code=LLMStatusCode.LLM_FAILED)
-        rt.table.ctx = &rt.acl
-        rt.table.set_device = _acl_set_device
-        rt.table.malloc_device = _acl_malloc
-        rt.table.free_device = _acl_free
-        rt.table.memcpy_kind = _acl_memcpy
-    else:
-        rt.cuda.get_device_count = <dd_cudaGetDeviceCount_fn>_resolve(
-            rt.handle, library, "cudaGetDeviceCount")
-        rt.cuda.set_device = <dd_cudaSetDevice_fn>_resolve(rt.handle, library, "cudaSetDevice")
-        rt.cuda.malloc = <dd_cudaMalloc_fn>_resolve(rt.handle, library, "cudaMalloc")
-        rt.cuda.free = <dd_cudaFree_fn>_resolve(rt.handle, library, "cudaFree")
-        rt.cuda.memcpy = <dd_cudaMemcpy_fn>_resolve(rt.handle, library, "cudaMemcpy")
-        rt.table.ctx = &rt.cuda
-        rt.table.set_device = _cuda_set_device
-        rt.table.malloc_device = _cuda_malloc
-        rt.table.free_device = _cuda_free
-        rt.table.memcpy_kind = _cuda_memcpy
+    try:
+        if name == "acl":
+            _bind_acl(rt, library)
+        else:
+            _bind_cuda(rt, library)
+    except BaseException:
+        dlclose(rt.handle)
+        rt.handle = NULL
+        raise
+    # Once bound, the handle is never closed: allocations may still call into the library at exit.
     return rt
 
 
@@ -487,10 +502,38 @@ cdef class CopyPlan:
         return f"<CopyPlan {self.count} descriptors, {self.total_bytes} bytes>"
 
 
+cdef inline bint _is_int(object value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+cdef uint64_t _as_uint64(object value, str name) except? 0:
+    if not _is_int(value) or value < 0 or value > UINT64_MAX:
+        raise _param_invalid(f"{name} {value!r} must be an integer in [0, 2**64)")
+    return <uint64_t>value
+
+
+cdef int64_t _as_int64(object value, str name) except? -1:
+    if not _is_int(value) or value < -2**63 or value >= 2**63:
+        raise _param_invalid(f"{name} {value!r} must be an integer in [-2**63, 2**63)")
+    return <int64_t>value
+
+
 cdef object _as_index_array(object values, str name):
-    """``values`` as a C-contiguous int64 array (a copy only when needed)."""
+    """``values`` as a C-contiguous int64 array (a copy only when needed); every entry must be an
+    integer in int64 range, else LLM_PARAM_INVALID naming the first bad entry."""
+    arr = values if isinstance(values, np.ndarray) else None
+    if arr is None or arr.dtype.kind not in "iu":
+        try:
+            arr = np.asarray(values)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise _param_invalid(f"{name} must be a sequence of integers: {exc}") from None
+    if arr.size and (arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.max() > 2**63 - 1)):
+        for i, value in enumerate(values):
+            if not _is_int(value) or not -2**63 <= value < 2**63:
+                raise _param_invalid(f"{name}[{i}] = {value!r} is not an integer in int64 range")
+        raise _param_invalid(f"{name} must be a sequence of integers in int64 range")
     try:
-        arr = np.ascontiguousarray(values, dtype=np.int64)
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
     except (OverflowError, ValueError, TypeError) as exc:
         raise _param_invalid(f"{name} must be a sequence of integers in int64 range: {exc}") from None
     if arr.ndim != 1:
@@ -499,7 +542,7 @@ cdef object _as_index_array(object values, str name):
 
 
 cdef inline Py_ssize_t _first_out_of_range(cnp.int64_t *values, Py_ssize_t n,
-                                          uint64_t limit) noexcept nogil:
+                                           uint64_t limit) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
         if values[i] < 0 or <uint64_t>values[i] >= limit:
@@ -535,7 +578,7 @@ cdef object _tensor_pairs(CacheLayout src, CacheLayout dst, src_tensors, dst_ten
 
 
 def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
-                src_blocks, dst_blocks, int64_t nbytes=-1):
+                src_blocks, dst_blocks, nbytes_arg=-1):
     """Plan block copies: for each selected tensor pair ``(s, d)`` and each ``k``, copy ``nbytes``
     from block ``src_blocks[k]`` of tensor ``s`` to block ``dst_blocks[k]`` of tensor ``d``.
 
@@ -543,6 +586,7 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     block size; it must fit both block sizes. Raises ``LLMException(LLM_PARAM_INVALID)`` naming
     the first bad value; nothing is planned then.
     """
+    cdef int64_t nbytes = _as_int64(nbytes_arg, "nbytes")
     st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
     sb = _checked_indices(src_blocks, src.num_rows, "src_blocks", "blocks")
     db = _checked_indices(dst_blocks, dst.num_rows, "dst_blocks", "blocks")
@@ -575,14 +619,18 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
 
 
 def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
-              uint64_t src_row, uint64_t dst_row, uint64_t src_offset=0, uint64_t dst_offset=0,
-              int64_t size=-1):
+              src_row_arg, dst_row_arg, src_offset_arg=0, dst_offset_arg=0, size_arg=-1):
     """Plan row copies of a contiguous cache: for each selected tensor pair, copy ``size`` bytes
     from ``src_row``/``src_offset`` to ``dst_row``/``dst_offset``.
 
     ``size`` -1 = the rest of the source row after ``src_offset``. Both ranges must lie inside
     their rows; rows must exist. Raises ``LLMException(LLM_PARAM_INVALID)`` otherwise.
     """
+    cdef uint64_t src_row = _as_uint64(src_row_arg, "source batch index")
+    cdef uint64_t dst_row = _as_uint64(dst_row_arg, "destination batch index")
+    cdef uint64_t src_offset = _as_uint64(src_offset_arg, "source offset")
+    cdef uint64_t dst_offset = _as_uint64(dst_offset_arg, "destination offset")
+    cdef int64_t size = _as_int64(size_arg, "size")
     st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
     if src_row >= src.num_rows:
         raise _param_invalid(f"source batch index {src_row} is out of range: the cache has "
@@ -615,12 +663,13 @@ def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, d
 
 
 def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
-                       dst_tensors, uint64_t src_row, dst_blocks):
+                       dst_tensors, src_row_arg, dst_blocks):
     """Plan a contiguous row scattered into blocks: chunk ``k`` of source row ``src_row`` (one
     destination block long; the last chunk may be shorter) goes to block ``dst_blocks[k]``.
 
     Every chunk must start inside the row. Raises ``LLMException(LLM_PARAM_INVALID)`` otherwise.
     """
+    cdef uint64_t src_row = _as_uint64(src_row_arg, "source batch index")
     st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
     if src_row >= src.num_rows:
         raise _param_invalid(f"source batch index {src_row} is out of range: the cache has "
@@ -698,10 +747,11 @@ def inclusive_layer_range_to_tensor_indices(layer_range, uint64_t num_tensors,
     cdef int64_t max_layer = <int64_t>(num_tensors // n) - 1
     try:
         first, second = layer_range
-        first = int(first)
-        second = int(second)
     except (TypeError, ValueError):
         raise _param_invalid(f"layer range must be a pair of ints, got {layer_range!r}") from None
+    if not (_is_int(first) and _is_int(second)):
+        raise _param_invalid(f"layer range must be a pair of ints, got {layer_range!r}")
+    first, second = int(first), int(second)
     if first == -1 and second == -1:
         return list(range((max_layer + 1) * n))
     if first < 0 or second < 0 or first > second or second > max_layer:

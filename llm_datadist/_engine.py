@@ -130,6 +130,7 @@ class Engine:
         self._keys: Dict[tuple, Tuple[CacheRecord, int]] = {}
         self._blocks_keys: Dict[int, CacheRecord] = {}
         self._next_cache_id = 1
+        self._thread_state = threading.local()
 
     # -- life cycle ----------------------------------------------------------------------------
     def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
@@ -146,6 +147,8 @@ class Engine:
                      HOST: _parse_pool(options, "llm.HostMemPoolConfig")}
             runtime, reason = select_runtime()
             runtime.set_device(device_id)
+            self._thread_state = threading.local()
+            self._thread_state.device_bound = True
             self.options = dict(options)
             self.device_id = device_id
             self.sync_kv_timeout_ms = sync_kv_timeout_ms
@@ -227,8 +230,10 @@ class Engine:
     def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
                  blocks_model_id: Optional[int] = None) -> CacheRecord:
-        """Allocate ``num_tensors`` zeroed tensors (device memory through the runtime)."""
+        """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
+        memory starts zeroed, acl/cuda device memory is uninitialised as aclrtMalloc's is)."""
         self.check_initialized()
+        self._bind_thread()
         if num_tensors <= 0:
             raise param_invalid(f"num_tensors must be > 0, got {num_tensors}")
         nbytes = tensor_bytes(shape, data_type)
@@ -348,7 +353,16 @@ class Engine:
                 for addr, owner in zip(record.addrs, owners)]
 
     # -- local transfers -------------------------------------------------------------------------
+    def _bind_thread(self) -> None:
+        """ACL contexts and the CUDA current device belong to a thread: bind each thread that
+        allocates or copies to the engine's device once."""
+        if getattr(self._thread_state, "device_bound", False):
+            return
+        self.runtime.set_device(self.device_id)
+        self._thread_state.device_bound = True
+
     def _run(self, plan, src: CacheRecord, dst: CacheRecord) -> None:
+        self._bind_thread()
         _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)])
 
     def copy_rows(self, dst: CacheRecord, src: CacheRecord, dst_row: int, src_row: int,

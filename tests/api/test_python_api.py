@@ -154,7 +154,7 @@ def test_constructor_checks_types():
 def test_cache_manager_needs_init_and_v2_mode():
     dd = LLMDataDist(LLMRole.DECODER, 2)
     with pytest.raises(RuntimeError, match="not initialized"):
-        dd.cache_manager
+        _ = dd.cache_manager
     dd.init({"ge.exec.deviceId": "0"})
     try:
         assert status(lambda: dd.cache_manager) == PARAM_INVALID

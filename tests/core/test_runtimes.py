@@ -1,0 +1,694 @@
+"""The device-runtime loader, allocations, executors and runtime selection against a stub
+ACL/CUDA runtime (tests/core/stub_runtime.c, built by the fixtures in conftest.py).
+
+The stub implements the vendor entry points over host memory and records every call, so these
+tests check what the library asks the runtime to do (which function, in what order, with which
+kind, sizes and addresses) as well as the bytes that end up moved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_datadist import _core, _device
+from llm_datadist.status import LLMException, LLMStatusCode
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Per runtime: the names of its entry points in the stub's log.
+API = {
+    "acl": {"set_device": "aclrtSetDevice", "malloc": "aclrtMalloc", "free": "aclrtFree",
+            "memcpy": "aclrtMemcpy"},
+    "cuda": {"set_device": "cudaSetDevice", "malloc": "cudaMalloc", "free": "cudaFree",
+             "memcpy": "cudaMemcpy"},
+}
+RUNTIMES = sorted(API)
+DEVICE_KINDS = {
+    "host-to-device": _core.MEMCPY_HOST_TO_DEVICE,
+    "device-to-host": _core.MEMCPY_DEVICE_TO_HOST,
+    "device-to-device": _core.MEMCPY_DEVICE_TO_DEVICE,
+}
+ACL_ERROR_REPEAT_INITIALIZE = 100002
+CUDA_ERROR_INVALID_DEVICE = 101
+
+
+def _loaded(stub, name):
+    """Runtime ``name`` loaded from ``stub``, bound to device 0, with the log emptied."""
+    rt = _core.load_runtime(name, stub.path)
+    rt.set_device(0)
+    stub.reset_log()
+    return rt
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan geometry shared by the executor tests
+# ------------------------------------------------------------------------------------------------
+
+NUM_TENSORS = 2
+NUM_BLOCKS = 4
+BLOCK = 32
+TENSOR_BYTES = NUM_BLOCKS * BLOCK
+SPACING = 256  # tensors sit 256 bytes apart, so no descriptor can continue into the next tensor
+SRC_BLOCKS = [0, 1, 3]
+DST_BLOCKS = [2, 3, 0]
+
+
+class Buffers:
+    """Source and destination tensors carved from one numpy buffer at fixed offsets: source
+    tensor t at ``t * SPACING``, destination tensor t at ``(NUM_TENSORS + t) * SPACING``."""
+
+    def __init__(self):
+        self.backing = np.zeros(2 * NUM_TENSORS * SPACING, dtype=np.uint8)
+        base = self.backing.ctypes.data
+        self.src_addrs = [base + t * SPACING for t in range(NUM_TENSORS)]
+        self.dst_addrs = [base + (NUM_TENSORS + t) * SPACING for t in range(NUM_TENSORS)]
+        rng = np.random.default_rng(1234)
+        for t in range(NUM_TENSORS):
+            self.src(t)[:] = rng.integers(0, 256, size=(NUM_BLOCKS, BLOCK), dtype=np.uint8)
+            self.dst(t)[:] = 0xEE
+        self.src_before = [self.src(t).copy() for t in range(NUM_TENSORS)]
+        self.dst_before = [self.dst(t).copy() for t in range(NUM_TENSORS)]
+
+    def _view(self, offset):
+        return self.backing[offset:offset + TENSOR_BYTES].reshape(NUM_BLOCKS, BLOCK)
+
+    def src(self, t):
+        return self._view(t * SPACING)
+
+    def dst(self, t):
+        return self._view((NUM_TENSORS + t) * SPACING)
+
+    def plan(self):
+        src = _core.CacheLayout(self.src_addrs, NUM_BLOCKS, BLOCK)
+        dst = _core.CacheLayout(self.dst_addrs, NUM_BLOCKS, BLOCK)
+        return _core.plan_blocks(src, dst, None, None, SRC_BLOCKS, DST_BLOCKS)
+
+    def expected_descriptors(self):
+        """(src, dst, nbytes) in plan order: blocks 0,1 -> 2,3 merge into one 64-byte copy, then
+        block 3 -> 0; tensor by tensor."""
+        out = []
+        for s, d in zip(self.src_addrs, self.dst_addrs):
+            out.append((s + 0 * BLOCK, d + 2 * BLOCK, 2 * BLOCK))
+            out.append((s + 3 * BLOCK, d + 0 * BLOCK, BLOCK))
+        return out
+
+    def assert_copied(self, tensors):
+        """Tensors in ``tensors`` hold the planned blocks; the others are untouched."""
+        for t in range(NUM_TENSORS):
+            np.testing.assert_array_equal(self.src(t), self.src_before[t])
+            expected = self.dst_before[t].copy()
+            if t in tensors:
+                for s, d in zip(SRC_BLOCKS, DST_BLOCKS):
+                    expected[d] = self.src_before[t][s]
+            np.testing.assert_array_equal(self.dst(t), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+def test_ctypes_and_core_share_one_loaded_copy(stub):
+    """The core's dlopen(RTLD_LOCAL) and ctypes.CDLL of one path share the stub's globals, in both
+    directions: calls made by the core show in the log read through ctypes, and a failure armed
+    through ctypes is seen by the core."""
+    rt = _core.load_runtime("acl", stub.path)
+    assert stub.names() == ["aclInit"]
+    rt.set_device(7)
+    assert stub.calls()[-1] == stub.calls("aclrtSetDevice")[0]
+    assert stub.calls("aclrtSetDevice")[0].device == 7
+    stub.fail("aclrtSetDevice", 4242)
+    with pytest.raises(LLMException, match="error 4242"):
+        rt.set_device(1)
+
+
+def test_acl_load_calls_aclinit_once_and_set_device(stub):
+    rt = _core.load_runtime("acl", library=stub.path)
+    assert (rt.name, rt.library, rt.host_addressable) == ("acl", stub.path, False)
+    assert stub.path in repr(rt)
+    init = stub.calls()
+    assert [(c.fn, c.rc) for c in init] == [("aclInit", 0)]
+    # The runtime is cached per (name, library): a second load neither re-opens nor re-inits.
+    assert _core.load_runtime("acl", library=stub.path) is rt
+    assert _core.load_runtime("acl", library=Path(stub.path)) is rt
+    rt.set_device(3)
+    assert [(c.fn, c.device, c.rc) for c in stub.calls()] == [("aclInit", -1, 0),
+                                                               ("aclrtSetDevice", 3, 0)]
+    assert rt.device_count() == 1
+
+
+def test_acl_load_accepts_an_already_initialised_acl(stub):
+    """Another framework may have called aclInit first: ACL_ERROR_REPEAT_INITIALIZE is fine."""
+    assert stub.lib.aclInit(None) == 0
+    rt = _core.load_runtime("acl", stub.path)
+    assert [(c.fn, c.rc) for c in stub.calls()] == [("aclInit", 0),
+                                                    ("aclInit", ACL_ERROR_REPEAT_INITIALIZE)]
+    rt.set_device(0)
+
+
+def test_acl_load_fails_when_aclinit_fails_and_is_not_cached(stub):
+    stub.fail("aclInit", 500001)
+    with pytest.raises(LLMException, match="aclInit failed with error 500001") as info:
+        _core.load_runtime("acl", stub.path)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    # The failed load was not cached: the next attempt initialises again and succeeds.
+    rt = _core.load_runtime("acl", stub.path)
+    assert [(c.fn, c.rc) for c in stub.calls()] == [("aclInit", 500001), ("aclInit", 0)]
+    assert rt.name == "acl"
+
+
+def test_acl_set_device_error_raises_llm_failed(stub):
+    rt = _core.load_runtime("acl", stub.path)
+    stub.fail("aclrtSetDevice", 107001)
+    with pytest.raises(LLMException, match=r"acl: set device 5 failed with error 107001") as info:
+        rt.set_device(5)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+
+
+def test_cuda_load_device_count_and_set_device(stub):
+    stub.set_device_count(3)
+    rt = _core.load_runtime("cuda", library=stub.path)
+    assert (rt.name, rt.library, rt.host_addressable) == ("cuda", stub.path, False)
+    assert stub.calls() == []  # loading resolves symbols only; CUDA has no init call
+    assert rt.device_count() == 3
+    assert [(c.fn, c.size) for c in stub.calls()] == [("cudaGetDeviceCount", 3)]
+    stub.set_device_count(5)
+    assert rt.device_count() == 5
+    rt.set_device(2)
+    assert [(c.fn, c.device, c.rc) for c in stub.calls("cudaSetDevice")] == [("cudaSetDevice", 2, 0)]
+    with pytest.raises(LLMException, match=rf"cuda: set device 9 failed with error "
+                                           rf"{CUDA_ERROR_INVALID_DEVICE}") as info:
+        rt.set_device(9)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+
+
+def test_cuda_device_count_is_zero_when_the_query_fails(stub):
+    rt = _core.load_runtime("cuda", stub.path)
+    stub.fail("cudaGetDeviceCount", 35)  # cudaErrorInsufficientDriver
+    assert rt.device_count() == 0
+    assert rt.device_count() == 1  # the switch fired once; the default stub reports one GPU
+
+
+@pytest.mark.parametrize("name, default", [("acl", "libascendcl.so"), ("cuda", "libcudart.so")])
+def test_missing_library_names_the_path(name, default):
+    path = f"/nonexistent/{default}"
+    with pytest.raises(LLMException) as info:
+        _core.load_runtime(name, library=path)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    message = str(info.value)
+    assert path in message and f"cannot load the {name} runtime library" in message
+
+
+@pytest.mark.parametrize("name, symbol", [("acl", "aclrtMemcpy"), ("cuda", "cudaMemcpy")])
+def test_missing_symbol_names_the_symbol(make_stub, name, symbol):
+    incomplete = make_stub("omit_memcpy")
+    assert not hasattr(incomplete.lib, symbol)
+    with pytest.raises(LLMException) as info:
+        _core.load_runtime(name, library=incomplete.path)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert f"{incomplete.path} does not export {symbol}" in str(info.value)
+    # Every symbol is resolved before anything is called: aclInit never ran.
+    assert incomplete.calls() == []
+
+
+@pytest.mark.parametrize("name", ["rocm", "ACL", "", "gpu"])
+def test_unknown_runtime_name_is_param_invalid(name):
+    with pytest.raises(LLMException, match="unknown device runtime") as info:
+        _core.load_runtime(name)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+# ------------------------------------------------------------------------------------------------
+# Allocations
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", RUNTIMES)
+@pytest.mark.parametrize("nbytes", [4096, 1])
+def test_device_allocation_mallocs_and_frees_on_collection(stub, name, nbytes):
+    api = API[name]
+    rt = _loaded(stub, name)
+    alloc = _core.Allocation(rt, nbytes, True)
+    addr = alloc.addr
+    (malloc,) = stub.calls()
+    assert (malloc.fn, malloc.size, malloc.rc, malloc.dst) == (api["malloc"], nbytes, 0, addr)
+    if name == "acl":
+        assert malloc.kind == 0  # ACL_MEM_MALLOC_HUGE_FIRST
+    assert (alloc.nbytes, alloc.on_device, alloc.runtime, alloc.host_addressable) == (
+        nbytes, True, rt, False)
+    assert stub.live_allocations() == 1
+    del alloc
+    gc.collect()
+    assert [(c.fn, c.dst, c.rc) for c in stub.calls()[1:]] == [(api["free"], addr, 0)]
+    assert stub.live_allocations() == 0
+
+
+def test_zero_byte_acl_allocation_asks_for_one_byte(stub):
+    """aclrtMalloc rejects size 0, so the core asks for one byte."""
+    rt = _loaded(stub, "acl")
+    alloc = _core.Allocation(rt, 0, True)
+    (malloc,) = stub.calls()
+    assert (malloc.fn, malloc.size, malloc.rc, malloc.dst) == ("aclrtMalloc", 1, 0, alloc.addr)
+    assert alloc.nbytes == 0
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_host_allocation_does_not_touch_the_runtime(stub, name):
+    rt = _loaded(stub, name)
+    alloc = _core.Allocation(rt, 256, False)
+    assert alloc.addr != 0 and not alloc.on_device and alloc.host_addressable
+    view = _core.HostRegion(alloc.addr, alloc.nbytes, alloc).as_array(np.uint8, (256,))
+    assert not view.any()  # library-owned host memory starts zeroed
+    view[:] = 7
+    del view, alloc
+    gc.collect()
+    assert stub.calls() == []
+    assert stub.live_allocations() == 0
+
+
+@pytest.mark.parametrize("name, code", [("acl", 207001), ("cuda", 2)])
+def test_device_allocation_failure_is_device_out_of_memory(stub, name, code):
+    rt = _loaded(stub, name)
+    stub.fail(API[name]["malloc"], code)
+    with pytest.raises(LLMException, match=rf"{name}: allocating 1024 bytes failed \(error {code}\)") as info:
+        _core.Allocation(rt, 1024, True)
+    assert info.value.status_code == LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+    assert [(c.fn, c.rc) for c in stub.calls()] == [(API[name]["malloc"], code)]
+    assert stub.live_allocations() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Executors
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", RUNTIMES)
+@pytest.mark.parametrize("kind_name", list(DEVICE_KINDS))
+def test_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_name):
+    kind = DEVICE_KINDS[kind_name]
+    rt = _loaded(stub, name)
+    buffers = Buffers()
+    plan = buffers.plan()
+    expected = buffers.expected_descriptors()
+    assert [tuple(int(v) for v in row) for row in plan.descriptors()] == expected
+    assert plan.total_bytes == NUM_TENSORS * len(SRC_BLOCKS) * BLOCK
+
+    _core.execute(plan, rt, kind)
+
+    calls = stub.calls()
+    assert [c.fn for c in calls] == [API[name]["memcpy"]] * len(expected)
+    assert [(c.src, c.dst, c.size) for c in calls] == expected
+    assert all(c.kind == kind and c.rc == 0 and c.device == 0 for c in calls)
+    if name == "acl":
+        assert all(c.dest_max == c.size for c in calls)
+    buffers.assert_copied(tensors=range(NUM_TENSORS))
+
+
+def test_memcpy_kind_numbers_match_acl_and_cuda():
+    """The core passes its kind straight to aclrtMemcpy/cudaMemcpy: the numbers must agree."""
+    assert (_core.MEMCPY_HOST_TO_HOST, _core.MEMCPY_HOST_TO_DEVICE, _core.MEMCPY_DEVICE_TO_HOST,
+            _core.MEMCPY_DEVICE_TO_DEVICE) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_execute_host_to_host_does_not_call_the_runtime(stub, name):
+    rt = _loaded(stub, name)
+    buffers = Buffers()
+    _core.execute(buffers.plan(), rt, _core.MEMCPY_HOST_TO_HOST)
+    assert stub.calls() == []
+    buffers.assert_copied(tensors=range(NUM_TENSORS))
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+@pytest.mark.parametrize("kind", [-1, 4, 99])
+def test_execute_rejects_unknown_kind_before_any_copy(stub, name, kind):
+    rt = _loaded(stub, name)
+    buffers = Buffers()
+    with pytest.raises(LLMException, match=f"memcpy kind {kind} is not one of 0..3") as info:
+        _core.execute(buffers.plan(), rt, kind)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert stub.calls() == []
+    buffers.assert_copied(tensors=())
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_execute_failure_names_runtime_and_descriptor_and_stops(stub, name):
+    rt = _loaded(stub, name)
+    buffers = Buffers()
+    plan = buffers.plan()
+    assert len(plan) == 4
+    stub.fail(API[name]["memcpy"], 507899, skip=2)  # descriptor 2 = first copy of tensor 1
+    with pytest.raises(LLMException) as info:
+        _core.execute(plan, rt, _core.MEMCPY_DEVICE_TO_HOST)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    message = str(info.value)
+    assert message.startswith(f"{name}: device-to-host copy failed with error 507899")
+    assert "at descriptor 2 of 4" in message
+    calls = stub.calls()
+    assert [c.rc for c in calls] == [0, 0, 507899]  # descriptor 3 was never attempted
+    assert [(c.src, c.dst, c.size) for c in calls] == buffers.expected_descriptors()[:3]
+    buffers.assert_copied(tensors=(0,))  # tensor 0 done; tensor 1 untouched
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_runtime_memcpy_single_range(stub, name):
+    rt = _loaded(stub, name)
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    rt.memcpy(dst.ctypes.data + 8, src.ctypes.data, 40, _core.MEMCPY_DEVICE_TO_DEVICE)
+    (call,) = stub.calls()
+    assert (call.fn, call.dst, call.src, call.size, call.kind) == (
+        API[name]["memcpy"], dst.ctypes.data + 8, src.ctypes.data, 40, 3)
+    np.testing.assert_array_equal(dst[8:48], src[:40])
+    assert not dst[:8].any() and not dst[48:].any()
+    stub.fail(API[name]["memcpy"], 17)
+    with pytest.raises(LLMException, match=rf"{name}: memcpy host-to-device of 40 bytes failed "
+                                           rf"with error 17") as info:
+        rt.memcpy(dst.ctypes.data, src.ctypes.data, 40, _core.MEMCPY_HOST_TO_DEVICE)
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    with pytest.raises(LLMException, match="memcpy kind 5 is not one of 0..3"):
+        rt.memcpy(dst.ctypes.data, src.ctypes.data, 40, 5)
+    assert len(stub.calls()) == 2
+
+
+def test_stub_acl_memcpy_checks_dest_max(stub):
+    """Sanity check of the stub itself: aclrtMemcpy refuses destMax < count and copies nothing."""
+    memcpy = stub.lib.aclrtMemcpy
+    memcpy.restype = ctypes.c_int
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert stub.lib.aclrtSetDevice(0) == 0
+    src = np.full(16, 9, dtype=np.uint8)
+    dst = np.zeros(16, dtype=np.uint8)
+    assert memcpy(dst.ctypes.data, 15, src.ctypes.data, 16, 1) == 100000  # ACL_ERROR_INVALID_PARAM
+    assert not dst.any()
+    assert memcpy(dst.ctypes.data, 16, src.ctypes.data, 16, 1) == 0
+    assert (dst == 9).all()
+    assert [(c.dest_max, c.size, c.rc) for c in stub.calls("aclrtMemcpy")] == [(15, 16, 100000),
+                                                                              (16, 16, 0)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection (llm_datadist._device)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def device_env(monkeypatch):
+    """A clean selection state: no LLM_DATADIST_* variables, an empty per-configuration cache."""
+    for var in ("LLM_DATADIST_DEVICE", "LLM_DATADIST_ACL_LIBRARY", "LLM_DATADIST_CUDA_LIBRARY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(_device, "_chosen", {})
+    return monkeypatch
+
+
+@pytest.mark.parametrize("value", ["acl", "ascend", " NPU "])
+def test_select_acl_from_env(device_env, stub, value):
+    device_env.setenv("LLM_DATADIST_DEVICE", value)
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", stub.path)
+    runtime, reason = _device.select_runtime()
+    assert (runtime.name, runtime.library) == ("acl", stub.path)
+    assert reason == f"LLM_DATADIST_DEVICE={value.strip().lower()}: {stub.path} loaded"
+    assert stub.names() == ["aclInit"]
+    # Cached per configuration: the same answer, no second load.
+    assert _device.select_runtime() == (runtime, reason)
+    assert stub.names() == ["aclInit"]
+
+
+def test_select_cuda_with_a_gpu(device_env, stub):
+    stub.set_device_count(2)
+    device_env.setenv("LLM_DATADIST_DEVICE", "gpu")
+    device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
+    runtime, reason = _device.select_runtime()
+    assert (runtime.name, runtime.library) == ("cuda", stub.path)
+    assert reason == f"LLM_DATADIST_DEVICE=gpu: {stub.path} loaded"
+
+
+def test_select_cuda_without_gpu_raises(device_env, stub):
+    stub.set_device_count(0)
+    device_env.setenv("LLM_DATADIST_DEVICE", "cuda")
+    device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
+    with pytest.raises(LLMException) as info:
+        _device.select_runtime()
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert (f"LLM_DATADIST_DEVICE=cuda but the runtime is not usable: {stub.path} loaded but "
+            f"reports no GPU") in str(info.value)
+    assert stub.names() == ["cudaGetDeviceCount"]
+    assert _device._chosen == {}
+
+
+def test_select_acl_with_missing_library_raises(device_env):
+    device_env.setenv("LLM_DATADIST_DEVICE", "acl")
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
+    with pytest.raises(LLMException, match="/nonexistent/libascendcl.so") as info:
+        _device.select_runtime()
+    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+
+
+def test_select_auto_falls_back_to_cpu(device_env, stub):
+    stub.set_device_count(0)
+    device_env.setenv("LLM_DATADIST_DEVICE", "auto")
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
+    device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
+    runtime, reason = _device.select_runtime()
+    assert runtime.name == "cpu" and runtime.host_addressable
+    assert reason.startswith("auto-detected: always available")
+    assert stub.names() == ["cudaGetDeviceCount"]  # cuda was probed and refused
+
+
+@pytest.mark.parametrize("acl_present, gpus, expected", [
+    (True, 1, "acl"),    # acl wins over an available cuda
+    (False, 1, "cuda"),
+    (True, 0, "acl"),
+])
+def test_select_auto_order(device_env, make_stub, acl_present, gpus, expected):
+    acl_stub, cuda_stub = make_stub(), make_stub()
+    cuda_stub.set_device_count(gpus)
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY",
+                      acl_stub.path if acl_present else "/nonexistent/libascendcl.so")
+    device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", cuda_stub.path)
+    runtime, reason = _device.select_runtime()  # LLM_DATADIST_DEVICE unset = auto
+    chosen = {"acl": acl_stub, "cuda": cuda_stub}[expected]
+    assert (runtime.name, runtime.library) == (expected, chosen.path)
+    assert reason == f"auto-detected: {chosen.path} loaded"
+    if expected == "acl":
+        assert cuda_stub.calls() == []  # not probed once acl was usable
+
+
+def test_select_cache_is_per_configuration(device_env, make_stub):
+    """The choice is cached per (device, acl library, cuda library): changing the library
+    variable selects again, returning to the first configuration returns the first choice."""
+    first, second = make_stub(), make_stub()
+    device_env.setenv("LLM_DATADIST_DEVICE", "acl")
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
+    chosen_first = _device.select_runtime()
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", second.path)
+    chosen_second = _device.select_runtime()
+    assert chosen_first[0].library == first.path
+    assert chosen_second[0].library == second.path
+    device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
+    again = _device.select_runtime()
+    assert again == chosen_first and again[0] is chosen_first[0]
+    assert first.names() == ["aclInit"] and second.names() == ["aclInit"]
+    # The cpu choice does not depend on the library variables being valid.
+    device_env.setenv("LLM_DATADIST_DEVICE", "cpu")
+    runtime, reason = _device.select_runtime()
+    assert runtime.name == "cpu" and reason.startswith("LLM_DATADIST_DEVICE=cpu: always available")
+
+
+@pytest.mark.parametrize("value", ["bogus", "rocm", "acl,cuda"])
+def test_select_unknown_device_is_param_invalid(device_env, value):
+    device_env.setenv("LLM_DATADIST_DEVICE", value)
+    with pytest.raises(LLMException, match="is not one of auto, cpu, acl, cuda") as info:
+        _device.select_runtime()
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end through the public API, in a child process
+# ------------------------------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import ctypes, gc, json, sys
+
+    import numpy as np
+
+    from llm_datadist import (Cache, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole,
+                              Placement)
+
+    stub = ctypes.CDLL(sys.argv[1])
+
+    class Entry(ctypes.Structure):
+        _fields_ = [("fn", ctypes.c_int32), ("kind", ctypes.c_int32), ("device", ctypes.c_int32),
+                    ("rc", ctypes.c_int32), ("size", ctypes.c_uint64), ("dest_max", ctypes.c_uint64),
+                    ("dst", ctypes.c_uint64), ("src", ctypes.c_uint64)]
+
+    stub.stub_fn_name.restype = ctypes.c_char_p
+    stub.stub_log_entry.argtypes = [ctypes.c_int, ctypes.POINTER(Entry)]
+    stub.stub_live_allocations.restype = ctypes.c_int64
+
+    def log():
+        out = []
+        for i in range(stub.stub_log_count()):
+            e = Entry()
+            assert stub.stub_log_entry(i, ctypes.byref(e)) == 0
+            out.append({"fn": stub.stub_fn_name(e.fn).decode(), "kind": e.kind, "device": e.device,
+                        "rc": e.rc, "size": e.size, "dest_max": e.dest_max, "dst": e.dst,
+                        "src": e.src})
+        return out
+
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.mem_pool_cfg = '{"memory_size": 10000000}'
+    dd.init(config.generate_options())
+    cm = dd.cache_manager
+    dev = cm.allocate_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_INT32, Placement.DEVICE))
+    host_desc = CacheDesc(2, [4, 8], DataType.DT_INT32, Placement.HOST)
+    h_in = [np.arange(32, dtype=np.int32).reshape(4, 8) + 1000 * (t + 1) for t in range(2)]
+    h_out = [np.full((4, 8), -1, dtype=np.int32) for _ in range(2)]
+    cache_in = Cache.create_cpu_cache(host_desc, h_in)
+    cache_out = Cache.create_cpu_cache(host_desc, h_out)
+    marks = {"allocated": stub.stub_log_count()}
+    cm.swap_blocks(cache_in, dev, {0: 0, 1: 1})          # swap in: blocks 0,1 host -> device
+    marks["swapped_in"] = stub.stub_log_count()
+    cm.copy_blocks(dev, {0: [2], 1: [3]})                # device blocks 0,1 -> 2,3
+    marks["copied"] = stub.stub_log_count()
+    cm.swap_blocks(dev, cache_out, {2: 0, 3: 1, 0: 3})   # swap out: device -> host blocks 0,1,3
+    marks["swapped_out"] = stub.stub_log_count()
+    result = {
+        "marks": marks,
+        "dev_addrs": list(dev.tensor_addrs),
+        "in_addrs": [int(a.ctypes.data) for a in h_in],
+        "out_addrs": [int(a.ctypes.data) for a in h_out],
+        "h_in": [a.tolist() for a in h_in],
+        "h_out": [a.tolist() for a in h_out],
+        "live_before_finalize": stub.stub_live_allocations(),
+    }
+    dd.finalize()
+    del dev
+    gc.collect()
+    result["log"] = log()
+    result["live_after_finalize"] = stub.stub_live_allocations()
+    print("RESULT " + json.dumps(result))
+""")
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
+    api = API[name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
+    env["LLM_DATADIST_DEVICE"] = name
+    env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, stub.path], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0][len("RESULT "):])
+    log, marks = result["log"], result["marks"]
+    names = [c["fn"] for c in log]
+    tensor = 4 * 8 * 4  # [4, 8] int32
+    block = 8 * 4
+
+    # Start-up and allocation.
+    prefix = ["aclInit"] if name == "acl" else ["cudaGetDeviceCount"]
+    start = prefix + [api["set_device"], api["malloc"], api["malloc"]]
+    assert names[:marks["allocated"]] == start
+    set_device = log[len(prefix)]
+    assert (set_device["device"], set_device["rc"]) == (0, 0)
+    mallocs = log[len(prefix) + 1:marks["allocated"]]
+    assert [m["size"] for m in mallocs] == [tensor, tensor]
+    assert [m["dst"] for m in mallocs] == result["dev_addrs"]
+    if name == "acl":
+        assert all(m["kind"] == 0 for m in mallocs)
+
+    # Copies: (kind, src, dst, nbytes) in order; adjacent blocks merge into one descriptor.
+    dev, h_in, h_out = result["dev_addrs"], result["in_addrs"], result["out_addrs"]
+    copy_calls = log[marks["allocated"]:marks["swapped_out"]]
+    assert [c["fn"] for c in copy_calls] == [api["memcpy"]] * len(copy_calls)
+
+    def copies(begin, end):
+        return [(c["kind"], c["src"], c["dst"], c["size"]) for c in log[marks[begin]:marks[end]]]
+
+    assert copies("allocated", "swapped_in") == [(1, h_in[t], dev[t], 2 * block) for t in range(2)]
+    assert copies("swapped_in", "copied") == [(3, dev[t], dev[t] + 2 * block, 2 * block)
+                                              for t in range(2)]
+    assert copies("copied", "swapped_out") == [c for t in range(2) for c in (
+        (2, dev[t] + 2 * block, h_out[t], 2 * block),
+        (2, dev[t], h_out[t] + 3 * block, block))]
+    assert all(c["rc"] == 0 and c["device"] == 0 for c in copy_calls)
+    if name == "acl":
+        assert all(c["dest_max"] == c["size"] for c in copy_calls)
+
+    # The bytes: host blocks 0,1 went to device blocks 0,1 and on to 2,3; out-blocks 0,1 come
+    # from device blocks 2,3, out-block 3 from device block 0; out-block 2 keeps its -1s.
+    for t in range(2):
+        src, out = np.array(result["h_in"][t]), np.array(result["h_out"][t])
+        np.testing.assert_array_equal(out[0], src[0])
+        np.testing.assert_array_equal(out[1], src[1])
+        np.testing.assert_array_equal(out[3], src[0])
+        np.testing.assert_array_equal(out[2], np.full(8, -1))
+
+    # finalize releases the device memory through the runtime.
+    assert result["live_before_finalize"] == 2
+    frees = log[marks["swapped_out"]:]
+    assert [c["fn"] for c in frees] == [api["free"], api["free"]]
+    assert sorted(c["dst"] for c in frees) == sorted(dev)
+    assert result["live_after_finalize"] == 0
+
+
+_CHILD_THREADS = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    from llm_datadist import Cache, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.mem_pool_cfg = '{"memory_size": 10000000}'
+    dd.init(config.generate_options())
+    cm = dd.cache_manager
+    dev = cm.allocate_blocks_cache(CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.DEVICE))
+    host = np.arange(32, dtype=np.int32).reshape(4, 8)
+    out = np.zeros((4, 8), np.int32)
+    desc = CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.HOST)
+    errors = []
+
+    def worker():
+        try:
+            cm.swap_blocks(Cache.create_cpu_cache(desc, [host]), dev, {2: 1})
+            cm.swap_blocks(dev, Cache.create_cpu_cache(desc, [out]), {1: 0})
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(30)
+    assert not errors, errors
+    assert (out[0] == host[2]).all(), out
+    dd.finalize()
+    print("THREADS OK")
+""")
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_worker_threads_are_bound_to_the_device(stub, tmp_path, name):
+    """ACL contexts and the CUDA current device are per thread: copies issued from a thread other
+    than the one that called init must still run on the configured device."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
+    env["LLM_DATADIST_DEVICE"] = name
+    env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", _CHILD_THREADS], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "THREADS OK" in proc.stdout
