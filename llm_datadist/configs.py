@@ -75,6 +75,7 @@ class LLMConfig:
         self._global_resource_config = None
         self._deploy_res_path = None
         self._output_max_size = None
+        self._cluster_info = None
 
     # -- device and timeouts --------------------------------------------------------------------
     @property
@@ -263,6 +264,15 @@ class LLMConfig:
         self._deploy_res_path = value
 
     @property
+    def cluster_info(self):
+        return self._cluster_info
+
+    @cluster_info.setter
+    def cluster_info(self, value) -> None:
+        check_isinstance("cluster_info", value, dict, allow_none=False)
+        self._cluster_info = value
+
+    @property
     def output_max_size(self):
         return self._output_max_size
 
@@ -312,6 +322,8 @@ class LLMConfig:
         if self._global_resource_config is not None:
             opts["llm.GlobalResourceConfig"] = self._global_resource_config
         opts["llm.MemoryUtilization"] = str(self._mem_utilization)
+        if self._cluster_info is not None:
+            opts["llm.ClusterInfo"] = json.dumps(_pack_ips(self._cluster_info))
         if self._output_max_size is not None:
             opts["llm.OutputMaxSize"] = str(self._output_max_size)
         return opts
@@ -335,6 +347,15 @@ def pack_ip(ip) -> int:
 
 def unpack_ip(ip: int) -> str:
     return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
+
+
+def _pack_ips(value):
+    """The legacy cluster_info structure with every ``"ip"`` string packed to its integer form."""
+    if isinstance(value, dict):
+        return {k: pack_ip(v) if k == "ip" and isinstance(v, str) else _pack_ips(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_pack_ips(v) for v in value]
+    return value
 
 
 class LLMClusterInfo:

@@ -78,6 +78,27 @@ def test_generate_options_emits_only_what_was_set():
     assert json.loads(options["llm.MemPoolConfig"]) == {"memory_size": 1024}
 
 
+def test_legacy_cluster_info_packs_ips():
+    cfg = LLMConfig()
+    cfg.cluster_info = {"cluster_id": 1, "listen_ip_info": [{"ip": "1.0.0.127", "port": 26000}]}
+    packed = json.loads(cfg.generate_options()["llm.ClusterInfo"])
+    assert packed == {"cluster_id": 1, "listen_ip_info": [{"ip": 0x7F000001, "port": 26000}]}
+
+
+def test_cluster_info_packs_ips_little_endian():
+    info = ld.LLMClusterInfo()
+    info.remote_cluster_id = 2
+    info.append_remote_ip_info("127.0.0.1", 26000)
+    info.append_local_ip_info(16777343, 0)
+    assert info.remote_ip_info_list == [(0x0100007F, 26000)] and info.local_ip_info_list == [(16777343, 0)]
+    with pytest.raises(ValueError):
+        info.append_remote_ip_info("300.1.1.1", 1)
+    with pytest.raises(ValueError):
+        info.append_remote_ip_info("127.0.0.1", 70000)
+    with pytest.raises(ValueError):
+        info.remote_cluster_id = -1
+
+
 @pytest.mark.parametrize("name,value,error", [
     ("device_id", "0", TypeError), ("device_id", -1, ValueError), ("sync_kv_timeout", 0, LLMException),
     ("sync_kv_timeout", 2**31, ValueError), ("sync_kv_timeout", "12a", LLMException),
