@@ -513,6 +513,17 @@ def test_select_unknown_device_is_param_invalid(device_env, value):
 # End to end through the public API, in a child process
 # ------------------------------------------------------------------------------------------------
 
+# Both child programs start the same way: one initialized LLMDataDist on the stub runtime.
+_CHILD_INIT = textwrap.dedent("""
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.mem_pool_cfg = '{"memory_size": 10000000}'
+    dd.init(config.generate_options())
+    cm = dd.cache_manager
+""")
+
 _CHILD = textwrap.dedent("""
     import ctypes, gc, json, sys
 
@@ -542,13 +553,7 @@ _CHILD = textwrap.dedent("""
                         "src": e.src})
         return out
 
-    dd = LLMDataDist(LLMRole.PROMPT, 1)
-    config = LLMConfig()
-    config.device_id = 0
-    config.enable_cache_manager = True
-    config.mem_pool_cfg = '{"memory_size": 10000000}'
-    dd.init(config.generate_options())
-    cm = dd.cache_manager
+""") + _CHILD_INIT + textwrap.dedent("""
     dev = cm.allocate_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_INT32, Placement.DEVICE))
     host_desc = CacheDesc(2, [4, 8], DataType.DT_INT32, Placement.HOST)
     h_in = [np.arange(32, dtype=np.int32).reshape(4, 8) + 1000 * (t + 1) for t in range(2)]
@@ -650,13 +655,7 @@ _CHILD_THREADS = textwrap.dedent("""
     import numpy as np
     from llm_datadist import Cache, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 
-    dd = LLMDataDist(LLMRole.PROMPT, 1)
-    config = LLMConfig()
-    config.device_id = 0
-    config.enable_cache_manager = True
-    config.mem_pool_cfg = '{"memory_size": 10000000}'
-    dd.init(config.generate_options())
-    cm = dd.cache_manager
+""") + _CHILD_INIT + textwrap.dedent("""
     dev = cm.allocate_blocks_cache(CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.DEVICE))
     host = np.arange(32, dtype=np.int32).reshape(4, 8)
     out = np.zeros((4, 8), np.int32)
