@@ -16,7 +16,6 @@ from llm_datadist._validate import (
     check_isinstance,
     check_uint32,
     check_uint64,
-    is_instance_strict,
     param_invalid,
     raise_if_false,
 )
@@ -467,7 +466,3 @@ class CacheTask:
         if not self._join(timeout_in_millis):
             return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
         return list(self._results)
-
-
-def is_int(value) -> bool:
-    return is_instance_strict(value, int)
