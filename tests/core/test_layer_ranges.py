@@ -8,7 +8,6 @@ and ValueError in the reference.
 
 from __future__ import annotations
 
-import re
 
 import pytest
 from hypothesis import event, given, settings
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from llm_datadist import _core
 from llm_datadist import _reference as ref
 from llm_datadist.status import LLMException, LLMStatusCode
+from refusals import assert_both_refuse, names
 
 PROPERTY = settings(max_examples=1000, deadline=None)
 
@@ -43,13 +43,6 @@ CPP_PAIRS = weighted(
     (2, st.tuples(st.integers(-3, 8), st.integers(-3, 8))),
     (1, st.sampled_from([None, (1,), (1, 2, 3), [0, 1], "ab", 5, (None, 1), (0, "x")])),
 )
-
-def names(message, value):
-    """Does ``message`` name ``value`` (an int as a whole number, anything else by str or repr)?"""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return re.search(rf"(?<![0-9]){value}(?![0-9])", message) is not None
-    return str(value) in message or repr(value) in message
-
 
 def same_outcome(core_call, ref_call):
     """Both return the same list(s), or both refuse: ValueError / LLMException(LLM_PARAM_INVALID)."""
@@ -192,12 +185,8 @@ def test_default_n_need_not_divide_the_tensor_count():
     ((0, 1), 4, 2, "tuple"),                     # not a range
 ])
 def test_invalid_python_ranges(layer_range, num_tensors, n, bad):
-    with pytest.raises(LLMException) as info:
-        _core.layer_range_to_tensor_indices(layer_range, num_tensors, n)
-    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-    assert names(info.value.args[0], bad)
-    with pytest.raises(ValueError):
-        ref.layer_range_to_tensor_indices(layer_range, num_tensors, n)
+    assert_both_refuse(lambda: _core.layer_range_to_tensor_indices(layer_range, num_tensors, n),
+                       lambda: ref.layer_range_to_tensor_indices(layer_range, num_tensors, n), bad)
 
 
 @pytest.mark.parametrize("pair, num_tensors, n, bad", [
@@ -215,12 +204,8 @@ def test_invalid_python_ranges(layer_range, num_tensors, n, bad):
     (None, 4, 2, "None"),                        # only resolve_layer_ranges maps None to (-1, -1)
 ])
 def test_invalid_cpp_pairs(pair, num_tensors, n, bad):
-    with pytest.raises(LLMException) as info:
-        _core.inclusive_layer_range_to_tensor_indices(pair, num_tensors, n)
-    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-    assert names(info.value.args[0], bad)
-    with pytest.raises(ValueError):
-        ref.inclusive_layer_range_to_tensor_indices(pair, num_tensors, n)
+    assert_both_refuse(lambda: _core.inclusive_layer_range_to_tensor_indices(pair, num_tensors, n),
+                       lambda: ref.inclusive_layer_range_to_tensor_indices(pair, num_tensors, n), bad)
 
 
 @pytest.mark.parametrize("src_range, dst_range, src_tensors, dst_tensors, inclusive", [
