@@ -42,7 +42,14 @@ extensions = [
         define_macros=macros,
         extra_compile_args=compile_args,
         libraries=["dl"],
-    )
+    ),
+    Extension(
+        "llm_datadist._planes",
+        ["llm_datadist/_planes.pyx"],
+        include_dirs=["include", numpy.get_include()],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["."]))

@@ -518,9 +518,30 @@ cdef int64_t _as_int64(object value, str name) except? -1:
     return <int64_t>value
 
 
+cdef inline cnp.int64_t *_i64(object arr):
+    # The data of a C-contiguous int64 array made by the helpers below (no buffer acquisition:
+    # it costs more than the planning of a short list).
+    return <cnp.int64_t *>cnp.PyArray_DATA(<cnp.ndarray>arr)
+
+
 cdef object _as_index_array(object values, str name):
     """``values`` as a C-contiguous int64 array (a copy only when needed); every entry must be an
     integer in int64 range, else LLM_PARAM_INVALID naming the first bad entry."""
+    cdef Py_ssize_t i, n
+    cdef cnp.int64_t *out
+    if type(values) is list or type(values) is tuple:
+        # Fast path for the short lists of the latency-bound calls: exact ints only.
+        n = len(values)
+        if n <= 64:
+            arr = np.empty(n, dtype=np.int64)
+            out = _i64(arr)
+            for i in range(n):
+                value = values[i]
+                if type(value) is not int or not -2**63 <= value < 2**63:
+                    break
+                out[i] = value
+            else:
+                return arr
     arr = values if isinstance(values, np.ndarray) else None
     if arr is None or arr.dtype.kind not in "iu":
         try:
@@ -555,11 +576,11 @@ cdef object _checked_indices(object values, uint64_t limit, str name, str what):
     if values is None:
         return np.arange(limit, dtype=np.int64)
     arr = _as_index_array(values, name)
-    cdef cnp.int64_t[::1] view = arr
-    cdef Py_ssize_t bad = -1
-    if arr.shape[0] > 0:
+    cdef cnp.int64_t *view = _i64(arr)
+    cdef Py_ssize_t bad = -1, n = arr.shape[0]
+    if n > 0:
         with nogil:
-            bad = _first_out_of_range(&view[0], view.shape[0], limit)
+            bad = _first_out_of_range(view, n, limit)
     if bad >= 0:
         raise _param_invalid(f"{name}[{bad}] = {arr[bad]} is out of range: the cache has "
                              f"{limit} {what} (valid: 0..{limit - 1 if limit else 'none'})")
@@ -605,7 +626,10 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     if nt > 0 and <size_t>nb > (<size_t>-1) // <size_t>nt:
         raise _param_invalid("too many descriptors")
     plan.reserve(<size_t>nt * <size_t>nb)
-    cdef cnp.int64_t[::1] stv = st, dtv = dt, sbv = sb, dbv = db
+    cdef cnp.int64_t *stv = _i64(st)
+    cdef cnp.int64_t *dtv = _i64(dt)
+    cdef cnp.int64_t *sbv = _i64(sb)
+    cdef cnp.int64_t *dbv = _i64(db)
     cdef Py_ssize_t t, k
     cdef uint64_t sbase, dbase, n = <uint64_t>nbytes
     cdef uint64_t sstride = src.row_bytes, dstride = dst.row_bytes
@@ -653,7 +677,8 @@ def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, d
     cdef CopyPlan plan = CopyPlan()
     cdef Py_ssize_t nt = st.shape[0], t
     plan.reserve(<size_t>nt)
-    cdef cnp.int64_t[::1] stv = st, dtv = dt
+    cdef cnp.int64_t *stv = _i64(st)
+    cdef cnp.int64_t *dtv = _i64(dt)
     cdef uint64_t soff = src_row * src.row_bytes + src_offset
     cdef uint64_t doff = dst_row * dst.row_bytes + dst_offset
     with nogil:
@@ -684,7 +709,9 @@ def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_t
     if nb == 0:
         return plan
     plan.reserve(<size_t>nt * <size_t>nb)
-    cdef cnp.int64_t[::1] stv = st, dtv = dt, dbv = db
+    cdef cnp.int64_t *stv = _i64(st)
+    cdef cnp.int64_t *dtv = _i64(dt)
+    cdef cnp.int64_t *dbv = _i64(db)
     cdef uint64_t sbase, dbase, chunk
     with nogil:
         for t in range(nt):
@@ -828,3 +855,33 @@ def memcpy_baseline(CopyPlan plan not None):
     with nogil:
         for i in range(plan.count):
             memcpy(<void *>d[i].dst, <const void *>d[i].src, d[i].nbytes)
+
+
+def split_plan(CopyPlan plan not None, Py_ssize_t parts):
+    """Split ``plan`` into ``parts`` plans of about equal bytes (descriptors are cut where a
+    share ends), for running one plan on several threads."""
+    if parts < 1:
+        raise _param_invalid(f"parts must be >= 1, got {parts}")
+    cdef list out = [CopyPlan() for _ in range(parts)]
+    cdef uint64_t share = (plan.total_bytes + <uint64_t>parts - 1) // <uint64_t>parts
+    cdef Py_ssize_t p = 0
+    cdef size_t i
+    cdef uint64_t offset, take, room
+    cdef CopyPlan cur = out[0]
+    cdef dd_copy_desc d
+    for i in range(plan.count):
+        d = plan.descs[i]
+        offset = 0
+        while offset < d.nbytes:
+            room = share - cur.total_bytes if share > cur.total_bytes else 0
+            if room == 0 and p + 1 < parts:
+                p += 1
+                cur = out[p]
+                continue
+            take = d.nbytes - offset
+            if p + 1 < parts and take > room:
+                take = room
+            cur.reserve(1)
+            cur.add(d.src + offset, d.dst + offset, take)
+            offset += take
+    return out

@@ -8,18 +8,20 @@ speaks in plain values (placements as ``HOST``/``DEVICE`` ints, shapes as tuples
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from llm_datadist import _core
+from llm_datadist import _core, _planes
 from llm_datadist._device import select_runtime
 from llm_datadist._memory import resolve_addresses
 from llm_datadist._validate import INT32_MAX, param_invalid
 from llm_datadist.data_type import DataType, numpy_dtype
-from llm_datadist.llm_types import tensor_bytes
+from llm_datadist.llm_types import BlocksCacheKey, tensor_bytes
+from llm_datadist.transport.shm import SharedCounter
 from llm_datadist.status import LLMException, LLMStatusCode
 
 logger = logging.getLogger("llm_datadist")
@@ -65,6 +67,7 @@ class CacheRecord:
     owner_keys: set = field(default_factory=set)
     pool_bytes: int = 0
     id_released: bool = False
+    delivered: dict = field(default_factory=dict)  # owner key -> tensor indices pulled by peers
 
     @property
     def row_bytes(self) -> int:
@@ -131,6 +134,14 @@ class Engine:
         self._blocks_keys: Dict[int, CacheRecord] = {}
         self._next_cache_id = 1
         self._thread_state = threading.local()
+        # Peers read the generation word (same-host plane) to notice memory leaving the registry;
+        # TCP receives pin the shared ranges so memory is not released under them.
+        self.generation_word = SharedCounter(1)
+        self._shared_ranges = _planes.RangeSet(())
+        self._pin_cond = threading.Condition()
+        self._pins = 0
+        self.protocol_errors = 0
+        self.links = None
 
     # -- life cycle ----------------------------------------------------------------------------
     def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
@@ -155,6 +166,11 @@ class Engine:
             self.listen = listen
             self.runtime, self.runtime_reason = runtime, reason
             self.pools = pools
+            from llm_datadist.transport.links import LinkManager
+            links = LinkManager(self)
+            if listen is not None:
+                links.start_listener(*listen)
+            self.links = links
             self.initialized = True
             _active_engine = self
         logger.info("llm_datadist cluster %d (%s) initialized on %s device %d", self.cluster_id,
@@ -166,6 +182,9 @@ class Engine:
         with _active_lock:
             if not self.initialized:
                 return
+            if self.links is not None:
+                self.links.close()
+            self.generation_word.close()
             with self._lock:
                 self._caches.clear()
                 self._keys.clear()
@@ -212,6 +231,7 @@ class Engine:
             record.cache_id = self._next_cache_id
             self._next_cache_id += 1
             self._caches[record.cache_id] = record
+            self._rebuild_ranges()
         return record
 
     def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
@@ -285,6 +305,8 @@ class Engine:
         if pool is not None and record.pool_bytes:
             pool.used -= record.pool_bytes
             record.pool_bytes = 0
+        self.generation_word.value = self.generation_word.value + 1
+        self._rebuild_ranges()
 
     def deallocate(self, cache_id: int) -> None:
         """Drop the id reference of an allocated cache; memory goes when no key is bound to it."""
@@ -299,6 +321,7 @@ class Engine:
                 record.id_released = True
             else:
                 self._drop(record)
+        self._wait_unpinned()
 
     def unregister(self, cache_id: int) -> None:
         self.check_initialized()
@@ -309,6 +332,7 @@ class Engine:
             if not record.registered:
                 raise param_invalid(f"cache {cache_id} was allocated; use deallocate_cache")
             self._drop(record)
+        self._wait_unpinned()
 
     def remove_key(self, owner_key: Optional[tuple]) -> None:
         self.check_initialized()
@@ -321,6 +345,7 @@ class Engine:
             record.owner_keys.discard(owner_key)
             if record.id_released and not record.owner_keys:
                 self._drop(record)
+        self._wait_unpinned()
 
     def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
         with self._lock:
@@ -336,6 +361,78 @@ class Engine:
             raise _not_exist(f"no blocks cache is registered with model_id {model_id} in cluster "
                              f"{self.cluster_id}")
         return record
+
+    # -- what peers see ----------------------------------------------------------------------------
+    def _rebuild_ranges(self) -> None:
+        """The memory peers may read or write over TCP: every tensor of every registered or
+        allocated cache that the host can address (lock held)."""
+        host_ok = self.runtime is None or self.runtime.host_addressable
+        self._shared_ranges = _planes.RangeSet(
+            (addr, record.tensor_bytes) for record in self._caches.values()
+            if record.placement == HOST or host_ok for addr in record.addrs)
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """The shared ranges, held so that no memory leaves the registry while bytes move."""
+        with self._pin_cond:
+            self._pins += 1
+            ranges = self._shared_ranges
+        try:
+            yield ranges
+        finally:
+            with self._pin_cond:
+                self._pins -= 1
+                self._pin_cond.notify_all()
+
+    def _wait_unpinned(self, timeout: float = 60.0) -> None:
+        with self._pin_cond:
+            self._pin_cond.wait_for(lambda: self._pins == 0, timeout)
+
+    def count_protocol_error(self) -> None:
+        with self._lock:
+            self.protocol_errors += 1
+
+    def export_table(self) -> Dict[str, Any]:
+        """This cluster's cache table as peers receive it (see transport.table)."""
+        host_ok = self.runtime is None or self.runtime.host_addressable
+        with self._lock:
+            caches = [[r.cache_id, r.kind, r.placement, r.num_tensors, r.num_rows, r.row_bytes,
+                       list(r.addrs), r.placement == HOST or host_ok] for r in self._caches.values()]
+            blocks = [[model_id, r.cache_id] for model_id, r in self._blocks_keys.items()]
+            keys = [[key[0], key[1], key[2], r.cache_id, row, not r.registered]
+                    for key, (r, row) in self._keys.items()]
+            generation = self.generation_word.value
+        return {"generation": generation, "caches": caches, "blocks": blocks, "keys": keys}
+
+    def consume_key(self, owner_key: tuple, tensors: Sequence[int]) -> None:
+        """A peer pulled ``tensors`` of the row bound to ``owner_key``: once every tensor of the
+        row has been pulled, the key of an allocated cache is released (prefix keys never are)."""
+        with self._lock:
+            entry = self._keys.get(owner_key)
+            if entry is None or entry[0].registered or owner_key[0] == "prefix":
+                return
+            record = entry[0]
+            delivered = record.delivered.setdefault(owner_key, set())
+            delivered.update(t for t in tensors if 0 <= t < record.num_tensors)
+            if len(delivered) < record.num_tensors:
+                return
+            record.delivered.pop(owner_key, None)
+        self.remove_key(owner_key)
+
+    def switch_role(self, role_name: str, listen: Optional[Tuple[str, int]]) -> None:
+        """Shared by both API styles: refuse while linked, then move (or stop) the listener."""
+        self.check_initialized()
+        if self.links.has_links():
+            raise LLMException(f"cluster {self.cluster_id} still has links to "
+                               f"{self.links.linked_clusters()}; unlink them before switching role",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
+        current = self.links.listen_address
+        if listen is None:
+            self.links.stop_listener()
+        elif current is None or listen != self.listen or listen[1] == 0:
+            self.links.start_listener(*listen)
+        self.listen = listen
+        self.role = role_name
 
     def check_initialized(self) -> None:
         if not self.initialized:
@@ -397,6 +494,211 @@ class Engine:
         dst_layout = _core.CacheLayout(dst.addrs, num_blocks_dst, block_bytes)
         plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, block_bytes)
         self._run(plan, src, dst)
+
+    # -- transfers between clusters ----------------------------------------------------------------
+    def _check_transferable(self, record: CacheRecord) -> None:
+        if record.placement == DEVICE and not self.runtime.host_addressable:
+            raise LLMException(f"transfers between processes of {self.runtime.name} device memory "
+                               f"are not implemented yet (they need device IPC or staging); use "
+                               f"HOST caches or the cpu runtime",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+    def _remote(self, table, remote_id: int, ref: tuple):
+        """Resolve a remote reference in ``table``: ``("id", cache_id, row)``, ``("key",
+        owner_key)`` or ``("model", model_id)`` -> ``(RemoteCache, row)``."""
+        if ref[0] == "id":
+            cache = table.cache(ref[1])
+            if cache is None:
+                raise _not_exist(f"cache_id {ref[1]} is not registered in cluster {remote_id}")
+            return cache, ref[2]
+        if ref[0] == "key":
+            entry = table.key(ref[1])
+            if entry is None:
+                raise _not_exist(f"no cache of cluster {remote_id} is bound to key {ref[1]}")
+            return entry
+        cache = table.blocks_cache(ref[1])
+        if cache is None:
+            raise _not_exist(f"cluster {remote_id} has no blocks cache with model_id {ref[1]}")
+        return cache, 0
+
+    @staticmethod
+    def _row_in_range(cache, row: int, remote_id: int) -> None:
+        if row >= cache.num_rows:
+            raise _not_exist(f"batch index {row} is out of range: cache {cache.cache_id} of "
+                             f"cluster {remote_id} has {cache.num_rows} rows")
+
+    def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
+        self.check_initialized()
+        self._check_transferable(local)
+        self._bind_thread()
+        return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms)
+
+    def push_blocks(self, remote_id: int, ref: tuple, src: CacheRecord, src_blocks, dst_blocks,
+                    tensors) -> None:
+        """Local blocks ``src_blocks[k]`` -> remote blocks ``dst_blocks[k]`` (block = the source
+        block size; it must fit the remote block). ``tensors(src_n, dst_n)`` gives the tensor
+        index lists (None = all)."""
+        def make(table):
+            cache, _ = self._remote(table, remote_id, ref)
+            st, dt = tensors(src.num_tensors, cache.num_tensors)
+            return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks)
+        self._transfer(remote_id, src, True, make)
+
+    def pull_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, src_blocks, dst_blocks,
+                    tensors) -> None:
+        """Remote blocks -> local blocks; the puller's block size is used on both sides."""
+        def make(table):
+            cache, _ = self._remote(table, remote_id, ref)
+            if cache.row_bytes != dst.row_bytes:
+                raise param_invalid(f"block sizes differ: remote cache {cache.cache_id} has "
+                                    f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
+            st, dt = tensors(cache.num_tensors, dst.num_tensors)
+            return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
+        self._transfer(remote_id, dst, False, make)
+
+    def pull_row_to_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_blocks,
+                           tensors) -> None:
+        """A remote contiguous row scattered into local blocks (block-sized chunks)."""
+        used = []
+
+        def make(table):
+            cache, row = self._remote(table, remote_id, ref)
+            self._row_in_range(cache, row, remote_id)
+            st, dt = tensors(cache.num_tensors, dst.num_tensors)
+            used[:] = [table, cache, row, st]
+            return _core.plan_row_to_blocks(cache.layout, dst.layout, st, dt, row, dst_blocks)
+        self._transfer(remote_id, dst, False, make)
+        self._release_pulled_key(remote_id, *used)
+
+    def pull_rows(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_row: int, size: int,
+                  tensors, src_offset: int = 0, dst_offset: int = 0) -> None:
+        """A remote row -> local row ``dst_row``; ``size`` bytes (-1 = the local row from
+        ``dst_offset`` on), read from ``src_offset`` into the remote row."""
+        used = []
+
+        def make(table):
+            cache, row = self._remote(table, remote_id, ref)
+            self._row_in_range(cache, row, remote_id)
+            st, dt = tensors(cache.num_tensors, dst.num_tensors)
+            used[:] = [table, cache, row, st]
+            nbytes = dst.row_bytes - dst_offset if size == -1 else size
+            if nbytes <= 0:
+                raise param_invalid(f"dst_cache_offset {dst_offset} is outside the row of {dst.row_bytes} bytes")
+            return _core.plan_rows(cache.layout, dst.layout, st, dt, row, dst_row, src_offset, dst_offset, nbytes)
+        self._transfer(remote_id, dst, False, make)
+        self._release_pulled_key(remote_id, *used)
+
+    def push_rows(self, remote_id: int, ref: tuple, src: CacheRecord, src_row: int, tensors) -> None:
+        """Local row ``src_row`` (one source row of bytes) -> a remote row."""
+        def make(table):
+            cache, row = self._remote(table, remote_id, ref)
+            self._row_in_range(cache, row, remote_id)
+            st, dt = tensors(src.num_tensors, cache.num_tensors)
+            return _core.plan_rows(src.layout, cache.layout, st, dt, src_row, row, 0, 0, -1)
+        self._transfer(remote_id, src, True, make)
+
+    # -- layer-wise asynchronous transfer (transfer_cache_async) -----------------------------------
+    def layer_jobs(self, src: CacheRecord, configs: list, blocks) -> list:
+        """One job per config: ``(remote cluster, {source layer: plan maker})``. ``blocks`` is
+        None, ``("blocks", src_blocks, dst_blocks, size)`` or ``("row_to_blocks", None,
+        dst_blocks, size)``."""
+        num_layers = src.num_tensors // 2
+        jobs = []
+        for cfg in configs:
+            src_range = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
+            if src_range.stop > num_layers:
+                raise param_invalid(f"src_layer_range {src_range} exceeds the {num_layers} layers of the source")
+            if hasattr(cfg, "dst_addrs"):
+                if len(cfg.dst_addrs) != 2 * len(src_range):
+                    raise param_invalid(f"dst_addrs needs {2 * len(src_range)} addresses, got {len(cfg.dst_addrs)}")
+                remote = cfg.dst_cluster_id
+                makers = {layer: self._raw_layer_maker(src, cfg, layer, cfg.dst_addrs[2 * k:2 * k + 2], blocks)
+                          for k, layer in enumerate(src_range)}
+            else:
+                key = cfg.cache_key
+                remote = key.cluster_id
+                ref = (("model", key.model_id) if isinstance(key, BlocksCacheKey)
+                       else ("id", key.cache_id, key.batch_index))
+                makers = {layer: self._keyed_layer_maker(src, cfg, ref, layer,
+                                                         cfg.dst_layer_range.start + k, blocks, remote)
+                          for k, layer in enumerate(src_range)}
+            if remote == self.cluster_id:
+                raise param_invalid(f"transfer config names this cluster ({remote}) as its destination")
+            jobs.append((remote, makers))
+        return jobs
+
+    @staticmethod
+    def _layer_plan(src: CacheRecord, dst_layout, st, dt, row: int, dst_row: int, blocks):
+        if blocks is None:
+            return _core.plan_rows(src.layout, dst_layout, st, dt, row, dst_row, 0, 0, -1)
+        if blocks[0] == "blocks":
+            return _core.plan_blocks(src.layout, dst_layout, st, dt, blocks[1], blocks[2], blocks[3])
+        return _core.plan_row_to_blocks(src.layout, dst_layout, st, dt, row, blocks[2])
+
+    def _raw_layer_maker(self, src: CacheRecord, cfg, layer: int, addrs, blocks):
+        if blocks is None:
+            layout = _core.CacheLayout(list(addrs), 1, src.row_bytes)
+        else:
+            layout = _core.CacheLayout(list(addrs), max(blocks[2], default=0) + 1, blocks[3])
+        tensors = [2 * layer, 2 * layer + 1]
+        return lambda table: self._layer_plan(src, layout, tensors, [0, 1], cfg.src_batch_index, 0, blocks)
+
+    def _keyed_layer_maker(self, src: CacheRecord, cfg, ref: tuple, layer: int, dst_layer: int, blocks,
+                           remote_id: int):
+        def make(table):
+            cache, row = self._remote(table, remote_id, ref)
+            if 2 * dst_layer + 1 >= cache.num_tensors:
+                raise param_invalid(f"destination layer {dst_layer} exceeds the {cache.num_tensors // 2} "
+                                    f"layers of remote cache {cache.cache_id}")
+            if blocks is not None and blocks[3] != cache.row_bytes and blocks[0] == "row_to_blocks":
+                raise param_invalid(f"dst_block_memory_size {blocks[3]} differs from the remote block "
+                                    f"size {cache.row_bytes}")
+            return self._layer_plan(src, cache.layout, [2 * layer, 2 * layer + 1],
+                                    [2 * dst_layer, 2 * dst_layer + 1], cfg.src_batch_index, row, blocks)
+        return make
+
+    def start_layer_transfer(self, src: CacheRecord, synchronizer, jobs: list):
+        """Run ``jobs`` layer by layer in a background thread; returns a ``CacheTask``."""
+        from llm_datadist.llm_types import CacheTask
+        results: list = [None] * len(jobs)
+        layers = sorted({layer for _, makers in jobs for layer in makers})
+
+        def run() -> None:
+            failed = [False] * len(jobs)
+            for layer in layers:
+                covering = [i for i, (_, makers) in enumerate(jobs) if layer in makers and not failed[i]]
+                if not covering:
+                    continue
+                try:
+                    ready = bool(synchronizer.synchronize_layer(layer, None))
+                except Exception:  # a synchronizer that raises stops the job like one returning False
+                    logger.exception("synchronize_layer(%d) raised", layer)
+                    ready = False
+                if not ready:
+                    for i in covering:
+                        results[i] = LLMStatusCode.LLM_PARAM_INVALID
+                    return
+                for i in covering:
+                    remote, makers = jobs[i]
+                    try:
+                        self._transfer(remote, src, True, makers[layer])
+                    except LLMException as exc:
+                        results[i], failed[i] = exc.status_code, True
+                        continue
+                    if layer == max(makers):
+                        results[i] = LLMStatusCode.LLM_SUCCESS
+
+        thread = threading.Thread(target=run, daemon=True, name="llm_datadist-transfer")
+        thread.start()
+        return CacheTask(thread, results)
+
+    def _release_pulled_key(self, remote_id: int, table, cache, row: int, src_tensors) -> None:
+        """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""
+        key = table.row_keys.get((cache.cache_id, row))
+        if key is None or key not in table.consumable:
+            return
+        pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]
+        self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms)
 
 
 def check_device_id(text: str) -> int:

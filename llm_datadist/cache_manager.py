@@ -6,21 +6,28 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from llm_datadist import _engine
 from llm_datadist._validate import (
+    UINT64_MAX,
     check_int64,
     check_isinstance,
     check_uint32,
     check_uint64,
     raise_if_false,
 )
+from llm_datadist import _core
 from llm_datadist.llm_types import (
+    INVALID_ID,
     BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
+    CacheTask,
+    LayerSynchronizer,
     MemInfo,
     Memtype,
     Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
 )
 from llm_datadist.status import LLMException, LLMStatusCode
 
@@ -29,10 +36,8 @@ __all__ = ["CacheManager"]
 _PLACEMENT = {Placement.HOST: _engine.HOST, Placement.DEVICE: _engine.DEVICE}
 
 
-def _transport_missing(method: str) -> LLMException:
-    return LLMException(f"{method} moves data between clusters; this build has no transport yet "
-                        f"(inter-process transfers arrive with the transport layer)",
-                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+def _all_tensors(src_n: int, dst_n: int):
+    return None, None
 
 
 class CacheManager:
@@ -265,29 +270,232 @@ class CacheManager:
                                  list(src_to_dst.keys()), list(src_to_dst.values()), src_block,
                                  src_desc.batch_size, dst_desc.batch_size)
 
-    # -- transfers between clusters (transport layer) --------------------------------------------
+    # -- transfers between clusters ----------------------------------------------------------------
+    def _remote_id(self, cluster_id: int) -> int:
+        raise_if_false(cluster_id != self._engine.cluster_id,
+                       f"cluster_id {cluster_id} is this cluster's own id; transfers need a peer")
+        return cluster_id
+
+    @staticmethod
+    def _layer_kwargs(method: str, kwargs: Dict) -> Tuple[Optional[range], Optional[range], int, Dict]:
+        known = {"src_layer_range", "dst_layer_range", "tensor_num_per_layer"}
+        rest = {k: v for k, v in kwargs.items() if k not in known}
+        return (kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"),
+                kwargs.get("tensor_num_per_layer", 2), rest)
+
+    @staticmethod
+    def _tensors(src_layer_range, dst_layer_range, tensor_num_per_layer):
+        """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
+        for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+            check_isinstance(name, value, range)
+            if value is not None:
+                raise_if_false(value.step == 1, f"{name} {value} must have step 1")
+                raise_if_false(0 <= value.start < value.stop, f"{name} {value} must satisfy 0 <= start < stop")
+        check_isinstance("tensor_num_per_layer", tensor_num_per_layer, int, allow_none=False)
+        raise_if_false(tensor_num_per_layer > 0, f"tensor_num_per_layer must be > 0, got {tensor_num_per_layer}")
+        if src_layer_range is None and dst_layer_range is None:
+            return _all_tensors
+
+        def tensors(src_n: int, dst_n: int):
+            return _core.resolve_layer_ranges(src_layer_range, dst_layer_range, src_n, dst_n,
+                                              tensor_num_per_layer)
+        return tensors
+
+    @staticmethod
+    def _block_list(name: str, blocks) -> list:
+        # Exact ints in range take the fast path (this runs on every latency-bound transfer).
+        if type(blocks) in (list, tuple) and all(type(b) is int and 0 <= b <= UINT64_MAX for b in blocks):
+            return blocks
+        check_isinstance(name, blocks, [list, tuple], int, allow_none=False)
+        for b in blocks:
+            check_uint64(name, b)
+        return list(blocks)
+
+    @staticmethod
+    def _row_ref(key) -> tuple:
+        """A remote row reference from a CacheKeyByIdAndIndex or a CacheKey."""
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return ("id", key.cache_id, key.batch_index)
+        raise_if_false((key.req_id != INVALID_ID) != (key.prefix_id != INVALID_ID),
+                       f"{key}: exactly one of req_id and prefix_id must be set")
+        return ("key", key.owner_key())
+
+    def _local(self, cache: Cache, name: str):
+        if cache is None:
+            raise AttributeError(f"{name} is None")
+        if type(cache) is not Cache:
+            check_isinstance(name, cache, Cache, allow_none=False)
+        return self._record(cache)
+
     def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache,
                    batch_index: int = 0, size: int = -1, **kwargs) -> None:
-        self._check_is_inited()
-        raise _transport_missing("pull_cache")
+        """Copy a peer's cache row into row ``batch_index`` of the local contiguous ``cache``.
 
-    def pull_blocks(self, src_cache_key, dst_cache: Cache, src_blocks=(), dst_blocks=(), **kwargs) -> None:
+        ``cache_key``: ``CacheKeyByIdAndIndex`` (remote cache id and row) or ``CacheKey`` (the
+        row bound to that key; only without remote-cache-accessible mode, and pulling the whole
+        row of an allocated cache releases the key). ``size``: bytes per tensor, -1 = one local
+        row. Keyword arguments: ``src_layer_range``, ``dst_layer_range`` (ranges of layers),
+        ``tensor_num_per_layer`` (default 2), ``src_cache_offset``/``dst_cache_offset`` (byte
+        offsets inside the rows, -1 = 0). Raises ``LLMException`` with ``LLM_PARAM_INVALID``,
+        ``LLM_NOT_YET_LINK``, ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT`` or ``LLM_LINK_FAILED``.
+        """
         self._check_is_inited()
-        raise _transport_missing("pull_blocks")
+        check_isinstance("cache_key", cache_key, [CacheKey, CacheKeyByIdAndIndex], allow_none=False)
+        if isinstance(cache_key, CacheKey) and self._enable_remote_cache_accessible:
+            raise TypeError("pull_cache takes a CacheKeyByIdAndIndex when enable_remote_cache_accessible "
+                            "is on, not a CacheKey")
+        dst = self._local(cache, "cache")
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        src_range, dst_range, n, rest = self._layer_kwargs("pull_cache", kwargs)
+        src_off = rest.pop("src_cache_offset", -1)
+        dst_off = rest.pop("dst_cache_offset", -1)
+        if rest:
+            raise TypeError(f"pull_cache() got unexpected keyword arguments {sorted(rest)}")
+        for name, value in (("src_cache_offset", src_off), ("dst_cache_offset", dst_off)):
+            check_int64(name, value)
+            raise_if_false(value >= -1, f"{name} must be -1 (unset) or >= 0, got {value}")
+        raise_if_false(not cache.is_blocks_cache, "pull_cache: the destination must not be a blocks cache")
+        raise_if_false(size == -1 or size > 0, f"pull_cache: size ({size}) must be -1 or > 0")
+        raise_if_false(batch_index < dst.num_rows,
+                       f"batch_index {batch_index} is out of range for a batch of {dst.num_rows}")
+        raise_if_false(size <= dst.row_bytes, f"size {size} exceeds the row of {dst.row_bytes} bytes")
+        tensors = self._tensors(src_range, dst_range, n)
+        self._engine.pull_rows(self._remote_id(cache_key.cluster_id), self._row_ref(cache_key), dst,
+                               batch_index, size, tensors, max(src_off, 0), max(dst_off, 0))
 
-    def push_cache(self, dst_cache_key, src_cache: Cache, src_batch_index: int = 0,
-                   src_layer_range: range = None, dst_layer_range: range = None, size: int = -1,
-                   tensor_num_per_layer: int = 2) -> None:
-        self._check_is_inited()
-        raise _transport_missing("push_cache")
+    def pull_blocks(self, src_cache_key: Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex],
+                    dst_cache: Cache, src_blocks: Union[List[int], Tuple[int, ...]] = (),
+                    dst_blocks: Union[List[int], Tuple[int, ...]] = (), **kwargs) -> None:
+        """Pull a peer's blocks into local blocks ``dst_blocks`` of the blocks cache ``dst_cache``.
 
-    def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks=(), dst_blocks=(),
-                    src_layer_range: range = None, dst_layer_range: range = None,
-                    tensor_num_per_layer: int = 2) -> None:
+        ``BlocksCacheKey(cluster_id, model_id)``: remote blocks ``src_blocks[k]`` ->
+        ``dst_blocks[k]`` (equal lengths, equal block sizes). ``CacheKey`` or
+        ``CacheKeyByIdAndIndex``: a remote contiguous row is cut into block-sized chunks, chunk
+        ``k`` -> ``dst_blocks[k]`` (``src_blocks`` must be empty). Keyword arguments as in
+        ``pull_cache``; errors as in ``pull_cache``.
+        """
         self._check_is_inited()
-        raise _transport_missing("push_blocks")
+        check_isinstance("src_cache_key", src_cache_key, [BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex],
+                         allow_none=False)
+        if isinstance(src_cache_key, CacheKey) and self._enable_remote_cache_accessible:
+            raise TypeError("pull_blocks takes a BlocksCacheKey or CacheKeyByIdAndIndex when "
+                            "enable_remote_cache_accessible is on, not a CacheKey")
+        dst = self._local(dst_cache, "dst_cache")
+        src_list = self._block_list("src_blocks", src_blocks)
+        dst_list = self._block_list("dst_blocks", dst_blocks)
+        src_range, dst_range, n, rest = self._layer_kwargs("pull_blocks", kwargs)
+        if rest:
+            raise TypeError(f"pull_blocks() got unexpected keyword arguments {sorted(rest)}")
+        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks: dst_cache must be a blocks cache")
+        raise_if_false(len(dst_list) > 0, "pull_blocks: dst_blocks must not be empty")
+        tensors = self._tensors(src_range, dst_range, n)
+        remote = self._remote_id(src_cache_key.cluster_id)
+        if isinstance(src_cache_key, BlocksCacheKey):
+            raise_if_false(len(src_list) > 0, "pull_blocks: src_blocks must not be empty")
+            raise_if_false(len(src_list) == len(dst_list),
+                           f"pull_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
+            self._engine.pull_blocks(remote, ("model", src_cache_key.model_id), dst, src_list, dst_list, tensors)
+        else:
+            raise_if_false(len(src_list) == 0, "pull_blocks: src_blocks must be empty when pulling a "
+                           "contiguous cache row into blocks")
+            self._engine.pull_row_to_blocks(remote, self._row_ref(src_cache_key), dst, dst_list, tensors)
 
-    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer, transfer_configs,
-                             src_block_indices=None, dst_block_indices=None, dst_block_memory_size=None):
+    def _check_push_mode(self, method: str) -> None:
+        raise_if_false(self._enable_remote_cache_accessible,
+                       f"{method} needs enable_remote_cache_accessible=True (llm.EnableRemoteCacheAccessible=1)")
+
+    def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
+                   src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
+                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+        """Write row ``src_batch_index`` of the local contiguous ``src_cache`` into a peer's row:
+        ``CacheKeyByIdAndIndex`` (remote cache id and row) or, as CANN's example writes it, a
+        ``CacheKey`` resolved by the peer's table to the row bound to it. Layer ranges select the
+        tensors (default all); ``size`` must be -1 (one row). Needs remote-cache-accessible mode.
+        Raises like ``pull_cache``.
+        """
         self._check_is_inited()
-        raise _transport_missing("transfer_cache_async")
+        check_isinstance("dst_cache_key", dst_cache_key, [CacheKeyByIdAndIndex, CacheKey], allow_none=False)
+        src = self._local(src_cache, "src_cache")
+        check_uint32("src_batch_index", src_batch_index)
+        check_int64("size", size)
+        self._check_push_mode("push_cache")
+        raise_if_false(not src_cache.is_blocks_cache, "push_cache: src_cache must not be a blocks cache")
+        raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
+        raise_if_false(src_batch_index < src.num_rows,
+                       f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
+        if src_layer_range is not None and dst_layer_range is not None:
+            raise_if_false(len(src_layer_range) == len(dst_layer_range),
+                           f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
+                           f"must span the same number of layers")
+        tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._engine.push_rows(self._remote_id(dst_cache_key.cluster_id), self._row_ref(dst_cache_key),
+                               src, src_batch_index, tensors)
+
+    def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
+                    src_blocks: Union[List[int], Tuple[int, ...]] = (),
+                    dst_blocks: Union[List[int], Tuple[int, ...]] = (), src_layer_range: range = None,
+                    dst_layer_range: range = None, tensor_num_per_layer: int = 2) -> None:
+        """Write local blocks ``src_blocks[k]`` of the blocks cache ``src_cache`` into blocks
+        ``dst_blocks[k]`` of the peer's blocks cache registered under ``dst_cache_key.model_id``.
+        Layer ranges select the tensors (default all). Needs remote-cache-accessible mode.
+        Raises like ``pull_cache``."""
+        self._check_is_inited()
+        if type(dst_cache_key) is not BlocksCacheKey:
+            check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
+        src = self._local(src_cache, "src_cache")
+        src_list = self._block_list("src_blocks", src_blocks)
+        dst_list = self._block_list("dst_blocks", dst_blocks)
+        self._check_push_mode("push_blocks")
+        raise_if_false(src_cache.is_blocks_cache, "push_blocks: src_cache must be a blocks cache")
+        raise_if_false(len(dst_list) > 0, "push_blocks: dst_blocks must not be empty")
+        raise_if_false(len(src_list) == len(dst_list),
+                       f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
+        tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), ("model", dst_cache_key.model_id),
+                                 src, src_list, dst_list, tensors)
+
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs, src_block_indices=None, dst_block_indices=None,
+                             dst_block_memory_size=None) -> CacheTask:
+        """Layer by layer, wait for ``layer_synchronizer.synchronize_layer(L, None)`` and push
+        layer ``L`` to every config that covers it, in a background thread. Returns a
+        ``CacheTask``; results are per config (``None`` for a config whose last layer was never
+        reached). See the README for how this differs from CANN's shipped quirks."""
+        self._check_is_inited()
+        src = self._local(src_cache, "src_cache")
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
+        check_isinstance("transfer_configs", transfer_configs, [list, tuple], allow_none=False)
+        wanted = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
+        for i, cfg in enumerate(transfer_configs):
+            if not isinstance(cfg, wanted):
+                raise TypeError(f"transfer_configs[{i}] must be a {wanted.__name__} when "
+                                f"enable_remote_cache_accessible is "
+                                f"{'on' if self._enable_remote_cache_accessible else 'off'}")
+        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        raise_if_false(src_cache.cache_desc.placement == Placement.DEVICE,
+                       "transfer_cache_async: a HOST source is not supported")
+        raise_if_false(src.num_tensors % 2 == 0, "transfer_cache_async: num_tensors must be even")
+        for name, value in (("src_block_indices", src_block_indices), ("dst_block_indices", dst_block_indices)):
+            check_isinstance(name, value, [list, tuple], int)
+        check_isinstance("dst_block_memory_size", dst_block_memory_size, int)
+        blocks = None
+        if src_block_indices is not None:
+            raise_if_false(dst_block_indices is not None, "dst_block_indices is required with src_block_indices")
+            raise_if_false(len(src_block_indices) == len(dst_block_indices),
+                           "src_block_indices and dst_block_indices must have the same length")
+            raise_if_false(src_cache.is_blocks_cache, "src_block_indices needs a blocks source cache")
+            size = dst_block_memory_size or src.row_bytes
+            raise_if_false(size > 0, "dst_block_memory_size must be > 0")
+            blocks = ("blocks", list(src_block_indices), list(dst_block_indices), size)
+        elif dst_block_indices is not None:
+            raise_if_false(not src_cache.is_blocks_cache, "blocks -> cache transfers are not supported")
+            raise_if_false(dst_block_memory_size is not None and 0 < dst_block_memory_size < src.tensor_bytes,
+                           "dst_block_memory_size is required for cache -> blocks, in (0, tensor size)")
+            blocks = ("row_to_blocks", None, list(dst_block_indices), dst_block_memory_size)
+        else:
+            raise_if_false(not dst_block_memory_size, "dst_block_memory_size must be None or 0 "
+                           "when the destination is not a blocks cache")
+            raise_if_false(not src_cache.is_blocks_cache, "a blocks source needs src_block_indices")
+        jobs = self._engine.layer_jobs(src, list(transfer_configs), blocks)
+        return self._engine.start_layer_transfer(src, layer_synchronizer, jobs)

@@ -31,8 +31,9 @@ import logging
 from enum import IntEnum
 from typing import Any, Dict, List, Sequence, Tuple
 
-from llm_datadist import _engine
+from llm_datadist import _core, _engine
 from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
+from llm_datadist.configs import unpack_ip
 from llm_datadist.data_type import DataType
 from llm_datadist.status import CPP_STATUS_CODES, LLMException
 
@@ -322,10 +323,16 @@ class LlmDataDist:
         options = options or {}
         listen_text = options.get(OPTION_LISTEN_IP_INFO, "")
         listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        self._engine.switch_role(_ROLE_NAMES[LlmRole(role)], listen)
         self._role = LlmRole(role)
-        self._engine.role = _ROLE_NAMES[self._role]
-        self._engine.listen = listen
         return LLM_SUCCESS
+
+    @property
+    def listen_ip_info(self) -> str:
+        """``"ip:port"`` actually listened on (port 0 resolved), ``""`` if not listening. Not in
+        the C++ API; there for programs that listen on port 0."""
+        address = self._engine.links.listen_address if self._engine.initialized else None
+        return f"{address[0]}:{address[1]}" if address else ""
 
     # -- caches --------------------------------------------------------------------------------
     @_returns_status
@@ -408,38 +415,155 @@ class LlmDataDist:
         self._engine.copy_blocks(src, dst, src_list * len(checked), [b for d in checked for b in d])
         return LLM_SUCCESS
 
-    # -- links and transfers (transport layer) --------------------------------------------------
-    def _transport_missing(self, method: str) -> Status:
-        logger.error("%s: this build has no transport yet (links and transfers between clusters "
-                     "arrive with the transport layer)", method)
-        return LLM_FEATURE_NOT_ENABLED
+    # -- links -----------------------------------------------------------------------------------
+    @staticmethod
+    def _ip(info: Any, what: str) -> Tuple[str, int]:
+        if not isinstance(info, IpInfo):
+            raise param_invalid(f"{what} must hold cpp.IpInfo, got {type(info).__name__}")
+        ip = info.ip
+        if is_instance_strict(ip, int):  # the deprecated packed form
+            ip = unpack_ip(ip)
+        if not isinstance(ip, str) or not ip:
+            raise param_invalid(f"{what}: ip must be a dotted address string, got {info.ip!r}")
+        return ip, _check_uint(f"{what}.port", info.port, 16)
+
+    def _clusters(self, clusters: Sequence[ClusterInfo], rets: Any, timeout: int, need_ip: bool):
+        if not isinstance(rets, list):
+            raise param_invalid("rets must be a list (std::vector<Status>&) to fill")
+        if not is_instance_strict(timeout, int) or not 0 < timeout <= 2**31 - 1:
+            raise param_invalid(f"timeout_in_millis must be a positive int32, got {timeout!r}")
+        if not isinstance(clusters, (list, tuple)):
+            raise param_invalid("clusters must be a list of cpp.ClusterInfo")
+        targets = []
+        for i, info in enumerate(clusters):
+            if not isinstance(info, ClusterInfo):
+                raise param_invalid(f"clusters[{i}] must be a cpp.ClusterInfo")
+            cluster_id = _check_uint(f"clusters[{i}].remote_cluster_id", info.remote_cluster_id, 64)
+            if need_ip:
+                if len(info.remote_ip_infos) != 1:
+                    raise param_invalid(f"clusters[{i}] needs exactly one remote ip info")
+                ip, port = self._ip(info.remote_ip_infos[0], f"clusters[{i}].remote_ip_infos[0]")
+                targets.append((cluster_id, ip, port))
+            else:
+                targets.append((cluster_id, "", 0))
+        return targets
+
+    @staticmethod
+    def _fill(rets: List[Status], codes) -> Status:
+        rets[:] = [Status(int(code)) for code in codes]
+        failed = [r for r in rets if r != LLM_SUCCESS]
+        return failed[0] if failed else LLM_SUCCESS
 
     @_returns_status
     def LinkLlmClusters(self, clusters: Sequence[ClusterInfo], rets: List[Status],
                         timeout_in_millis: int = 1000) -> Status:
-        return self._transport_missing("LinkLlmClusters")
+        """Link to each cluster's listener; ``rets`` gets one status per cluster. Returns
+        ``LLM_SUCCESS`` only if every link was made, else the first failure."""
+        targets = self._clusters(clusters, rets, timeout_in_millis, True)
+        return self._fill(rets, self._engine.links.link_many(targets, timeout_in_millis))
 
     @_returns_status
     def UnlinkLlmClusters(self, clusters: Sequence[ClusterInfo], rets: List[Status],
                           timeout_in_millis: int = 1000, force_flag: bool = False) -> Status:
-        return self._transport_missing("UnlinkLlmClusters")
+        """Drop links (non-forced: the peer is told first; forced: local state only)."""
+        if not isinstance(force_flag, bool):
+            raise param_invalid("force_flag must be a bool")
+        targets = self._clusters(clusters, rets, timeout_in_millis, not force_flag)
+        codes = self._engine.links.unlink_many([t[0] for t in targets], timeout_in_millis, force_flag)
+        return self._fill(rets, codes)
+
+    # -- transfers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _ext(ext_param: Any):
+        """The layer selection of a ``KvCacheExtParam`` as ``tensors(src_n, dst_n)``."""
+        ext = KvCacheExtParam() if ext_param is None else ext_param
+        if not isinstance(ext, KvCacheExtParam):
+            raise param_invalid(f"ext_param must be a cpp.KvCacheExtParam, got {type(ext).__name__}")
+        n = _check_uint("tensor_num_per_layer", ext.tensor_num_per_layer, 8)
+        if n == 0:
+            raise param_invalid("tensor_num_per_layer must be > 0")
+        src_range, dst_range = tuple(ext.src_layer_range), tuple(ext.dst_layer_range)
+        if src_range == (-1, -1) and dst_range == (-1, -1):
+            return lambda src_n, dst_n: (None, None)
+        return lambda src_n, dst_n: _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, n, True)
+
+    def _index(self, index: Any, name: str) -> Tuple[int, int, int]:
+        if not isinstance(index, CacheIndex):
+            raise param_invalid(f"{name} must be a cpp.CacheIndex, got {type(index).__name__}")
+        cluster_id = _check_uint(f"{name}.cluster_id", index.cluster_id, 64)
+        if cluster_id == self._cluster_id:
+            raise param_invalid(f"{name}.cluster_id {cluster_id} is this cluster's own id")
+        if not is_instance_strict(index.cache_id, int):
+            raise param_invalid(f"{name}.cache_id must be an int64")
+        return cluster_id, index.cache_id, _check_uint(f"{name}.batch_index", index.batch_index, 32)
+
+    def _check_push_role(self, method: str) -> None:
+        if self._role not in (LlmRole.kPrompt, LlmRole.kMix):
+            raise param_invalid(f"{method} is only available to the Prompt (or Mix) role; this "
+                                f"cluster is {self._role.name}")
 
     @_returns_status
     def PullKvCache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
                     size: int = -1, ext_param: KvCacheExtParam = None) -> Status:
-        return self._transport_missing("PullKvCache")
+        """Pull row ``src_cache_index.batch_index`` of the remote cache into row ``batch_index``
+        of ``dst_cache`` (``size`` bytes per tensor, -1 = one local row)."""
+        cluster_id, cache_id, row = self._index(src_cache_index, "src_cache_index")
+        dst = self._record(dst_cache, "dst_cache")
+        _check_uint("batch_index", batch_index, 32)
+        if not is_instance_strict(size, int) or not (size == -1 or 0 < size <= dst.row_bytes):
+            raise param_invalid(f"size {size!r} must be -1 or in [1, {dst.row_bytes}]")
+        if batch_index >= dst.num_rows:
+            raise param_invalid(f"batch_index {batch_index} is out of range for {dst.num_rows} rows")
+        self._engine.pull_rows(cluster_id, ("id", cache_id, row), dst, batch_index, size, self._ext(ext_param))
+        return LLM_SUCCESS
 
     @_returns_status
     def PullKvBlocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], ext_param: KvCacheExtParam = None) -> Status:
-        return self._transport_missing("PullKvBlocks")
+        """Pull remote blocks ``src_blocks[k]`` into local blocks ``dst_blocks[k]``."""
+        cluster_id, cache_id, row = self._index(src_cache_index, "src_cache_index")
+        if row != 0:
+            raise param_invalid("src_cache_index.batch_index must be 0 for block transfers")
+        dst = self._record(dst_cache, "dst_cache")
+        src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
+        self._engine.pull_blocks(cluster_id, ("id", cache_id, 0), dst, src_list, dst_list, self._ext(ext_param))
+        return LLM_SUCCESS
 
     @_returns_status
     def PushKvCache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
                     size: int = -1, ext_param: KvCacheExtParam = None) -> Status:
-        return self._transport_missing("PushKvCache")
+        """Push row ``src_batch_index`` of ``src_cache`` into row ``dst_cache_index.batch_index``
+        of the remote cache. Prompt (or Mix) role only; ``size`` must be -1."""
+        self._check_push_role("PushKvCache")
+        cluster_id, cache_id, row = self._index(dst_cache_index, "dst_cache_index")
+        src = self._record(src_cache, "src_cache")
+        _check_uint("src_batch_index", src_batch_index, 32)
+        if size != -1:
+            raise param_invalid(f"size must be -1 (one row), got {size!r}")
+        if src_batch_index >= src.num_rows:
+            raise param_invalid(f"src_batch_index {src_batch_index} is out of range for {src.num_rows} rows")
+        self._engine.push_rows(cluster_id, ("id", cache_id, row), src, src_batch_index, self._ext(ext_param))
+        return LLM_SUCCESS
 
     @_returns_status
     def PushKvBlocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], ext_param: KvCacheExtParam = None) -> Status:
-        return self._transport_missing("PushKvBlocks")
+        """Push local blocks ``src_blocks[k]`` into blocks ``dst_blocks[k]`` of the remote cache
+        ``dst_cache_index.cache_id``. Prompt (or Mix) role only."""
+        self._check_push_role("PushKvBlocks")
+        cluster_id, cache_id, row = self._index(dst_cache_index, "dst_cache_index")
+        if row != 0:
+            raise param_invalid("dst_cache_index.batch_index must be 0 for block transfers")
+        src = self._record(src_cache, "src_cache")
+        src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
+        self._engine.push_blocks(cluster_id, ("id", cache_id, 0), src, src_list, dst_list, self._ext(ext_param))
+        return LLM_SUCCESS
+
+    @staticmethod
+    def _block_lists(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Tuple[List[int], List[int]]:
+        src_list, dst_list = _block_list("src_blocks", src_blocks), _block_list("dst_blocks", dst_blocks)
+        if not src_list:
+            raise param_invalid("src_blocks must not be empty")
+        if len(src_list) != len(dst_list):
+            raise param_invalid(f"src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
+        return src_list, dst_list

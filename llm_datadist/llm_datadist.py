@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from llm_datadist import _engine
 from llm_datadist._validate import check_int32, check_isinstance, check_uint64, raise_if_false
 from llm_datadist.cache_manager import CacheManager
-from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole
+from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole, unpack_ip
 from llm_datadist.llm_types import RegisterMemStatus
 from llm_datadist.status import LLMException, LLMStatusCode
 
@@ -28,9 +28,15 @@ def _finalize_at_exit() -> None:
             pass
 
 
-def _transport_missing(method: str) -> LLMException:
-    return LLMException(f"{method}: this build has no transport yet (links between clusters arrive "
-                        f"with the transport layer)", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+def _not_implemented(method: str) -> LLMException:
+    return LLMException(f"{method}: the two-sided rank-table link (link/unlink/"
+                        f"query_register_mem_status) is not implemented yet; use link_clusters",
+                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+def _overall(rets: List[LLMStatusCode]) -> LLMStatusCode:
+    failed = [r for r in rets if r != LLMStatusCode.LLM_SUCCESS]
+    return failed[0] if failed else LLMStatusCode.LLM_SUCCESS
 
 
 class LLMDataDist:
@@ -137,43 +143,93 @@ class LLMDataDist:
                            "cache manager (LLMConfig.enable_cache_manager = True) and use cache_manager",
                            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
-    # -- links (transport layer) ---------------------------------------------------------------
-    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int) -> None:
+    # -- links -----------------------------------------------------------------------------------
+    @property
+    def listen_ip_info(self) -> str:
+        """Where this cluster listens, ``"ip:port"`` with the port actually bound (so
+        ``listen_ip_info="127.0.0.1:0"`` can be read back); ``""`` when not listening.
+        Not in CANN's API."""
+        self._check_init()
+        address = self._engine.links.listen_address
+        return f"{address[0]}:{address[1]}" if address else ""
+
+    def _targets(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_local: bool):
         check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
         check_int32("timeout", timeout)
         raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
+        has_comm_res = bool(self._engine.options.get("llm.LocalCommRes"))
+        targets = []
+        for i, info in enumerate(clusters):
+            raise_if_false(info.remote_cluster_id is not None, f"clusters[{i}].remote_cluster_id is not set")
+            raise_if_false(len(info.remote_ip_info_list) == 1,
+                           f"clusters[{i}] needs exactly one remote ip info (the server's listen "
+                           f"ip and port), got {len(info.remote_ip_info_list)}")
+            if need_local and not has_comm_res:
+                raise_if_false(len(info.local_ip_info_list) == 1,
+                               f"clusters[{i}] needs one local ip info (append_local_ip_info)")
+            ip, port = info.remote_ip_info_list[0]
+            targets.append((info.remote_cluster_id, unpack_ip(ip), port))
+        return targets
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
                       ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        """Link to each cluster's listener (in parallel); never raises for a link failure.
+
+        Returns ``(overall, per-cluster)``: overall is ``LLM_SUCCESS`` only if every link was
+        made. Per cluster: ``LLM_SUCCESS``, ``LLM_ALREADY_LINK``, ``LLM_LINK_FAILED`` (connect,
+        handshake or timeout), ``LLM_PARAM_INVALID`` (e.g. mismatched remote-cache-accessible
+        settings or the peer's own id). Bad arguments raise as the spec says.
+        """
         self._check_init()
-        self._check_clusters(clusters, timeout)
-        raise _transport_missing("link_clusters")
+        targets = self._targets(clusters, timeout, need_local=True)
+        rets = self._engine.links.link_many(targets, timeout)
+        return _overall(rets), rets
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
                         force: bool = False) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
+        """Drop links. Non-forced: tell the peer, then drop local state (``LLM_UNLINK_FAILED``
+        if the peer could not be told; local state is dropped anyway). ``force=True``: local
+        state only (call it on both ends when the peer is gone)."""
         self._check_init()
-        self._check_clusters(clusters, timeout)
-        raise _transport_missing("unlink_clusters")
+        check_isinstance("force", force, bool, allow_none=False)
+        if force:
+            check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
+            check_int32("timeout", timeout)
+            raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
+            for i, info in enumerate(clusters):
+                raise_if_false(info.remote_cluster_id is not None, f"clusters[{i}].remote_cluster_id is not set")
+            ids = [info.remote_cluster_id for info in clusters]
+        else:
+            ids = [t[0] for t in self._targets(clusters, timeout, need_local=False)]
+        rets = self._engine.links.unlink_many(ids, timeout, force)
+        return _overall(rets), rets
 
     def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
+        """Change the role label; ``"llm.listenIpInfo"`` in ``switch_options`` (re)starts the
+        listener there, its absence stops listening. ``LLM_EXIST_LINK`` while links exist."""
         self._check_init()
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict, str)
-        raise _transport_missing("switch_role")
+        listen_text = (switch_options or {}).get("llm.listenIpInfo", "")
+        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        self._engine.switch_role(ROLE_NAMES[role], listen)
+        self._role = role
 
     def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        """The two-sided, rank-table link; not implemented yet (use ``link_clusters``)."""
         self._check_init()
-        raise _transport_missing("link")
+        raise _not_implemented("link")
 
     def unlink(self, comm_id: int) -> None:
         self._check_init()
-        raise _transport_missing("unlink")
+        raise _not_implemented("unlink")
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         self._check_init()
-        raise _transport_missing("query_register_mem_status")
+        raise _not_implemented("query_register_mem_status")
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()
         raise_if_false(not self._is_v2, "check_link_status is a v1 API")
-        raise _transport_missing("check_link_status")
+        raise LLMException("check_link_status belongs to the v1 KvCacheManager mode, which is not "
+                           "implemented", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)

@@ -82,9 +82,12 @@ def test_push_kv_blocks_example_setup(dd):
     # The layer range selects exactly tensor 3 under the core's C++ rules.
     assert _core.resolve_layer_ranges(ext.src_layer_range, ext.dst_layer_range, 4, 4,
                                       ext.tensor_num_per_layer, True) == ([3], [3])
-    index = cpp.CacheIndex(cluster_id=0, cache_id=1)
-    status = dd.PushKvBlocks(cache, index, [0, 1, 2, 3], [3, 2, 1, 0], ext)
-    assert status == cpp.LLM_FEATURE_NOT_ENABLED  # the transfer itself arrives with the transport
+    # Cluster 0 is this cluster itself: a push needs a peer. To an unlinked peer: NOT_YET_LINK.
+    # (tests/transport runs this example between two processes.)
+    assert dd.PushKvBlocks(cache, cpp.CacheIndex(cluster_id=0, cache_id=1), [0, 1, 2, 3], [3, 2, 1, 0],
+                           ext) == cpp.LLM_PARAM_INVALID
+    assert dd.PushKvBlocks(cache, cpp.CacheIndex(cluster_id=7, cache_id=1), [0, 1, 2, 3], [3, 2, 1, 0],
+                           ext) == cpp.LLM_NOT_YET_LINK
 
 
 @pytest.mark.parametrize("make_holder,read", [

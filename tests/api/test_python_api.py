@@ -409,8 +409,12 @@ def test_create_cpu_cache_needs_host_placement():
                   addrs) == PARAM_INVALID
 
 
-def test_transfers_say_they_need_the_transport(py_api):
+def test_transfers_without_a_link_say_not_yet_linked(py_api):
     cache = py_api.allocate(2, [4, 4])
-    assert status(py_api.cm.pull_blocks, BlocksCacheKey(1), cache, [0], [0]) == \
-        LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-    assert status(py_api.dd.link_clusters, [ld.LLMClusterInfo()]) == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    peer = py_api.dd.cluster_id + 1
+    assert status(py_api.cm.pull_blocks, BlocksCacheKey(peer), cache, [0], [0]) == \
+        LLMStatusCode.LLM_NOT_YET_LINK
+    # A cluster info without remote_cluster_id is refused before any connection is tried.
+    assert status(py_api.dd.link_clusters, [ld.LLMClusterInfo()]) == PARAM_INVALID
+    # Pulling from one's own cluster id is a parameter error, not a missing link.
+    assert status(py_api.cm.pull_blocks, BlocksCacheKey(py_api.dd.cluster_id), cache, [0], [0]) == PARAM_INVALID

@@ -1,0 +1,514 @@
+# cython: language_level=3, embedsignature=True
+"""Data-plane executors: move a plan's bytes between processes with the GIL released.
+
+* same host: ``process_vm_writev`` / ``process_vm_readv`` with up to IOV_MAX iovecs a call;
+* TCP: a frame head and the plan's ranges sent with one ``sendmsg`` scatter/gather list, and
+  payload received with ``recvmsg`` straight into the destination ranges.
+
+Every function takes a timeout in milliseconds (-1 = none), works on non-blocking sockets (it
+polls), and returns a status code from ``dd_status.h`` instead of raising, so the caller decides
+what a failure means for its link. ``RangeSet`` is the receiver-side check: every range a peer
+names must lie inside memory this process registered.
+"""
+
+from libc.stdint cimport int64_t, uint64_t, UINT64_MAX
+from libc.stdlib cimport free, malloc
+from posix.uio cimport iovec
+
+from llm_datadist cimport _status
+from llm_datadist._core cimport CopyPlan
+from llm_datadist._os cimport (
+    CLOCK_MONOTONIC, EAGAIN, ECONNRESET, EFAULT, EINTR, ENOSYS, EPERM, EPIPE, ESRCH,
+    EWOULDBLOCK, IOV_MAX, MSG_NOSIGNAL, POLLIN, POLLOUT, clock_gettime, errno, msghdr, poll,
+    pollfd, process_vm_readv, process_vm_writev, recvmsg, sendmsg, timespec,
+)
+from llm_datadist._runtime cimport dd_copy_desc
+
+#: Status codes returned by the executors (values from dd_status.h).
+SUCCESS = _status.DD_LLM_SUCCESS
+FAILED = _status.DD_LLM_FAILED
+LINK_FAILED = _status.DD_LLM_LINK_FAILED
+TIMEOUT = _status.DD_LLM_TIMEOUT
+PARAM_INVALID = _status.DD_LLM_PARAM_INVALID
+FEATURE_NOT_ENABLED = _status.DD_LLM_FEATURE_NOT_ENABLED
+
+#: Most iovecs one system call takes.
+MAX_IOVECS = IOV_MAX
+#: Bytes of one wire descriptor (``src, dst, nbytes`` as little-endian uint64).
+WIRE_DESC_BYTES = sizeof(dd_copy_desc)
+
+cdef size_t _BATCH = IOV_MAX
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef inline int64_t _deadline(int timeout_ms) noexcept nogil:
+    if timeout_ms < 0:
+        return -1
+    return _now_ns() + <int64_t>timeout_ms * 1000000
+
+
+cdef inline int _remaining_ms(int64_t deadline) noexcept nogil:
+    # -1 = wait forever; 0 = expired (poll returns at once).
+    cdef int64_t left
+    if deadline < 0:
+        return -1
+    left = deadline - _now_ns()
+    if left <= 0:
+        return 0
+    return <int>((left + 999999) // 1000000)
+
+
+cdef inline unsigned int _errno_status(int err) noexcept nogil:
+    if err == ESRCH or err == EPIPE or err == ECONNRESET:
+        return _status.DD_LLM_LINK_FAILED
+    if err == EPERM or err == ENOSYS:
+        return _status.DD_LLM_FEATURE_NOT_ENABLED
+    if err == EFAULT:
+        return _status.DD_LLM_PARAM_INVALID
+    return _status.DD_LLM_FAILED
+
+
+cdef inline void _advance(iovec *iov, size_t *first, size_t count, size_t done) noexcept nogil:
+    # Skip ``done`` bytes from iov[first[0]]: whole entries first, then part of one.
+    while done > 0 and first[0] < count:
+        if done >= iov[first[0]].iov_len:
+            done -= iov[first[0]].iov_len
+            first[0] += 1
+        else:
+            iov[first[0]].iov_base = <char *>iov[first[0]].iov_base + done
+            iov[first[0]].iov_len -= done
+            done = 0
+    while first[0] < count and iov[first[0]].iov_len == 0:
+        first[0] += 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Same host: cross-memory attach
+# ------------------------------------------------------------------------------------------------
+
+cdef unsigned int _cma_batch(int pid, iovec *local, iovec *remote, size_t count, bint write,
+                             int *err) noexcept nogil:
+    # Local and remote iovecs are paired one to one (same lengths), so a partial transfer
+    # (the kernel stops at the first iovec it cannot reach) advances both lists alike.
+    cdef size_t lfirst = 0, rfirst = 0
+    cdef ssize_t n
+    while lfirst < count:
+        if write:
+            n = process_vm_writev(pid, local + lfirst, count - lfirst, remote + rfirst,
+                                  count - rfirst, 0)
+        else:
+            n = process_vm_readv(pid, local + lfirst, count - lfirst, remote + rfirst,
+                                 count - rfirst, 0)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            err[0] = errno
+            return _errno_status(errno)
+        if n == 0:
+            err[0] = EFAULT
+            return _status.DD_LLM_PARAM_INVALID
+        _advance(local, &lfirst, count, <size_t>n)
+        _advance(remote, &rfirst, count, <size_t>n)
+    return _status.DD_LLM_SUCCESS
+
+
+def cma_copy(int pid, CopyPlan plan not None, bint write, int timeout_ms=-1):
+    """Run ``plan`` against process ``pid``: ``write`` copies local ``src`` ranges into the
+    peer's ``dst`` ranges (process_vm_writev), otherwise the peer's ``src`` ranges are read into
+    local ``dst`` ranges (process_vm_readv). IOV_MAX descriptors per system call; the timeout is
+    checked between calls. Returns ``(status, errno)``."""
+    cdef iovec *local = NULL
+    cdef iovec *remote = NULL
+    cdef size_t start = 0, count, i
+    cdef unsigned int status = _status.DD_LLM_SUCCESS
+    cdef int err = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    cdef const dd_copy_desc *d = plan.descs
+    if plan.count == 0:
+        return SUCCESS, 0
+    cdef size_t batch = plan.count if plan.count < _BATCH else _BATCH
+    local = <iovec *>malloc(2 * batch * sizeof(iovec))
+    if local == NULL:
+        raise MemoryError()
+    remote = local + batch
+    with nogil:
+        while start < plan.count:
+            count = plan.count - start
+            if count > batch:
+                count = batch
+            for i in range(count):
+                if write:
+                    local[i].iov_base = <void *>d[start + i].src
+                    remote[i].iov_base = <void *>d[start + i].dst
+                else:
+                    local[i].iov_base = <void *>d[start + i].dst
+                    remote[i].iov_base = <void *>d[start + i].src
+                local[i].iov_len = d[start + i].nbytes
+                remote[i].iov_len = d[start + i].nbytes
+            status = _cma_batch(pid, local, remote, count, write, &err)
+            if status != _status.DD_LLM_SUCCESS:
+                break
+            start += count
+            if start < plan.count and deadline >= 0 and _now_ns() > deadline:
+                status = _status.DD_LLM_TIMEOUT
+                break
+    free(local)
+    return status, err
+
+
+def cma_read_bytes(int pid, uint64_t addr, uint64_t nbytes):
+    """Read ``nbytes`` at ``addr`` of process ``pid`` (the link-time probe and generation word).
+    Returns ``(status, errno, data)``."""
+    cdef bytearray out = bytearray(nbytes)
+    cdef iovec local, remote
+    cdef unsigned int status
+    cdef int err = 0
+    if nbytes == 0:
+        return SUCCESS, 0, bytes(out)
+    local.iov_base = <void *><char *>out
+    local.iov_len = nbytes
+    remote.iov_base = <void *>addr
+    remote.iov_len = nbytes
+    with nogil:
+        status = _cma_batch(pid, &local, &remote, 1, False, &err)
+    return status, err, bytes(out)
+
+
+def cma_read_u64(int pid, uint64_t addr):
+    """Read one 64-bit word of process ``pid``. Returns ``(status, errno, value)``."""
+    cdef uint64_t value = 0
+    cdef iovec local, remote
+    cdef unsigned int status
+    cdef int err = 0
+    local.iov_base = &value
+    local.iov_len = 8
+    remote.iov_base = <void *>addr
+    remote.iov_len = 8
+    with nogil:
+        status = _cma_batch(pid, &local, &remote, 1, False, &err)
+    return status, err, value
+
+
+cdef class Word:
+    """A 64-bit word in this process's memory, readable by same-host peers (the registry
+    generation counter and the link probe cookie)."""
+
+    cdef uint64_t *ptr
+
+    def __cinit__(self, uint64_t value=0):
+        self.ptr = <uint64_t *>malloc(64)
+        if self.ptr == NULL:
+            raise MemoryError()
+        self.ptr[0] = value
+
+    def __dealloc__(self):
+        free(self.ptr)
+
+    @property
+    def addr(self):
+        return <uint64_t>self.ptr
+
+    @property
+    def value(self):
+        return self.ptr[0]
+
+    @value.setter
+    def value(self, uint64_t v):
+        self.ptr[0] = v
+
+
+# ------------------------------------------------------------------------------------------------
+# TCP: scatter/gather socket I/O
+# ------------------------------------------------------------------------------------------------
+
+cdef unsigned int _wait(int fd, short events, int64_t deadline) noexcept nogil:
+    cdef pollfd p
+    cdef int rc, ms
+    p.fd = fd
+    p.events = events
+    while True:
+        ms = _remaining_ms(deadline)
+        p.revents = 0
+        rc = poll(&p, 1, ms)
+        if rc > 0:
+            return _status.DD_LLM_SUCCESS  # ready, or an error the next call reports
+        if rc == 0:
+            return _status.DD_LLM_TIMEOUT
+        if errno != EINTR:
+            return _status.DD_LLM_FAILED
+
+
+cdef unsigned int _send_iov(int fd, iovec *iov, size_t count, int64_t deadline,
+                            int *err) noexcept nogil:
+    cdef size_t first = 0, batch
+    cdef ssize_t n
+    cdef msghdr msg
+    cdef unsigned int st
+    while first < count:
+        batch = count - first
+        if batch > _BATCH:
+            batch = _BATCH
+        msg.msg_name = NULL
+        msg.msg_namelen = 0
+        msg.msg_iov = iov + first
+        msg.msg_iovlen = batch
+        msg.msg_control = NULL
+        msg.msg_controllen = 0
+        msg.msg_flags = 0
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            if errno == EAGAIN or errno == EWOULDBLOCK:
+                st = _wait(fd, POLLOUT, deadline)
+                if st != _status.DD_LLM_SUCCESS:
+                    return st
+                continue
+            err[0] = errno
+            return _errno_status(errno)
+        _advance(iov, &first, count, <size_t>n)
+    return _status.DD_LLM_SUCCESS
+
+
+cdef unsigned int _recv_iov(int fd, iovec *iov, size_t count, int64_t deadline, int *err,
+                            uint64_t *received) noexcept nogil:
+    cdef size_t first = 0, batch
+    cdef ssize_t n
+    cdef msghdr msg
+    cdef unsigned int st
+    while first < count:
+        batch = count - first
+        if batch > _BATCH:
+            batch = _BATCH
+        msg.msg_name = NULL
+        msg.msg_namelen = 0
+        msg.msg_iov = iov + first
+        msg.msg_iovlen = batch
+        msg.msg_control = NULL
+        msg.msg_controllen = 0
+        msg.msg_flags = 0
+        n = recvmsg(fd, &msg, 0)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            if errno == EAGAIN or errno == EWOULDBLOCK:
+                st = _wait(fd, POLLIN, deadline)
+                if st != _status.DD_LLM_SUCCESS:
+                    return st
+                continue
+            err[0] = errno
+            return _errno_status(errno)
+        if n == 0:
+            return _status.DD_LLM_LINK_FAILED  # the peer closed the connection
+        received[0] += <uint64_t>n
+        _advance(iov, &first, count, <size_t>n)
+    return _status.DD_LLM_SUCCESS
+
+
+cdef iovec *_plan_iovecs(const unsigned char *head, size_t head_len, CopyPlan plan,
+                         bint dst_side, size_t *count) except NULL:
+    cdef size_t n = 0, i
+    cdef iovec *iov = <iovec *>malloc((plan.count + 1) * sizeof(iovec))
+    if iov == NULL:
+        raise MemoryError()
+    if head_len:
+        iov[0].iov_base = <void *>head
+        iov[0].iov_len = head_len
+        n = 1
+    if plan is not None:
+        for i in range(plan.count):
+            if plan.descs[i].nbytes == 0:
+                continue
+            iov[n].iov_base = <void *>(plan.descs[i].dst if dst_side else plan.descs[i].src)
+            iov[n].iov_len = plan.descs[i].nbytes
+            n += 1
+    count[0] = n
+    return iov
+
+
+def send_plan(int fd, const unsigned char[::1] head, CopyPlan plan not None, bint from_dst=False,
+              int timeout_ms=-1):
+    """Send ``head`` then the bytes of every descriptor's source range (destination range with
+    ``from_dst``) as one scatter/gather stream. Returns ``(status, errno)``."""
+    cdef size_t count = 0
+    cdef size_t head_len = head.shape[0] if head is not None else 0
+    cdef const unsigned char *head_ptr = &head[0] if head_len else NULL
+    cdef iovec *iov = _plan_iovecs(head_ptr, head_len, plan, from_dst, &count)
+    cdef unsigned int status
+    cdef int err = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    with nogil:
+        status = _send_iov(fd, iov, count, deadline, &err)
+    free(iov)
+    return status, err
+
+
+def send_bytes(int fd, const unsigned char[::1] data, int timeout_ms=-1):
+    """Send all of ``data``. Returns ``(status, errno)``."""
+    cdef iovec iov
+    cdef unsigned int status = _status.DD_LLM_SUCCESS
+    cdef int err = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    if data.shape[0] == 0:
+        return status, err
+    iov.iov_base = <void *>&data[0]
+    iov.iov_len = data.shape[0]
+    with nogil:
+        status = _send_iov(fd, &iov, 1, deadline, &err)
+    return status, err
+
+
+def recv_plan(int fd, CopyPlan plan not None, bint into_src=False, int timeout_ms=-1):
+    """Receive the stream of every descriptor's destination range (source range with
+    ``into_src``) in plan order, straight into memory. Returns ``(status, errno, received)``."""
+    cdef size_t count = 0
+    cdef iovec *iov = _plan_iovecs(NULL, 0, plan, not into_src, &count)
+    cdef unsigned int status
+    cdef int err = 0
+    cdef uint64_t received = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    with nogil:
+        status = _recv_iov(fd, iov, count, deadline, &err, &received)
+    free(iov)
+    return status, err, received
+
+
+def recv_into(int fd, unsigned char[::1] buffer, int timeout_ms=-1):
+    """Fill ``buffer`` from the socket. Returns ``(status, errno, received)``; a peer that closed
+    at a frame boundary gives ``LINK_FAILED`` with 0 bytes received."""
+    cdef iovec iov
+    cdef unsigned int status = _status.DD_LLM_SUCCESS
+    cdef int err = 0
+    cdef uint64_t received = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    if buffer.shape[0] == 0:
+        return status, err, received
+    iov.iov_base = <void *>&buffer[0]
+    iov.iov_len = buffer.shape[0]
+    with nogil:
+        status = _recv_iov(fd, &iov, 1, deadline, &err, &received)
+    return status, err, received
+
+
+def recv_discard(int fd, uint64_t nbytes, int timeout_ms=-1):
+    """Read and drop ``nbytes`` (a refused payload, so the stream stays in step)."""
+    cdef char *scratch = <char *>malloc(1 << 16)
+    cdef iovec iov
+    cdef unsigned int status = _status.DD_LLM_SUCCESS
+    cdef int err = 0
+    cdef uint64_t received = 0, got
+    cdef int64_t deadline = _deadline(timeout_ms)
+    if scratch == NULL:
+        raise MemoryError()
+    with nogil:
+        while nbytes > 0 and status == _status.DD_LLM_SUCCESS:
+            iov.iov_base = scratch
+            iov.iov_len = nbytes if nbytes < (1 << 16) else (1 << 16)
+            got = 0
+            status = _recv_iov(fd, &iov, 1, deadline, &err, &got)
+            received += got
+            nbytes -= got
+    free(scratch)
+    return status, err, received
+
+
+# ------------------------------------------------------------------------------------------------
+# Wire descriptors and the receiver's range check
+# ------------------------------------------------------------------------------------------------
+
+def plan_to_wire(CopyPlan plan not None):
+    """The plan's descriptors as bytes (``src, dst, nbytes`` little-endian uint64 each)."""
+    cdef bytes out = (<char *>plan.descs)[:plan.count * sizeof(dd_copy_desc)] if plan.count else b""
+    return out
+
+
+def plan_from_wire(const unsigned char[::1] data):
+    """A plan from wire descriptors; PARAM_INVALID-style ``ValueError`` for a ragged buffer or
+    a descriptor whose range wraps around the address space."""
+    cdef size_t n, i
+    cdef CopyPlan plan = CopyPlan()
+    cdef const dd_copy_desc *src
+    if data.shape[0] % sizeof(dd_copy_desc):
+        raise ValueError(f"{data.shape[0]} descriptor bytes is not a multiple of {sizeof(dd_copy_desc)}")
+    n = data.shape[0] // sizeof(dd_copy_desc)
+    if n == 0:
+        return plan
+    plan.reserve(n)
+    src = <const dd_copy_desc *>&data[0]
+    for i in range(n):
+        if src[i].nbytes > UINT64_MAX - src[i].src or src[i].nbytes > UINT64_MAX - src[i].dst:
+            raise ValueError(f"descriptor {i} wraps around the address space")
+        plan.descs[i] = src[i]
+        plan.total_bytes += src[i].nbytes
+    plan.count = n
+    return plan
+
+
+cdef class RangeSet:
+    """Sorted, merged ``[start, end)`` address ranges: the memory a process lets peers touch."""
+
+    cdef uint64_t *starts
+    cdef uint64_t *ends
+    cdef size_t count
+
+    def __cinit__(self, ranges=()):
+        cdef list spans = sorted((int(a), int(a) + int(n)) for a, n in ranges if int(n) > 0)
+        cdef list merged = []
+        cdef list last = None
+        cdef size_t i
+        for start, end in spans:
+            if last is not None and start <= last[1]:
+                if end > last[1]:
+                    last[1] = end
+            else:
+                last = [start, end]
+                merged.append(last)
+        self.count = len(merged)
+        self.starts = <uint64_t *>malloc((self.count + 1) * sizeof(uint64_t))
+        self.ends = <uint64_t *>malloc((self.count + 1) * sizeof(uint64_t))
+        if self.starts == NULL or self.ends == NULL:
+            raise MemoryError()
+        for i in range(self.count):
+            self.starts[i] = merged[i][0]
+            self.ends[i] = merged[i][1]
+
+    def __dealloc__(self):
+        free(self.starts)
+        free(self.ends)
+
+    def __len__(self):
+        return self.count
+
+    cdef bint _contains(self, uint64_t addr, uint64_t nbytes) noexcept nogil:
+        cdef size_t lo = 0, hi = self.count, mid
+        # The last range whose start <= addr.
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.starts[mid] <= addr:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return False
+        return addr < self.ends[lo - 1] and nbytes <= self.ends[lo - 1] - addr
+
+    def contains(self, uint64_t addr, uint64_t nbytes):
+        return self._contains(addr, nbytes)
+
+    def first_outside(self, CopyPlan plan not None, bint dst_side):
+        """Index of the first descriptor whose destination (or source) range is not wholly
+        inside one range of the set, or -1 when all are."""
+        cdef size_t i
+        cdef Py_ssize_t bad = -1
+        with nogil:
+            for i in range(plan.count):
+                if not self._contains(plan.descs[i].dst if dst_side else plan.descs[i].src,
+                                      plan.descs[i].nbytes):
+                    bad = <Py_ssize_t>i
+                    break
+        return bad

@@ -1,0 +1,800 @@
+"""Links between clusters: the listener, the handshake, per-peer state and the data planes.
+
+A link between a client (the side calling ``link_clusters``) and a server (the side with
+``listen_ip_info``) is two TCP connections, both opened by the client:
+
+* the *forward* connection carries the client's requests; a server thread serves it;
+* the *reverse* connection carries the server's requests; a client thread serves it.
+
+So either side can push to or pull from the other. The handshake (first frame on each
+connection) exchanges magic, protocol version, cluster ids, roles, pids, host identity, the
+offered data planes, the remote-cache-accessible setting and each side's cache table. Each side
+then picks the plane for its own outgoing transfers:
+
+* ``cma`` (same host): the peer's memory is read or written directly with
+  ``process_vm_readv``/``process_vm_writev``, planned against the peer's published table;
+* ``tcp``: frames on the connection, the payload scatter/gathered straight from and into cache
+  memory; the side that owns the memory checks every range against its own registry.
+
+``cma`` is chosen when both sides share a host identity and a probe read of the peer succeeds;
+otherwise ``tcp`` (and the fallback is logged). The option ``llm.DataPlane`` (or the environment
+variable ``LLM_DATADIST_DATA_PLANE``) forces ``cma`` or ``tcp``; ``auto`` is the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from llm_datadist import _core, _planes
+from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport import wire
+from llm_datadist.transport.host import host_identity, same_host
+from llm_datadist.transport.shm import PeerCounter
+from llm_datadist.transport.table import RemoteTable
+from llm_datadist.transport.wire import ProtocolError
+
+logger = logging.getLogger("llm_datadist")
+
+PLANES = ("auto", "cma", "tcp")
+DATA_PLANE_OPTION = "llm.DataPlane"
+DATA_PLANE_ENV = "LLM_DATADIST_DATA_PLANE"
+#: How long a fresh connection may take to send its hello, and a started frame to arrive whole.
+HANDSHAKE_TIMEOUT_MS = 10000
+FRAME_TIMEOUT_MS = 30000
+#: Transfers of at least this many bytes on the same-host plane are split over two threads.
+PARALLEL_CMA_BYTES = 8 << 20
+
+S = LLMStatusCode
+
+
+def _status(code: int) -> LLMStatusCode:
+    try:
+        return LLMStatusCode(code)
+    except ValueError:
+        return S.LLM_FAILED
+
+
+def _fail(code: int, message: str) -> LLMException:
+    return LLMException(message, status_code=_status(code))
+
+
+def resolve_plane(options: Dict[str, str]) -> str:
+    value = options.get(DATA_PLANE_OPTION) or os.environ.get(DATA_PLANE_ENV) or "auto"
+    value = value.strip().lower()
+    if value not in PLANES:
+        raise LLMException(f"{DATA_PLANE_OPTION} must be one of {', '.join(PLANES)}, got {value!r}",
+                           status_code=S.LLM_PARAM_INVALID)
+    return value
+
+
+class Channel:
+    """One connection on which this side sends requests and reads replies, one at a time."""
+
+    def __init__(self, sock: socket.socket, peer_name: str) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer_name = peer_name
+        self.lock = threading.Lock()
+        self.broken: Optional[str] = None
+        self._next_id = 1
+        self._header = bytearray(wire.HEADER_BYTES)
+
+    def close(self) -> None:
+        if self.broken is None:
+            self.broken = "closed"
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _break(self, code: int, what: str) -> LLMException:
+        # A failure in the middle of a frame leaves the stream out of step: drop the connection.
+        self.broken = what
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if code == S.LLM_TIMEOUT:
+            return _fail(code, f"{what}: no answer from {self.peer_name} in time (the link must be "
+                               f"rebuilt: unlink, then link again)")
+        return _fail(S.LLM_LINK_FAILED if code != S.LLM_PARAM_INVALID else code,
+                     f"{what}: connection to {self.peer_name} failed (status {_status(code).name})")
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise LLMException(f"the link to {self.peer_name} is broken ({self.broken}); unlink and "
+                               f"link again", status_code=S.LLM_LINK_FAILED)
+
+    def _remaining(self, deadline: float) -> int:
+        return max(0, int((deadline - time.monotonic()) * 1000))
+
+    def _read_reply(self, expect: int, req_id: int, deadline: float, what: str) -> Tuple[int, int]:
+        st, _, got = _planes.recv_into(self.fd, self._header, self._remaining(deadline))
+        if st != 0:
+            raise self._break(st, what)
+        try:
+            op, status, rid, length = wire.unpack_header(self._header)
+        except ProtocolError as exc:
+            raise self._break(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
+        if op != expect or rid != req_id:
+            raise self._break(S.LLM_LINK_FAILED, f"{what}: unexpected reply {wire.OP_NAMES[op]}")
+        return status, length
+
+    def _read_payload(self, length: int, deadline: float, what: str) -> bytearray:
+        if length > wire.MAX_CONTROL_BYTES:
+            raise self._break(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes")
+        buf = bytearray(length)
+        st, _, _ = _planes.recv_into(self.fd, buf, self._remaining(deadline))
+        if st != 0:
+            raise self._break(st, what)
+        return buf
+
+    def control(self, op: int, reply_op: int, message: Dict[str, Any], timeout_ms: int,
+                what: str) -> Tuple[int, Dict[str, Any]]:
+        """Send a JSON request, return ``(status, reply JSON)``."""
+        payload = wire.encode_json(message)
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self.lock:
+            self._check()
+            req_id = self._next_id
+            self._next_id += 1
+            st, _ = _planes.send_bytes(self.fd, wire.pack_header(op, req_id, len(payload)) + payload,
+                                       self._remaining(deadline))
+            if st != 0:
+                raise self._break(st, what)
+            status, length = self._read_reply(reply_op, req_id, deadline, what)
+            body = self._read_payload(length, deadline, what)
+        try:
+            return status, wire.decode_json(body) if body else {}
+        except ProtocolError as exc:
+            raise self._break(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
+
+    def push(self, plan, timeout_ms: int) -> None:
+        """Send the plan's source bytes for the peer to write at the descriptors' destinations."""
+        descs = _planes.plan_to_wire(plan)
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self.lock:
+            self._check()
+            req_id = self._next_id
+            self._next_id += 1
+            head = (wire.pack_header(wire.OP_PUSH, req_id, 8 + len(descs) + plan.total_bytes)
+                    + wire.U64.pack(len(descs)) + descs)
+            st, _ = _planes.send_plan(self.fd, head, plan, False, self._remaining(deadline))
+            if st != 0:
+                raise self._break(st, "push")
+            status, length = self._read_reply(wire.OP_PUSH_DONE, req_id, deadline, "push")
+            if length:
+                raise self._break(S.LLM_LINK_FAILED, "push: reply with a payload")
+        if status != 0:
+            raise _fail(status, f"push refused by {self.peer_name}: {_status(status).name} (a "
+                                f"destination range is not registered there)")
+
+    def pull(self, plan, timeout_ms: int) -> None:
+        """Ask the peer for the plan's source ranges and receive them into the destinations."""
+        descs = _planes.plan_to_wire(plan)
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self.lock:
+            self._check()
+            req_id = self._next_id
+            self._next_id += 1
+            st, _ = _planes.send_bytes(self.fd, wire.pack_header(wire.OP_PULL, req_id, len(descs)) + descs,
+                                       self._remaining(deadline))
+            if st != 0:
+                raise self._break(st, "pull")
+            status, length = self._read_reply(wire.OP_PULL_DATA, req_id, deadline, "pull")
+            if status == 0 and length != plan.total_bytes:
+                raise self._break(S.LLM_LINK_FAILED, f"pull: {length} bytes announced, "
+                                                     f"{plan.total_bytes} asked")
+            if status == 0:
+                st, _, _ = _planes.recv_plan(self.fd, plan, False, self._remaining(deadline))
+                if st != 0:
+                    raise self._break(st, "pull")
+            elif length:
+                raise self._break(S.LLM_LINK_FAILED, "pull: refusal with a payload")
+        if status != 0:
+            raise _fail(status, f"pull refused by {self.peer_name}: {_status(status).name} (a "
+                                f"source range is not registered there)")
+
+
+@dataclass(eq=False)
+class Peer:
+    """This side's state for one linked cluster."""
+
+    cluster_id: int
+    role: str
+    pid: int
+    host: Dict[str, str]
+    plane: str
+    outgoing: Optional[Channel]  # None on the server until the reverse connection arrives
+    table: RemoteTable
+    generation_addr: int
+    is_client: bool
+    address: Tuple[str, int]
+    incoming: Optional[socket.socket] = None
+    generation: Optional[PeerCounter] = None
+    threads: List[threading.Thread] = field(default_factory=list)
+    table_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        if self.outgoing is not None:
+            self.outgoing.close()
+        if self.incoming is not None:
+            try:
+                self.incoming.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _StaleTable(Exception):
+    pass
+
+
+class LinkManager:
+    """The link table of one engine, its listener and its connection threads."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.plane = resolve_plane(engine.options)
+        self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        self.cookie = _planes.Word(int.from_bytes(os.urandom(8), "little") | 1)
+        self._lock = threading.RLock()
+        self._peers: Dict[int, Peer] = {}
+        self._listener: Optional[socket.socket] = None
+        self._listen_thread: Optional[threading.Thread] = None
+        self._threads: List[threading.Thread] = []
+        self._incoming: List[socket.socket] = []
+        self._closed = False
+        self.cma_pool = None
+
+    # -- listener ---------------------------------------------------------------------------------
+    @property
+    def listen_address(self) -> Optional[Tuple[str, int]]:
+        if self._listener is None:
+            return None
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def start_listener(self, ip: str, port: int) -> None:
+        """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``)."""
+        self.stop_listener()
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ip, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
+        sock.settimeout(0.2)
+        self._listener = sock
+        thread = threading.Thread(target=self._accept_loop, args=(sock,), daemon=True,
+                                  name=f"llm_datadist-listen-{port}")
+        self._listen_thread = thread
+        thread.start()
+        logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, *self.listen_address)
+
+    def stop_listener(self) -> None:
+        sock, thread = self._listener, self._listen_thread
+        self._listener = self._listen_thread = None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while self._listener is listener:
+            try:
+                conn, addr = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setblocking(False)
+            self._spawn(self._serve_accepted, conn, f"{addr[0]}:{addr[1]}")
+
+    def _spawn(self, target: Callable, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True, name="llm_datadist-conn")
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+        return thread
+
+    # -- handshake --------------------------------------------------------------------------------
+    def _hello(self, purpose: str, **extra) -> Dict[str, Any]:
+        engine = self.engine
+        return dict(purpose=purpose, cluster_id=engine.cluster_id, role=engine.role, pid=os.getpid(),
+                    host=host_identity(), planes=["cma", "tcp"] if self.plane != "tcp" else ["tcp"],
+                    remote_cache_accessible=self.remote_accessible,
+                    probe=[self.cookie.addr, self.cookie.value],
+                    generation_addr=engine.generation_word.addr, generation_fd=engine.generation_word.fd,
+                    table=engine.export_table(), **extra)
+
+    def _choose_plane(self, hello: Dict[str, Any]) -> str:
+        """The plane for this side's transfers to the peer that sent ``hello``."""
+        offered = hello.get("planes") or ["tcp"]
+        if self.plane == "tcp" or "cma" not in offered:
+            if self.plane == "cma":
+                raise _fail(S.LLM_LINK_FAILED, "llm.DataPlane=cma but the peer does not offer it")
+            return "tcp"
+        reason = None
+        if not same_host(host_identity(), hello.get("host") or {}):
+            reason = "the peer is on another host (boot id / pid or network namespace differ)"
+        else:
+            addr, value = hello["probe"]
+            st, err, data = _planes.cma_read_bytes(int(hello["pid"]), int(addr), 8)
+            if st != 0 or int.from_bytes(data, "little") != value:
+                reason = f"a probe read of the peer failed ({os.strerror(err) if err else 'mismatch'})"
+        if reason is None:
+            return "cma"
+        if self.plane == "cma":
+            raise _fail(S.LLM_LINK_FAILED, f"llm.DataPlane=cma but {reason}")
+        logger.warning("cluster %d -> %d: same-host plane not usable (%s); using tcp",
+                       self.engine.cluster_id, hello.get("cluster_id"), reason)
+        return "tcp"
+
+    @staticmethod
+    def _check_hello(hello: Dict[str, Any]) -> None:
+        for key in ("purpose", "cluster_id", "role", "pid", "host", "probe", "generation_addr", "table"):
+            if key not in hello:
+                raise ProtocolError(f"hello lacks {key!r}")
+        if not isinstance(hello["cluster_id"], int) or not isinstance(hello["pid"], int):
+            raise ProtocolError("hello: cluster_id and pid must be integers")
+
+    # -- server side ------------------------------------------------------------------------------
+    def _serve_accepted(self, conn: socket.socket, name: str) -> None:
+        fd = conn.fileno()
+        header = bytearray(wire.HEADER_BYTES)
+        try:
+            st, _, _ = _planes.recv_into(fd, header, HANDSHAKE_TIMEOUT_MS)
+            if st != 0:
+                return
+            op, _, req_id, length = wire.unpack_header(header)
+            if op != wire.OP_HELLO or length > wire.MAX_CONTROL_BYTES:
+                raise ProtocolError(f"first frame is {wire.OP_NAMES[op]} of {length} bytes, not a hello")
+            body = bytearray(length)
+            st, _, _ = _planes.recv_into(fd, body, HANDSHAKE_TIMEOUT_MS)
+            if st != 0:
+                return
+            hello = wire.decode_json(body)
+            self._check_hello(hello)
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s: %s", name, exc)
+            _close(conn)
+            return
+        status, reply, keep = self._accept_hello(hello, conn, name)
+        payload = wire.encode_json(reply)
+        st, _ = _planes.send_bytes(fd, wire.pack_header(wire.OP_HELLO_REPLY, req_id, len(payload), status)
+                                   + payload, HANDSHAKE_TIMEOUT_MS)
+        if status != 0 or st != 0:
+            _close(conn)
+            if status == 0:
+                self._drop_peer(hello["cluster_id"])
+            return
+        if keep == "serve":
+            self._serve(conn, name, hello["cluster_id"])
+        # keep == "channel": the socket now belongs to the peer's outgoing Channel.
+
+    def _accept_hello(self, hello: Dict[str, Any], conn: socket.socket, name: str):
+        """Decide on a hello: ``(status, reply, what to do with the connection)``."""
+        peer_id = hello["cluster_id"]
+        reply: Dict[str, Any] = {"cluster_id": self.engine.cluster_id}
+        if hello["purpose"] == "reverse":
+            with self._lock:
+                peer = self._peers.get(peer_id)
+                if peer is None or peer.outgoing is not None or hello.get("token") != id(peer):
+                    return S.LLM_LINK_FAILED, dict(reply, error="no pending link for this reverse "
+                                                                "connection"), None
+                peer.outgoing = Channel(conn, f"cluster {peer_id} ({name})")
+            return S.LLM_SUCCESS, reply, "channel"
+        if hello["purpose"] != "link":
+            return S.LLM_PARAM_INVALID, dict(reply, error=f"unknown purpose {hello['purpose']!r}"), None
+        if peer_id == self.engine.cluster_id:
+            return S.LLM_PARAM_INVALID, dict(reply, error="a cluster cannot link to its own id"), None
+        if bool(hello.get("remote_cache_accessible")) != self.remote_accessible:
+            return S.LLM_PARAM_INVALID, dict(reply, error="enable_remote_cache_accessible differs "
+                                                          "between the two clusters"), None
+        try:
+            table = RemoteTable(hello["table"])
+            plane = self._choose_plane(hello)
+        except ProtocolError as exc:
+            return S.LLM_PARAM_INVALID, dict(reply, error=str(exc)), None
+        except LLMException as exc:
+            return int(exc.status_code), dict(reply, error=str(exc)), None
+        with self._lock:
+            old = self._peers.get(peer_id)
+            if old is not None and not hello.get("force_link"):
+                return S.LLM_ALREADY_LINK, dict(reply, error=f"cluster {peer_id} is already linked"), None
+            if old is not None:
+                self._peers.pop(peer_id)
+                old.close()
+            peer = Peer(peer_id, str(hello["role"]), hello["pid"], hello["host"], plane, None, table,
+                        int(hello["generation_addr"]), False, (name, 0), incoming=conn)
+            if plane == "cma":
+                peer.generation = PeerCounter.open(peer.pid, int(hello.get("generation_fd", -1)))
+            self._peers[peer_id] = peer
+        reply.update(self._hello("link-reply", token=id(peer)))
+        return S.LLM_SUCCESS, reply, "serve"
+
+    # -- serving requests -------------------------------------------------------------------------
+    def _serve(self, conn: socket.socket, name: str, peer_id: int) -> None:
+        """Serve the peer's requests on ``conn`` until it closes or breaks the protocol."""
+        fd = conn.fileno()
+        header = bytearray(wire.HEADER_BYTES)
+        try:
+            while not self._closed:
+                st, _, got = _planes.recv_into(fd, header, -1)
+                if st != 0:
+                    break
+                op, _, req_id, length = wire.unpack_header(header)
+                if op not in wire.REQUEST_OPS or op == wire.OP_HELLO:
+                    raise ProtocolError(f"{wire.OP_NAMES[op]} is not a request")
+                if not self._handle(fd, op, req_id, length, peer_id):
+                    break
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s (cluster %s): %s", name, peer_id, exc)
+            self.engine.count_protocol_error()
+        finally:
+            _close(conn)
+
+    def _recv_exact(self, fd: int, length: int, limit: int, what: str) -> bytearray:
+        if length > limit:
+            raise ProtocolError(f"{what} of {length} bytes exceeds {limit}")
+        buf = bytearray(length)
+        st, _, _ = _planes.recv_into(fd, buf, FRAME_TIMEOUT_MS)
+        if st != 0:
+            raise ProtocolError(f"{what} truncated ({_status(st).name})")
+        return buf
+
+    def _reply(self, fd: int, op: int, req_id: int, status: int, payload: bytes = b"") -> bool:
+        st, _ = _planes.send_bytes(fd, wire.pack_header(op, req_id, len(payload), status) + payload,
+                                   FRAME_TIMEOUT_MS)
+        return st == 0
+
+    def _handle(self, fd: int, op: int, req_id: int, length: int, peer_id: int) -> bool:
+        engine = self.engine
+        if op == wire.OP_TABLE_GET:
+            self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "table request")
+            return self._reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(engine.export_table()))
+        if op == wire.OP_KEY_DONE:
+            message = wire.decode_json(self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "key release"))
+            try:
+                kind, ident, model_id = message["key"]
+                engine.consume_key((str(kind), int(ident), int(model_id)), [int(t) for t in message["tensors"]])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"malformed key release: {exc!r}") from None
+            return self._reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0)
+        if op == wire.OP_UNLINK:
+            self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "unlink")
+            self._reply(fd, wire.OP_UNLINK_DONE, req_id, 0)
+            self._drop_peer(peer_id)
+            logger.info("cluster %d: cluster %d unlinked", engine.cluster_id, peer_id)
+            return False
+        if op == wire.OP_PUSH:
+            if length < 8:
+                raise ProtocolError(f"push frame of {length} bytes")
+            (desc_len,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "push"))
+            if desc_len > length - 8 or desc_len % _planes.WIRE_DESC_BYTES:
+                raise ProtocolError(f"push: descriptor length {desc_len} in a frame of {length}")
+            plan = self._wire_plan(self._recv_exact(fd, desc_len, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+            data_len = length - 8 - desc_len
+            if plan.total_bytes != data_len:
+                raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
+            with engine.pinned() as ranges:
+                bad = ranges.first_outside(plan, True)
+                if bad < 0:
+                    st, _, _ = _planes.recv_plan(fd, plan, False, FRAME_TIMEOUT_MS)
+                    if st != 0:
+                        raise ProtocolError(f"push payload truncated ({_status(st).name})")
+            if bad >= 0:
+                logger.warning("cluster %d refused a push from %d: range %d is not registered memory",
+                               engine.cluster_id, peer_id, bad)
+                st, _, _ = _planes.recv_discard(fd, data_len, FRAME_TIMEOUT_MS)
+                if st != 0:
+                    raise ProtocolError("push payload truncated")
+                return self._reply(fd, wire.OP_PUSH_DONE, req_id, S.LLM_KV_CACHE_NOT_EXIST)
+            return self._reply(fd, wire.OP_PUSH_DONE, req_id, 0)
+        if op == wire.OP_PULL:
+            if length % _planes.WIRE_DESC_BYTES:
+                raise ProtocolError(f"pull: descriptor length {length}")
+            plan = self._wire_plan(self._recv_exact(fd, length, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+            with engine.pinned() as ranges:
+                bad = ranges.first_outside(plan, False)
+                if bad < 0:
+                    head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)
+                    st, _ = _planes.send_plan(fd, head, plan, False, FRAME_TIMEOUT_MS)
+                    return st == 0
+            logger.warning("cluster %d refused a pull from %d: range %d is not registered memory",
+                           engine.cluster_id, peer_id, bad)
+            return self._reply(fd, wire.OP_PULL_DATA, req_id, S.LLM_KV_CACHE_NOT_EXIST)
+        raise ProtocolError(f"unexpected {wire.OP_NAMES[op]}")
+
+    @staticmethod
+    def _wire_plan(data: bytearray):
+        try:
+            return _planes.plan_from_wire(data)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+
+    # -- client side ------------------------------------------------------------------------------
+    def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int) -> LLMStatusCode:
+        """Link to the cluster listening on ``ip:port``; returns a status, never raises."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self._lock:
+            if remote_cluster_id in self._peers:
+                return S.LLM_ALREADY_LINK
+        if remote_cluster_id == self.engine.cluster_id:
+            logger.error("cluster %d cannot link to itself", remote_cluster_id)
+            return S.LLM_PARAM_INVALID
+        forward = reverse = None
+        try:
+            forward, status, reply = self._handshake(ip, port, self._hello("link", force_link=True), deadline)
+            if status != 0:
+                logger.error("link %d -> %d refused: %s (%s)", self.engine.cluster_id, remote_cluster_id,
+                             _status(status).name, reply.get("error", ""))
+                _close(forward)
+                return _status(status)
+            if reply.get("cluster_id") != remote_cluster_id:
+                logger.error("link to %s:%d: expected cluster %d, found cluster %s", ip, port,
+                             remote_cluster_id, reply.get("cluster_id"))
+                _close(forward)
+                return S.LLM_LINK_FAILED
+            self._check_hello(reply)
+            table = RemoteTable(reply["table"])
+            plane = self._choose_plane(reply)
+            reverse, status, rreply = self._handshake(ip, port, self._hello("reverse", token=reply["token"]),
+                                                      deadline)
+            if status != 0:
+                logger.error("link %d -> %d: reverse connection refused: %s", self.engine.cluster_id,
+                             remote_cluster_id, rreply.get("error", ""))
+                _close(forward)
+                _close(reverse)
+                return S.LLM_LINK_FAILED
+        except LLMException as exc:
+            logger.error("link %d -> %d failed: %s", self.engine.cluster_id, remote_cluster_id, exc)
+            _close(forward)
+            _close(reverse)
+            return exc.status_code
+        except (OSError, ProtocolError) as exc:
+            logger.error("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id,
+                         ip, port, exc)
+            _close(forward)
+            _close(reverse)
+            return S.LLM_LINK_FAILED
+        peer = Peer(remote_cluster_id, str(reply["role"]), reply["pid"], reply["host"], plane,
+                    Channel(forward, f"cluster {remote_cluster_id} ({ip}:{port})"), table,
+                    int(reply["generation_addr"]), True, (ip, port), incoming=reverse)
+        if plane == "cma":
+            peer.generation = PeerCounter.open(peer.pid, int(reply.get("generation_fd", -1)))
+        with self._lock:
+            if remote_cluster_id in self._peers:
+                peer.close()
+                _close(reverse)
+                return S.LLM_ALREADY_LINK
+            self._peers[remote_cluster_id] = peer
+        self._spawn(self._serve, reverse, f"{ip}:{port}", remote_cluster_id)
+        logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
+                    remote_cluster_id, ip, port, plane)
+        return S.LLM_SUCCESS
+
+    def _handshake(self, ip: str, port: int, hello: Dict[str, Any], deadline: float):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
+        sock = socket.create_connection((ip, port), timeout=remaining)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            fd = sock.fileno()
+            payload = wire.encode_json(hello)
+            ms = max(1, int((deadline - time.monotonic()) * 1000))
+            st, _ = _planes.send_bytes(fd, wire.pack_header(wire.OP_HELLO, 1, len(payload)) + payload, ms)
+            if st != 0:
+                raise LLMException(f"hello to {ip}:{port} failed", status_code=S.LLM_LINK_FAILED)
+            header = bytearray(wire.HEADER_BYTES)
+            ms = max(1, int((deadline - time.monotonic()) * 1000))
+            st, _, _ = _planes.recv_into(fd, header, ms)
+            if st != 0:
+                raise LLMException(f"no hello reply from {ip}:{port} ({_status(st).name})",
+                                   status_code=S.LLM_LINK_FAILED)
+            op, status, _, length = wire.unpack_header(header)
+            if op != wire.OP_HELLO_REPLY or length > wire.MAX_CONTROL_BYTES:
+                raise ProtocolError(f"unexpected {wire.OP_NAMES[op]} in reply to a hello")
+            body = bytearray(length)
+            ms = max(1, int((deadline - time.monotonic()) * 1000))
+            st, _, _ = _planes.recv_into(fd, body, ms)
+            if st != 0:
+                raise LLMException(f"hello reply from {ip}:{port} truncated", status_code=S.LLM_LINK_FAILED)
+            return sock, status, wire.decode_json(body) if body else {}
+        except BaseException:
+            _close(sock)
+            raise
+
+    def link_many(self, targets: List[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
+        """Link to every ``(cluster_id, ip, port)`` in parallel (at most 16 at a time)."""
+        return _parallel(lambda t: self.link(t[0], t[1], t[2], timeout_ms), targets)
+
+    def unlink_many(self, cluster_ids: List[int], timeout_ms: int, force: bool) -> List[LLMStatusCode]:
+        return _parallel(lambda cid: self.unlink(cid, timeout_ms, force), cluster_ids)
+
+    def unlink(self, remote_cluster_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
+        """Drop the link; unless ``force``, tell the peer first. Local state goes either way."""
+        with self._lock:
+            peer = self._peers.get(remote_cluster_id)
+        if peer is None:
+            return S.LLM_NOT_YET_LINK if not force else S.LLM_SUCCESS
+        status = S.LLM_SUCCESS
+        if not force and peer.outgoing is not None:
+            try:
+                peer.outgoing.control(wire.OP_UNLINK, wire.OP_UNLINK_DONE, {"cluster_id": self.engine.cluster_id,
+                                                                            "timeout": timeout_ms},
+                                      timeout_ms, "unlink")
+            except LLMException as exc:
+                logger.error("unlink %d -> %d: the peer was not told (%s); local state dropped",
+                             self.engine.cluster_id, remote_cluster_id, exc)
+                status = S.LLM_UNLINK_FAILED
+        self._drop_peer(remote_cluster_id)
+        return status
+
+    def _drop_peer(self, remote_cluster_id: int) -> None:
+        with self._lock:
+            peer = self._peers.pop(remote_cluster_id, None)
+        if peer is not None:
+            peer.close()
+
+    def has_links(self) -> bool:
+        with self._lock:
+            return bool(self._peers)
+
+    def linked_clusters(self) -> List[int]:
+        with self._lock:
+            return sorted(self._peers)
+
+    def peer(self, remote_cluster_id: int) -> Peer:
+        with self._lock:
+            peer = self._peers.get(remote_cluster_id)
+        if peer is None:
+            raise LLMException(f"cluster {self.engine.cluster_id} has no link to cluster "
+                               f"{remote_cluster_id}", status_code=S.LLM_NOT_YET_LINK)
+        if peer.outgoing is None:
+            raise LLMException(f"the link to cluster {remote_cluster_id} is still being set up",
+                               status_code=S.LLM_NOT_YET_LINK)
+        return peer
+
+    # -- transfers --------------------------------------------------------------------------------
+    def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
+        status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table")
+        try:
+            table = RemoteTable(body)
+        except ProtocolError as exc:
+            raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
+                               status_code=S.LLM_LINK_FAILED) from None
+        peer.table = table
+        return table
+
+    def transfer(self, remote_cluster_id: int, make_plan: Callable[[RemoteTable], Any], write: bool,
+                 timeout_ms: int) -> Any:
+        """Plan against the peer's table and move the bytes (``write``: local -> peer).
+
+        A plan that names a cache the table lacks (``LLM_KV_CACHE_NOT_EXIST``), or a same-host
+        transfer that finds the peer's registry changed, refreshes the table once and plans
+        again. Returns the plan that ran.
+        """
+        peer = self.peer(remote_cluster_id)
+        deadline = time.monotonic() + timeout_ms / 1000
+        refreshed = False
+        while True:
+            try:
+                plan = make_plan(peer.table)
+                if peer.plane == "cma":
+                    self._cma(peer, plan, write, deadline)
+                elif write:
+                    peer.outgoing.push(plan, _left(deadline))
+                else:
+                    peer.outgoing.pull(plan, _left(deadline))
+                return plan
+            except _StaleTable:
+                pass
+            except LLMException as exc:
+                if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST or refreshed:
+                    raise
+            if refreshed:
+                raise LLMException(f"the cache table of cluster {remote_cluster_id} keeps changing",
+                                   status_code=S.LLM_KV_CACHE_NOT_EXIST)
+            refreshed = True
+            with peer.table_lock:
+                self.refresh_table(peer, _left(deadline))
+
+    def _cma(self, peer: Peer, plan, write: bool, deadline: float) -> None:
+        if peer.generation is not None:
+            generation = peer.generation.value
+        else:
+            st, err, generation = _planes.cma_read_u64(peer.pid, peer.generation_addr)
+            if st != 0:
+                raise _fail(S.LLM_LINK_FAILED, f"cluster {peer.cluster_id} (pid {peer.pid}) is not "
+                                               f"reachable: {os.strerror(err) if err else _status(st).name}")
+        if generation != peer.table.generation:
+            raise _StaleTable()
+        bad = peer.table.ranges.first_outside(plan, write)
+        if bad >= 0:
+            raise _fail(S.LLM_KV_CACHE_NOT_EXIST, f"descriptor {bad} names memory that cluster "
+                                                  f"{peer.cluster_id} has not registered")
+        if plan.total_bytes >= PARALLEL_CMA_BYTES and len(plan) > 1:
+            st, err = self._cma_parallel(peer.pid, plan, write, _left(deadline))
+        else:
+            st, err = _planes.cma_copy(peer.pid, plan, write, _left(deadline))
+        if st != 0:
+            what = os.strerror(err) if err else _status(st).name
+            code = st if st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED) else S.LLM_LINK_FAILED
+            raise _fail(code, f"same-host {'write to' if write else 'read from'} cluster "
+                              f"{peer.cluster_id} failed: {what}")
+
+    def _cma_parallel(self, pid: int, plan, write: bool, timeout_ms: int) -> Tuple[int, int]:
+        # Large transfers: two halves on two threads (the kernel copy is CPU-bound per thread).
+        halves = _core.split_plan(plan, 2)
+        result: List[Tuple[int, int]] = [(0, 0)]
+
+        def other() -> None:
+            result[0] = _planes.cma_copy(pid, halves[1], write, timeout_ms)
+
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        mine = _planes.cma_copy(pid, halves[0], write, timeout_ms)
+        thread.join()
+        return mine if mine[0] != 0 else result[0]
+
+    def release_key(self, remote_cluster_id: int, owner_key: tuple, tensors: List[int], timeout_ms: int) -> None:
+        peer = self.peer(remote_cluster_id)
+        peer.outgoing.control(wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY,
+                              {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
+
+    # -- life cycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening, drop every link and join the connection threads."""
+        self._closed = True
+        self.stop_listener()
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+            threads = list(self._threads)
+        for peer in peers:
+            peer.close()
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
+
+
+def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=min(16, len(items)), thread_name_prefix="llm_datadist-link") as pool:
+        return list(pool.map(fn, items))
+
+
+def _left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+def _close(sock: Optional[socket.socket]) -> None:
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,93 @@
+"""Frame format of the link protocol.
+
+Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
+
+    magic   4s   b"LLDD"
+    version u16  PROTOCOL_VERSION
+    op      u16  one of the OP_* codes
+    status  u32  a status code (replies), 0 in requests
+    req_id  u64  echoed by the reply
+    length  u64  payload bytes that follow
+
+Control payloads (hello, tables, unlink, key release) are UTF-8 JSON of at most
+``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 descriptor bytes`` + descriptors (``src, dst,
+nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of every descriptor in
+order. A PULL payload is the descriptors alone (the owner uses ``src``); its reply, PULL_DATA,
+carries the data. All integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from typing import Any, Tuple
+
+MAGIC = b"LLDD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHHIQQ")
+HEADER_BYTES = HEADER.size
+U64 = struct.Struct("<Q")
+
+OP_HELLO = 1
+OP_HELLO_REPLY = 2
+OP_TABLE_GET = 3
+OP_TABLE = 4
+OP_PUSH = 5
+OP_PUSH_DONE = 6
+OP_PULL = 7
+OP_PULL_DATA = 8
+OP_UNLINK = 9
+OP_UNLINK_DONE = 10
+OP_KEY_DONE = 11
+OP_KEY_DONE_REPLY = 12
+
+OP_NAMES = {value: name for name, value in globals().items() if name.startswith("OP_")}
+REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE)
+
+#: Largest JSON payload accepted (cache tables included).
+MAX_CONTROL_BYTES = 16 << 20
+#: Largest descriptor list accepted in one PUSH or PULL (24 bytes a descriptor).
+MAX_DESCRIPTOR_BYTES = 64 << 20
+#: Largest data payload of one PUSH or PULL.
+MAX_DATA_BYTES = 1 << 40
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("the llm_datadist wire format assumes a little-endian host")
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol: the connection it came on is closed."""
+
+
+def pack_header(op: int, req_id: int, length: int, status: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, op, status, req_id, length)
+
+
+def unpack_header(data) -> Tuple[int, int, int, int]:
+    """``(op, status, req_id, length)``; ProtocolError for a foreign magic or version."""
+    magic, version, op, status, req_id, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if op not in OP_NAMES:
+        raise ProtocolError(f"unknown op {op}")
+    return op, status, req_id, length
+
+
+def encode_json(obj: Any) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    return data
+
+
+def decode_json(data) -> Any:
+    try:
+        obj = json.loads(bytes(data).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"control payload is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("control payload must be a JSON object")
+    return obj
