@@ -17,4 +17,4 @@ lint:
 	cython-lint llm_datadist/*.pyx llm_datadist/*.pxd
 
 clean:
-	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/*.so
+	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/_planes.c llm_datadist/*.so

@@ -182,6 +182,9 @@ class Engine:
         with _active_lock:
             if not self.initialized:
                 return
+            # Memory is leaving: peers on the same-host plane see the generation move and stop
+            # writing through their copy of our table.
+            self.generation_word.value = self.generation_word.value + 1
             if self.links is not None:
                 self.links.close()
             self.generation_word.close()

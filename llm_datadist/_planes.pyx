@@ -117,11 +117,13 @@ cdef unsigned int _cma_batch(int pid, iovec *local, iovec *remote, size_t count,
     return _status.DD_LLM_SUCCESS
 
 
-def cma_copy(int pid, CopyPlan plan not None, bint write, int timeout_ms=-1):
+def cma_copy(int pid, CopyPlan plan not None, bint write, int timeout_ms=-1, int pidfd=-1):
     """Run ``plan`` against process ``pid``: ``write`` copies local ``src`` ranges into the
     peer's ``dst`` ranges (process_vm_writev), otherwise the peer's ``src`` ranges are read into
     local ``dst`` ranges (process_vm_readv). IOV_MAX descriptors per system call; the timeout is
-    checked between calls. Returns ``(status, errno)``."""
+    checked between calls. With ``pidfd`` (a pidfd of the peer), a peer that has exited is
+    reported as ``LINK_FAILED`` before any byte moves, so a recycled pid is never written to.
+    Returns ``(status, errno)``."""
     cdef iovec *local = NULL
     cdef iovec *remote = NULL
     cdef size_t start = 0, count, i
@@ -132,6 +134,13 @@ def cma_copy(int pid, CopyPlan plan not None, bint write, int timeout_ms=-1):
     if plan.count == 0:
         return SUCCESS, 0
     cdef size_t batch = plan.count if plan.count < _BATCH else _BATCH
+    cdef pollfd exited
+    if pidfd >= 0:
+        exited.fd = pidfd
+        exited.events = POLLIN
+        exited.revents = 0
+        if poll(&exited, 1, 0) != 0:  # readable (or an error): the process is gone
+            return LINK_FAILED, ESRCH
     local = <iovec *>malloc(2 * batch * sizeof(iovec))
     if local == NULL:
         raise MemoryError()

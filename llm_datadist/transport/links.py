@@ -220,10 +220,14 @@ class Peer:
     address: Tuple[str, int]
     incoming: Optional[socket.socket] = None
     generation: Optional[PeerCounter] = None
+    pidfd: int = -1
     threads: List[threading.Thread] = field(default_factory=list)
     table_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
         if self.outgoing is not None:
             self.outgoing.close()
         if self.incoming is not None:
@@ -348,6 +352,15 @@ class LinkManager:
         return "tcp"
 
     @staticmethod
+    def _attach_same_host(peer: Peer, hello: Dict[str, Any]) -> None:
+        """Map the peer's generation counter and hold a pidfd of it (same-host plane only)."""
+        peer.generation = PeerCounter.open(peer.pid, int(hello.get("generation_fd", -1)))
+        try:
+            peer.pidfd = os.pidfd_open(peer.pid)
+        except (AttributeError, OSError):
+            peer.pidfd = -1
+
+    @staticmethod
     def _check_hello(hello: Dict[str, Any]) -> None:
         for key in ("purpose", "cluster_id", "role", "pid", "host", "probe", "generation_addr", "table"):
             if key not in hello:
@@ -425,7 +438,7 @@ class LinkManager:
             peer = Peer(peer_id, str(hello["role"]), hello["pid"], hello["host"], plane, None, table,
                         int(hello["generation_addr"]), False, (name, 0), incoming=conn)
             if plane == "cma":
-                peer.generation = PeerCounter.open(peer.pid, int(hello.get("generation_fd", -1)))
+                self._attach_same_host(peer, hello)
             self._peers[peer_id] = peer
         reply.update(self._hello("link-reply", token=id(peer)))
         return S.LLM_SUCCESS, reply, "serve"
@@ -579,7 +592,7 @@ class LinkManager:
                     Channel(forward, f"cluster {remote_cluster_id} ({ip}:{port})"), table,
                     int(reply["generation_addr"]), True, (ip, port), incoming=reverse)
         if plane == "cma":
-            peer.generation = PeerCounter.open(peer.pid, int(reply.get("generation_fd", -1)))
+            self._attach_same_host(peer, reply)
         with self._lock:
             if remote_cluster_id in self._peers:
                 peer.close()
@@ -734,26 +747,26 @@ class LinkManager:
             raise _fail(S.LLM_KV_CACHE_NOT_EXIST, f"descriptor {bad} names memory that cluster "
                                                   f"{peer.cluster_id} has not registered")
         if plan.total_bytes >= PARALLEL_CMA_BYTES and len(plan) > 1:
-            st, err = self._cma_parallel(peer.pid, plan, write, _left(deadline))
+            st, err = self._cma_parallel(peer, plan, write, _left(deadline))
         else:
-            st, err = _planes.cma_copy(peer.pid, plan, write, _left(deadline))
+            st, err = _planes.cma_copy(peer.pid, plan, write, _left(deadline), peer.pidfd)
         if st != 0:
             what = os.strerror(err) if err else _status(st).name
             code = st if st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED) else S.LLM_LINK_FAILED
             raise _fail(code, f"same-host {'write to' if write else 'read from'} cluster "
                               f"{peer.cluster_id} failed: {what}")
 
-    def _cma_parallel(self, pid: int, plan, write: bool, timeout_ms: int) -> Tuple[int, int]:
+    def _cma_parallel(self, peer: Peer, plan, write: bool, timeout_ms: int) -> Tuple[int, int]:
         # Large transfers: two halves on two threads (the kernel copy is CPU-bound per thread).
         halves = _core.split_plan(plan, 2)
         result: List[Tuple[int, int]] = [(0, 0)]
 
         def other() -> None:
-            result[0] = _planes.cma_copy(pid, halves[1], write, timeout_ms)
+            result[0] = _planes.cma_copy(peer.pid, halves[1], write, timeout_ms, peer.pidfd)
 
         thread = threading.Thread(target=other, daemon=True)
         thread.start()
-        mine = _planes.cma_copy(pid, halves[0], write, timeout_ms)
+        mine = _planes.cma_copy(peer.pid, halves[0], write, timeout_ms, peer.pidfd)
         thread.join()
         return mine if mine[0] != 0 else result[0]
 
