@@ -532,7 +532,8 @@ class Engine:
 
     def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
         self.check_initialized()
-        self._check_transferable(local)
+        if local.placement == DEVICE and not self.runtime.host_addressable:
+            self._check_transferable(local)
         self._bind_thread()
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms)
 

@@ -11,6 +11,7 @@ from llm_datadist._validate import (
     check_isinstance,
     check_uint32,
     check_uint64,
+    param_invalid,
     raise_if_false,
 )
 from llm_datadist import _core
@@ -272,8 +273,8 @@ class CacheManager:
 
     # -- transfers between clusters ----------------------------------------------------------------
     def _remote_id(self, cluster_id: int) -> int:
-        raise_if_false(cluster_id != self._engine.cluster_id,
-                       f"cluster_id {cluster_id} is this cluster's own id; transfers need a peer")
+        if cluster_id == self._engine.cluster_id:
+            raise param_invalid(f"cluster_id {cluster_id} is this cluster's own id; transfers need a peer")
         return cluster_id
 
     @staticmethod
@@ -286,6 +287,9 @@ class CacheManager:
     @staticmethod
     def _tensors(src_layer_range, dst_layer_range, tensor_num_per_layer):
         """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
+        if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
+                and tensor_num_per_layer > 0:
+            return _all_tensors
         for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
             check_isinstance(name, value, range)
             if value is not None:
@@ -393,8 +397,9 @@ class CacheManager:
         remote = self._remote_id(src_cache_key.cluster_id)
         if isinstance(src_cache_key, BlocksCacheKey):
             raise_if_false(len(src_list) > 0, "pull_blocks: src_blocks must not be empty")
-            raise_if_false(len(src_list) == len(dst_list),
-                           f"pull_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
+            if len(src_list) != len(dst_list):
+                raise param_invalid(f"pull_blocks: src_blocks has {len(src_list)} entries, "
+                                    f"dst_blocks {len(dst_list)}")
             self._engine.pull_blocks(remote, ("model", src_cache_key.model_id), dst, src_list, dst_list, tensors)
         else:
             raise_if_false(len(src_list) == 0, "pull_blocks: src_blocks must be empty when pulling a "
@@ -402,8 +407,9 @@ class CacheManager:
             self._engine.pull_row_to_blocks(remote, self._row_ref(src_cache_key), dst, dst_list, tensors)
 
     def _check_push_mode(self, method: str) -> None:
-        raise_if_false(self._enable_remote_cache_accessible,
-                       f"{method} needs enable_remote_cache_accessible=True (llm.EnableRemoteCacheAccessible=1)")
+        if not self._enable_remote_cache_accessible:
+            raise param_invalid(f"{method} needs enable_remote_cache_accessible=True "
+                                f"(llm.EnableRemoteCacheAccessible=1)")
 
     def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
                    src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
@@ -449,8 +455,8 @@ class CacheManager:
         self._check_push_mode("push_blocks")
         raise_if_false(src_cache.is_blocks_cache, "push_blocks: src_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "push_blocks: dst_blocks must not be empty")
-        raise_if_false(len(src_list) == len(dst_list),
-                       f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
+        if len(src_list) != len(dst_list):
+            raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), ("model", dst_cache_key.model_id),
                                  src, src_list, dst_list, tensors)
