@@ -346,6 +346,7 @@ class Engine:
             record = entry[0]
             del self._keys[owner_key]
             record.owner_keys.discard(owner_key)
+            self.generation_word.value = self.generation_word.value + 1
             if record.id_released and not record.owner_keys:
                 self._drop(record)
         self._wait_unpinned()
@@ -407,20 +408,22 @@ class Engine:
             generation = self.generation_word.value
         return {"generation": generation, "caches": caches, "blocks": blocks, "keys": keys}
 
-    def consume_key(self, owner_key: tuple, tensors: Sequence[int]) -> None:
+    def consume_key(self, owner_key: tuple, tensors: Sequence[int]) -> bool:
         """A peer pulled ``tensors`` of the row bound to ``owner_key``: once every tensor of the
-        row has been pulled, the key of an allocated cache is released (prefix keys never are)."""
+        row has been pulled, the key of an allocated cache is released (prefix keys never are).
+        Returns whether it was released."""
         with self._lock:
             entry = self._keys.get(owner_key)
             if entry is None or entry[0].registered or owner_key[0] == "prefix":
-                return
+                return False
             record = entry[0]
             delivered = record.delivered.setdefault(owner_key, set())
             delivered.update(t for t in tensors if 0 <= t < record.num_tensors)
             if len(delivered) < record.num_tensors:
-                return
+                return False
             record.delivered.pop(owner_key, None)
         self.remove_key(owner_key)
+        return True
 
     def switch_role(self, role_name: str, listen: Optional[Tuple[str, int]]) -> None:
         """Shared by both API styles: refuse while linked, then move (or stop) the listener."""
@@ -698,11 +701,34 @@ class Engine:
 
     def _release_pulled_key(self, remote_id: int, table, cache, row: int, src_tensors) -> None:
         """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""
+        if self.links.remote_accessible:
+            return  # one-sided reads: the owner takes no part, its keys stay bound
         key = table.row_keys.get((cache.cache_id, row))
         if key is None or key not in table.consumable:
             return
         pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]
-        self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms)
+        if self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms):
+            table.forget_key(key)  # released by the owner; a later pull by it must miss
+
+
+def _all_tensors(src_n: int, dst_n: int):
+    return None, None
+
+
+def whole_caches(tensor_num_per_layer: int):
+    """The tensor selection of a transfer without layer ranges: every tensor, positionally. A
+    ``tensor_num_per_layer`` other than the default must still lie in [1, num_tensors] of both
+    caches (the default is accepted whatever the tensor count, e.g. for one-tensor caches)."""
+    if tensor_num_per_layer == 2:
+        return _all_tensors
+
+    def tensors(src_n: int, dst_n: int):
+        for side, count in (("source", src_n), ("destination", dst_n)):
+            if not 1 <= tensor_num_per_layer <= count:
+                raise param_invalid(f"tensor_num_per_layer {tensor_num_per_layer} must be in [1, {count}] "
+                                    f"(the number of tensors of the {side} cache)")
+        return None, None
+    return tensors
 
 
 def check_device_id(text: str) -> int:

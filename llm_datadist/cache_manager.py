@@ -37,10 +37,6 @@ __all__ = ["CacheManager"]
 _PLACEMENT = {Placement.HOST: _engine.HOST, Placement.DEVICE: _engine.DEVICE}
 
 
-def _all_tensors(src_n: int, dst_n: int):
-    return None, None
-
-
 class CacheManager:
     """Cache operations of one initialized ``LLMDataDist`` (obtain it from ``cache_manager``).
 
@@ -289,7 +285,7 @@ class CacheManager:
         """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
                 and tensor_num_per_layer > 0:
-            return _all_tensors
+            return _engine.whole_caches(tensor_num_per_layer)
         for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
             check_isinstance(name, value, range)
             if value is not None:
@@ -298,7 +294,7 @@ class CacheManager:
         check_isinstance("tensor_num_per_layer", tensor_num_per_layer, int, allow_none=False)
         raise_if_false(tensor_num_per_layer > 0, f"tensor_num_per_layer must be > 0, got {tensor_num_per_layer}")
         if src_layer_range is None and dst_layer_range is None:
-            return _all_tensors
+            return _engine.whole_caches(tensor_num_per_layer)
 
         def tensors(src_n: int, dst_n: int):
             return _core.resolve_layer_ranges(src_layer_range, dst_layer_range, src_n, dst_n,

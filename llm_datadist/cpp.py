@@ -484,7 +484,7 @@ class LlmDataDist:
             raise param_invalid("tensor_num_per_layer must be > 0")
         src_range, dst_range = tuple(ext.src_layer_range), tuple(ext.dst_layer_range)
         if src_range == (-1, -1) and dst_range == (-1, -1):
-            return lambda src_n, dst_n: (None, None)
+            return _engine.whole_caches(n)
         return lambda src_n, dst_n: _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, n, True)
 
     def _index(self, index: Any, name: str) -> Tuple[int, int, int]:

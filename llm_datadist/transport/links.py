@@ -395,15 +395,19 @@ class LinkManager:
                                    + payload, HANDSHAKE_TIMEOUT_MS)
         if status != 0 or st != 0:
             _close(conn)
-            if status == 0:
-                self._drop_peer(hello["cluster_id"])
+            if status == 0 and isinstance(keep, Peer):
+                self._drop_peer(keep.cluster_id, keep)
             return
-        if keep == "serve":
-            self._serve(conn, name, hello["cluster_id"])
-        # keep == "channel": the socket now belongs to the peer's outgoing Channel.
+        if isinstance(keep, Peer):
+            self._serve(conn, name, keep)
+            if keep.outgoing is None:
+                # The client gave up before its reverse connection arrived: no half-made link stays.
+                self._drop_peer(keep.cluster_id, keep)
+        # Otherwise the socket now belongs to the peer's outgoing Channel.
 
     def _accept_hello(self, hello: Dict[str, Any], conn: socket.socket, name: str):
-        """Decide on a hello: ``(status, reply, what to do with the connection)``."""
+        """Decide on a hello: ``(status, reply, keep)``; ``keep`` is the new Peer whose requests
+        this connection carries, "channel" for a reverse connection, or None."""
         peer_id = hello["cluster_id"]
         reply: Dict[str, Any] = {"cluster_id": self.engine.cluster_id}
         if hello["purpose"] == "reverse":
@@ -441,11 +445,12 @@ class LinkManager:
                 self._attach_same_host(peer, hello)
             self._peers[peer_id] = peer
         reply.update(self._hello("link-reply", token=id(peer)))
-        return S.LLM_SUCCESS, reply, "serve"
+        return S.LLM_SUCCESS, reply, peer
 
     # -- serving requests -------------------------------------------------------------------------
-    def _serve(self, conn: socket.socket, name: str, peer_id: int) -> None:
+    def _serve(self, conn: socket.socket, name: str, peer: Peer) -> None:
         """Serve the peer's requests on ``conn`` until it closes or breaks the protocol."""
+        peer_id = peer.cluster_id
         fd = conn.fileno()
         header = bytearray(wire.HEADER_BYTES)
         try:
@@ -456,7 +461,7 @@ class LinkManager:
                 op, _, req_id, length = wire.unpack_header(header)
                 if op not in wire.REQUEST_OPS or op == wire.OP_HELLO:
                     raise ProtocolError(f"{wire.OP_NAMES[op]} is not a request")
-                if not self._handle(fd, op, req_id, length, peer_id):
+                if not self._handle(fd, op, req_id, length, peer):
                     break
         except ProtocolError as exc:
             logger.warning("closing connection from %s (cluster %s): %s", name, peer_id, exc)
@@ -478,8 +483,9 @@ class LinkManager:
                                    FRAME_TIMEOUT_MS)
         return st == 0
 
-    def _handle(self, fd: int, op: int, req_id: int, length: int, peer_id: int) -> bool:
+    def _handle(self, fd: int, op: int, req_id: int, length: int, peer: Peer) -> bool:
         engine = self.engine
+        peer_id = peer.cluster_id
         if op == wire.OP_TABLE_GET:
             self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "table request")
             return self._reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(engine.export_table()))
@@ -487,14 +493,20 @@ class LinkManager:
             message = wire.decode_json(self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "key release"))
             try:
                 kind, ident, model_id = message["key"]
-                engine.consume_key((str(kind), int(ident), int(model_id)), [int(t) for t in message["tensors"]])
+                released = engine.consume_key((str(kind), int(ident), int(model_id)),
+                                              [int(t) for t in message["tensors"]])
             except (KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"malformed key release: {exc!r}") from None
-            return self._reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0)
+            return self._reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0, wire.encode_json({"released": released}))
         if op == wire.OP_UNLINK:
             self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "unlink")
+            # Forget the link before answering, so that a relink right after the answer is not
+            # mistaken for this one; close the connections after answering.
+            with self._lock:
+                if self._peers.get(peer_id) is peer:
+                    del self._peers[peer_id]
             self._reply(fd, wire.OP_UNLINK_DONE, req_id, 0)
-            self._drop_peer(peer_id)
+            peer.close()
             logger.info("cluster %d: cluster %d unlinked", engine.cluster_id, peer_id)
             return False
         if op == wire.OP_PUSH:
@@ -599,7 +611,7 @@ class LinkManager:
                 _close(reverse)
                 return S.LLM_ALREADY_LINK
             self._peers[remote_cluster_id] = peer
-        self._spawn(self._serve, reverse, f"{ip}:{port}", remote_cluster_id)
+        self._spawn(self._serve, reverse, f"{ip}:{port}", peer)
         logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
                     remote_cluster_id, ip, port, plane)
         return S.LLM_SUCCESS
@@ -663,11 +675,14 @@ class LinkManager:
         self._drop_peer(remote_cluster_id)
         return status
 
-    def _drop_peer(self, remote_cluster_id: int) -> None:
+    def _drop_peer(self, remote_cluster_id: int, expected: Optional[Peer] = None) -> None:
+        """Forget the link to a cluster (only if it is still ``expected``, when given)."""
         with self._lock:
-            peer = self._peers.pop(remote_cluster_id, None)
-        if peer is not None:
-            peer.close()
+            peer = self._peers.get(remote_cluster_id)
+            if peer is None or (expected is not None and peer is not expected):
+                return
+            del self._peers[remote_cluster_id]
+        peer.close()
 
     def has_links(self) -> bool:
         with self._lock:
@@ -770,10 +785,12 @@ class LinkManager:
         thread.join()
         return mine if mine[0] != 0 else result[0]
 
-    def release_key(self, remote_cluster_id: int, owner_key: tuple, tensors: List[int], timeout_ms: int) -> None:
+    def release_key(self, remote_cluster_id: int, owner_key: tuple, tensors: List[int], timeout_ms: int) -> bool:
+        """Tell the owner which tensors of a keyed row were pulled; True if it released the key."""
         peer = self.peer(remote_cluster_id)
-        peer.outgoing.control(wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY,
-                              {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
+        _, reply = peer.outgoing.control(wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY,
+                                         {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
+        return bool(reply.get("released"))
 
     # -- life cycle -------------------------------------------------------------------------------
     def close(self) -> None:

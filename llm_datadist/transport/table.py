@@ -79,6 +79,12 @@ class RemoteTable:
                 raise
             raise ProtocolError(f"malformed cache table: {exc}") from None
 
+    def forget_key(self, owner_key: tuple) -> None:
+        entry = self.keys.pop(owner_key, None)
+        self.consumable.discard(owner_key)
+        if entry is not None:
+            self.row_keys.pop(entry, None)
+
     def cache(self, cache_id: int) -> Optional[RemoteCache]:
         return self.caches.get(cache_id)
 
