@@ -571,10 +571,25 @@ cdef inline Py_ssize_t _first_out_of_range(cnp.int64_t *values, Py_ssize_t n,
     return -1
 
 
+cdef dict _ALL_INDICES = {}
+
+
+cdef object _all_indices(uint64_t limit):
+    # "All tensors" is asked for on every transfer without layer ranges: keep one read-only
+    # arange per small count instead of building it each time.
+    arr = _ALL_INDICES.get(limit)
+    if arr is None:
+        arr = np.arange(limit, dtype=np.int64)
+        if limit <= 4096:
+            arr.flags.writeable = False
+            _ALL_INDICES[limit] = arr
+    return arr
+
+
 cdef object _checked_indices(object values, uint64_t limit, str name, str what):
     """Index array for ``values`` (None = all of ``range(limit)``), each checked in [0, limit)."""
     if values is None:
-        return np.arange(limit, dtype=np.int64)
+        return _all_indices(limit)
     arr = _as_index_array(values, name)
     cdef cnp.int64_t *view = _i64(arr)
     cdef Py_ssize_t bad = -1, n = arr.shape[0]

@@ -377,12 +377,14 @@ class Engine:
 
     @contextlib.contextmanager
     def pinned(self):
-        """The shared ranges, held so that no memory leaves the registry while bytes move."""
+        """``(shared ranges, registry generation)``, held so that no memory leaves the registry
+        while bytes move."""
         with self._pin_cond:
             self._pins += 1
             ranges = self._shared_ranges
+            generation = self.generation_word.value
         try:
-            yield ranges
+            yield ranges, generation
         finally:
             with self._pin_cond:
                 self._pins -= 1

@@ -49,6 +49,10 @@ HANDSHAKE_TIMEOUT_MS = 10000
 FRAME_TIMEOUT_MS = 30000
 #: Transfers of at least this many bytes on the same-host plane are split over two threads.
 PARALLEL_CMA_BYTES = 8 << 20
+#: TCP transfers of at least this many bytes are split over the link's data connections.
+PARALLEL_TCP_BYTES = 8 << 20
+#: Connections per direction of a link (the first also carries control messages).
+CONNECTIONS_PER_DIRECTION = 2
 
 S = LLMStatusCode
 
@@ -71,6 +75,10 @@ def resolve_plane(options: Dict[str, str]) -> str:
         raise LLMException(f"{DATA_PLANE_OPTION} must be one of {', '.join(PLANES)}, got {value!r}",
                            status_code=S.LLM_PARAM_INVALID)
     return value
+
+
+class _StaleTable(Exception):
+    """The peer's registry changed since its table was fetched: refresh and plan again."""
 
 
 class Channel:
@@ -157,27 +165,30 @@ class Channel:
         except ProtocolError as exc:
             raise self._break(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
 
-    def push(self, plan, timeout_ms: int) -> None:
-        """Send the plan's source bytes for the peer to write at the descriptors' destinations."""
+    def push(self, plan, generation: int, timeout_ms: int) -> None:
+        """Send the plan's source bytes for the peer to write at the descriptors' destinations
+        (planned against the peer's table of ``generation``)."""
         descs = _planes.plan_to_wire(plan)
         deadline = time.monotonic() + timeout_ms / 1000
         with self.lock:
             self._check()
             req_id = self._next_id
             self._next_id += 1
-            head = (wire.pack_header(wire.OP_PUSH, req_id, 8 + len(descs) + plan.total_bytes)
-                    + wire.U64.pack(len(descs)) + descs)
+            head = (wire.pack_header(wire.OP_PUSH, req_id, 16 + len(descs) + plan.total_bytes)
+                    + wire.U64.pack(generation) + wire.U64.pack(len(descs)) + descs)
             st, _ = _planes.send_plan(self.fd, head, plan, False, self._remaining(deadline))
             if st != 0:
                 raise self._break(st, "push")
             status, length = self._read_reply(wire.OP_PUSH_DONE, req_id, deadline, "push")
             if length:
                 raise self._break(S.LLM_LINK_FAILED, "push: reply with a payload")
+        if status == wire.STATUS_STALE_TABLE:
+            raise _StaleTable()
         if status != 0:
             raise _fail(status, f"push refused by {self.peer_name}: {_status(status).name} (a "
                                 f"destination range is not registered there)")
 
-    def pull(self, plan, timeout_ms: int) -> None:
+    def pull(self, plan, generation: int, timeout_ms: int) -> None:
         """Ask the peer for the plan's source ranges and receive them into the destinations."""
         descs = _planes.plan_to_wire(plan)
         deadline = time.monotonic() + timeout_ms / 1000
@@ -185,8 +196,8 @@ class Channel:
             self._check()
             req_id = self._next_id
             self._next_id += 1
-            st, _ = _planes.send_bytes(self.fd, wire.pack_header(wire.OP_PULL, req_id, len(descs)) + descs,
-                                       self._remaining(deadline))
+            st, _ = _planes.send_bytes(self.fd, wire.pack_header(wire.OP_PULL, req_id, 8 + len(descs))
+                                       + wire.U64.pack(generation) + descs, self._remaining(deadline))
             if st != 0:
                 raise self._break(st, "pull")
             status, length = self._read_reply(wire.OP_PULL_DATA, req_id, deadline, "pull")
@@ -199,6 +210,8 @@ class Channel:
                     raise self._break(st, "pull")
             elif length:
                 raise self._break(S.LLM_LINK_FAILED, "pull: refusal with a payload")
+        if status == wire.STATUS_STALE_TABLE:
+            raise _StaleTable()
         if status != 0:
             raise _fail(status, f"pull refused by {self.peer_name}: {_status(status).name} (a "
                                 f"source range is not registered there)")
@@ -221,6 +234,8 @@ class Peer:
     incoming: Optional[socket.socket] = None
     generation: Optional[PeerCounter] = None
     pidfd: int = -1
+    extra: List[Channel] = field(default_factory=list)  # more outgoing data connections
+    extra_incoming: List[socket.socket] = field(default_factory=list)
     threads: List[threading.Thread] = field(default_factory=list)
     table_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -228,17 +243,15 @@ class Peer:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
-        if self.outgoing is not None:
-            self.outgoing.close()
-        if self.incoming is not None:
-            try:
-                self.incoming.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-class _StaleTable(Exception):
-    pass
+        for channel in [self.outgoing] + self.extra:
+            if channel is not None:
+                channel.close()
+        for sock in [self.incoming] + self.extra_incoming:
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class LinkManager:
@@ -306,7 +319,7 @@ class LinkManager:
                 continue
             except OSError:
                 break
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(conn)
             conn.setblocking(False)
             self._spawn(self._serve_accepted, conn, f"{addr[0]}:{addr[1]}")
 
@@ -410,13 +423,20 @@ class LinkManager:
         this connection carries, "channel" for a reverse connection, or None."""
         peer_id = hello["cluster_id"]
         reply: Dict[str, Any] = {"cluster_id": self.engine.cluster_id}
-        if hello["purpose"] == "reverse":
+        if hello["purpose"] in ("reverse", "forward"):
+            # A further connection of a link being made: the token names the pending Peer.
             with self._lock:
                 peer = self._peers.get(peer_id)
-                if peer is None or peer.outgoing is not None or hello.get("token") != id(peer):
-                    return S.LLM_LINK_FAILED, dict(reply, error="no pending link for this reverse "
-                                                                "connection"), None
-                peer.outgoing = Channel(conn, f"cluster {peer_id} ({name})")
+                if peer is None or hello.get("token") != id(peer):
+                    return S.LLM_LINK_FAILED, dict(reply, error="no pending link for this connection"), None
+                if hello["purpose"] == "forward":
+                    peer.extra_incoming.append(conn)
+                    return S.LLM_SUCCESS, reply, peer
+                channel = Channel(conn, f"cluster {peer_id} ({name})")
+                if peer.outgoing is None:
+                    peer.outgoing = channel
+                else:
+                    peer.extra.append(channel)
             return S.LLM_SUCCESS, reply, "channel"
         if hello["purpose"] != "link":
             return S.LLM_PARAM_INVALID, dict(reply, error=f"unknown purpose {hello['purpose']!r}"), None
@@ -510,43 +530,52 @@ class LinkManager:
             logger.info("cluster %d: cluster %d unlinked", engine.cluster_id, peer_id)
             return False
         if op == wire.OP_PUSH:
-            if length < 8:
+            if length < 16:
                 raise ProtocolError(f"push frame of {length} bytes")
-            (desc_len,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "push"))
-            if desc_len > length - 8 or desc_len % _planes.WIRE_DESC_BYTES:
+            generation, desc_len = wire.U64x2.unpack(self._recv_exact(fd, 16, 16, "push"))
+            if desc_len > length - 16 or desc_len % _planes.WIRE_DESC_BYTES:
                 raise ProtocolError(f"push: descriptor length {desc_len} in a frame of {length}")
             plan = self._wire_plan(self._recv_exact(fd, desc_len, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-            data_len = length - 8 - desc_len
+            data_len = length - 16 - desc_len
             if plan.total_bytes != data_len:
                 raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
-            with engine.pinned() as ranges:
-                bad = ranges.first_outside(plan, True)
-                if bad < 0:
+            with engine.pinned() as (ranges, current):
+                refusal = self._refusal(plan, True, generation, ranges, current, peer_id, "push")
+                if refusal == 0:
                     st, _, _ = _planes.recv_plan(fd, plan, False, FRAME_TIMEOUT_MS)
                     if st != 0:
                         raise ProtocolError(f"push payload truncated ({_status(st).name})")
-            if bad >= 0:
-                logger.warning("cluster %d refused a push from %d: range %d is not registered memory",
-                               engine.cluster_id, peer_id, bad)
+            if refusal:
                 st, _, _ = _planes.recv_discard(fd, data_len, FRAME_TIMEOUT_MS)
                 if st != 0:
                     raise ProtocolError("push payload truncated")
-                return self._reply(fd, wire.OP_PUSH_DONE, req_id, S.LLM_KV_CACHE_NOT_EXIST)
-            return self._reply(fd, wire.OP_PUSH_DONE, req_id, 0)
+            return self._reply(fd, wire.OP_PUSH_DONE, req_id, refusal)
         if op == wire.OP_PULL:
-            if length % _planes.WIRE_DESC_BYTES:
-                raise ProtocolError(f"pull: descriptor length {length}")
-            plan = self._wire_plan(self._recv_exact(fd, length, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-            with engine.pinned() as ranges:
-                bad = ranges.first_outside(plan, False)
-                if bad < 0:
+            if length < 8 or (length - 8) % _planes.WIRE_DESC_BYTES:
+                raise ProtocolError(f"pull: frame length {length}")
+            (generation,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "pull"))
+            plan = self._wire_plan(self._recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+            with engine.pinned() as (ranges, current):
+                refusal = self._refusal(plan, False, generation, ranges, current, peer_id, "pull")
+                if refusal == 0:
                     head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)
                     st, _ = _planes.send_plan(fd, head, plan, False, FRAME_TIMEOUT_MS)
                     return st == 0
-            logger.warning("cluster %d refused a pull from %d: range %d is not registered memory",
-                           engine.cluster_id, peer_id, bad)
-            return self._reply(fd, wire.OP_PULL_DATA, req_id, S.LLM_KV_CACHE_NOT_EXIST)
+            return self._reply(fd, wire.OP_PULL_DATA, req_id, refusal)
         raise ProtocolError(f"unexpected {wire.OP_NAMES[op]}")
+
+    def _refusal(self, plan, dst_side: bool, generation: int, ranges, current: int, peer_id: int,
+                 what: str) -> int:
+        """0 to accept a transfer; the stale-table status if the peer planned against an older
+        registry; ``LLM_KV_CACHE_NOT_EXIST`` if a range is not registered memory here."""
+        if generation != current:
+            return wire.STATUS_STALE_TABLE
+        bad = ranges.first_outside(plan, dst_side)
+        if bad < 0:
+            return 0
+        logger.warning("cluster %d refused a %s from %d: range %d is not registered memory",
+                       self.engine.cluster_id, what, peer_id, bad)
+        return S.LLM_KV_CACHE_NOT_EXIST
 
     @staticmethod
     def _wire_plan(data: bytearray):
@@ -565,7 +594,8 @@ class LinkManager:
         if remote_cluster_id == self.engine.cluster_id:
             logger.error("cluster %d cannot link to itself", remote_cluster_id)
             return S.LLM_PARAM_INVALID
-        forward = reverse = None
+        forward = None
+        extra: List[Tuple[str, socket.socket]] = []
         try:
             forward, status, reply = self._handshake(ip, port, self._hello("link", force_link=True), deadline)
             if status != 0:
@@ -581,37 +611,52 @@ class LinkManager:
             self._check_hello(reply)
             table = RemoteTable(reply["table"])
             plane = self._choose_plane(reply)
-            reverse, status, rreply = self._handshake(ip, port, self._hello("reverse", token=reply["token"]),
-                                                      deadline)
-            if status != 0:
-                logger.error("link %d -> %d: reverse connection refused: %s", self.engine.cluster_id,
-                             remote_cluster_id, rreply.get("error", ""))
-                _close(forward)
-                _close(reverse)
-                return S.LLM_LINK_FAILED
+            # The reverse connection (the server's requests), then the extra data connections of
+            # each direction.
+            for purpose in ["reverse"] + ["forward", "reverse"] * (CONNECTIONS_PER_DIRECTION - 1):
+                sock, status, rreply = self._handshake(ip, port, self._hello(purpose, token=reply["token"]),
+                                                       deadline)
+                extra.append((purpose, sock))
+                if status != 0:
+                    logger.error("link %d -> %d: %s connection refused: %s", self.engine.cluster_id,
+                                 remote_cluster_id, purpose, rreply.get("error", ""))
+                    _close(forward)
+                    for _, other in extra:
+                        _close(other)
+                    return S.LLM_LINK_FAILED
         except LLMException as exc:
             logger.error("link %d -> %d failed: %s", self.engine.cluster_id, remote_cluster_id, exc)
             _close(forward)
-            _close(reverse)
+            for _, other in extra:
+                _close(other)
             return exc.status_code
         except (OSError, ProtocolError) as exc:
             logger.error("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id,
                          ip, port, exc)
             _close(forward)
-            _close(reverse)
+            for _, other in extra:
+                _close(other)
             return S.LLM_LINK_FAILED
+        reverse = extra[0][1]
+        name = f"cluster {remote_cluster_id} ({ip}:{port})"
         peer = Peer(remote_cluster_id, str(reply["role"]), reply["pid"], reply["host"], plane,
-                    Channel(forward, f"cluster {remote_cluster_id} ({ip}:{port})"), table,
-                    int(reply["generation_addr"]), True, (ip, port), incoming=reverse)
+                    Channel(forward, name), table, int(reply["generation_addr"]), True, (ip, port),
+                    incoming=reverse)
+        for purpose, sock in extra[1:]:
+            if purpose == "forward":
+                peer.extra.append(Channel(sock, name))
+            else:
+                peer.extra_incoming.append(sock)
         if plane == "cma":
             self._attach_same_host(peer, reply)
         with self._lock:
             if remote_cluster_id in self._peers:
                 peer.close()
-                _close(reverse)
                 return S.LLM_ALREADY_LINK
             self._peers[remote_cluster_id] = peer
-        self._spawn(self._serve, reverse, f"{ip}:{port}", peer)
+        for purpose, sock in extra:
+            if purpose == "reverse":
+                self._spawn(self._serve, sock, f"{ip}:{port}", peer)
         logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
                     remote_cluster_id, ip, port, plane)
         return S.LLM_SUCCESS
@@ -622,7 +667,7 @@ class LinkManager:
             raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
         sock = socket.create_connection((ip, port), timeout=remaining)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
             sock.setblocking(False)
             fd = sock.fileno()
             payload = wire.encode_json(hello)
@@ -727,18 +772,21 @@ class LinkManager:
         refreshed = False
         while True:
             try:
-                plan = make_plan(peer.table)
+                table = peer.table
+                if peer.plane == "cma" and self._generation(peer) != table.generation:
+                    raise _StaleTable()
+                plan = make_plan(table)
                 if peer.plane == "cma":
                     self._cma(peer, plan, write, deadline)
-                elif write:
-                    peer.outgoing.push(plan, _left(deadline))
                 else:
-                    peer.outgoing.pull(plan, _left(deadline))
+                    self._tcp(peer, plan, write, table.generation, deadline)
                 return plan
             except _StaleTable:
                 pass
             except LLMException as exc:
-                if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST or refreshed:
+                # An unknown cache, or an index outside the geometry we hold, may just be an old
+                # table: refresh once before reporting it.
+                if refreshed or exc.status_code not in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_PARAM_INVALID):
                     raise
             if refreshed:
                 raise LLMException(f"the cache table of cluster {remote_cluster_id} keeps changing",
@@ -747,16 +795,45 @@ class LinkManager:
             with peer.table_lock:
                 self.refresh_table(peer, _left(deadline))
 
-    def _cma(self, peer: Peer, plan, write: bool, deadline: float) -> None:
+    @staticmethod
+    def _generation(peer: Peer) -> int:
+        """The peer's registry generation now (same-host plane)."""
         if peer.generation is not None:
-            generation = peer.generation.value
-        else:
-            st, err, generation = _planes.cma_read_u64(peer.pid, peer.generation_addr)
-            if st != 0:
-                raise _fail(S.LLM_LINK_FAILED, f"cluster {peer.cluster_id} (pid {peer.pid}) is not "
-                                               f"reachable: {os.strerror(err) if err else _status(st).name}")
-        if generation != peer.table.generation:
-            raise _StaleTable()
+            return peer.generation.value
+        st, err, generation = _planes.cma_read_u64(peer.pid, peer.generation_addr)
+        if st != 0:
+            raise _fail(S.LLM_LINK_FAILED, f"cluster {peer.cluster_id} (pid {peer.pid}) is not "
+                                           f"reachable: {os.strerror(err) if err else _status(st).name}")
+        return generation
+
+    def _tcp(self, peer: Peer, plan, write: bool, generation: int, deadline: float) -> None:
+        channels = [peer.outgoing] + [c for c in peer.extra if c.broken is None]
+        if plan.total_bytes < PARALLEL_TCP_BYTES or len(channels) < 2 or len(plan) < 2:
+            (channels[0].push if write else channels[0].pull)(plan, generation, _left(deadline))
+            return
+        # Large transfers: one share per connection, each on its own thread.
+        shares = _core.split_plan(plan, len(channels))
+        errors: List[BaseException] = []
+
+        def run(channel: Channel, share) -> None:
+            try:
+                (channel.push if write else channel.pull)(share, generation, _left(deadline))
+            except BaseException as exc:  # re-raised in the calling thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(c, p), daemon=True) for c, p in zip(channels[1:], shares[1:])]
+        for thread in threads:
+            thread.start()
+        run(channels[0], shares[0])
+        for thread in threads:
+            thread.join()
+        for exc in errors:
+            if not isinstance(exc, _StaleTable):
+                raise exc
+        if errors:
+            raise errors[0]
+
+    def _cma(self, peer: Peer, plan, write: bool, deadline: float) -> None:
         bad = peer.table.ranges.first_outside(plan, write)
         if bad >= 0:
             raise _fail(S.LLM_KV_CACHE_NOT_EXIST, f"descriptor {bad} names memory that cluster "
@@ -818,6 +895,22 @@ def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMS
 
 def _left(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay for the small control frames; large socket buffers for the data
+    (``LLM_DATADIST_TCP_BUFFER`` bytes, default 4 MiB; 0 leaves the system's autotuning)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        size = int(os.environ.get("LLM_DATADIST_TCP_BUFFER", str(4 << 20)))
+    except ValueError:
+        size = 4 << 20
+    if size > 0:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, size)
+            except OSError:
+                pass
 
 
 def _close(sock: Optional[socket.socket]) -> None:

@@ -10,10 +10,12 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     length  u64  payload bytes that follow
 
 Control payloads (hello, tables, unlink, key release) are UTF-8 JSON of at most
-``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 descriptor bytes`` + descriptors (``src, dst,
-nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of every descriptor in
-order. A PULL payload is the descriptors alone (the owner uses ``src``); its reply, PULL_DATA,
-carries the data. All integers are little-endian.
+``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 table generation`` + ``u64 descriptor bytes`` +
+descriptors (``src, dst, nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of
+every descriptor in order. A PULL payload is ``u64 table generation`` + the descriptors (the owner
+uses ``src``); its reply, PULL_DATA, carries the data. The generation is that of the owner's cache
+table the sender planned against; the owner refuses a different one with ``STATUS_STALE_TABLE``.
+All integers are little-endian.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")
+U64x2 = struct.Struct("<QQ")
+
+#: Reply status (not an LLM status code) refusing a PUSH or PULL planned against an older cache
+#: table than the owner's registry: the sender refreshes its table and plans again.
+STATUS_STALE_TABLE = 1
 
 OP_HELLO = 1
 OP_HELLO_REPLY = 2

@@ -291,3 +291,14 @@ def transfer_async(state, src: str, configs: list, **kwargs) -> None:
     """``transfer_cache_async`` with an always-ready synchronizer (for argument errors)."""
     sync = RecordingSynchronizer(state.arrays[src], {}, 0, {}, None)
     state.cm.transfer_cache_async(state.caches[src], sync, configs, **kwargs)
+
+
+def reregister_as(state, name: str, model_id: int) -> int:
+    """Unregister blocks cache ``name`` and register the same memory again under ``model_id``."""
+    cache = state.caches[name]
+    state.cm.unregister_cache(cache.cache_id)
+    arrays = state.arrays[name]
+    new = state.cm.register_blocks_cache(cache.cache_desc, [a.ctypes.data for a in arrays],
+                                         ld.BlocksCacheKey(state.cluster_id, model_id))
+    state.caches[name] = new
+    return new.cache_id

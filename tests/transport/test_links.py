@@ -685,3 +685,34 @@ def test_server_pushes_and_pulls_over_the_reverse_direction(clusters, api):
         assert transfer_status(server, client.cluster_id, api, push=True, peer=client) == 0
         assert transfer_status(server, client.cluster_id, api, peer=client) == 0
         assert transfer_status(client, server.cluster_id, api, peer=server) == 0
+
+
+def test_a_re_registered_model_with_more_blocks_is_reached_after_a_refresh(clusters):
+    """The peer's table is stale (model 7 had 4 blocks at link time, 16 now): the block index
+    is outside the old geometry, so the table is refreshed once and the push lands."""
+    server, client = start_pair(clusters, "python", client_role="MIX")
+    server.call(ops.register, "old", 1, (4, 16), "HOST", True, model_id=7)
+    client.call(ops.register, "src", 1, (16, 16), "HOST", True)
+    assert link_to(client, [target(server)], "python") == (0, [0])
+    server.call(ops.unregister, "old")
+    server.call(ops.register, "new", 1, (16, 16), "HOST", True, model_id=7)
+    src = client.call(ops.fill, "src", next(SEEDS))
+    dst = server.call(ops.fill, "new", next(SEEDS))
+    client.call(ops.py, "push_blocks", BlocksCacheKey(1, 7), "src", [0], [10])
+    assert_same(server.call(ops.snapshot, "new"), copy_blocks(src, dst, [0], [0], [0], [10]))
+
+
+def test_a_push_to_a_dropped_model_never_lands_in_the_memory_now_registered_there(clusters):
+    """Model 7 is unregistered and the same memory registered again as model 8: a push planned
+    against the old table must not write into model 8's cache."""
+    server, client = start_pair(clusters, "python", client_role="MIX")
+    server.call(ops.register, "seven", 1, (4, 16), "HOST", True, model_id=7)
+    client.call(ops.register, "src", 1, (4, 16), "HOST", True)
+    assert link_to(client, [target(server)], "python") == (0, [0])
+    server.call(ops.reregister_as, "seven", 8)
+    client.call(ops.fill, "src", next(SEEDS))
+    before = server.call(ops.fill, "seven", next(SEEDS))
+    with pytest.raises(ChildError) as info:
+        client.call(ops.py, "push_blocks", BlocksCacheKey(1, 7), "src", [0], [3])
+    assert (info.value.kind, info.value.status_code) == ("LLMException", S.LLM_KV_CACHE_NOT_EXIST)
+    assert_same(server.call(ops.snapshot, "seven"), before, "memory re-registered under another model")
