@@ -139,7 +139,8 @@ class Engine:
         self.generation_word = SharedCounter(1)
         self._shared_ranges = _planes.RangeSet(())
         self._pin_cond = threading.Condition()
-        self._pins = 0
+        self._pinned: Dict[int, Tuple[Any, bool]] = {}
+        self._pin_serial = 0
         self.protocol_errors = 0
         self.links = None
 
@@ -296,8 +297,9 @@ class Engine:
                              f"{self.cluster_id}")
         return record
 
-    def _drop(self, record: CacheRecord) -> None:
-        """Remove a record and everything that names it (lock held)."""
+    def _drop(self, record: CacheRecord) -> Any:
+        """Remove a record and everything that names it (lock held); returns its memory as a
+        RangeSet for ``_wait_unpinned``."""
         self._caches.pop(record.cache_id, None)
         for key in record.owner_keys:
             self._keys.pop(key, None)
@@ -310,6 +312,7 @@ class Engine:
             record.pool_bytes = 0
         self.generation_word.value = self.generation_word.value + 1
         self._rebuild_ranges()
+        return _planes.RangeSet((addr, record.tensor_bytes) for addr in record.addrs)
 
     def deallocate(self, cache_id: int) -> None:
         """Drop the id reference of an allocated cache; memory goes when no key is bound to it."""
@@ -322,9 +325,9 @@ class Engine:
                 raise param_invalid(f"cache {cache_id} is registered memory; use unregister_cache")
             if record.owner_keys:
                 record.id_released = True
-            else:
-                self._drop(record)
-        self._wait_unpinned()
+                return
+            removed = self._drop(record)
+        self._wait_unpinned(removed)
 
     def unregister(self, cache_id: int) -> None:
         self.check_initialized()
@@ -334,8 +337,8 @@ class Engine:
                 return
             if not record.registered:
                 raise param_invalid(f"cache {cache_id} was allocated; use deallocate_cache")
-            self._drop(record)
-        self._wait_unpinned()
+            removed = self._drop(record)
+        self._wait_unpinned(removed)
 
     def remove_key(self, owner_key: Optional[tuple]) -> None:
         self.check_initialized()
@@ -347,9 +350,10 @@ class Engine:
             del self._keys[owner_key]
             record.owner_keys.discard(owner_key)
             self.generation_word.value = self.generation_word.value + 1
-            if record.id_released and not record.owner_keys:
-                self._drop(record)
-        self._wait_unpinned()
+            if not (record.id_released and not record.owner_keys):
+                return
+            removed = self._drop(record)
+        self._wait_unpinned(removed)
 
     def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
         with self._lock:
@@ -376,23 +380,30 @@ class Engine:
             if record.placement == HOST or host_ok for addr in record.addrs)
 
     @contextlib.contextmanager
-    def pinned(self):
-        """``(shared ranges, registry generation)``, held so that no memory leaves the registry
-        while bytes move."""
+    def pinned(self, plan, dst_side: bool):
+        """``(shared ranges, registry generation)``, held while a peer's bytes move through the
+        ``dst_side`` (or source) ranges of ``plan``: memory they touch does not leave the
+        registry until they are done."""
         with self._pin_cond:
-            self._pins += 1
+            self._pin_serial += 1
+            token = self._pin_serial
+            self._pinned[token] = (plan, dst_side)
             ranges = self._shared_ranges
             generation = self.generation_word.value
         try:
             yield ranges, generation
         finally:
             with self._pin_cond:
-                self._pins -= 1
+                del self._pinned[token]
                 self._pin_cond.notify_all()
 
-    def _wait_unpinned(self, timeout: float = 60.0) -> None:
+    def _wait_unpinned(self, removed, timeout: float = 90.0) -> None:
+        """Wait until no transfer pinned before now touches the ``removed`` ranges (transfers
+        into other memory, and later ones, which are refused these ranges, do not hold it up).
+        A stalled peer's transfer ends at the frame timeout, well inside ``timeout``."""
         with self._pin_cond:
-            self._pin_cond.wait_for(lambda: self._pins == 0, timeout)
+            waiting = {token for token, (plan, side) in self._pinned.items() if removed.overlaps(plan, side)}
+            self._pin_cond.wait_for(lambda: not waiting.intersection(self._pinned), timeout)
 
     def count_protocol_error(self) -> None:
         with self._lock:
@@ -565,9 +576,9 @@ class Engine:
             return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
         self._transfer(remote_id, dst, False, make)
 
-    def pull_row_to_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_blocks,
-                           tensors) -> None:
-        """A remote contiguous row scattered into local blocks (block-sized chunks)."""
+    def _pull_row(self, remote_id: int, ref: tuple, dst: CacheRecord, tensors, plan_row) -> None:
+        """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
+        the owner if the row was bound to a key it may release."""
         used = []
 
         def make(table):
@@ -575,27 +586,25 @@ class Engine:
             self._row_in_range(cache, row, remote_id)
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
             used[:] = [table, cache, row, st]
-            return _core.plan_row_to_blocks(cache.layout, dst.layout, st, dt, row, dst_blocks)
+            return plan_row(cache, row, st, dt)
         self._transfer(remote_id, dst, False, make)
         self._release_pulled_key(remote_id, *used)
+
+    def pull_row_to_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_blocks,
+                           tensors) -> None:
+        """A remote contiguous row scattered into local blocks (block-sized chunks)."""
+        self._pull_row(remote_id, ref, dst, tensors, lambda cache, row, st, dt: _core.plan_row_to_blocks(
+            cache.layout, dst.layout, st, dt, row, dst_blocks))
 
     def pull_rows(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_row: int, size: int,
                   tensors, src_offset: int = 0, dst_offset: int = 0) -> None:
         """A remote row -> local row ``dst_row``; ``size`` bytes (-1 = the local row from
         ``dst_offset`` on), read from ``src_offset`` into the remote row."""
-        used = []
-
-        def make(table):
-            cache, row = self._remote(table, remote_id, ref)
-            self._row_in_range(cache, row, remote_id)
-            st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            used[:] = [table, cache, row, st]
-            nbytes = dst.row_bytes - dst_offset if size == -1 else size
-            if nbytes <= 0:
-                raise param_invalid(f"dst_cache_offset {dst_offset} is outside the row of {dst.row_bytes} bytes")
-            return _core.plan_rows(cache.layout, dst.layout, st, dt, row, dst_row, src_offset, dst_offset, nbytes)
-        self._transfer(remote_id, dst, False, make)
-        self._release_pulled_key(remote_id, *used)
+        nbytes = dst.row_bytes - dst_offset if size == -1 else size
+        if nbytes <= 0:
+            raise param_invalid(f"dst_cache_offset {dst_offset} is outside the row of {dst.row_bytes} bytes")
+        self._pull_row(remote_id, ref, dst, tensors, lambda cache, row, st, dt: _core.plan_rows(
+            cache.layout, dst.layout, st, dt, row, dst_row, src_offset, dst_offset, nbytes))
 
     def push_rows(self, remote_id: int, ref: tuple, src: CacheRecord, src_row: int, tensors) -> None:
         """Local row ``src_row`` (one source row of bytes) -> a remote row."""

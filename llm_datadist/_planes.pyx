@@ -252,23 +252,28 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline) noexcept nogil:
             return _status.DD_LLM_FAILED
 
 
+cdef inline void _message(msghdr *msg, iovec *iov, size_t first, size_t count) noexcept nogil:
+    # A message over iov[first:count], at most IOV_MAX entries.
+    cdef size_t batch = count - first
+    if batch > _BATCH:
+        batch = _BATCH
+    msg.msg_name = NULL
+    msg.msg_namelen = 0
+    msg.msg_iov = iov + first
+    msg.msg_iovlen = batch
+    msg.msg_control = NULL
+    msg.msg_controllen = 0
+    msg.msg_flags = 0
+
+
 cdef unsigned int _send_iov(int fd, iovec *iov, size_t count, int64_t deadline,
                             int *err) noexcept nogil:
-    cdef size_t first = 0, batch
+    cdef size_t first = 0
     cdef ssize_t n
     cdef msghdr msg
     cdef unsigned int st
     while first < count:
-        batch = count - first
-        if batch > _BATCH:
-            batch = _BATCH
-        msg.msg_name = NULL
-        msg.msg_namelen = 0
-        msg.msg_iov = iov + first
-        msg.msg_iovlen = batch
-        msg.msg_control = NULL
-        msg.msg_controllen = 0
-        msg.msg_flags = 0
+        _message(&msg, iov, first, count)
         n = sendmsg(fd, &msg, MSG_NOSIGNAL)
         if n < 0:
             if errno == EINTR:
@@ -286,21 +291,12 @@ cdef unsigned int _send_iov(int fd, iovec *iov, size_t count, int64_t deadline,
 
 cdef unsigned int _recv_iov(int fd, iovec *iov, size_t count, int64_t deadline, int *err,
                             uint64_t *received) noexcept nogil:
-    cdef size_t first = 0, batch
+    cdef size_t first = 0
     cdef ssize_t n
     cdef msghdr msg
     cdef unsigned int st
     while first < count:
-        batch = count - first
-        if batch > _BATCH:
-            batch = _BATCH
-        msg.msg_name = NULL
-        msg.msg_namelen = 0
-        msg.msg_iov = iov + first
-        msg.msg_iovlen = batch
-        msg.msg_control = NULL
-        msg.msg_controllen = 0
-        msg.msg_flags = 0
+        _message(&msg, iov, first, count)
         n = recvmsg(fd, &msg, 0)
         if n < 0:
             if errno == EINTR:
@@ -508,6 +504,34 @@ cdef class RangeSet:
 
     def contains(self, uint64_t addr, uint64_t nbytes):
         return self._contains(addr, nbytes)
+
+    cdef bint _overlaps(self, uint64_t addr, uint64_t nbytes) noexcept nogil:
+        cdef size_t lo = 0, hi = self.count, mid
+        if nbytes == 0:
+            return False
+        # The first range that ends after addr; it overlaps if it starts before addr + nbytes.
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.ends[mid] <= addr:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= self.count:
+            return False
+        if self.starts[lo] <= addr:
+            return True  # that range holds addr itself
+        return self.starts[lo] - addr < nbytes
+
+    def overlaps(self, CopyPlan plan not None, bint dst_side):
+        """Whether any descriptor's destination (or source) range meets a range of the set."""
+        cdef size_t i
+        cdef bint hit = False
+        with nogil:
+            for i in range(plan.count):
+                if self._overlaps(plan.descs[i].dst if dst_side else plan.descs[i].src, plan.descs[i].nbytes):
+                    hit = True
+                    break
+        return hit
 
     def first_outside(self, CopyPlan plan not None, bint dst_side):
         """Index of the first descriptor whose destination (or source) range is not wholly

@@ -98,10 +98,16 @@ class Channel:
         if self.broken is None:
             self.broken = "closed"
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a transfer waiting on it
         except OSError:
             pass
-        self.sock.close()
+        # Close the descriptor only once no transfer is using it, so that its number is not
+        # reused under a thread still polling it.
+        if self.lock.acquire(timeout=FRAME_TIMEOUT_MS / 1000):
+            try:
+                self.sock.close()
+            finally:
+                self.lock.release()
 
     def _break(self, code: int, what: str) -> LLMException:
         # A failure in the middle of a frame leaves the stream out of step: drop the connection.
@@ -151,9 +157,7 @@ class Channel:
         payload = wire.encode_json(message)
         deadline = time.monotonic() + timeout_ms / 1000
         with self.lock:
-            self._check()
-            req_id = self._next_id
-            self._next_id += 1
+            req_id = self._request_id()
             st, _ = _planes.send_bytes(self.fd, wire.pack_header(op, req_id, len(payload)) + payload,
                                        self._remaining(deadline))
             if st != 0:
@@ -165,37 +169,42 @@ class Channel:
         except ProtocolError as exc:
             raise self._break(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
 
+    def _request_id(self) -> int:
+        self._check()
+        req_id = self._next_id
+        self._next_id += 1
+        return req_id
+
+    def _refused(self, status: int, what: str, side: str) -> None:
+        if status == wire.STATUS_STALE_TABLE:
+            raise _StaleTable()
+        if status != 0:
+            raise _fail(status, f"{what} refused by {self.peer_name}: {_status(status).name} (a "
+                                f"{side} range is not registered there)")
+
     def push(self, plan, generation: int, timeout_ms: int) -> None:
         """Send the plan's source bytes for the peer to write at the descriptors' destinations
         (planned against the peer's table of ``generation``)."""
         descs = _planes.plan_to_wire(plan)
         deadline = time.monotonic() + timeout_ms / 1000
         with self.lock:
-            self._check()
-            req_id = self._next_id
-            self._next_id += 1
+            req_id = self._request_id()
             head = (wire.pack_header(wire.OP_PUSH, req_id, 16 + len(descs) + plan.total_bytes)
-                    + wire.U64.pack(generation) + wire.U64.pack(len(descs)) + descs)
+                    + wire.U64x2.pack(generation, len(descs)) + descs)
             st, _ = _planes.send_plan(self.fd, head, plan, False, self._remaining(deadline))
             if st != 0:
                 raise self._break(st, "push")
             status, length = self._read_reply(wire.OP_PUSH_DONE, req_id, deadline, "push")
             if length:
                 raise self._break(S.LLM_LINK_FAILED, "push: reply with a payload")
-        if status == wire.STATUS_STALE_TABLE:
-            raise _StaleTable()
-        if status != 0:
-            raise _fail(status, f"push refused by {self.peer_name}: {_status(status).name} (a "
-                                f"destination range is not registered there)")
+        self._refused(status, "push", "destination")
 
     def pull(self, plan, generation: int, timeout_ms: int) -> None:
         """Ask the peer for the plan's source ranges and receive them into the destinations."""
         descs = _planes.plan_to_wire(plan)
         deadline = time.monotonic() + timeout_ms / 1000
         with self.lock:
-            self._check()
-            req_id = self._next_id
-            self._next_id += 1
+            req_id = self._request_id()
             st, _ = _planes.send_bytes(self.fd, wire.pack_header(wire.OP_PULL, req_id, 8 + len(descs))
                                        + wire.U64.pack(generation) + descs, self._remaining(deadline))
             if st != 0:
@@ -210,11 +219,7 @@ class Channel:
                     raise self._break(st, "pull")
             elif length:
                 raise self._break(S.LLM_LINK_FAILED, "pull: refusal with a payload")
-        if status == wire.STATUS_STALE_TABLE:
-            raise _StaleTable()
-        if status != 0:
-            raise _fail(status, f"pull refused by {self.peer_name}: {_status(status).name} (a "
-                                f"source range is not registered there)")
+        self._refused(status, "pull", "source")
 
 
 @dataclass(eq=False)
@@ -267,7 +272,7 @@ class LinkManager:
         self._listener: Optional[socket.socket] = None
         self._listen_thread: Optional[threading.Thread] = None
         self._threads: List[threading.Thread] = []
-        self._incoming: List[socket.socket] = []
+        self._incoming: set = set()  # accepted connections still served by a thread of ours
         self._closed = False
         self.cma_pool = None
 
@@ -321,6 +326,8 @@ class LinkManager:
                 break
             _tune(conn)
             conn.setblocking(False)
+            with self._lock:
+                self._incoming.add(conn)
             self._spawn(self._serve_accepted, conn, f"{addr[0]}:{addr[1]}")
 
     def _spawn(self, target: Callable, *args) -> threading.Thread:
@@ -375,48 +382,76 @@ class LinkManager:
 
     @staticmethod
     def _check_hello(hello: Dict[str, Any]) -> None:
-        for key in ("purpose", "cluster_id", "role", "pid", "host", "probe", "generation_addr", "table"):
+        """Every field a hello (or hello reply) must carry, with its type."""
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        checks = {
+            "purpose": lambda v: isinstance(v, str),
+            "cluster_id": lambda v: is_int(v) and 0 <= v < 2**64,
+            "role": lambda v: isinstance(v, str),
+            "pid": lambda v: is_int(v) and 0 < v < 2**31,
+            "host": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+            "planes": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+            "probe": lambda v: isinstance(v, list) and len(v) == 2 and all(is_int(x) and 0 <= x < 2**64 for x in v),
+            "generation_addr": lambda v: is_int(v) and 0 <= v < 2**64,
+            "generation_fd": lambda v: is_int(v) and -1 <= v < 2**31,
+            "table": lambda v: isinstance(v, dict),
+        }
+        for key, ok in checks.items():
             if key not in hello:
                 raise ProtocolError(f"hello lacks {key!r}")
-        if not isinstance(hello["cluster_id"], int) or not isinstance(hello["pid"], int):
-            raise ProtocolError("hello: cluster_id and pid must be integers")
+            if not ok(hello[key]):
+                raise ProtocolError(f"hello: {key} = {hello[key]!r} is malformed")
+        if "token" in hello and not is_int(hello["token"]):
+            raise ProtocolError("hello: token must be an integer")
 
     # -- server side ------------------------------------------------------------------------------
     def _serve_accepted(self, conn: socket.socket, name: str) -> None:
-        fd = conn.fileno()
-        header = bytearray(wire.HEADER_BYTES)
+        """Handshake on an accepted connection, then serve it (or hand it to a Channel). The
+        socket is closed on every other way out."""
+        handed_over = False
         try:
-            st, _, _ = _planes.recv_into(fd, header, HANDSHAKE_TIMEOUT_MS)
-            if st != 0:
-                return
-            op, _, req_id, length = wire.unpack_header(header)
-            if op != wire.OP_HELLO or length > wire.MAX_CONTROL_BYTES:
-                raise ProtocolError(f"first frame is {wire.OP_NAMES[op]} of {length} bytes, not a hello")
-            body = bytearray(length)
-            st, _, _ = _planes.recv_into(fd, body, HANDSHAKE_TIMEOUT_MS)
-            if st != 0:
-                return
-            hello = wire.decode_json(body)
-            self._check_hello(hello)
+            handed_over = self._handshake_accepted(conn, name)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", name, exc)
-            _close(conn)
-            return
+            self.engine.count_protocol_error()
+        finally:
+            with self._lock:
+                self._incoming.discard(conn)
+            if not handed_over:
+                _close(conn)
+
+    def _handshake_accepted(self, conn: socket.socket, name: str) -> bool:
+        fd = conn.fileno()
+        header = bytearray(wire.HEADER_BYTES)
+        st, _, _ = _planes.recv_into(fd, header, HANDSHAKE_TIMEOUT_MS)
+        if st != 0:
+            return False  # closed or silent before a hello
+        op, _, req_id, length = wire.unpack_header(header)
+        if op != wire.OP_HELLO or length > wire.MAX_CONTROL_BYTES:
+            raise ProtocolError(f"first frame is {wire.OP_NAMES[op]} of {length} bytes, not a hello")
+        body = bytearray(length)
+        st, _, _ = _planes.recv_into(fd, body, HANDSHAKE_TIMEOUT_MS)
+        if st != 0:
+            raise ProtocolError(f"hello truncated ({_status(st).name})")
+        hello = wire.decode_json(body)
+        self._check_hello(hello)
         status, reply, keep = self._accept_hello(hello, conn, name)
         payload = wire.encode_json(reply)
         st, _ = _planes.send_bytes(fd, wire.pack_header(wire.OP_HELLO_REPLY, req_id, len(payload), status)
                                    + payload, HANDSHAKE_TIMEOUT_MS)
         if status != 0 or st != 0:
-            _close(conn)
             if status == 0 and isinstance(keep, Peer):
                 self._drop_peer(keep.cluster_id, keep)
-            return
+            return False
         if isinstance(keep, Peer):
             self._serve(conn, name, keep)
             if keep.outgoing is None:
                 # The client gave up before its reverse connection arrived: no half-made link stays.
                 self._drop_peer(keep.cluster_id, keep)
-        # Otherwise the socket now belongs to the peer's outgoing Channel.
+            return True  # _serve closed it
+        return True  # the socket now belongs to the peer's outgoing Channel
 
     def _accept_hello(self, hello: Dict[str, Any], conn: socket.socket, name: str):
         """Decide on a hello: ``(status, reply, keep)``; ``keep`` is the new Peer whose requests
@@ -539,7 +574,7 @@ class LinkManager:
             data_len = length - 16 - desc_len
             if plan.total_bytes != data_len:
                 raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
-            with engine.pinned() as (ranges, current):
+            with engine.pinned(plan, True) as (ranges, current):
                 refusal = self._refusal(plan, True, generation, ranges, current, peer_id, "push")
                 if refusal == 0:
                     st, _, _ = _planes.recv_plan(fd, plan, False, FRAME_TIMEOUT_MS)
@@ -555,7 +590,7 @@ class LinkManager:
                 raise ProtocolError(f"pull: frame length {length}")
             (generation,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "pull"))
             plan = self._wire_plan(self._recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-            with engine.pinned() as (ranges, current):
+            with engine.pinned(plan, False) as (ranges, current):
                 refusal = self._refusal(plan, False, generation, ranges, current, peer_id, "pull")
                 if refusal == 0:
                     head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)
@@ -594,55 +629,53 @@ class LinkManager:
         if remote_cluster_id == self.engine.cluster_id:
             logger.error("cluster %d cannot link to itself", remote_cluster_id)
             return S.LLM_PARAM_INVALID
-        forward = None
-        extra: List[Tuple[str, socket.socket]] = []
+        sockets: List[Tuple[str, socket.socket]] = []
         try:
-            forward, status, reply = self._handshake(ip, port, self._hello("link", force_link=True), deadline)
-            if status != 0:
-                logger.error("link %d -> %d refused: %s (%s)", self.engine.cluster_id, remote_cluster_id,
-                             _status(status).name, reply.get("error", ""))
-                _close(forward)
-                return _status(status)
-            if reply.get("cluster_id") != remote_cluster_id:
-                logger.error("link to %s:%d: expected cluster %d, found cluster %s", ip, port,
-                             remote_cluster_id, reply.get("cluster_id"))
-                _close(forward)
-                return S.LLM_LINK_FAILED
-            self._check_hello(reply)
-            table = RemoteTable(reply["table"])
-            plane = self._choose_plane(reply)
-            # The reverse connection (the server's requests), then the extra data connections of
-            # each direction.
-            for purpose in ["reverse"] + ["forward", "reverse"] * (CONNECTIONS_PER_DIRECTION - 1):
-                sock, status, rreply = self._handshake(ip, port, self._hello(purpose, token=reply["token"]),
-                                                       deadline)
-                extra.append((purpose, sock))
-                if status != 0:
-                    logger.error("link %d -> %d: %s connection refused: %s", self.engine.cluster_id,
-                                 remote_cluster_id, purpose, rreply.get("error", ""))
-                    _close(forward)
-                    for _, other in extra:
-                        _close(other)
-                    return S.LLM_LINK_FAILED
+            return self._link(remote_cluster_id, ip, port, deadline, sockets)
         except LLMException as exc:
             logger.error("link %d -> %d failed: %s", self.engine.cluster_id, remote_cluster_id, exc)
-            _close(forward)
-            for _, other in extra:
-                _close(other)
-            return exc.status_code
-        except (OSError, ProtocolError) as exc:
-            logger.error("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id,
-                         ip, port, exc)
-            _close(forward)
-            for _, other in extra:
-                _close(other)
+            status = exc.status_code
+        except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
+            logger.error("link %d -> %d (%s:%d) failed: %s: %s", self.engine.cluster_id, remote_cluster_id,
+                         ip, port, type(exc).__name__, exc)
+            status = S.LLM_LINK_FAILED
+        for _, sock in sockets:
+            _close(sock)
+        return status
+
+    def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
+              sockets: List[Tuple[str, socket.socket]]) -> LLMStatusCode:
+        """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
+        unless the link is made, in which case ``sockets`` is emptied)."""
+        forward, status, reply = self._handshake(ip, port, self._hello("link", force_link=True), deadline)
+        sockets.append(("link", forward))
+        if status != 0:
+            logger.error("link %d -> %d refused: %s (%s)", self.engine.cluster_id, remote_cluster_id,
+                         _status(status).name, reply.get("error", ""))
+            return _status(status)
+        if reply.get("cluster_id") != remote_cluster_id:
+            logger.error("link to %s:%d: expected cluster %d, found cluster %s", ip, port,
+                         remote_cluster_id, reply.get("cluster_id"))
             return S.LLM_LINK_FAILED
-        reverse = extra[0][1]
+        self._check_hello(reply)
+        if "token" not in reply:
+            raise ProtocolError("hello reply lacks 'token'")
+        table = RemoteTable(reply["table"])
+        plane = self._choose_plane(reply)
+        # The reverse connection (the server's requests), then the extra data connections of each
+        # direction.
+        for purpose in ["reverse"] + ["forward", "reverse"] * (CONNECTIONS_PER_DIRECTION - 1):
+            sock, status, rreply = self._handshake(ip, port, self._hello(purpose, token=reply["token"]), deadline)
+            sockets.append((purpose, sock))
+            if status != 0:
+                logger.error("link %d -> %d: %s connection refused: %s", self.engine.cluster_id,
+                             remote_cluster_id, purpose, rreply.get("error", ""))
+                return S.LLM_LINK_FAILED
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
-        peer = Peer(remote_cluster_id, str(reply["role"]), reply["pid"], reply["host"], plane,
-                    Channel(forward, name), table, int(reply["generation_addr"]), True, (ip, port),
-                    incoming=reverse)
-        for purpose, sock in extra[1:]:
+        peer = Peer(remote_cluster_id, reply["role"], reply["pid"], reply["host"], plane,
+                    Channel(forward, name), table, reply["generation_addr"], True, (ip, port),
+                    incoming=sockets[1][1])
+        for purpose, sock in sockets[2:]:
             if purpose == "forward":
                 peer.extra.append(Channel(sock, name))
             else:
@@ -654,9 +687,10 @@ class LinkManager:
                 peer.close()
                 return S.LLM_ALREADY_LINK
             self._peers[remote_cluster_id] = peer
-        for purpose, sock in extra:
-            if purpose == "reverse":
-                self._spawn(self._serve, sock, f"{ip}:{port}", peer)
+        reverse = [sock for purpose, sock in sockets if purpose == "reverse"]
+        sockets.clear()  # they belong to the link now
+        for sock in reverse:
+            self._spawn(self._serve, sock, f"{ip}:{port}", peer)
         logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
                     remote_cluster_id, ip, port, plane)
         return S.LLM_SUCCESS
@@ -878,8 +912,14 @@ class LinkManager:
             peers = list(self._peers.values())
             self._peers.clear()
             threads = list(self._threads)
+            incoming = list(self._incoming)
         for peer in peers:
             peer.close()
+        for sock in incoming:  # connections still in their handshake
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")
