@@ -266,51 +266,30 @@ cdef inline void _message(msghdr *msg, iovec *iov, size_t first, size_t count) n
     msg.msg_flags = 0
 
 
-cdef unsigned int _send_iov(int fd, iovec *iov, size_t count, int64_t deadline,
-                            int *err) noexcept nogil:
+cdef unsigned int _stream_iov(int fd, iovec *iov, size_t count, bint sending, int64_t deadline,
+                              int *err, uint64_t *moved) noexcept nogil:
+    # Send (sendmsg) or receive (recvmsg) the whole of iov[0:count], IOV_MAX entries a call,
+    # polling the non-blocking socket until the deadline.
     cdef size_t first = 0
     cdef ssize_t n
     cdef msghdr msg
     cdef unsigned int st
     while first < count:
         _message(&msg, iov, first, count)
-        n = sendmsg(fd, &msg, MSG_NOSIGNAL)
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL) if sending else recvmsg(fd, &msg, 0)
         if n < 0:
             if errno == EINTR:
                 continue
             if errno == EAGAIN or errno == EWOULDBLOCK:
-                st = _wait(fd, POLLOUT, deadline)
+                st = _wait(fd, POLLOUT if sending else POLLIN, deadline)
                 if st != _status.DD_LLM_SUCCESS:
                     return st
                 continue
             err[0] = errno
             return _errno_status(errno)
-        _advance(iov, &first, count, <size_t>n)
-    return _status.DD_LLM_SUCCESS
-
-
-cdef unsigned int _recv_iov(int fd, iovec *iov, size_t count, int64_t deadline, int *err,
-                            uint64_t *received) noexcept nogil:
-    cdef size_t first = 0
-    cdef ssize_t n
-    cdef msghdr msg
-    cdef unsigned int st
-    while first < count:
-        _message(&msg, iov, first, count)
-        n = recvmsg(fd, &msg, 0)
-        if n < 0:
-            if errno == EINTR:
-                continue
-            if errno == EAGAIN or errno == EWOULDBLOCK:
-                st = _wait(fd, POLLIN, deadline)
-                if st != _status.DD_LLM_SUCCESS:
-                    return st
-                continue
-            err[0] = errno
-            return _errno_status(errno)
-        if n == 0:
+        if n == 0 and not sending:
             return _status.DD_LLM_LINK_FAILED  # the peer closed the connection
-        received[0] += <uint64_t>n
+        moved[0] += <uint64_t>n
         _advance(iov, &first, count, <size_t>n)
     return _status.DD_LLM_SUCCESS
 
@@ -346,9 +325,10 @@ def send_plan(int fd, const unsigned char[::1] head, CopyPlan plan not None, bin
     cdef iovec *iov = _plan_iovecs(head_ptr, head_len, plan, from_dst, &count)
     cdef unsigned int status
     cdef int err = 0
+    cdef uint64_t sent = 0
     cdef int64_t deadline = _deadline(timeout_ms)
     with nogil:
-        status = _send_iov(fd, iov, count, deadline, &err)
+        status = _stream_iov(fd, iov, count, True, deadline, &err, &sent)
     free(iov)
     return status, err
 
@@ -358,13 +338,14 @@ def send_bytes(int fd, const unsigned char[::1] data, int timeout_ms=-1):
     cdef iovec iov
     cdef unsigned int status = _status.DD_LLM_SUCCESS
     cdef int err = 0
+    cdef uint64_t sent = 0
     cdef int64_t deadline = _deadline(timeout_ms)
     if data.shape[0] == 0:
         return status, err
     iov.iov_base = <void *>&data[0]
     iov.iov_len = data.shape[0]
     with nogil:
-        status = _send_iov(fd, &iov, 1, deadline, &err)
+        status = _stream_iov(fd, &iov, 1, True, deadline, &err, &sent)
     return status, err
 
 
@@ -378,7 +359,7 @@ def recv_plan(int fd, CopyPlan plan not None, bint into_src=False, int timeout_m
     cdef uint64_t received = 0
     cdef int64_t deadline = _deadline(timeout_ms)
     with nogil:
-        status = _recv_iov(fd, iov, count, deadline, &err, &received)
+        status = _stream_iov(fd, iov, count, False, deadline, &err, &received)
     free(iov)
     return status, err, received
 
@@ -396,7 +377,7 @@ def recv_into(int fd, unsigned char[::1] buffer, int timeout_ms=-1):
     iov.iov_base = <void *>&buffer[0]
     iov.iov_len = buffer.shape[0]
     with nogil:
-        status = _recv_iov(fd, &iov, 1, deadline, &err, &received)
+        status = _stream_iov(fd, &iov, 1, False, deadline, &err, &received)
     return status, err, received
 
 
@@ -415,7 +396,7 @@ def recv_discard(int fd, uint64_t nbytes, int timeout_ms=-1):
             iov.iov_base = scratch
             iov.iov_len = nbytes if nbytes < (1 << 16) else (1 << 16)
             got = 0
-            status = _recv_iov(fd, &iov, 1, deadline, &err, &got)
+            status = _stream_iov(fd, &iov, 1, False, deadline, &err, &got)
             received += got
             nbytes -= got
     free(scratch)

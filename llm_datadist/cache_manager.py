@@ -274,7 +274,7 @@ class CacheManager:
         return cluster_id
 
     @staticmethod
-    def _layer_kwargs(method: str, kwargs: Dict) -> Tuple[Optional[range], Optional[range], int, Dict]:
+    def _layer_kwargs(kwargs: Dict) -> Tuple[Optional[range], Optional[range], int, Dict]:
         known = {"src_layer_range", "dst_layer_range", "tensor_num_per_layer"}
         rest = {k: v for k, v in kwargs.items() if k not in known}
         return (kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"),
@@ -347,7 +347,7 @@ class CacheManager:
         dst = self._local(cache, "cache")
         check_uint32("batch_index", batch_index)
         check_int64("size", size)
-        src_range, dst_range, n, rest = self._layer_kwargs("pull_cache", kwargs)
+        src_range, dst_range, n, rest = self._layer_kwargs(kwargs)
         src_off = rest.pop("src_cache_offset", -1)
         dst_off = rest.pop("dst_cache_offset", -1)
         if rest:
@@ -384,7 +384,7 @@ class CacheManager:
         dst = self._local(dst_cache, "dst_cache")
         src_list = self._block_list("src_blocks", src_blocks)
         dst_list = self._block_list("dst_blocks", dst_blocks)
-        src_range, dst_range, n, rest = self._layer_kwargs("pull_blocks", kwargs)
+        src_range, dst_range, n, rest = self._layer_kwargs(kwargs)
         if rest:
             raise TypeError(f"pull_blocks() got unexpected keyword arguments {sorted(rest)}")
         raise_if_false(dst_cache.is_blocks_cache, "pull_blocks: dst_cache must be a blocks cache")

@@ -241,7 +241,6 @@ class Peer:
     pidfd: int = -1
     extra: List[Channel] = field(default_factory=list)  # more outgoing data connections
     extra_incoming: List[socket.socket] = field(default_factory=list)
-    threads: List[threading.Thread] = field(default_factory=list)
     table_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
@@ -274,7 +273,6 @@ class LinkManager:
         self._threads: List[threading.Thread] = []
         self._incoming: set = set()  # accepted connections still served by a thread of ours
         self._closed = False
-        self.cma_pool = None
 
     # -- listener ---------------------------------------------------------------------------------
     @property

@@ -56,8 +56,6 @@ REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE)
 MAX_CONTROL_BYTES = 16 << 20
 #: Largest descriptor list accepted in one PUSH or PULL (24 bytes a descriptor).
 MAX_DESCRIPTOR_BYTES = 64 << 20
-#: Largest data payload of one PUSH or PULL.
-MAX_DATA_BYTES = 1 << 40
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("the llm_datadist wire format assumes a little-endian host")
