@@ -28,6 +28,9 @@ cdef extern from "<sys/socket.h>" nogil:
 
     ssize_t sendmsg(int sockfd, const msghdr *msg, int flags)
     ssize_t recvmsg(int sockfd, msghdr *msg, int flags)
+    int setsockopt(int sockfd, int level, int optname, const void *optval, socklen_t optlen)
+    enum: SOL_SOCKET
+    enum: SO_RCVLOWAT
     enum: MSG_NOSIGNAL
     enum: MSG_DONTWAIT
 
