@@ -254,7 +254,7 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     # -- introspection (tests, logs) ----------------------------------------------------------------
     @property
     def stats(self) -> Dict[str, int]:
-        """Worker counters: requests pulled / failed, blocks pulled, releases sent (``notified``)
+        """Worker counters: links made, requests pulled / failed, blocks pulled, releases sent (``notified``)
         and received (``released``), leases that ran out (``expired``)."""
         return dict(self._worker.stats) if self._worker is not None else {}
 
@@ -377,7 +377,7 @@ class _Worker:
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
         self.cache: Optional[ld.Cache] = None
-        self.stats = {"pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
+        self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
                       "notified": 0, "released": 0, "expired": 0}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -530,6 +530,8 @@ class _Worker:
                 raise ld.LLMException(f"link to cluster {spec.cluster_id} at {spec.host}:{spec.port} failed: "
                                       f"{rets[0].name}", status_code=rets[0])
             self._linked.add(key)
+            with self._lock:
+                self.stats["links"] += 1
 
     def _forget_link(self, spec: _Recv) -> None:
         key = (spec.cluster_id, spec.host, spec.port)

@@ -196,6 +196,7 @@ def test_decode_engine_continues_from_pulled_blocks_exactly(engines):
     moved = delta(decode.stats()["stats"], stats_before)
     assert moved["pulled_requests"] == len(PROMPTS) and moved["failed_requests"] == 0
     assert moved["pulled_blocks"] == sum(math.ceil(len(p) / BLOCK) for p in PROMPTS)
+    assert decode.stats()["stats"]["links"] == 1  # linked on first use, then reused
     # vLLM's own accounting: no prompt token computed on the decode side, all came over the link
     sources = delta(decode.prompt_tokens(), tokens_before)
     assert sources["local_compute"] == 0
@@ -270,16 +271,47 @@ def test_failed_pull_is_reported_and_never_decoded(engines):
 @needs_vllm
 def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     _, prefill, decode = engines
-    # every pull so far told the prefill side; a step of the prefill engine hands them to vLLM
+    # a request whose decode side never comes
+    abandoned = prefill_for_remote_decode(prefill, ABANDONED)[0]
+    # a malformed release closes only that connection
+    with socket.create_connection(("127.0.0.1", abandoned["remote_notify_port"]), timeout=10) as bad:
+        bad.sendall(b"DONE whatever\n")
+        assert bad.recv(16) == b""
+    # every pull so far told the prefill side; a step of the prefill engine hands them to vLLM,
+    # and starts the abandoned request's lease
     prefill.generate(prompts_of([8], seed=5), 1)
     stats = prefill.stats()["stats"]
     assert stats["released"] == decode.stats()["stats"]["notified"] > 0
-    # a request whose decode side never comes: freed once the lease ends
-    prefill_for_remote_decode(prefill, ABANDONED)
-    prefill.generate(prompts_of([8], seed=6), 1)  # the lease starts at the next step
+    assert stats["expired"] == 0
     time.sleep(LEASE_S + 0.5)
     prefill.generate(prompts_of([8], seed=7), 1)
-    assert prefill.stats()["stats"]["expired"] == stats["expired"] + 1
+    assert prefill.stats()["stats"]["expired"] == 1
+
+
+@needs_vllm
+def test_metadata_survives_pickling():
+    """Scheduler -> worker metadata and worker -> scheduler handshake cross process boundaries."""
+    import pickle
+
+    from llm_datadist.integrations.vllm import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
+                                                _recv_spec)
+
+    meta = LLMDataDistConnectorMetadata()
+    spec = _recv_spec({"remote_block_ids": [[4, 5]], "remote_host": "127.0.0.1", "remote_port": 7,
+                       "remote_cluster_id": 9, "remote_notify_port": 8, "remote_request_id": "r"})
+    assert spec.remote_block_ids == [4, 5]
+    meta.reqs_to_recv["a"] = spec
+    meta.reqs_to_send["b"] = 3.0
+    back = pickle.loads(pickle.dumps(meta))
+    assert back.reqs_to_recv == meta.reqs_to_recv and back.reqs_to_send == {"b": 3.0}
+    hs = LLMDataDistHandshakeMetadata("e", 1, "127.0.0.1", 2, 3)
+    assert pickle.loads(pickle.dumps(hs)) == hs
+    # unusable params: missing fields, several KV cache groups, non-numbers
+    assert _recv_spec({"remote_block_ids": [1]}) is None
+    assert _recv_spec(dict(remote_block_ids=[[1], [2]], remote_host="h", remote_port=1, remote_cluster_id=1,
+                           remote_notify_port=1, remote_request_id="r")) is None
+    assert _recv_spec(dict(remote_block_ids=[1], remote_host="h", remote_port="x", remote_cluster_id=1,
+                           remote_notify_port=1, remote_request_id="r")) is None
 
 
 @needs_vllm
