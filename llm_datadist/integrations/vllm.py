@@ -382,8 +382,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # decode side
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull") \
-            if self.consumer else None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
         self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
         self._linked: Set[Tuple[int, str, int]] = set()
         self._notifiers: Dict[Tuple[str, int], socket.socket] = {}
@@ -600,8 +599,7 @@ class _Worker:
         self._closed.set()
         if self._server is not None:
             self._server.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         with self._notify_lock:
             for sock in self._notifiers.values():
                 sock.close()
