@@ -308,8 +308,12 @@ cdef unsigned int _stream_iov(int fd, iovec *iov, size_t count, bint sending, in
             if errno == EINTR:
                 continue
             if errno == EAGAIN or errno == EWOULDBLOCK:
-                if rest > _LOWAT_FLOOR:
-                    want = <int>rest if rest < <uint64_t>_recv_lowat else _recv_lowat
+                if rest > _LOWAT_FLOOR or lowat != 1:
+                    # never more than the rest, and back to 1 once the rest is small
+                    if rest <= _LOWAT_FLOOR:
+                        want = 1
+                    else:
+                        want = <int>rest if rest < <uint64_t>_recv_lowat else _recv_lowat
                     if want != lowat and setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want,
                                                     sizeof(int)) == 0:
                         lowat = want

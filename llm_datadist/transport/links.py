@@ -957,7 +957,17 @@ def _tune(sock: socket.socket) -> None:
                 pass
 
 
-_planes.set_recv_lowat(min(1 << 20, max(0, _buffer_bytes()) // 4))
+def _recv_lowat() -> int:
+    """``LLM_DATADIST_TCP_LOWAT`` bytes (0 = off), default 1 MiB, at most a quarter of the buffer."""
+    cap = max(0, _buffer_bytes()) // 4 or 1 << 20
+    try:
+        wanted = int(os.environ.get("LLM_DATADIST_TCP_LOWAT", str(1 << 20)))
+    except ValueError:
+        wanted = 1 << 20
+    return max(0, min(wanted, cap))
+
+
+_planes.set_recv_lowat(_recv_lowat())
 
 
 def _close(sock: Optional[socket.socket]) -> None:

@@ -70,6 +70,33 @@ def test_stream_with_a_tail_shorter_than_the_watermark_arrives_whole(tcp_pair):
     assert lowat(server) == 1
 
 
+def test_a_small_rest_after_a_raised_watermark_is_not_held_back(tcp_pair):
+    """The receiver raises the watermark for a large rest, reads all that came, and is left
+    waiting for a rest below the floor: it must lower the watermark, not wait for the deadline."""
+    client, server = tcp_pair
+    dst = np.zeros(MIB + 200 * 1024 + 10 * 1024, np.uint8)
+    stream = np.random.default_rng(2).integers(0, 256, dst.nbytes, dtype=np.uint8)
+
+    def send():
+        client.setblocking(True)
+        time.sleep(0.1)  # the receiver is waiting with the watermark raised
+        client.sendall(stream[:-10 * 1024].tobytes())
+        time.sleep(0.3)  # the receiver has read all that came and waits for the last 10 KiB
+        client.sendall(stream[-10 * 1024:].tobytes())
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    started = time.monotonic()
+    layout = _core.CacheLayout([dst.ctypes.data], 1, dst.nbytes)
+    status, _, received = _planes.recv_plan(server.fileno(), _core.plan_blocks(layout, layout, None, None, [0], [0]),
+                                            False, 5000)
+    sender.join(5)
+    assert (status, received) == (_planes.SUCCESS, dst.nbytes)
+    assert time.monotonic() - started < 3  # not held to the 5 s deadline
+    assert np.array_equal(dst, stream)
+    assert lowat(server) == 1
+
+
 def test_small_read_after_a_large_one_is_not_held_back(tcp_pair):
     client, server = tcp_pair
     big = np.zeros(2 * MIB, np.uint8)
