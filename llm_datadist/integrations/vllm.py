@@ -101,7 +101,10 @@ _BY_WIDTH = {1: ld.DataType.DT_UINT8, 2: ld.DataType.DT_UINT16, 4: ld.DataType.D
 
 @dataclass
 class _Recv:
-    """One request's blocks to pull: ``remote_block_ids[k]`` -> ``local_block_ids[k]``."""
+    """One request's blocks to pull: ``remote_block_ids[k]`` -> ``local_block_ids[k]``. A request
+    the scheduler does not park for it (``awaiting`` False: nothing to load, or finished before its
+    blocks were allocated) only tells the prefill side to free its blocks, and is not reported
+    back to vLLM (which accepts ``finished_recving`` only for requests it parked)."""
 
     local_block_ids: List[int]
     remote_block_ids: List[int]
@@ -110,6 +113,7 @@ class _Recv:
     cluster_id: int
     notify_port: int
     remote_request_id: str
+    awaiting: bool = False
 
 
 @dataclass
@@ -303,7 +307,7 @@ class _Scheduler:
         if spec is None:
             return
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self._recv[request.request_id] = replace(spec, local_block_ids=local)
+        self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0)
 
     def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
@@ -504,14 +508,16 @@ class _Worker:
                     self._forget_link(spec)
         self._notify(spec)
         with self._lock:
-            self._recved.add(req_id)
-            if ok:
+            if spec.awaiting:
+                self._recved.add(req_id)
+            if ok and local:
                 self.stats["pulled_requests"] += 1
                 self.stats["pulled_blocks"] += len(local)
             else:
                 self.stats["failed_requests"] += 1
-                self._failed.add(req_id)
-                self._load_errors.update(local)
+                if spec.awaiting:
+                    self._failed.add(req_id)
+                    self._load_errors.update(local)
 
     def _link(self, spec: _Recv) -> None:
         key = (spec.cluster_id, spec.host, spec.port)

@@ -204,6 +204,26 @@ def test_decode_engine_continues_from_pulled_blocks_exactly(engines):
 
 
 @needs_vllm
+def test_local_prefix_hit_pulls_only_the_rest(engines):
+    """The same prompts again: the decode engine's prefix cache now holds their full blocks, so
+    only the blocks after them are pulled (the last of the prefill's block ids)."""
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, PROMPTS)
+    stats_before, tokens_before = decode.stats()["stats"], decode.prompt_tokens()
+    outputs = decode.generate(PROMPTS, MAX_TOKENS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    # vLLM reuses the full blocks among the first n - 1 tokens and loads the rest
+    cached = [BLOCK * ((len(p) - 1) // BLOCK) for p in PROMPTS]
+    moved = delta(decode.stats()["stats"], stats_before)
+    assert moved["pulled_blocks"] == sum(math.ceil(len(p) / BLOCK) - c // BLOCK for p, c in zip(PROMPTS, cached))
+    sources = delta(decode.prompt_tokens(), tokens_before)
+    assert sources["local_cache_hit"] == sum(cached)
+    assert sources["external_kv_transfer"] == sum(len(p) for p in PROMPTS) - sum(cached)
+    assert sources["local_compute"] == 0
+
+
+@needs_vllm
 def test_corrupted_transfer_changes_the_tokens(engines):
     """Negative control: the same flow, but before the decode engine pulls, random values are
     pushed into the prefill engine's blocks (through llm_datadist, from this process)."""
