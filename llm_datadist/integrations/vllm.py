@@ -58,6 +58,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -84,6 +85,9 @@ __all__ = ["LLMDataDistConnector", "LLMDataDistConnectorMetadata", "LLMDataDistH
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id",
                  "remote_notify_port", "remote_request_id")
+
+#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases.
+_GONE_REMEMBERED = 1 << 16
 
 _DTYPES = {
     torch.float16: ld.DataType.DT_FLOAT16,
@@ -165,20 +169,23 @@ class _Options:
         return opts
 
 
-def _recv_spec(params: Dict[str, Any]) -> Optional[_Recv]:
-    """The pull a decode request's ``kv_transfer_params`` ask for, or None if they are unusable."""
-    if any(params.get(name) is None for name in REMOTE_FIELDS):
-        return None
-    blocks = params["remote_block_ids"]
-    if blocks and isinstance(blocks[0], (list, tuple)):  # per-group form (NIXL style)
-        if len(blocks) != 1:
-            return None
-        blocks = blocks[0]
+def _recv_spec(params: Any) -> Optional[_Recv]:
+    """The pull a decode request's ``kv_transfer_params`` ask for, or None if they are unusable
+    (never raises: these come from outside, through the proxy)."""
     try:
-        return _Recv([], [int(b) for b in blocks], str(params["remote_host"]), int(params["remote_port"]),
+        if not isinstance(params, dict) or any(params.get(name) is None for name in REMOTE_FIELDS):
+            return None
+        blocks = params["remote_block_ids"]
+        if isinstance(blocks, (list, tuple)) and blocks and isinstance(blocks[0], (list, tuple)):
+            if len(blocks) != 1:  # per-group form (NIXL style): one KV cache group only
+                return None
+            blocks = blocks[0]
+        if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+            return None
+        return _Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
                      int(params["remote_cluster_id"]), int(params["remote_notify_port"]),
                      str(params["remote_request_id"]))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
@@ -199,7 +206,7 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self._scheduler: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(self.engine_id, self.options)
+            self._scheduler = _Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size)
         else:
             self._worker = _Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -274,9 +281,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
 
 class _Scheduler:
-    def __init__(self, engine_id: str, options: _Options):
+    def __init__(self, engine_id: str, options: _Options, block_size: int):
         self.engine_id = engine_id
         self.options = options
+        self.block_size = block_size
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None
         self._recv: Dict[str, _Recv] = {}
         self._send: Dict[str, float] = {}
@@ -288,19 +296,25 @@ class _Scheduler:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
-        if _recv_spec(params) is None:
-            logger.warning("request %s: kv_transfer_params lack %s or are malformed; computing the "
-                           "prompt locally", request.request_id, ", ".join(REMOTE_FIELDS))
+        spec = _recv_spec(params)
+        prompt = len(request.prompt_token_ids or ())
+        wanted = -(-prompt // self.block_size)
+        if spec is None or len(spec.remote_block_ids) != wanted:
+            logger.warning("request %s: kv_transfer_params are malformed or name %s blocks for a prompt of "
+                           "%d tokens (%d wanted); computing the prompt locally", request.request_id,
+                           "?" if spec is None else len(spec.remote_block_ids), prompt, wanted)
             params["do_remote_prefill"] = False
+            if spec is not None:
+                self._recv[request.request_id] = spec  # still let the prefill side free its blocks
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = prompt - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if called again
         spec = _recv_spec(params)
@@ -319,7 +333,7 @@ class _Scheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params:
+        if not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: nothing to pull, but the
@@ -382,21 +396,25 @@ class _Worker:
         self.cm = self.dd.cache_manager
         self.cache: Optional[ld.Cache] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
-                      "notified": 0, "released": 0, "expired": 0}
+                      "notified": 0, "released": 0, "refused": 0, "expired": 0}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
         self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
-        self._linked: Set[Tuple[int, str, int]] = set()
-        self._notifiers: Dict[Tuple[str, int], socket.socket] = {}
-        self._notify_lock = threading.Lock()
+        self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
+        self._generation = 0
+        self._notifiers: Dict[Tuple[str, int], Tuple[socket.socket, Any]] = {}
+        self._notify_gates: Dict[Tuple[str, int], threading.Lock] = {}
+        self._notify_timeout = min(options.link_timeout_ms, 5000) / 1000
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
         self._load_errors: Set[int] = set()
         # prefill side
         self._leases: Dict[str, float] = {}  # request id -> monotonic deadline
         self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
+        self._gone: "OrderedDict[str, str]" = OrderedDict()  # blocks freed -> why
+        self._conns: Set[socket.socket] = set()
         self._sent: Set[str] = set()
         self._server: Optional[socket.socket] = None
         if self.producer:
@@ -458,7 +476,7 @@ class _Worker:
         with self._lock:
             for req_id, seconds in meta.reqs_to_send.items():
                 if self._released.pop(req_id, None) is not None:
-                    self._sent.add(req_id)
+                    self._sent.add(req_id)  # its decode side was done before the lease came
                 else:
                     self._leases[req_id] = now + seconds
         for req_id, spec in meta.reqs_to_recv.items():
@@ -471,6 +489,7 @@ class _Worker:
                 if deadline <= now:
                     del self._leases[req_id]
                     self._sent.add(req_id)
+                    self._forget(req_id, "lease ended")
                     self.stats["expired"] += 1
                     logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
                                    "blocks", req_id, self.options.kv_lease_s)
@@ -489,87 +508,135 @@ class _Worker:
 
     # -- decode side ------------------------------------------------------------------------------
     def _pull(self, req_id: str, spec: _Recv) -> None:
+        """Pull the request's blocks, then have the prefill side release them; the request is
+        reported done in every case, and failed unless both steps succeeded."""
         local = spec.local_block_ids
-        ok = True
-        if local:
-            remote = spec.remote_block_ids[-len(local):] if len(spec.remote_block_ids) >= len(local) else None
-            try:
-                if remote is None:
-                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
-                self._link(spec)
-                self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
-            except (ld.LLMException, TypeError, ValueError, OSError) as exc:
+        ok = False
+        try:
+            ok = self._pull_blocks(req_id, spec) if local else True
+            released, why = self._release_remote(spec)
+            if local and ok and not released:
+                # The prefill side no longer held the blocks when we said we were done (its
+                # lease ran out, or it cannot be asked): what we read may have been reused.
                 ok = False
-                logger.error("request %s: pulling %d blocks from cluster %d at %s:%d failed: %s", req_id,
-                             len(local), spec.cluster_id, spec.host, spec.port, exc)
-                if isinstance(exc, ld.LLMException) and exc.status_code in (
-                        ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK,
-                        ld.LLMStatusCode.LLM_TIMEOUT):
-                    self._forget_link(spec)
-        self._notify(spec)
-        with self._lock:
-            if spec.awaiting:
-                self._recved.add(req_id)
-            if ok and local:
-                self.stats["pulled_requests"] += 1
-                self.stats["pulled_blocks"] += len(local)
-            else:
-                self.stats["failed_requests"] += 1
+                logger.error("request %s: the prefill engine did not confirm it held the pulled blocks "
+                             "(%s); reporting them as not loaded", req_id, why)
+        except Exception:  # noqa: BLE001 - whatever happens, vLLM must hear about the request
+            ok = False
+            logger.exception("request %s: KV load failed", req_id)
+        finally:
+            with self._lock:
                 if spec.awaiting:
-                    self._failed.add(req_id)
-                    self._load_errors.update(local)
+                    self._recved.add(req_id)
+                    if not ok:
+                        self._failed.add(req_id)
+                        self._load_errors.update(local)
+                if local:
+                    self.stats["pulled_requests" if ok else "failed_requests"] += 1
+                    if ok:
+                        self.stats["pulled_blocks"] += len(local)
 
-    def _link(self, spec: _Recv) -> None:
+    def _pull_blocks(self, req_id: str, spec: _Recv) -> bool:
+        local = spec.local_block_ids
+        if len(spec.remote_block_ids) < len(local):
+            logger.error("request %s: %d remote blocks for %d local ones", req_id, len(spec.remote_block_ids),
+                         len(local))
+            return False
+        # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
+        remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
+        for _ in range(2):
+            try:
+                generation, fresh = self._link(spec)
+            except (ld.LLMException, OSError, ValueError) as exc:
+                logger.error("request %s: no link to cluster %d at %s:%d: %s", req_id, spec.cluster_id,
+                             spec.host, spec.port, exc)
+                return False
+            try:
+                self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
+                return True
+            except (ld.LLMException, TypeError, ValueError) as exc:
+                logger.error("request %s: pulling %d blocks from cluster %d failed: %s", req_id, len(local),
+                             spec.cluster_id, exc)
+                broken = isinstance(exc, ld.LLMException) and exc.status_code in (
+                    ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK,
+                    ld.LLMStatusCode.LLM_TIMEOUT)
+                if not broken:
+                    return False
+                self._forget_link(spec, generation)
+                if fresh:
+                    return False  # a link made just now failed: the peer is not there
+                # a link kept from earlier went stale (peer restarted?): one more try on a new one
+        return False
+
+    def _link(self, spec: _Recv) -> Tuple[int, bool]:
+        """``(generation of the link to use, whether it was made now)``."""
         key = (spec.cluster_id, spec.host, spec.port)
         with self._lock:
             gate = self._links.setdefault(key, threading.Lock())
         with gate:
             if key in self._linked:
-                return
+                return self._linked[key], False
+            address = socket.gethostbyname(spec.host)  # the library takes dotted IPv4 addresses
             info = ld.LLMClusterInfo()
             info.remote_cluster_id = spec.cluster_id
-            info.append_local_ip_info("127.0.0.1" if spec.host.startswith("127.") else self.options.advertise_host, 0)
-            info.append_remote_ip_info(spec.host, spec.port)
+            info.append_local_ip_info("127.0.0.1" if address.startswith("127.") else self.options.advertise_host, 0)
+            info.append_remote_ip_info(address, spec.port)
             _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
             if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
                 raise ld.LLMException(f"link to cluster {spec.cluster_id} at {spec.host}:{spec.port} failed: "
                                       f"{rets[0].name}", status_code=rets[0])
-            self._linked.add(key)
             with self._lock:
+                self._generation += 1
+                self._linked[key] = self._generation
                 self.stats["links"] += 1
+                return self._generation, True
 
-    def _forget_link(self, spec: _Recv) -> None:
+    def _forget_link(self, spec: _Recv, generation: int) -> None:
+        """Drop the link that failed — not one another thread has made since."""
         key = (spec.cluster_id, spec.host, spec.port)
-        with self._links.get(key, threading.Lock()):
-            if key in self._linked:
-                self._linked.discard(key)
-                info = ld.LLMClusterInfo()
-                info.remote_cluster_id = spec.cluster_id
-                info.append_remote_ip_info(spec.host, spec.port)
-                self.dd.unlink_clusters([info], 1000, force=True)
+        with self._links[key]:
+            if self._linked.get(key) != generation:
+                return
+            del self._linked[key]
+            info = ld.LLMClusterInfo()
+            info.remote_cluster_id = spec.cluster_id
+            self.dd.unlink_clusters([info], 1000, force=True)
 
-    def _notify(self, spec: _Recv) -> None:
-        """Tell the prefill worker it may free the request's blocks (best effort: its lease
-        frees them otherwise)."""
+    def _release_remote(self, spec: _Recv) -> Tuple[bool, str]:
+        """Tell the prefill worker the request's blocks may be freed; it answers whether it still
+        held them. ``(confirmed, why not)``."""
         line = (json.dumps({"done": spec.remote_request_id}) + "\n").encode()
         key = (spec.host, spec.notify_port)
-        with self._notify_lock:
+        with self._lock:
+            gate = self._notify_gates.setdefault(key, threading.Lock())
+        why = "not reachable"
+        with gate:
             for _ in range(2):  # a kept connection may have gone stale: one fresh try
+                conn = self._notifiers.get(key)
                 try:
-                    sock = self._notifiers.get(key)
-                    if sock is None:
-                        sock = socket.create_connection(key, timeout=self.options.link_timeout_ms / 1000)
-                        self._notifiers[key] = sock
-                    sock.sendall(line)
-                    with self._lock:
-                        self.stats["notified"] += 1
-                    return
-                except OSError:
-                    stale = self._notifiers.pop(key, None)
-                    if stale is not None:
-                        stale.close()
-        logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled; "
-                       "they are freed when its lease ends", spec.remote_request_id, *key)
+                    if conn is None:
+                        sock = socket.create_connection(key, timeout=self._notify_timeout)
+                        conn = self._notifiers[key] = (sock, sock.makefile("rb"))
+                    conn[0].sendall(line)
+                    answer = json.loads(conn[1].readline() or b"null")
+                    if not isinstance(answer, dict) or answer.get("done") != spec.remote_request_id:
+                        raise OSError("no or malformed answer")
+                except (OSError, ValueError) as exc:
+                    why = f"not reachable: {exc}"
+                    self._drop_notifier(key)
+                    continue
+                with self._lock:
+                    self.stats["notified"] += 1
+                return bool(answer.get("ok")), str(answer.get("why", ""))
+        logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled (%s); "
+                       "they are freed when its lease ends", spec.remote_request_id, *key, why)
+        return False, why
+
+    def _drop_notifier(self, key: Tuple[str, int]) -> None:
+        conn = self._notifiers.pop(key, None)
+        if conn is not None:
+            conn[1].close()
+            conn[0].close()
 
     # -- prefill side -----------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -578,36 +645,71 @@ class _Worker:
                 conn, _ = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._read_releases, args=(conn,), daemon=True,
+            with self._lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._answer_releases, args=(conn,), daemon=True,
                              name="llm_datadist-vllm-notify-conn").start()
 
-    def _read_releases(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as lines:
-            for raw in lines:  # one JSON object a line: {"done": request id}
-                try:
-                    req_id = json.loads(raw)["done"]
-                except (ValueError, KeyError, TypeError):
-                    req_id = None
-                if not isinstance(req_id, str):
-                    logger.warning("llm_datadist notify: closing a connection that sent a malformed line")
-                    return
-                self._release(req_id)
+    def _answer_releases(self, conn: socket.socket) -> None:
+        """One JSON object a line each way: ``{"done": id}`` -> ``{"done": id, "ok": bool, "why": str}``."""
+        try:
+            with conn.makefile("rb") as lines:
+                for raw in lines:
+                    try:
+                        req_id = json.loads(raw)["done"]
+                    except (ValueError, KeyError, TypeError):
+                        req_id = None
+                    if not isinstance(req_id, str):
+                        logger.warning("llm_datadist notify: closing a connection that sent a malformed line")
+                        return
+                    ok, why = self._release(req_id)
+                    conn.sendall((json.dumps({"done": req_id, "ok": ok, "why": why}) + "\n").encode())
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
 
-    def _release(self, req_id: str) -> None:
+    def _release(self, req_id: str) -> Tuple[bool, str]:
         with self._lock:
+            gone = self._gone.get(req_id)
+            if gone is not None:
+                self.stats["refused"] += 1
+                return False, f"its blocks were already freed ({gone})"
             self.stats["released"] += 1
+            self._forget(req_id, "released")
             if self._leases.pop(req_id, None) is not None:
                 self._sent.add(req_id)
             else:
-                self._released[req_id] = time.monotonic()
+                self._released[req_id] = time.monotonic()  # its lease is on the way
+            return True, ""
+
+    def _forget(self, req_id: str, why: str) -> None:
+        """Remember (a bounded while) that a request's blocks are gone, to refuse late releases."""
+        self._gone[req_id] = why
+        while len(self._gone) > _GONE_REMEMBERED:
+            self._gone.popitem(last=False)
 
     def close(self) -> None:
         self._closed.set()
         if self._server is not None:
+            try:
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            except OSError:
+                pass
             self._server.close()
-        self._pool.shutdown(wait=True)
-        with self._notify_lock:
-            for sock in self._notifiers.values():
-                sock.close()
-            self._notifiers.clear()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for key in list(self._notifiers):
+            self._drop_notifier(key)
         self.dd.finalize()

@@ -104,8 +104,8 @@ class Engine:
                                  f"{self.proc.poll()}); its log ends:\n{self.tail()}")
         return json.loads(line)
 
-    def generate(self, prompts, max_tokens: int, params=None) -> list:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)["outputs"]
+    def generate(self, prompts, max_tokens: int, params=None, timeout: float = CALL_TIMEOUT_S) -> list:
+        return self.call(timeout, op="generate", prompts=prompts, max_tokens=max_tokens, params=params)["outputs"]
 
     def stats(self) -> dict:
         return self.call(op="stats")
@@ -139,6 +139,7 @@ PROMPTS = prompts_of([5, 32, 45, 100], seed=1)
 CORRUPTED = prompts_of([40, 70], seed=2)
 FAILING = prompts_of([50], seed=3)
 ABANDONED = prompts_of([60], seed=4)
+MALFORMED = prompts_of([50, 50, 50], seed=8)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING
+        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
@@ -283,18 +284,41 @@ def test_failed_pull_is_reported_and_never_decoded(engines):
     # kv_load_failure_policy "fail" (vLLM's default): the request ends without decoded tokens
     assert outputs[0]["token_ids"] != baseline[tuple(FAILING[0])]
     assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+    # an address that is not even a host name: still reported (not left waiting forever)
+    unnamed = decode.generate(FAILING, MAX_TOKENS, [dict(params[0], remote_host="a..b")], timeout=60)
+    assert len(unnamed[0]["token_ids"]) < MAX_TOKENS
+    assert decode.stats()["stats"]["failed_requests"] == before["failed_requests"] + 2
     # the decode engine keeps serving
     again = decode.generate(PROMPTS[:1], MAX_TOKENS, prefill_for_remote_decode(prefill, PROMPTS[:1]))
     assert again[0]["token_ids"] == baseline[tuple(PROMPTS[0])]
 
 
 @needs_vllm
+def test_malformed_params_fall_back_to_computing_the_prompt(engines):
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, MALFORMED)
+    bad = [dict(params[0], remote_block_ids=5),  # not a list
+           dict(params[1], remote_block_ids=params[1]["remote_block_ids"][:-1]),  # too few for the prompt
+           {k: v for k, v in params[2].items() if k != "remote_host"}]  # a field missing
+    stats_before, tokens_before = decode.stats()["stats"], decode.prompt_tokens()
+    released_before = prefill.stats()["stats"]["released"]
+    outputs = decode.generate(MALFORMED, MAX_TOKENS, bad)
+    for prompt, out in zip(MALFORMED, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)]
+    moved = delta(decode.stats()["stats"], stats_before)
+    assert moved["pulled_requests"] == 0 and moved["failed_requests"] == 0
+    assert delta(decode.prompt_tokens(), tokens_before)["local_compute"] == sum(len(p) for p in MALFORMED)
+    # the one whose address was usable still released its prefill blocks
+    assert prefill.stats()["stats"]["released"] == released_before + 1
+
+
+@needs_vllm
 def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
-    _, prefill, decode = engines
-    # a request whose decode side never comes
-    abandoned = prefill_for_remote_decode(prefill, ABANDONED)[0]
+    baseline, prefill, decode = engines
+    # a request whose decode side does not come in time
+    abandoned = prefill_for_remote_decode(prefill, ABANDONED)
     # a malformed release closes only that connection
-    with socket.create_connection(("127.0.0.1", abandoned["remote_notify_port"]), timeout=10) as bad:
+    with socket.create_connection(("127.0.0.1", abandoned[0]["remote_notify_port"]), timeout=10) as bad:
         bad.sendall(b"DONE whatever\n")
         assert bad.recv(16) == b""
     # every pull so far told the prefill side; a step of the prefill engine hands them to vLLM,
@@ -305,7 +329,18 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     assert stats["expired"] == 0
     time.sleep(LEASE_S + 0.5)
     prefill.generate(prompts_of([8], seed=7), 1)
-    assert prefill.stats()["stats"]["expired"] == 1
+    stats = prefill.stats()["stats"]
+    # this one, and the two malformed requests of the test before, whose decode side could not
+    # name the prefill worker to release them
+    assert stats["expired"] == 3
+    # the late decode side: the prefill side refuses the release, so the pulled blocks (which
+    # may have been reused) are reported as not loaded instead of being decoded from
+    before = decode.stats()["stats"]
+    outputs = decode.generate(ABANDONED, MAX_TOKENS, abandoned)
+    moved = delta(decode.stats()["stats"], before)
+    assert moved["failed_requests"] == 1 and moved["pulled_requests"] == 0
+    assert outputs[0]["token_ids"] != baseline[tuple(ABANDONED[0])]
+    assert prefill.stats()["stats"]["refused"] == stats["refused"] + 1
 
 
 @needs_vllm
