@@ -125,8 +125,8 @@ def expected_block(seed: int, request: int, layer: int, kv: int, block: int, nby
     return np.frombuffer(np.random.default_rng([seed, request, layer, kv, block]).bytes(nbytes), np.uint8)
 
 
-def _bytes(count: int) -> str:
-    return f"{count} byte" if count == 1 else f"{count} bytes"
+def _bytes(count: int, singular_verb: str, plural_verb: str) -> str:
+    return f"1 byte {singular_verb}" if count == 1 else f"{count} bytes {plural_verb}"
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -264,11 +264,13 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
     asked_plane = os.environ.get("LLM_DATADIST_DATA_PLANE") or "auto"
 
     op = "pull_blocks" if pull else "push_blocks"
-    out(f"geometry: {geometry.describe()}")
-    out(f"batch: {requests} requests x {tokens} tokens = {len(batch.prefill_blocks[0])} blocks each, "
-        f"{batch.total_blocks} blocks; caches: prefill {batch.prefill_cache_blocks} blocks "
-        f"({format_size(batch.prefill_cache_blocks * per_block)}), decode {batch.decode_cache_blocks} blocks "
-        f"({format_size(batch.decode_cache_blocks * per_block)}), device runtime {runtime} ({runtime_why})")
+    out(f"geometry:  {geometry.describe()}")
+    out(f"batch:     {requests} requests x {tokens} tokens = {len(batch.prefill_blocks[0])} blocks each, "
+        f"{batch.total_blocks} blocks")
+    sizes = [format_size(blocks * per_block) for blocks in (batch.prefill_cache_blocks, batch.decode_cache_blocks)]
+    out(f"caches:    prefill {batch.prefill_cache_blocks} blocks ({sizes[0]}), "
+        f"decode {batch.decode_cache_blocks} blocks ({sizes[1]}), "
+        f"DEVICE memory of the {runtime} runtime ({runtime_why})")
 
     def options(cache_blocks: int) -> dict:
         return {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS),
@@ -288,9 +290,9 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
             prefill_info = prefill.call(side_setup, geometry, batch.prefill_cache_blocks)
             decode_info = decode.call(side_setup, geometry, batch.decode_cache_blocks)
             used_plane = issuer.call(plane_to, target.cluster_id)
-            direction = "decode pulls from prefill" if pull else "prefill pushes to decode"
-            out(f"processes: prefill pid {prefill_info['pid']}, decode pid {decode_info['pid']}; "
-                f"{direction} with {op}, one call per request; data plane {used_plane} "
+            pids = f"prefill (pid {prefill_info['pid']})", f"decode (pid {decode_info['pid']})"
+            direction = f"{pids[1]} pulls from {pids[0]}" if pull else f"{pids[0]} pushes to {pids[1]}"
+            out(f"transfer:  {direction} with {op}, one call per request, data plane {used_plane} "
                 f"(asked: {asked_plane})")
 
             for request, blocks in enumerate(batch.prefill_blocks):
@@ -339,15 +341,15 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
 def print_report(report: dict, out) -> None:
     """The report's lines after the run (``out(line)``)."""
     lat = report["latency_ms"]
-    out(f"moved: {report['requests']} requests, {report['blocks']} blocks x {report['tensors']} tensors = "
+    out(f"moved:     {report['requests']} requests, {report['blocks']} blocks x {report['tensors']} tensors = "
         f"{report['descriptors']} block copies, {format_size(report['bytes'])} in "
         f"{report['transfer_seconds'] * 1e3:.1f} ms inside {report['operation']}: "
         f"{report['gbps']:.2f} GB/s over {report['data_plane']}")
-    out(f"latency per request ({report['operation']} of {report['blocks_per_request']} blocks x "
+    out(f"latency:   per request ({report['operation']} of {report['blocks_per_request']} blocks x "
         f"{report['tensors']} tensors, {format_size(report['bytes_per_request'])}, completion included): "
         f"median {lat['median']:.2f} ms, p99 {lat['p99']:.2f} ms (n={report['requests']})")
     if report["verified"]:
-        out(f"verified: every byte of {report['blocks']} blocks x {report['tensors']} tensors matches; "
+        out(f"verified:  every byte of {report['blocks']} blocks x {report['tensors']} tensors matches; "
             f"{report['spare_decode_blocks']} spare decode blocks untouched")
         return
     failures, untouched = report["failures"], report["untouched_failures"]
@@ -355,11 +357,11 @@ def print_report(report: dict, out) -> None:
         f"{len(untouched)} spare block tensors were written")
     for f in failures[:REPORTED_FAILURES]:
         out(f"  request {f['request']} block {f['block']} (decode block {f['decode_block']}), layer "
-            f"{f['layer']} {f['kv']}: {_bytes(f['bytes_wrong'])} differ, first at byte {f['first_byte']} "
+            f"{f['layer']} {f['kv']}: {_bytes(f['bytes_wrong'], 'differs', 'differ')}, first at byte {f['first_byte']} "
             f"(got 0x{f['got']:02x}, expected 0x{f['expected']:02x})")
     for f in untouched[:REPORTED_FAILURES]:
         out(f"  spare decode block {f['decode_block']}, layer {f['layer']} {f['kv']}: "
-            f"{_bytes(f['bytes_wrong'])} written, first at byte {f['first_byte']}")
+            f"{_bytes(f['bytes_wrong'], 'written', 'written')}, first at byte {f['first_byte']}")
     hidden = max(0, len(failures) - REPORTED_FAILURES) + max(0, len(untouched) - REPORTED_FAILURES)
     if hidden:
         out(f"  ... and {hidden} more")

@@ -87,11 +87,11 @@ def test_demo_report_says_what_moved_and_that_it_was_verified():
     out = run("demo", *SMALL_DEMO, "--device", "cpu")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "geometry: 2 layers x K/V = 4 tensors" in text and "16 tokens x 4 KV heads x 32 head dim" in text
+    assert "geometry:  2 layers x K/V = 4 tensors" in text and "16 tokens x 4 KV heads x 32 head dim" in text
     assert "3 requests x 40 tokens = 3 blocks each, 9 blocks" in text
     assert "push_blocks" in text and "data plane" in text and "GB/s" in text
     assert "median" in text and "p99" in text
-    assert "verified: every byte of 9 blocks x 4 tensors matches" in text
+    assert "verified:  every byte of 9 blocks x 4 tensors matches" in text
     assert "\r" not in out.stderr and "[#" not in out.stderr  # no progress bar without a terminal
 
 
@@ -117,8 +117,8 @@ def test_demo_reports_a_corrupted_block_and_fails():
     out = run("demo", *SMALL_DEMO, "--corrupt-block", "4")
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "VERIFICATION FAILED: 1 of 36 block tensors differ" in out.stdout
-    assert "request 1 block 1" in out.stdout and "layer 0 K: 1 byte differ" in out.stdout
-    assert "verified:" not in out.stdout
+    assert "request 1 block 1" in out.stdout and "layer 0 K: 1 byte differs" in out.stdout
+    assert "verified:" not in out.stdout and "VERIFICATION FAILED" in out.stdout
 
 
 def test_demo_refuses_bad_input_without_a_traceback():
