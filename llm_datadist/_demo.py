@@ -277,6 +277,7 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
                 "llm.MemPoolConfig": json.dumps({"memory_size": cache_blocks * per_block + (1 << 20)})}
 
     progress = Progress(3 * requests)
+    progress.step("starting prefill and decode", 0)
     try:
         with Cluster(PREFILL_ID, role="PROMPT", listen=pull, timeout=CALL_TIMEOUT_S,
                      options=options(batch.prefill_cache_blocks)) as prefill, \
@@ -287,6 +288,7 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
             if status != 0:
                 raise DemoError(f"cluster {issuer.cluster_id} could not link to cluster "
                                 f"{target.cluster_id}: status {status}, per cluster {per_cluster}")
+            progress.step("allocating the caches", 0)
             prefill_info = prefill.call(side_setup, geometry, batch.prefill_cache_blocks)
             decode_info = decode.call(side_setup, geometry, batch.decode_cache_blocks)
             used_plane = issuer.call(plane_to, target.cluster_id)
