@@ -119,10 +119,10 @@ def _measure_case(rig, case, kinds: List[tuple], config: SweepConfig,
 def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
     from llm_datadist._workload import MEMCPY
     base = durations[(None, MEMCPY)]
-    base_median = statistics.median(base)
+    base_median = max(1, statistics.median(base))  # a clock tick at least: never divide by 0
     rows = []
     for (plane, op), values in durations.items():
-        median = statistics.median(values)
+        median = max(1, statistics.median(values))
         name, direction = _kind_name(plane, op)
         rows.append(dict(plane=name, direction=direction, block_bytes=case.block_bytes,
                          block=short_size(case.block_bytes), blocks_per_call=case.moved,
