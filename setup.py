@@ -2,14 +2,20 @@
 
 Set LLM_DATADIST_DEBUG=1 to build with bounds checks, wraparound checks and line tracing back on
 (and the C macro LLM_DATADIST_DEBUG=1, reported by ``llm_datadist._core.DEBUG_BUILD``).
+
+``build_ext`` also writes ``llm_datadist/_build_info.py`` next to the extensions: the compiler
+command line the extensions were compiled with, their extra arguments, macros and Cython
+directives (shown by ``python -m llm_datadist info``). It is a build product, not in git.
 """
 
 import os
+import sys
 
 import Cython
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("LLM_DATADIST_DEBUG", "0") not in ("", "0")
 
@@ -52,4 +58,45 @@ extensions = [
     ),
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["."]))
+BUILD_INFO = "_build_info.py"
+
+
+class build_ext_recording(build_ext):
+    """``build_ext`` that records how the extensions were compiled (``_build_info.py``)."""
+
+    def build_extensions(self):
+        super().build_extensions()
+        # The command the compiler was run with: the interpreter's own flags (sysconfig CC,
+        # CFLAGS, CCSHARED, as distutils assembles them) followed by each extension's.
+        compiler = getattr(self.compiler, "compiler_so", None) or [type(self.compiler).__name__]
+        self._build_info = {
+            "COMPILER_COMMAND": list(compiler),
+            "EXTRA_COMPILE_ARGS": {ext.name: list(ext.extra_compile_args) for ext in self.extensions},
+            "DEFINE_MACROS": {ext.name: [f"{k}={v}" if v is not None else k for k, v in ext.define_macros]
+                              for ext in self.extensions},
+            "CYTHON_DIRECTIVES": dict(directives),
+            "CYTHON_VERSION": Cython.__version__,
+            "NUMPY_BUILD_VERSION": numpy.__version__,
+            "PYTHON_BUILD_VERSION": sys.version.split()[0],
+            "DEBUG": DEBUG,
+        }
+
+    def run(self):
+        super().run()
+        info = getattr(self, "_build_info", None)
+        if info is None:
+            return
+        text = ['"""How the extensions of this installation were compiled: written by setup.py\'s\n'
+                'build_ext (not in git, do not edit)."""\n']
+        text += [f"{name} = {value!r}\n" for name, value in info.items()]
+        targets = [os.path.join(self.build_lib, "llm_datadist", BUILD_INFO)]
+        if self.inplace:
+            targets.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm_datadist", BUILD_INFO))
+        for target in targets:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
+                f.write("".join(text))
+
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["."]),
+      cmdclass={"build_ext": build_ext_recording})

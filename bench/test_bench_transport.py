@@ -1,9 +1,9 @@
 """Block transfers between two processes: ``push_blocks`` / ``pull_blocks`` on the same-host
 (``cma``) and TCP planes, against a single-process memcpy of the same descriptors.
 
-The workload, the processes and the baselines are described in ``transport_workload.py``
-(shared with ``report_transport.py``). Groups, so that ``--benchmark-only`` compares like with
-like:
+The workload, the processes and the baselines are described in ``llm_datadist/_workload.py``
+(shared with ``report_transport.py`` and ``python -m llm_datadist bench``). Groups, so that
+``--benchmark-only`` compares like with like:
 
 * ``transport 2MiB`` and ``transport 16KiB``: 256 MiB a transfer (128 blocks of 2 MiB, 16384
   of 16 KiB, random non-adjacent ids, one tensor): ``memcpy`` (``_core.memcpy_baseline`` in the
@@ -23,20 +23,14 @@ Run: ``python -m pytest bench/test_bench_transport.py --benchmark-only -q``;
 
 from __future__ import annotations
 
-import sys
 from collections import deque
-from pathlib import Path
 from typing import Optional
 
 import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # the cluster processes import the workload by this name
-    sys.path.insert(0, str(BENCH_DIR))
-
-from transport_workload import (  # noqa: E402
+from llm_datadist._workload import (  # noqa: E402
     BULK_CASES,
     LATENCY_CASE,
     Case,

@@ -1,114 +1,204 @@
-"""Command line: ``python -m llm_datadist {demo,info,bench}``."""
+"""Command line: ``python -m llm_datadist {demo,bench,info}``.
+
+* ``demo``: a prefill and a decode process on this host, a paged KV cache of a 7B-class model,
+  a batch of requests moved and verified byte for byte (``_demo.py``);
+* ``bench``: block size x data plane x direction against an in-run memcpy (``_bench.py``);
+* ``info``: version, build, device runtimes, data planes of this host (``_sysinfo.py``).
+
+Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import sys
 import time
 
-import numpy as np
 
-PENDING_TRANSPORT = ("the two-process prefill -> decode demo arrives with the transport layer; "
-                     "this build runs the local part of it")
-
-
-def _info(args: argparse.Namespace) -> int:
-    import llm_datadist
-    from llm_datadist import _core, _device
-
-    facts = {
-        "version": llm_datadist.__version__,
-        "python": platform.python_version(),
-        "build": "debug" if _core.DEBUG_BUILD else "release",
-        "cython": _core.CYTHON_VERSION,
-    }
+def _positive(text: str) -> int:
     try:
-        runtime, reason = _device.select_runtime()
-        facts["device_runtime"] = f"{runtime.name} ({reason})"
-    except llm_datadist.LLMException as exc:
-        facts["device_runtime"] = f"unusable: {exc}"
-    facts["runtimes"] = {name: ("available: " if ok else "not available: ") + why
-                         for name, (ok, why) in ((n, _device.probe(n)) for n in ("cpu", "acl", "cuda"))}
-    facts["data_planes"] = {"local": "available", "same-host / tcp": "not in this build (transport layer)"}
-    if args.json:
-        print(json.dumps(facts, indent=2))
-    else:
-        for key, value in facts.items():
-            if isinstance(value, dict):
-                print(f"{key}:")
-                for sub, text in value.items():
-                    print(f"  {sub:8s} {text}")
-            else:
-                print(f"{key}: {value}")
-    return 0
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in [0, 3600] seconds, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    from llm_datadist._console import parse_size
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 0 < value <= 1 << 30:
+        raise argparse.ArgumentTypeError(f"must be between 1 byte and 1 GiB, got {text}")
+    return value
+
+
+def _list_of(choices: dict, what: str):
+    def parse(text: str) -> list:
+        items = [item.strip().lower() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in choices]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(f"{what}: {', '.join(unknown) or 'none given'}; "
+                                             f"choose from {', '.join(sorted(set(choices)))}")
+        return list(dict.fromkeys(choices[item] for item in items))
+    return parse
+
+
+def _sizes(text: str) -> list:
+    sizes = [_size(item) for item in text.split(",") if item.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no block size given")
+    return sorted(set(sizes))
+
+
+# -- commands ---------------------------------------------------------------------------------------
 
 def _demo(args: argparse.Namespace) -> int:
-    """Local demo: a paged KV cache on the device runtime, blocks swapped out to host and back."""
-    import llm_datadist as ld
-
-    print(f"note: {PENDING_TRANSPORT}.")
-    layers, block_tokens, kv_heads, head_dim = args.layers, args.block_size, 8, 128
-    block_bytes = block_tokens * kv_heads * head_dim * 2
-    print(f"geometry: {layers} layers x K/V, {args.blocks} blocks of {block_tokens} tokens x "
-          f"{kv_heads} KV heads x {head_dim} head dim (fp16) = {block_bytes // 1024} KiB per block")
-    cfg = ld.LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    pool = json.dumps({"memory_size": 2 * layers * args.blocks * block_bytes + (1 << 20)})
-    cfg.mem_pool_cfg = pool
-    cfg.host_mem_pool_cfg = pool
-    dd = ld.LLMDataDist(ld.LLMRole.PROMPT, 0)
-    dd.init(cfg.generate_options())
-    try:
-        cm = dd.cache_manager
-        shape = [args.blocks, block_tokens, kv_heads, head_dim]
-        device = cm.allocate_blocks_cache(ld.CacheDesc(2 * layers, shape, ld.DataType.DT_FLOAT16))
-        host = cm.allocate_blocks_cache(ld.CacheDesc(2 * layers, shape, ld.DataType.DT_FLOAT16, ld.Placement.HOST))
-        rng = np.random.default_rng(0)
-        device_views = device.as_numpy()
-        for view in device_views:
-            view.view(np.uint16)[...] = rng.integers(0, 2**16, size=view.shape, dtype=np.uint16)
-        blocks = rng.permutation(args.blocks)[: args.blocks // 2].tolist()
-        start = time.perf_counter()
-        cm.swap_blocks(device, host, {b: b for b in blocks})
-        elapsed = time.perf_counter() - start
-        moved = len(blocks) * 2 * layers * block_bytes
-        host_views = host.as_numpy()
-        ok = all(np.array_equal(h.view(np.uint16)[blocks], d.view(np.uint16)[blocks])
-                 for h, d in zip(host_views, device_views))
-        print(f"swap-out: {len(blocks)} blocks x {2 * layers} tensors, {moved / 2**20:.1f} MiB in "
-              f"{elapsed * 1e3:.2f} ms ({moved / elapsed / 1e9:.2f} GB/s), runtime {dd._engine.runtime.name}")
-        print("verified" if ok else "VERIFICATION FAILED")
-        return 0 if ok else 1
-    finally:
-        dd.finalize()
+    from llm_datadist import _demo
+    return _demo.main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    print("python -m llm_datadist bench: the plane sweep arrives with the transport layer; "
-          "for local copy benchmarks run: python -m pytest bench/ --benchmark-only")
-    return 2
+    from llm_datadist import _bench
+    planes = args.planes
+    if planes is None:  # every plane this host has
+        planes, note = _bench.available_planes()
+        if note:
+            print(f"note: {note}", flush=True)
+    config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
+                                total=args.total, min_time=args.min_time)
+    json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
+    try:
+        return _bench.run(config, json_path, args.plot, lambda line: print(line, flush=True))
+    except (_bench.BenchError, OSError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _info(args: argparse.Namespace) -> int:
+    from llm_datadist._sysinfo import all_facts
+    facts = all_facts()
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for sub, text in value.items():
+                print(f"  {sub:8s} {text}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llm_datadist._bench import ALL_PLANES, DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, \
+        PLANE_ALIASES
+    from llm_datadist._console import short_size
+    parser = argparse.ArgumentParser(prog="python -m llm_datadist",
+                                     description="KV-cache transfer for disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+
+    demo = sub.add_parser(
+        "demo", help="prefill -> decode of a batch of requests on this host, verified and timed",
+        description="Start a prefill and a decode process on this host, give both a paged KV cache "
+                    "(default: the per-layer geometry of a 7B model, Llama-2-7B: 32 layers, 32 KV heads, "
+                    "head dim 128, fp16, 16-token blocks), fill the blocks of a batch of requests with "
+                    "known data on the prefill side, move them to the decode side (push, or pull), "
+                    "check every byte there and report throughput and per-request latency. Exit "
+                    "status 0: verified; 1: verification failed; 2: could not run.")
+    model = demo.add_argument_group("model and batch")
+    model.add_argument("--layers", type=_positive, default=32, help="model layers, each a K and a V tensor "
+                       "(default 32)")
+    model.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
+    model.add_argument("--kv-heads", type=_positive, default=32, help="KV heads (default 32)")
+    model.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
+    model.add_argument("--requests", type=_positive, default=8, help="requests in the batch (default 8)")
+    model.add_argument("--tokens", type=_positive, default=64,
+                       help="prompt tokens per request; a request owns ceil(tokens / block size) blocks "
+                            "(default 64)")
+    model.add_argument("--seed", type=_non_negative, default=0, help="seed of the data and block ids (default 0)")
+    transfer = demo.add_argument_group("transfer")
+    transfer.add_argument("--pull", action="store_true",
+                          help="the decode side pulls (pull_blocks) instead of the prefill side pushing")
+    transfer.add_argument("--plane", choices=("auto", "cma", "tcp"), default=None,
+                          help="data plane (llm.DataPlane): cma = same-host process_vm_writev/readv, tcp = "
+                               "loopback TCP; default: LLM_DATADIST_DATA_PLANE or auto")
+    transfer.add_argument("--device", choices=("auto", "cpu", "acl", "cuda"), default=None,
+                          help="device runtime of the DEVICE caches (LLM_DATADIST_DEVICE); default: that "
+                               "variable or auto, which uses cpu when the detected runtime's memory cannot "
+                               "move between processes yet")
+    output = demo.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print the report as JSON")
+    output.add_argument("--corrupt-block", type=_non_negative, default=None, metavar="N",
+                        help="self-test of the verifier: after the transfer, flip one byte of block N of "
+                             "the batch (counted over the requests in order; layer 0, K) on the decode "
+                             "side; the demo must report that block and exit with status 1")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser(
+        "bench", help="throughput sweep: block size x data plane x direction vs an in-run memcpy",
+        description="Measure push_blocks / pull_blocks between processes of this host (cma, tcp) and the "
+                    "local copy_blocks for each block size, against a bare memcpy loop over the same "
+                    "descriptors measured in the same run; print GB/s, us per block and the ratio to the "
+                    "baseline, write every duration as JSON.")
+    bench.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES),
+                       help="block sizes, comma-separated (default "
+                            f"{','.join(short_size(s) for s in DEFAULT_SIZES)})")
+    bench.add_argument("--planes", type=_list_of(PLANE_ALIASES, "unknown data plane"), default=None,
+                       help=f"data planes, comma-separated: {', '.join(ALL_PLANES)} (cma = same-host "
+                            f"process_vm_writev/readv); default: all that this host permits")
+    bench.add_argument("--directions", type=_list_of({d: d for d in DIRECTIONS}, "unknown direction"),
+                       default=list(DIRECTIONS), help="push, pull or both (default both; local is a copy)")
+    bench.add_argument("--total", type=_size, default=DEFAULT_TOTAL,
+                       help=f"bytes moved per call (default {short_size(DEFAULT_TOTAL)}; at least one block)")
+    bench.add_argument("--min-time", type=_seconds, default=DEFAULT_MIN_TIME,
+                       help=f"seconds of calls per point and kind (default {DEFAULT_MIN_TIME:g})")
+    bench.add_argument("--json", metavar="FILE", default=None,
+                       help="where to write the raw results (default llm_datadist-bench-<date>-<time>.json "
+                            "in the current directory)")
+    bench.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="draw GB/s against block size (needs matplotlib: pip install 'llm_datadist[plot]')")
+    bench.set_defaults(func=_bench)
+
+    info = sub.add_parser("info", help="version, build, device runtimes, data planes of this host")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=_info)
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_datadist",
-                                     description="KV-cache transfer for disaggregated LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the demo on built-in defaults")
-    demo.add_argument("--layers", type=int, default=32, help="model layers (each has K and V)")
-    demo.add_argument("--blocks", type=int, default=64, help="blocks in the paged cache")
-    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    demo.set_defaults(func=_demo)
-    info = sub.add_parser("info", help="version, build, device runtime, data planes")
-    info.add_argument("--json", action="store_true", help="print JSON")
-    info.set_defaults(func=_info)
-    bench = sub.add_parser("bench", help="throughput sweep (arrives with the transport layer)")
-    bench.set_defaults(func=_bench)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,31 +1,69 @@
-"""``python -m llm_datadist``: the commands run and say what they do."""
+"""``python -m llm_datadist``: demo, bench and info run at small sizes and say what they did.
+
+Every command runs in a process group of its own with a hard timeout; afterwards the group must be
+empty (the cluster processes a command starts end with it).
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llm_datadist._console import Progress, parse_size
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: A demo small enough to take about a second: 2 layers x K/V, 16-token blocks of 4 heads x 32
+#: dims (4 KiB per block and tensor), 3 requests of 40 tokens = 3 blocks each (the last one
+#: partly used), 9 blocks in all.
+SMALL_DEMO = ["--layers", "2", "--kv-heads", "4", "--head-dim", "32", "--requests", "3", "--tokens", "40"]
+TINY_BENCH = ["--sizes", "4KiB,64KiB", "--total", "256KiB", "--min-time", "0.01"]
 
 
-def run(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "llm_datadist", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def _group_gone(pgid: int, wait: float = 10.0) -> bool:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
-def test_demo_verifies_at_small_size():
-    out = run("demo", "--layers", "2", "--blocks", "8")
-    assert out.returncode == 0, out.stderr
-    assert "verified" in out.stdout and "geometry: 2 layers" in out.stdout
-    assert "transport layer" in out.stdout  # says what is not in this build yet
+def run_python(args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root in a new process group; kills the group on timeout
+    and checks that nothing of it outlives the command."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"python {' '.join(args)} did not finish within {timeout} s")
+    assert _group_gone(proc.pid), f"python {' '.join(args)} left processes behind"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def test_info_reports_runtime_and_build():
-    out = run("info", "--json")
-    assert out.returncode == 0, out.stderr
-    facts = json.loads(out.stdout)
-    assert facts["build"] in ("release", "debug")
-    assert facts["device_runtime"].startswith(("cpu", "acl", "cuda"))
-    assert facts["runtimes"]["cpu"].startswith("available")
+def run(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    return run_python(["-m", "llm_datadist", *args], timeout)
+
+
+def assert_clean_failure(out: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit status 2 and a message naming ``words``, never a traceback."""
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    for word in words:
+        assert word in out.stderr, out.stderr
 
 
 def test_help_lists_commands():
@@ -33,3 +71,179 @@ def test_help_lists_commands():
     assert out.returncode == 0
     for command in ("demo", "info", "bench"):
         assert command in out.stdout
+
+
+# -- demo -------------------------------------------------------------------------------------------
+
+def test_demo_help_lists_the_knobs():
+    out = run("demo", "--help")
+    assert out.returncode == 0
+    for flag in ("--layers", "--block-size", "--kv-heads", "--head-dim", "--requests", "--tokens", "--plane",
+                 "--pull", "--device", "--seed", "--json", "--corrupt-block"):
+        assert flag in out.stdout
+
+
+def test_demo_report_says_what_moved_and_that_it_was_verified():
+    out = run("demo", *SMALL_DEMO, "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "geometry:  2 layers x K/V = 4 tensors" in text and "16 tokens x 4 KV heads x 32 head dim" in text
+    assert "3 requests x 40 tokens = 3 blocks each, 9 blocks" in text
+    assert "push_blocks" in text and "data plane" in text and "GB/s" in text
+    assert "median" in text and "p99" in text
+    assert "verified:  every byte of 9 blocks x 4 tensors matches" in text
+    assert "\r" not in out.stderr and "[#" not in out.stderr  # no progress bar without a terminal
+
+
+@pytest.mark.parametrize("plane", ["cma", "tcp"])
+@pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
+def test_demo_moves_and_verifies_on_each_plane(plane, pull):
+    out = run("demo", *SMALL_DEMO, "--plane", plane, "--json", *(["--pull"] if pull else []))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["verified"] is True and report["failures"] == [] and report["untouched_failures"] == []
+    assert report["data_plane"] == plane
+    assert report["operation"] == ("pull_blocks" if pull else "push_blocks")
+    assert report["blocks"] == 9 and report["descriptors"] == 9 * 4
+    assert report["bytes"] == 9 * 4 * 16 * 4 * 32 * 2
+    assert report["prefill_pid"] != report["decode_pid"]
+    latency = report["latency_ms"]
+    assert len(latency["per_request"]) == 3 and 0 < latency["median"] <= latency["p99"] == max(latency["per_request"])
+    assert report["gbps"] > 0
+
+
+def test_demo_reports_a_corrupted_block_and_fails():
+    # Block 4 of the batch = block 1 of request 1 (3 blocks a request).
+    out = run("demo", *SMALL_DEMO, "--corrupt-block", "4")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "VERIFICATION FAILED: 1 of 36 block tensors differ" in out.stdout
+    assert "request 1 block 1" in out.stdout and "layer 0 K: 1 byte differs" in out.stdout
+    assert "verified:" not in out.stdout and "VERIFICATION FAILED" in out.stdout
+
+
+def test_demo_refuses_bad_input_without_a_traceback():
+    assert_clean_failure(run("demo", "--layers", "0"), "--layers", "must be > 0")
+    assert_clean_failure(run("demo", "--plane", "rdma"), "--plane", "invalid choice")
+    assert_clean_failure(run("demo", "--requests", "many"), "not an integer")
+    assert_clean_failure(run("demo", *SMALL_DEMO, "--corrupt-block", "9"), "blocks 0..8")
+    assert_clean_failure(run("demo", "--layers", "1000000"), "available", "--layers")
+
+
+def test_demo_refuses_a_runtime_it_cannot_use():
+    # acl: not loadable here, or (on an Ascend host) device memory that cannot move between processes.
+    assert_clean_failure(run("demo", *SMALL_DEMO, "--device", "acl"), "demo:", "acl")
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+def test_bench_tiny_sweep_prints_a_table_and_writes_json(tmp_path):
+    path = tmp_path / "sweep.json"
+    out = run("bench", *TINY_BENCH, "--planes", "local,cma,tcp", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "GB/s" in out.stdout and "us/block" in out.stdout and "ratio" in out.stdout
+    assert str(path) in out.stdout
+    data = json.loads(path.read_text())
+    assert data["config"]["sizes"] == [4096, 65536] and data["config"]["total"] == 256 << 10
+    assert data["meta"]["host"]["cpus"] == os.cpu_count()
+    kinds = {(row["plane"], row["direction"]) for row in data["results"]}
+    assert kinds == {("memcpy", "baseline"), ("local", "copy"), ("cma", "push"), ("cma", "pull"),
+                     ("tcp", "push"), ("tcp", "pull")}
+    assert len(data["results"]) == 2 * len(kinds)
+    for row in data["results"]:
+        assert row["blocks_per_call"] == (256 << 10) // row["block_bytes"]
+        assert row["bytes_per_call"] == 256 << 10
+        assert len(row["durations_ns"]) == row["repetitions"] >= 5
+        for field in ("ratio", "gbps", "baseline_gbps", "us_per_block"):
+            assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row)
+        line = f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['gbps']:7.2f}"
+        assert row["plane"] == "memcpy" or line in out.stdout
+
+
+def test_bench_subset_of_planes_and_directions(tmp_path):
+    path = tmp_path / "sweep.json"
+    out = run("bench", "--sizes", "16K", "--total", "64K", "--min-time", "0", "--planes", "tcp",
+              "--directions", "pull", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(path.read_text())["results"]
+    assert [(row["plane"], row["direction"]) for row in rows] == [("memcpy", "baseline"), ("tcp", "pull")]
+
+
+def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
+    # Whether or not matplotlib is installed, make it unimportable for this run.
+    code = ("import sys; sys.modules['matplotlib'] = None; from llm_datadist.__main__ import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    path = tmp_path / "sweep.json"
+    out = run_python(["-c", code, "bench", *TINY_BENCH, "--json", str(path), "--plot", str(tmp_path / "p.png")])
+    assert_clean_failure(out, "--plot needs matplotlib", "pip install")
+    assert not path.exists()  # refused before measuring anything
+
+
+def test_bench_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    out = run("bench", *TINY_BENCH, "--planes", "local,tcp", "--json", str(tmp_path / "s.json"),
+              "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_bad_input_without_a_traceback(tmp_path):
+    assert_clean_failure(run("bench", "--sizes", "0"), "--sizes")
+    assert_clean_failure(run("bench", "--sizes", "4 parsecs"), "not a size")
+    assert_clean_failure(run("bench", "--planes", "rdma"), "unknown data plane: rdma")
+    assert_clean_failure(run("bench", "--directions", "sideways"), "unknown direction")
+    assert_clean_failure(run("bench", "--min-time", "-1"), "--min-time")
+    assert_clean_failure(run("bench", *TINY_BENCH, "--json", str(tmp_path / "missing" / "x.json")),
+                         "not a writable directory")
+
+
+# -- info -------------------------------------------------------------------------------------------
+
+def test_info_reports_build_runtimes_and_planes():
+    out = run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["build"] in ("release", "debug")
+    assert facts["cython"] and facts["version"]
+    assert facts["compile_flags"]  # recorded at build time (or says that it was not)
+    assert facts["device_runtime"].startswith(("cpu", "acl", "cuda"))
+    assert facts["runtimes"]["cpu"].startswith("available")
+    planes = facts["data_planes"]
+    assert set(planes) == {"local", "cma", "tcp"}
+    assert planes["local"].startswith("available")
+    assert planes["tcp"].startswith("available")  # loopback works wherever the test suite runs
+    assert planes["cma"].startswith(("available: ", "not available: "))
+    assert "ptrace" in planes["cma"] or "Yama" in planes["cma"]
+    assert facts["host"]["cpus"] == os.cpu_count()
+
+
+def test_info_text_names_every_section():
+    out = run("info")
+    assert out.returncode == 0, out.stderr
+    for heading in ("version:", "build:", "compile_flags:", "device_runtime:", "runtimes:", "data_planes:",
+                    "  cma ", "  tcp ", "host:"):
+        assert heading in out.stdout
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    terminal, pipe = _Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        with Progress(4, stream) as progress:
+            for i in range(4):
+                progress.step(f"step {i}")
+    assert "100%" in terminal.getvalue() and "#" * Progress.WIDTH in terminal.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_parse_size():
+    assert [parse_size(s) for s in ("4096", "4K", "4KiB", "2MiB", "1g")] == [4096, 4096, 4096, 2 << 20, 1 << 30]
+    for bad in ("", "4X", "-1K", "1.5M"):
+        with pytest.raises(ValueError):
+            parse_size(bad)

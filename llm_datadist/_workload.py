@@ -1,6 +1,7 @@
-"""Block transfers between two cluster processes: the workload of ``test_bench_transport.py``
-(pytest-benchmark) and ``report_transport.py`` (standalone table), kept in one place so that
-both measure exactly the same thing.
+"""Block transfers between cluster processes: the workload of ``bench/test_bench_transport.py``
+(pytest-benchmark), ``bench/report_transport.py`` (standalone table) and ``python -m llm_datadist
+bench`` (the sweep), kept in one place so that all of them measure exactly the same thing. It
+lives in the package (not in ``bench/``) so that the command works from an installed wheel.
 
 Processes (``llm_datadist.testing.Cluster``, one engine each, all on this host):
 
@@ -8,9 +9,11 @@ Processes (``llm_datadist.testing.Cluster``, one engine each, all on this host):
   registered under ``BlocksCacheKey(1, model_id)``. Each case uses a fresh model_id, so that a
   client's copy of the server's cache table misses it and is refreshed: re-registering a
   model_id with another geometry leaves the clients planning against the old one;
-* two clients, cluster 2 with ``llm.DataPlane=cma`` and cluster 3 with ``llm.DataPlane=tcp``,
-  each linked to the server. A client picks the plane of its own transfers, and a forced plane
-  fails the link rather than fall back, so each client is known to use the plane it names.
+* a client per data plane measured, cluster 2 with ``llm.DataPlane=cma`` and cluster 3 with
+  ``llm.DataPlane=tcp``, each linked to the server. A client picks the plane of its own
+  transfers, and a forced plane fails the link rather than fall back, so each client is known to
+  use the plane it names. (A rig that measures only the ``local`` copy starts one process with no
+  server.)
 
 Caches: one tensor per cache (not a K/V pair: the planes see a list of descriptors either way),
 ``[2 * moved, block_bytes]`` uint8, host memory allocated with numpy in the process that owns it
@@ -28,13 +31,16 @@ Timing happens in the client process, around the public call alone (``cm.push_bl
 A call from the parent runs a batch of back-to-back repetitions and returns the duration of each;
 the parent's round trip (pipe, pickling) is never inside a measured duration.
 
-Baselines, timed the same way in the cma client (the process that issues the transfers):
+Baselines, timed the same way in the *home* process (the cma client; the tcp client if there
+is none), which issues transfers as the clients do:
 
 * ``memcpy``: ``_core.memcpy_baseline`` over a plan from ``_core.plan_blocks`` with the push's
   block lists, from the client's cache into a second local buffer of the same geometry (a bare
   single-threaded memcpy loop over the same descriptors: no validation, no planning);
-* ``copy_blocks`` (latency case only): ``cm.copy_blocks`` of one block inside the client's cache,
-  the public API's cost for a local copy of the same size.
+* ``copy_blocks``: ``cm.copy_blocks`` of the push's source blocks onto its destination ids
+  inside the client's own cache: the public API's local copy (the ``local`` data plane) of the
+  same descriptors. Measured in the latency case of the pytest suite and, as the ``local`` plane,
+  at every block size of the sweep.
 
 The baseline is one thread; the same-host plane splits transfers of 8 MiB or more over two
 threads (``PARALLEL_CMA_BYTES`` in ``transport/links.py``), so on a quiet machine with two free
@@ -50,21 +56,18 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
-    sys.path.insert(0, str(REPO_ROOT))
-
 SERVER_ID = 1
 CLIENT_IDS = {"cma": 2, "tcp": 3}
+#: The planes between processes, each measured by its own client.
 PLANES = tuple(CLIENT_IDS)
+#: Cluster id of the one process of a rig without remote planes.
+LONE_ID = 2
 SEED = 0x7A5F
 #: Transfer timeout of every cluster (``llm.SyncKvCacheWaitTime``): the 1 s default is short for
 #: 256 MiB over loopback TCP on a loaded 2-core machine.
@@ -74,7 +77,7 @@ CALL_TIMEOUT_S = 600.0
 SETTLE_RUNS = 3
 
 #: What a measurement can time, and in which process: ``(plane, op)``; plane None = the local
-#: baselines, timed in the cma client.
+#: baselines and the local copy, timed in the home process.
 PUSH, PULL, MEMCPY, COPY_BLOCKS = "push", "pull", "memcpy", "copy_blocks"
 #: Not a transfer: a fixed pure-Python loop timed in the baseline process, which tells how fast
 #: the (shared, virtual) CPU ran while the latency case was measured.
@@ -158,17 +161,20 @@ def serve_case(state, case: Case, model_id: int) -> None:
     state.caches["cache"] = _register(state, arr, case, model_id)
 
 
-def client_case(state, case: Case, model_id: int, with_baselines: bool) -> None:
+def client_case(state, case: Case, model_id: Optional[int], with_baselines: bool) -> None:
     """Client: allocate, fill and register the local cache; build every timed call's arguments
-    once (key objects, block lists, baseline plan)."""
+    once (key objects, block lists, baseline plan). ``model_id`` None: a process without a
+    server (local measurements only)."""
     from llm_datadist import BlocksCacheKey, _core
     arr = _filled(case, salt=state.cluster_id)
     state.arrays["cache"] = arr
     cache = state.caches["cache"] = _register(state, arr, case, None)
     ids = block_ids(case)
-    key = BlocksCacheKey(SERVER_ID, model_id)
-    ops = {PUSH: (state.cm.push_blocks, (key, cache, *ids[PUSH])),
-           PULL: (state.cm.pull_blocks, (key, cache, *ids[PULL]))}
+    ops = {}
+    if model_id is not None:
+        key = BlocksCacheKey(SERVER_ID, model_id)
+        ops[PUSH] = (state.cm.push_blocks, (key, cache, *ids[PUSH]))
+        ops[PULL] = (state.cm.pull_blocks, (key, cache, *ids[PULL]))
     if with_baselines:
         twin = _filled(case, salt=state.cluster_id + 100)
         state.arrays["twin"] = twin
@@ -179,9 +185,9 @@ def client_case(state, case: Case, model_id: int, with_baselines: bool) -> None:
             raise AssertionError(f"baseline plan has {len(plan)} descriptors for {case.moved} blocks")
         ops[MEMCPY] = (_core.memcpy_baseline, (plan,))
         ops[CPU_REFERENCE] = (_python_loop, ())
-        if case.moved == 1:
-            src, dst = ids[PUSH][0][0], ids[PUSH][1][0]
-            ops[COPY_BLOCKS] = (state.cm.copy_blocks, (cache, {src: [dst]}))
+        # The push's sources onto its destination ids, inside this cache: sources even,
+        # destinations odd, so no copy reads a block that another one writes.
+        ops[COPY_BLOCKS] = (state.cm.copy_blocks, (cache, {s: [d] for s, d in zip(*ids[PUSH])}))
     state.scratch["ops"] = ops
 
 
@@ -239,10 +245,15 @@ def drop_case(state) -> None:
 
 # -- the parent's side --------------------------------------------------------------------------
 
-def kinds(case: Case) -> List[tuple]:
-    """``(plane, op)`` of every measurement of ``case``: the baselines first (plane None)."""
-    local = [(None, MEMCPY)] + ([(None, COPY_BLOCKS)] if case.moved == 1 else [])
-    return local + [(plane, op) for plane in PLANES for op in (PUSH, PULL)]
+def kinds(case: Case, planes: Sequence[str] = PLANES, local_copy: Optional[bool] = None,
+          ops: Sequence[str] = (PUSH, PULL)) -> List[tuple]:
+    """``(plane, op)`` of every measurement of ``case``: the baselines first (plane None), then
+    ``ops`` on each of ``planes``. ``local_copy`` (default: for one-block cases only) adds the
+    public local copy (``copy_blocks``)."""
+    if local_copy is None:
+        local_copy = case.moved == 1
+    local = [(None, MEMCPY)] + ([(None, COPY_BLOCKS)] if local_copy else [])
+    return local + [(plane, op) for plane in planes for op in ops]
 
 
 def kind_label(plane: Optional[str], op: str) -> str:
@@ -250,10 +261,14 @@ def kind_label(plane: Optional[str], op: str) -> str:
 
 
 class TransportRig:
-    """The server and the two clients, linked; one case set up at a time (``use``)."""
+    """The server and a client per plane of ``planes`` (default both), linked; one case set up
+    at a time (``use``). With no plane, one process for the local measurements."""
 
-    def __init__(self) -> None:
+    def __init__(self, planes: Sequence[str] = PLANES) -> None:
         from llm_datadist.testing import Cluster, link
+        unknown = set(planes) - set(PLANES)
+        if unknown:
+            raise ValueError(f"unknown data planes {sorted(unknown)}; known: {', '.join(PLANES)}")
         # HOST caches need no device runtime: unless the caller chose one, the children use cpu
         # rather than probe for acl or cuda.
         os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
@@ -261,27 +276,34 @@ class TransportRig:
         self.case: Optional[Case] = None
         self._next_model_id = 100
         self.clusters: list = []
+        self.server = None
+        self.clients = {}
         try:
-            self.server = Cluster(SERVER_ID, role="PROMPT", listen=True,
-                                  options={**common, "llm.DataPlane": "auto"})
-            self.clusters.append(self.server)
-            self.clients = {}
-            for plane, cluster_id in CLIENT_IDS.items():
-                client = Cluster(cluster_id, role="DECODER", options={**common, "llm.DataPlane": plane})
+            if planes:
+                self.server = Cluster(SERVER_ID, role="PROMPT", listen=True,
+                                      options={**common, "llm.DataPlane": "auto"})
+                self.clusters.append(self.server)
+            for plane in (p for p in PLANES if p in planes):
+                client = Cluster(CLIENT_IDS[plane], role="DECODER", options={**common, "llm.DataPlane": plane})
                 self.clusters.append(client)
                 status, per_cluster = link(client, self.server, timeout_ms=10000)
                 if status != 0:
                     raise RuntimeError(f"the {plane} client could not link to the server: "
                                        f"status {status}, {per_cluster}")
                 self.clients[plane] = client
+            if self.clients:
+                self.home = self.clients.get("cma") or next(iter(self.clients.values()))
+            else:
+                self.home = Cluster(LONE_ID, role="PROMPT", options=common)
+                self.clusters.append(self.home)
         except BaseException:
             self.close()
             raise
 
     def process_of(self, plane: Optional[str]):
-        """The process that times a measurement: the plane's client; the cma client for the
-        local baselines."""
-        return self.clients["cma" if plane is None else plane]
+        """The process that times a measurement: the plane's client; the home process (the cma
+        client if there is one) for the local measurements."""
+        return self.home if plane is None else self.clients[plane]
 
     def use(self, case: Case) -> None:
         """Make ``case`` the current one (no-op if it is): free the previous case's caches,
@@ -295,12 +317,14 @@ class TransportRig:
         model_id = self._next_model_id
         self._next_model_id += 1
         try:
-            self.server.call(serve_case, case, model_id, timeout=CALL_TIMEOUT_S)
+            if self.server is not None:
+                self.server.call(serve_case, case, model_id, timeout=CALL_TIMEOUT_S)
             for client in self.clients.values():
-                client.call(client_case, case, model_id, client is self.process_of(None),
-                            timeout=CALL_TIMEOUT_S)
+                client.call(client_case, case, model_id, client is self.home, timeout=CALL_TIMEOUT_S)
+            if not self.clients:
+                self.home.call(client_case, case, None, True, timeout=CALL_TIMEOUT_S)
             self._check_delivery(case)
-            for plane, op in kinds(case):
+            for plane, op in kinds(case, tuple(self.clients), local_copy=True):
                 self.process_of(plane).call(settle, [op], timeout=CALL_TIMEOUT_S)
         except BaseException:
             self._drop_all()
@@ -309,6 +333,10 @@ class TransportRig:
 
     def _check_delivery(self, case: Case) -> None:
         ids = block_ids(case)
+        self.home.call(timed, COPY_BLOCKS, 1, timeout=CALL_TIMEOUT_S)
+        src_ids, dst_ids = ids[PUSH]
+        if not np.array_equal(self.home.call(sample, "cache", src_ids), self.home.call(sample, "cache", dst_ids)):
+            raise AssertionError("copy_blocks did not copy the source blocks")
         for plane, client in self.clients.items():
             for op, source, dest in ((PUSH, client, self.server), (PULL, self.server, client)):
                 client.call(timed, op, 1, timeout=CALL_TIMEOUT_S)

@@ -1,0 +1,251 @@
+"""``python -m llm_datadist bench``: block size x data plane x direction, against an in-run memcpy.
+
+The processes, caches and timing are those of the transport benchmarks (``_workload.py``): a
+server cluster and a client cluster per plane between processes (``cma``: same-host
+``process_vm_writev``/``readv``; ``tcp``: loopback), linked, each owning a one-tensor HOST blocks
+cache of twice the blocks a transfer moves; sources and destinations are random non-adjacent block
+ids, so every block is one descriptor. For each block size:
+
+* ``memcpy`` (the baseline): ``_core.memcpy_baseline``, a bare single-threaded memcpy loop over
+  the same descriptors inside one process;
+* ``local copy``: the public ``copy_blocks`` of the same descriptors inside one process (the
+  ``local`` data plane has no direction);
+* ``<plane> push`` / ``<plane> pull``: ``push_blocks`` (client -> server) and ``pull_blocks``
+  (server -> client), completion included.
+
+Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). Durations are
+taken inside the process that makes the call, around the call alone. The kinds of one block size
+are measured interleaved, a batch of calls each in turn, until each has run ``min_time`` seconds
+and ``min_repetitions`` times, so that the baseline and the transfers share the same stretches of
+a noisy machine. Reported: medians; GB/s = bytes / median; ratio = median of the baseline /
+median of the kind (1.0x = as fast as one memcpy loop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from llm_datadist._console import Progress, format_size, short_size
+from llm_datadist._sysinfo import available_memory, build_facts, host_facts
+
+LOCAL, CMA, TCP = "local", "cma", "tcp"
+ALL_PLANES = (LOCAL, CMA, TCP)
+PLANE_ALIASES = {"local": LOCAL, "cma": CMA, "same-host": CMA, "samehost": CMA, "tcp": TCP}
+DIRECTIONS = ("push", "pull")
+DEFAULT_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+DEFAULT_TOTAL = 64 << 20
+DEFAULT_MIN_TIME = 0.5
+MIN_REPETITIONS = 5
+MAX_REPETITIONS = 20000
+#: A batch (calls per trip into a process) lasts about this long.
+BATCH_SECONDS = 0.05
+#: Refuse sweeps whose caches would take more than this share of the available memory.
+MEMORY_SHARE = 0.5
+
+
+class BenchError(Exception):
+    """The sweep cannot run as asked: a message, exit status 2."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    sizes: Sequence[int] = DEFAULT_SIZES
+    planes: Sequence[str] = ALL_PLANES
+    directions: Sequence[str] = DIRECTIONS
+    total: int = DEFAULT_TOTAL
+    min_time: float = DEFAULT_MIN_TIME
+    min_repetitions: int = MIN_REPETITIONS
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` on the Agg backend, or ``BenchError`` saying how to get it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError(f"--plot needs matplotlib, which is not importable here ({exc}); install it "
+                         f"with: pip install 'llm_datadist[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def memory_needed(config: SweepConfig) -> int:
+    """Peak bytes of the sweep's caches: per block size, the server's cache, one per client and
+    the baseline's second buffer, each twice the moved blocks (block sizes run one at a time)."""
+    remote = [p for p in config.planes if p != LOCAL]
+    buffers = (1 + len(remote) if remote else 1) + 1
+    return max(2 * _moved(size, config.total) * size for size in config.sizes) * buffers
+
+
+def _moved(block_bytes: int, total: int) -> int:
+    return max(1, total // block_bytes)
+
+
+def _kind_name(plane: Optional[str], op: str) -> tuple:
+    """``(plane, direction)`` as reported."""
+    from llm_datadist._workload import COPY_BLOCKS, MEMCPY
+    if plane is None:
+        return {MEMCPY: ("memcpy", "baseline"), COPY_BLOCKS: (LOCAL, "copy")}[op]
+    return plane, op
+
+
+def _measure_case(rig, case, kinds: List[tuple], config: SweepConfig,
+                  on_batch: Callable[[], None]) -> Dict[tuple, List[int]]:
+    """Nanoseconds per call of every kind of ``case``, measured interleaved."""
+    durations: Dict[tuple, List[int]] = {kind: [] for kind in kinds}
+    batch: Dict[tuple, int] = {}
+    for kind in kinds:  # one call each, to size the batches
+        durations[kind] += rig.measure(kind[0], kind[1], 1)
+        batch[kind] = max(1, min(1000, int(BATCH_SECONDS * 1e9 / max(1, durations[kind][0]))))
+
+    def done(values: List[int]) -> bool:
+        return len(values) >= MAX_REPETITIONS or (
+            len(values) >= config.min_repetitions and sum(values) >= config.min_time * 1e9)
+
+    while not all(done(values) for values in durations.values()):
+        for kind in kinds:
+            values = durations[kind]
+            if not done(values):
+                values += rig.measure(kind[0], kind[1], min(batch[kind], MAX_REPETITIONS - len(values)))
+        on_batch()
+    return durations
+
+
+def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
+    from llm_datadist._workload import MEMCPY
+    base = durations[(None, MEMCPY)]
+    base_median = max(1, statistics.median(base))  # a clock tick at least: never divide by 0
+    rows = []
+    for (plane, op), values in durations.items():
+        median = max(1, statistics.median(values))
+        name, direction = _kind_name(plane, op)
+        rows.append(dict(plane=name, direction=direction, block_bytes=case.block_bytes,
+                         block=short_size(case.block_bytes), blocks_per_call=case.moved,
+                         bytes_per_call=case.bytes_per_transfer, repetitions=len(values),
+                         median_ns=median, min_ns=min(values), max_ns=max(values),
+                         gbps=case.bytes_per_transfer / median, us_per_block=median / 1e3 / case.moved,
+                         baseline_median_ns=base_median,
+                         baseline_gbps=case.bytes_per_transfer / base_median,
+                         ratio=base_median / median, durations_ns=values))
+    return rows
+
+
+def sweep(config: SweepConfig, progress: Optional[Progress] = None) -> List[dict]:
+    """Run the sweep; one row per (block size, kind), baseline rows included."""
+    from llm_datadist._workload import Case, TransportRig, kinds
+    remote = tuple(p for p in (CMA, TCP) if p in config.planes)
+    rows: List[dict] = []
+    progress = progress or Progress(0)
+    with TransportRig(remote) as rig:
+        for block_bytes in config.sizes:
+            case = Case(short_size(block_bytes), block_bytes, moved=_moved(block_bytes, config.total),
+                        rounds=0, batch=MAX_REPETITIONS)
+            label = f"{case.label} blocks"
+            progress.step(f"{label}: setting up", 0)
+            rig.use(case)
+            measured = kinds(case, remote, local_copy=LOCAL in config.planes, ops=tuple(config.directions))
+            durations = _measure_case(rig, case, measured, config,
+                                      lambda text=f"{label}: measuring": progress.step(text, 0))
+            rows += _rows(case, durations)
+            rig.clear_case()
+            progress.step(f"{label}: done")
+    return rows
+
+
+def print_table(rows: List[dict], out: Callable[[str], None] = print) -> None:
+    out(f"{'block':>7} {'plane':6} {'direction':9} {'GB/s':>7} {'us/block':>9} {'memcpy GB/s':>11} "
+        f"{'ratio':>6} {'calls':>6}")
+    for row in rows:
+        if row["plane"] == "memcpy":
+            continue
+        out(f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['gbps']:7.2f} "
+            f"{row['us_per_block']:9.2f} {row['baseline_gbps']:11.2f} {row['ratio']:5.2f}x "
+            f"{row['repetitions']:6d}")
+
+
+def plot(rows: List[dict], path: str, title: str) -> None:
+    plt = require_matplotlib()
+    figure, axes = plt.subplots(figsize=(8, 5))
+    series: Dict[tuple, List[tuple]] = {}
+    for row in rows:
+        series.setdefault((row["plane"], row["direction"]), []).append((row["block_bytes"], row["gbps"]))
+    for (plane, direction), points in series.items():
+        points.sort()
+        label = "memcpy (baseline)" if plane == "memcpy" else f"{plane} {direction}"
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                  linestyle="--" if plane == "memcpy" else "-", color="black" if plane == "memcpy" else None)
+    axes.set_xscale("log", base=2)
+    sizes = sorted({row["block_bytes"] for row in rows})
+    axes.set_xticks(sizes)
+    axes.set_xticklabels([short_size(s) for s in sizes])
+    axes.set_xlabel("block size")
+    axes.set_ylabel("GB/s (median)")
+    axes.set_ylim(bottom=0)
+    axes.set_title(title, fontsize=9)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def available_planes() -> tuple:
+    """The planes this host can measure, and a note on any left out."""
+    from llm_datadist._sysinfo import probe_same_host
+    usable, why = probe_same_host()
+    if usable:
+        return ALL_PLANES, ""
+    return (LOCAL, TCP), f"cma left out: {why}"
+
+
+def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Callable[[str], None] = print) -> int:
+    """The ``bench`` command: sweep, table, JSON (and plot). Raises ``BenchError``."""
+    from llm_datadist.testing import ChildError
+    if plot_path is not None:
+        require_matplotlib()  # before minutes of measuring, not after
+    for path in filter(None, (json_path, plot_path)):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.access(folder, os.W_OK):
+            raise BenchError(f"cannot write {path}: {folder} is not a writable directory")
+    needed = memory_needed(config)
+    available = available_memory()
+    if available is not None and needed > MEMORY_SHARE * available:
+        raise BenchError(f"the sweep's caches would take {format_size(needed)}, more than "
+                         f"{MEMORY_SHARE:.0%} of the {format_size(available)} available; lower --total "
+                         f"or the largest of --sizes")
+    host, build = host_facts(), build_facts()
+    meta = dict(version=build["version"], build=build["build"], host=host, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                loadavg_start=os.getloadavg())
+    out(f"llm_datadist {build['version']} ({build['build']}) on {host['machine']}, {host['cpus']} CPUs "
+        f"({host['cpu']}), load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    out(f"sweep: blocks {', '.join(short_size(s) for s in config.sizes)}; planes {', '.join(config.planes)}; "
+        f"directions {', '.join(config.directions)}; {format_size(config.total)} per call (at least one block); "
+        f"each kind >= {config.min_time:g} s and >= {config.min_repetitions} calls")
+    started = time.perf_counter()
+    try:
+        with Progress(len(config.sizes)) as progress:
+            rows = sweep(config, progress)
+    except ChildError as exc:
+        raise BenchError(f"{exc.kind} in a cluster process: {exc.message}") from None
+    except (RuntimeError, TimeoutError) as exc:
+        raise BenchError(str(exc)) from None
+    meta.update(seconds=time.perf_counter() - started, loadavg_end=os.getloadavg())
+    out("")
+    print_table(rows, out)
+    payload = dict(meta=meta, config=dict(sizes=list(config.sizes), planes=list(config.planes),
+                                          directions=list(config.directions), total=config.total,
+                                          min_time=config.min_time, min_repetitions=config.min_repetitions),
+                   results=rows)
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1)
+    out(f"\nraw results (every duration): {json_path}")
+    if plot_path is not None:
+        plot(rows, plot_path, f"llm_datadist {build['version']} bench on {host['machine']}, {host['cpus']} CPUs "
+                              f"({host['cpu']}), {format_size(config.total)} per call")
+        out(f"plot: {plot_path}")
+    return 0

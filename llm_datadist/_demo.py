@@ -1,0 +1,389 @@
+"""``python -m llm_datadist demo``: prefill -> decode of a batch of requests, verified and timed.
+
+Three processes on this host: this one coordinates; a prefill cluster (id 1, role PROMPT) and a
+decode cluster (id 2, role DECODER) run in processes of their own (``llm_datadist.testing.
+Cluster``). Each allocates a paged KV cache on the device runtime: ``2 * layers`` tensors (K and V
+of every layer, interleaved) of ``[blocks, block_tokens, kv_heads, head_dim]`` fp16. Every request
+owns ``ceil(tokens / block_tokens)`` blocks on each side, at block ids drawn at random from each
+side's cache (the decode cache has spare blocks that no request uses). Both caches are written
+once when allocated, as the caches of a serving process are in use: the transfers are timed, not
+the first touch of their pages.
+
+1. The prefill process writes every block of every request: the bytes of (request, layer, K/V,
+   block of the request) are a pseudo-random stream seeded with those four numbers and the seed,
+   so the decode process can compute what it must receive without being sent it.
+2. One transfer per request (all its blocks, every layer's K and V), timed around the call in the
+   process that issues it (the call returns once the bytes are in place): ``push_blocks`` from
+   prefill into decode (decode listens, prefill links to it), or with ``--pull``, ``pull_blocks``
+   by decode from prefill (prefill listens, decode links to it). The data plane is the one the
+   link chose (``--plane`` / ``LLM_DATADIST_DATA_PLANE`` force one).
+3. The decode process checks every byte of every block of every request against the stream, and
+   that its spare blocks are still zero.
+
+``--corrupt-block N`` is a self-test of step 3: between steps 2 and 3 it flips one byte of block N
+of the batch (counted over the requests in order) in layer 0's K tensor on the decode side; the
+demo must then report that block and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from llm_datadist._console import Progress, format_size
+from llm_datadist._sysinfo import available_memory
+
+PREFILL_ID, DECODE_ID = 1, 2
+MODEL_ID = 0
+#: Decode-cache blocks beyond the batch's: never written, checked to stay zero.
+SPARE_FRACTION = 0.25
+#: Transfer deadline of both clusters (``llm.SyncKvCacheWaitTime``); the 1 s default is short for
+#: a request's tens of MiB over TCP on a loaded machine.
+TRANSFER_TIMEOUT_MS = 60000
+CALL_TIMEOUT_S = 300.0
+#: Refuse to start when the caches would take more than this share of the available memory.
+MEMORY_SHARE = 0.5
+FP16_BYTES = 2
+#: How many failing blocks the report lists.
+REPORTED_FAILURES = 10
+
+
+class DemoError(Exception):
+    """The demo cannot run as asked (bad sizes, unusable runtime, a failed link): a message, exit 2."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    block_tokens: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def num_tensors(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one tensor (K or V of one layer)."""
+        return self.block_tokens * self.kv_heads * self.head_dim * FP16_BYTES
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers x K/V = {self.num_tensors} tensors; a block is {self.block_tokens} "
+                f"tokens x {self.kv_heads} KV heads x {self.head_dim} head dim x fp16 = "
+                f"{format_size(self.block_bytes)} per tensor, {format_size(self.block_bytes * self.num_tensors)} "
+                f"over all layers")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Which blocks each request owns on each side (block tables, logical block order)."""
+
+    prefill_blocks: List[List[int]]
+    decode_blocks: List[List[int]]
+    prefill_cache_blocks: int
+    decode_cache_blocks: int
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(len(b) for b in self.prefill_blocks)
+
+    def spare_decode_blocks(self) -> List[int]:
+        used = {b for table in self.decode_blocks for b in table}
+        return [b for b in range(self.decode_cache_blocks) if b not in used]
+
+    def locate(self, index: int) -> tuple:
+        """``(request, block of the request)`` of block ``index`` of the batch."""
+        for request, table in enumerate(self.decode_blocks):
+            if index < len(table):
+                return request, index
+            index -= len(table)
+        raise IndexError(index)
+
+
+def make_batch(requests: int, tokens: int, block_tokens: int, seed: int) -> Batch:
+    per_request = math.ceil(tokens / block_tokens)
+    total = requests * per_request
+    spare = max(1, int(total * SPARE_FRACTION))
+    rng = np.random.default_rng([seed, 0xB10C])
+    prefill = rng.permutation(total).tolist()
+    decode = rng.permutation(total + spare)[:total].tolist()
+    cut = [slice(r * per_request, (r + 1) * per_request) for r in range(requests)]
+    return Batch([prefill[c] for c in cut], [decode[c] for c in cut], total, total + spare)
+
+
+def expected_block(seed: int, request: int, layer: int, kv: int, block: int, nbytes: int) -> np.ndarray:
+    """The bytes of block ``block`` of ``request`` in tensor (``layer``, ``kv``: 0 = K, 1 = V)."""
+    return np.frombuffer(np.random.default_rng([seed, request, layer, kv, block]).bytes(nbytes), np.uint8)
+
+
+def _bytes(count: int, singular_verb: str, plural_verb: str) -> str:
+    return f"1 byte {singular_verb}" if count == 1 else f"{count} bytes {plural_verb}"
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile (``fraction`` in (0, 1])."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+# -- functions run in the cluster processes (``fn(state, *args)``) ----------------------------------
+
+def side_setup(state, geometry: Geometry, num_blocks: int) -> dict:
+    """Allocate this side's paged KV cache (DEVICE, the process's runtime), keyed for the peer."""
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+    shape = [num_blocks, geometry.block_tokens, geometry.kv_heads, geometry.head_dim]
+    desc = CacheDesc(geometry.num_tensors, shape, DataType.DT_FLOAT16, Placement.DEVICE)
+    cache = state.cm.allocate_blocks_cache(desc, BlocksCacheKey(state.cluster_id, MODEL_ID))
+    state.caches["kv"] = cache
+    # uint8 [blocks, block_bytes] views of every tensor: the bytes the demo writes and checks.
+    state.arrays["kv"] = [view.view(np.uint8).reshape(num_blocks, -1) for view in cache.as_numpy()]
+    for view in state.arrays["kv"]:
+        view.fill(0)  # fault the pages in, as a serving process's cache is: time transfers, not faults
+    engine = state.dd._engine
+    return dict(pid=os.getpid(), runtime=engine.runtime.name, runtime_reason=engine.runtime_reason)
+
+
+def fill_request(state, geometry: Geometry, seed: int, request: int, blocks: List[int]) -> None:
+    """Write the known bytes of every block of ``request`` (prefill side)."""
+    views = state.arrays["kv"]
+    for tensor, view in enumerate(views):
+        layer, kv = divmod(tensor, 2)
+        for block, physical in enumerate(blocks):
+            view[physical] = expected_block(seed, request, layer, kv, block, geometry.block_bytes)
+
+
+def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst_blocks: List[int]) -> int:
+    """Push this side's ``src_blocks`` into the peer's ``dst_blocks``, or (``pull``) pull the
+    peer's ``src_blocks`` into this side's ``dst_blocks``; nanoseconds the call took."""
+    from llm_datadist import BlocksCacheKey
+    cache, key = state.caches["kv"], BlocksCacheKey(peer_id, MODEL_ID)
+    clock = time.perf_counter_ns
+    if pull:
+        start = clock()
+        state.cm.pull_blocks(key, cache, src_blocks, dst_blocks)
+    else:
+        start = clock()
+        state.cm.push_blocks(key, cache, src_blocks, dst_blocks)
+    return clock() - start
+
+
+def plane_to(state, peer_id: int) -> str:
+    """The data plane this side's transfers to ``peer_id`` use (chosen when the link was made)."""
+    return state.dd._engine.links.peer(peer_id).plane
+
+
+def corrupt(state, physical_block: int, tensor: int) -> None:
+    """Flip one byte in the middle of ``physical_block`` of ``tensor`` (the verifier's self-test)."""
+    row = state.arrays["kv"][tensor][physical_block]
+    row[row.size // 2] ^= 0xFF
+
+
+def verify_request(state, geometry: Geometry, seed: int, request: int, blocks: List[int]) -> List[dict]:
+    """Every byte of every block of ``request`` (decode side); one entry per wrong block tensor."""
+    failures = []
+    for tensor, view in enumerate(state.arrays["kv"]):
+        layer, kv = divmod(tensor, 2)
+        for block, physical in enumerate(blocks):
+            expected = expected_block(seed, request, layer, kv, block, geometry.block_bytes)
+            got = view[physical]
+            if not np.array_equal(got, expected):
+                wrong = np.flatnonzero(got != expected)
+                first = int(wrong[0])
+                failures.append(dict(request=request, layer=layer, kv="KV"[kv], block=block,
+                                     decode_block=physical, bytes_wrong=int(wrong.size),
+                                     first_byte=first, got=int(got[first]), expected=int(expected[first])))
+    return failures
+
+
+def verify_untouched(state, blocks: List[int]) -> List[dict]:
+    """Blocks no request owns must still be zero (nothing written outside the destinations)."""
+    failures = []
+    for tensor, view in enumerate(state.arrays["kv"]):
+        for physical in blocks:
+            wrong = np.flatnonzero(view[physical])
+            if wrong.size:
+                failures.append(dict(layer=tensor // 2, kv="KV"[tensor % 2], decode_block=physical,
+                                     bytes_wrong=int(wrong.size), first_byte=int(wrong[0])))
+    return failures
+
+
+# -- the coordinator ---------------------------------------------------------------------------
+
+def choose_device(requested: Optional[str]) -> tuple:
+    """``(runtime name, why)`` for the children: ``requested`` (or ``LLM_DATADIST_DEVICE``) if
+    it can move DEVICE blocks between processes; without an explicit choice, ``cpu`` when the
+    auto-detected runtime cannot. Sets ``LLM_DATADIST_DEVICE`` for the children."""
+    from llm_datadist import LLMException, _device
+    if requested is not None:
+        os.environ["LLM_DATADIST_DEVICE"] = requested
+    explicit = os.environ.get("LLM_DATADIST_DEVICE", "auto").strip().lower() not in ("", "auto")
+    try:
+        runtime, reason = _device.select_runtime()
+    except LLMException as exc:
+        raise DemoError(str(exc).split(" (status_code")[0]) from None
+    if runtime.host_addressable:
+        os.environ["LLM_DATADIST_DEVICE"] = runtime.name
+        return runtime.name, reason
+    unsupported = (f"transfers of {runtime.name} device memory between processes are not "
+                   f"implemented yet (they need device IPC or staging)")
+    if explicit:
+        raise DemoError(f"device runtime {runtime.name}: {unsupported}; run with --device cpu")
+    os.environ["LLM_DATADIST_DEVICE"] = "cpu"
+    return "cpu", f"{runtime.name} was detected, but {unsupported}"
+
+
+def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optional[str],
+        device: Optional[str], seed: int, corrupt_block: Optional[int] = None, out=None) -> dict:
+    """Run the demo and return its report (``report["verified"]`` says whether every byte
+    arrived). Raises ``DemoError`` when it cannot run as asked."""
+    from llm_datadist.testing import ChildError, Cluster, link
+
+    out = out or (lambda line: None)
+    batch = make_batch(requests, tokens, geometry.block_tokens, seed)
+    if corrupt_block is not None and not 0 <= corrupt_block < batch.total_blocks:
+        raise DemoError(f"--corrupt-block {corrupt_block}: the batch has blocks 0..{batch.total_blocks - 1}")
+    per_block = geometry.block_bytes * geometry.num_tensors
+    cache_bytes = (batch.prefill_cache_blocks + batch.decode_cache_blocks) * per_block
+    available = available_memory()
+    if available is not None and cache_bytes > MEMORY_SHARE * available:
+        raise DemoError(f"the two caches would take {format_size(cache_bytes)}, more than "
+                        f"{MEMORY_SHARE:.0%} of the {format_size(available)} available; use fewer "
+                        f"--requests, --tokens or --layers")
+    runtime, runtime_why = choose_device(device)
+    if plane is not None:
+        os.environ["LLM_DATADIST_DATA_PLANE"] = plane
+    asked_plane = os.environ.get("LLM_DATADIST_DATA_PLANE") or "auto"
+
+    op = "pull_blocks" if pull else "push_blocks"
+    out(f"geometry:  {geometry.describe()}")
+    out(f"batch:     {requests} requests x {tokens} tokens = {len(batch.prefill_blocks[0])} blocks each, "
+        f"{batch.total_blocks} blocks")
+    sizes = [format_size(blocks * per_block) for blocks in (batch.prefill_cache_blocks, batch.decode_cache_blocks)]
+    out(f"caches:    prefill {batch.prefill_cache_blocks} blocks ({sizes[0]}), "
+        f"decode {batch.decode_cache_blocks} blocks ({sizes[1]}), "
+        f"DEVICE memory of the {runtime} runtime ({runtime_why})")
+
+    def options(cache_blocks: int) -> dict:
+        return {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS),
+                "llm.MemPoolConfig": json.dumps({"memory_size": cache_blocks * per_block + (1 << 20)})}
+
+    progress = Progress(3 * requests)
+    progress.step("starting prefill and decode", 0)
+    try:
+        with Cluster(PREFILL_ID, role="PROMPT", listen=pull, timeout=CALL_TIMEOUT_S,
+                     options=options(batch.prefill_cache_blocks)) as prefill, \
+             Cluster(DECODE_ID, role="DECODER", listen=not pull, timeout=CALL_TIMEOUT_S,
+                     options=options(batch.decode_cache_blocks)) as decode:
+            issuer, target = (decode, prefill) if pull else (prefill, decode)
+            status, per_cluster = link(issuer, target, timeout_ms=10000)
+            if status != 0:
+                raise DemoError(f"cluster {issuer.cluster_id} could not link to cluster "
+                                f"{target.cluster_id}: status {status}, per cluster {per_cluster}")
+            progress.step("allocating the caches", 0)
+            prefill_info = prefill.call(side_setup, geometry, batch.prefill_cache_blocks)
+            decode_info = decode.call(side_setup, geometry, batch.decode_cache_blocks)
+            used_plane = issuer.call(plane_to, target.cluster_id)
+            pids = f"prefill (pid {prefill_info['pid']})", f"decode (pid {decode_info['pid']})"
+            direction = f"{pids[1]} pulls from {pids[0]}" if pull else f"{pids[0]} pushes to {pids[1]}"
+            out(f"transfer:  {direction} with {op}, one call per request, data plane {used_plane} "
+                f"(asked: {asked_plane})")
+
+            for request, blocks in enumerate(batch.prefill_blocks):
+                prefill.call(fill_request, geometry, seed, request, blocks)
+                progress.step(f"prefill {request + 1}/{requests}")
+            latencies_ns = []
+            for request in range(requests):
+                latencies_ns.append(issuer.call(transfer_request, pull, target.cluster_id,
+                                                batch.prefill_blocks[request], batch.decode_blocks[request]))
+                progress.step(f"{op} {request + 1}/{requests}")
+            if corrupt_block is not None:
+                request, block = batch.locate(corrupt_block)
+                decode.call(corrupt, batch.decode_blocks[request][block], 0)
+            failures = []
+            for request, blocks in enumerate(batch.decode_blocks):
+                failures += decode.call(verify_request, geometry, seed, request, blocks)
+                progress.step(f"verify {request + 1}/{requests}")
+            spare = batch.spare_decode_blocks()
+            untouched_failures = decode.call(verify_untouched, spare)
+    except ChildError as exc:
+        raise DemoError(f"{exc.kind} in a cluster process: {exc.message}") from None
+    except TimeoutError as exc:
+        raise DemoError(str(exc)) from None
+    finally:
+        progress.close()
+
+    moved = batch.total_blocks * per_block
+    busy_s = sum(latencies_ns) / 1e9
+    per_request = [ns / 1e6 for ns in latencies_ns]
+    return dict(
+        geometry=asdict(geometry), requests=requests, tokens_per_request=tokens,
+        blocks_per_request=len(batch.prefill_blocks[0]), blocks=batch.total_blocks,
+        tensors=geometry.num_tensors, descriptors=batch.total_blocks * geometry.num_tensors,
+        bytes=moved, bytes_per_request=len(batch.prefill_blocks[0]) * per_block, operation=op,
+        data_plane=used_plane, data_plane_asked=asked_plane,
+        device_runtime=runtime, device_runtime_reason=runtime_why,
+        prefill_pid=prefill_info["pid"], decode_pid=decode_info["pid"],
+        transfer_seconds=busy_s, gbps=moved / busy_s / 1e9 if busy_s else 0.0,
+        latency_ms=dict(median=statistics.median(per_request), p99=percentile(per_request, 0.99),
+                        min=min(per_request), max=max(per_request), per_request=per_request),
+        spare_decode_blocks=len(spare), corrupted_block=corrupt_block,
+        failures=failures, untouched_failures=untouched_failures,
+        verified=not failures and not untouched_failures)
+
+
+def print_report(report: dict, out) -> None:
+    """The report's lines after the run (``out(line)``)."""
+    lat = report["latency_ms"]
+    out(f"moved:     {report['requests']} requests, {report['blocks']} blocks x {report['tensors']} tensors = "
+        f"{report['descriptors']} block copies, {format_size(report['bytes'])} in "
+        f"{report['transfer_seconds'] * 1e3:.1f} ms inside {report['operation']}: "
+        f"{report['gbps']:.2f} GB/s over {report['data_plane']}")
+    out(f"latency:   per request ({report['operation']} of {report['blocks_per_request']} blocks x "
+        f"{report['tensors']} tensors, {format_size(report['bytes_per_request'])}, completion included): "
+        f"median {lat['median']:.2f} ms, p99 {lat['p99']:.2f} ms (n={report['requests']})")
+    if report["verified"]:
+        out(f"verified:  every byte of {report['blocks']} blocks x {report['tensors']} tensors matches; "
+            f"{report['spare_decode_blocks']} spare decode blocks untouched")
+        return
+    failures, untouched = report["failures"], report["untouched_failures"]
+    out(f"VERIFICATION FAILED: {len(failures)} of {report['descriptors']} block tensors differ, "
+        f"{len(untouched)} spare block tensors were written")
+    for f in failures[:REPORTED_FAILURES]:
+        out(f"  request {f['request']} block {f['block']} (decode block {f['decode_block']}), layer "
+            f"{f['layer']} {f['kv']}: {_bytes(f['bytes_wrong'], 'differs', 'differ')}, first at byte {f['first_byte']} "
+            f"(got 0x{f['got']:02x}, expected 0x{f['expected']:02x})")
+    for f in untouched[:REPORTED_FAILURES]:
+        out(f"  spare decode block {f['decode_block']}, layer {f['layer']} {f['kv']}: "
+            f"{_bytes(f['bytes_wrong'], 'written', 'written')}, first at byte {f['first_byte']}")
+    hidden = max(0, len(failures) - REPORTED_FAILURES) + max(0, len(untouched) - REPORTED_FAILURES)
+    if hidden:
+        out(f"  ... and {hidden} more")
+
+
+def main(args) -> int:
+    """The ``demo`` command (``args`` from ``__main__``'s parser): 0 verified, 1 verification
+    failed, 2 could not run."""
+    geometry = Geometry(args.layers, args.block_size, args.kv_heads, args.head_dim)
+    out = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    started = time.perf_counter()
+    try:
+        report = run(geometry, args.requests, args.tokens, args.pull, args.plane, args.device, args.seed,
+                     args.corrupt_block, out)
+    except DemoError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    report["wall_seconds"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report, out)
+    return 0 if report["verified"] else 1
