@@ -122,7 +122,7 @@ def test_demo_reports_a_corrupted_block_and_fails():
 
 
 def test_demo_refuses_bad_input_without_a_traceback():
-    assert_clean_failure(run("demo", "--layers", "0"), "--layers", "must be > 0")
+    assert_clean_failure(run("demo", "--layers", "0"), "--layers", "must be >= 1")
     assert_clean_failure(run("demo", "--plane", "rdma"), "--plane", "invalid choice")
     assert_clean_failure(run("demo", "--requests", "many"), "not an integer")
     assert_clean_failure(run("demo", *SMALL_DEMO, "--corrupt-block", "9"), "blocks 0..8")
