@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from llm_datadist._console import Progress, format_size, short_size
-from llm_datadist._sysinfo import available_memory, build_facts, host_facts
+from llm_datadist._sysinfo import build_facts, host_facts, memory_shortfall
 
 LOCAL, CMA, TCP = "local", "cma", "tcp"
 ALL_PLANES = (LOCAL, CMA, TCP)
@@ -44,8 +44,6 @@ MIN_REPETITIONS = 5
 MAX_REPETITIONS = 20000
 #: A batch (calls per trip into a process) lasts about this long.
 BATCH_SECONDS = 0.05
-#: Refuse sweeps whose caches would take more than this share of the available memory.
-MEMORY_SHARE = 0.5
 
 
 class BenchError(Exception):
@@ -212,12 +210,9 @@ def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Call
         folder = os.path.dirname(os.path.abspath(path))
         if not os.access(folder, os.W_OK):
             raise BenchError(f"cannot write {path}: {folder} is not a writable directory")
-    needed = memory_needed(config)
-    available = available_memory()
-    if available is not None and needed > MEMORY_SHARE * available:
-        raise BenchError(f"the sweep's caches would take {format_size(needed)}, more than "
-                         f"{MEMORY_SHARE:.0%} of the {format_size(available)} available; lower --total "
-                         f"or the largest of --sizes")
+    shortfall = memory_shortfall(memory_needed(config))
+    if shortfall:
+        raise BenchError(f"the sweep's caches would take {shortfall}; lower --total or the largest of --sizes")
     host, build = host_facts(), build_facts()
     meta = dict(version=build["version"], build=build["build"], host=host, started=time.strftime("%Y-%m-%d %H:%M:%S"),
                 loadavg_start=os.getloadavg())

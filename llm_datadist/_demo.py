@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from llm_datadist._console import Progress, format_size
-from llm_datadist._sysinfo import available_memory
+from llm_datadist._sysinfo import memory_shortfall
 
 PREFILL_ID, DECODE_ID = 1, 2
 MODEL_ID = 0
@@ -49,8 +49,6 @@ SPARE_FRACTION = 0.25
 #: a request's tens of MiB over TCP on a loaded machine.
 TRANSFER_TIMEOUT_MS = 60000
 CALL_TIMEOUT_S = 300.0
-#: Refuse to start when the caches would take more than this share of the available memory.
-MEMORY_SHARE = 0.5
 FP16_BYTES = 2
 #: How many failing blocks the report lists.
 REPORTED_FAILURES = 10
@@ -166,14 +164,10 @@ def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst
     peer's ``src_blocks`` into this side's ``dst_blocks``; nanoseconds the call took."""
     from llm_datadist import BlocksCacheKey
     cache, key = state.caches["kv"], BlocksCacheKey(peer_id, MODEL_ID)
-    clock = time.perf_counter_ns
-    if pull:
-        start = clock()
-        state.cm.pull_blocks(key, cache, src_blocks, dst_blocks)
-    else:
-        start = clock()
-        state.cm.push_blocks(key, cache, src_blocks, dst_blocks)
-    return clock() - start
+    transfer = state.cm.pull_blocks if pull else state.cm.push_blocks
+    start = time.perf_counter_ns()
+    transfer(key, cache, src_blocks, dst_blocks)
+    return time.perf_counter_ns() - start
 
 
 def plane_to(state, peer_id: int) -> str:
@@ -253,11 +247,9 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         raise DemoError(f"--corrupt-block {corrupt_block}: the batch has blocks 0..{batch.total_blocks - 1}")
     per_block = geometry.block_bytes * geometry.num_tensors
     cache_bytes = (batch.prefill_cache_blocks + batch.decode_cache_blocks) * per_block
-    available = available_memory()
-    if available is not None and cache_bytes > MEMORY_SHARE * available:
-        raise DemoError(f"the two caches would take {format_size(cache_bytes)}, more than "
-                        f"{MEMORY_SHARE:.0%} of the {format_size(available)} available; use fewer "
-                        f"--requests, --tokens or --layers")
+    shortfall = memory_shortfall(cache_bytes)
+    if shortfall:
+        raise DemoError(f"the two caches would take {shortfall}; use fewer --requests, --tokens or --layers")
     runtime, runtime_why = choose_device(device)
     if plane is not None:
         os.environ["LLM_DATADIST_DATA_PLANE"] = plane

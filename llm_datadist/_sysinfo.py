@@ -44,6 +44,20 @@ def available_memory() -> Optional[int]:
     return None
 
 
+#: The demo and the bench refuse to start when their caches would take more than this share of
+#: the available memory.
+MEMORY_SHARE = 0.5
+
+
+def memory_shortfall(needed: int) -> Optional[str]:
+    """Why ``needed`` bytes are too many for this machine, or None if they fit (or it cannot tell)."""
+    from llm_datadist._console import format_size
+    available = available_memory()
+    if available is None or needed <= MEMORY_SHARE * available:
+        return None
+    return f"{format_size(needed)}, more than {MEMORY_SHARE:.0%} of the {format_size(available)} available"
+
+
 def host_facts() -> Dict[str, object]:
     return dict(machine=platform.machine(), cpu=cpu_model(), cpus=os.cpu_count(),
                 kernel=platform.release(), python=platform.python_version())

@@ -247,3 +247,11 @@ def test_parse_size():
     for bad in ("", "4X", "-1K", "1.5M"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+
+def test_demo_refuses_caches_larger_than_the_machine():
+    """The demo checks its caches against the available memory before starting any process (the
+    bench's own limits on --total and --sizes keep its sweep under that share on this machine)."""
+    assert_clean_failure(run("demo", "--requests", "100000", "--tokens", "4096"),
+                         "the two caches would take", "available; use fewer --requests")

@@ -935,11 +935,15 @@ def _left(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000))
 
 
-def _buffer_bytes() -> int:
+def _env_bytes(name: str, default: int) -> int:
     try:
-        return int(os.environ.get("LLM_DATADIST_TCP_BUFFER", str(4 << 20)))
+        return int(os.environ.get(name, str(default)))
     except ValueError:
-        return 4 << 20
+        return default
+
+
+def _buffer_bytes() -> int:
+    return _env_bytes("LLM_DATADIST_TCP_BUFFER", 4 << 20)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -960,11 +964,7 @@ def _tune(sock: socket.socket) -> None:
 def _recv_lowat() -> int:
     """``LLM_DATADIST_TCP_LOWAT`` bytes (0 = off), default 1 MiB, at most a quarter of the buffer."""
     cap = max(0, _buffer_bytes()) // 4 or 1 << 20
-    try:
-        wanted = int(os.environ.get("LLM_DATADIST_TCP_LOWAT", str(1 << 20)))
-    except ValueError:
-        wanted = 1 << 20
-    return max(0, min(wanted, cap))
+    return max(0, min(_env_bytes("LLM_DATADIST_TCP_LOWAT", 1 << 20), cap))
 
 
 _planes.set_recv_lowat(_recv_lowat())
