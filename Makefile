@@ -13,8 +13,8 @@ bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only
 
 lint:
-	ruff check llm_datadist tests bench
-	cython-lint llm_datadist/*.pyx llm_datadist/*.pxd
+	ruff check src tests bench
+	cython-lint src/llm_datadist/*.pyx src/llm_datadist/*.pxd
 
 clean:
-	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/_planes.c llm_datadist/*.so
+	rm -rf build dist *.egg-info src/llm_datadist/_core.c src/llm_datadist/_planes.c src/llm_datadist/*.so

@@ -43,7 +43,7 @@ else:
 extensions = [
     Extension(
         "llm_datadist._core",
-        ["llm_datadist/_core.pyx"],
+        ["src/llm_datadist/_core.pyx"],
         include_dirs=["include", numpy.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
@@ -51,7 +51,7 @@ extensions = [
     ),
     Extension(
         "llm_datadist._planes",
-        ["llm_datadist/_planes.pyx"],
+        ["src/llm_datadist/_planes.pyx"],
         include_dirs=["include", numpy.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
@@ -91,12 +91,12 @@ class build_ext_recording(build_ext):
         text += [f"{name} = {value!r}\n" for name, value in info.items()]
         targets = [os.path.join(self.build_lib, "llm_datadist", BUILD_INFO)]
         if self.inplace:
-            targets.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "llm_datadist", BUILD_INFO))
+            targets.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "llm_datadist", BUILD_INFO))
         for target in targets:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w") as f:
                 f.write("".join(text))
 
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["."]),
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["src"]),
       cmdclass={"build_ext": build_ext_recording})

@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import llm_datadist
 from llm_datadist import _core, _device
 from llm_datadist.status import LLMException, LLMStatusCode
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# the folder holding the package under test (src/ of a checkout, or site-packages), for children
+PACKAGE_ROOT = Path(llm_datadist.__file__).resolve().parents[1]
 
 # Per runtime: the names of its entry points in the stub's log.
 API = {
@@ -591,7 +593,7 @@ def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
     env["LLM_DATADIST_DEVICE"] = name
     env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD, stub.path], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -686,7 +688,7 @@ def test_worker_threads_are_bound_to_the_device(stub, tmp_path, name):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
     env["LLM_DATADIST_DEVICE"] = name
     env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD_THREADS], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -31,7 +31,7 @@ from llm_datadist.status import LLMStatusCode
 
 S = LLMStatusCode
 CHILD = Path(__file__).with_name("netns_child.py")
-REPO_ROOT = Path(llm_datadist.__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(llm_datadist.__file__).resolve().parents[1]
 SYNC_TIMEOUT_MS = 2000
 DEADLINE_S = SYNC_TIMEOUT_MS / 1000 + 1.0
 SERVER_ID, CLIENT_ID = 1, 2
@@ -99,7 +99,7 @@ class NetnsChild:
     def __init__(self, enter: List[str], args: List[str], log_path: Path) -> None:
         env = dict(os.environ)
         env.pop("LLM_DATADIST_DATA_PLANE", None)  # let the link choose
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
         env["NETNS_CHILD_SYNC_MS"] = str(SYNC_TIMEOUT_MS)
         self.log_path = log_path
         self.log = open(log_path, "w")

@@ -8,6 +8,17 @@ import os as _os
 
 _os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
 
+try:
+    from llm_datadist import _core as _compiled_core  # noqa: F401
+except ImportError as _exc:  # a source tree whose extensions were never built
+    raise ImportError(
+        f"llm_datadist's compiled core is missing from {_os.path.dirname(__file__)} ({_exc}). "
+        "This is a source tree whose Cython extensions were not built: install the package "
+        "(`pip install .`, or `pip install -e .` to work on it), or build it in place with "
+        "`python setup.py build_ext --inplace` (`make build`)."
+    ) from _exc
+del _compiled_core
+
 from llm_datadist.configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole  # noqa: E402
 from llm_datadist.data_type import DataType  # noqa: E402
 from llm_datadist.llm_datadist import LLMDataDist  # noqa: E402
