@@ -302,3 +302,31 @@ def reregister_as(state, name: str, model_id: int) -> int:
                                          ld.BlocksCacheKey(state.cluster_id, model_id))
     state.caches[name] = new
     return new.cache_id
+
+
+# -- notifications over a link (what the vLLM connector's block releases use) -------------------
+
+def answer_notifications(state, fail_on: Optional[str] = None) -> None:
+    """Answer every notification with ``{"echo": message, "from": peer}``, recording it; a message
+    whose "what" equals ``fail_on`` makes the handler raise."""
+    state.notes = []
+
+    def handler(peer_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        if message.get("what") == fail_on:
+            raise RuntimeError("the handler was told to fail")
+        state.notes.append((peer_id, message))
+        return {"echo": message, "from": peer_id}
+
+    state.dd._engine.links.set_notify_handler(handler)
+
+
+def notify(state, remote_id: int, message: Dict[str, Any], timeout_ms: int = 3000):
+    """The peer's reply, or ``("error", status name)``."""
+    try:
+        return state.dd._engine.links.notify(remote_id, message, timeout_ms)
+    except ld.LLMException as exc:
+        return ["error", exc.status_code.name]
+
+
+def notes(state) -> list:
+    return [[peer, message] for peer, message in getattr(state, "notes", [])]

@@ -716,3 +716,20 @@ def test_a_push_to_a_dropped_model_never_lands_in_the_memory_now_registered_ther
         client.call(ops.py, "push_blocks", BlocksCacheKey(1, 7), "src", [0], [3])
     assert (info.value.kind, info.value.status_code) == ("LLMException", S.LLM_KV_CACHE_NOT_EXIST)
     assert_same(server.call(ops.snapshot, "seven"), before, "memory re-registered under another model")
+
+
+def test_notifications_travel_over_the_link_both_ways(clusters):
+    server, client = start_pair(clusters, "python")
+    assert link_to(client, [target(server)], "python") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    # Nobody answers yet: the peer refuses rather than dropping the link.
+    assert client.call(ops.notify, 1, {"what": "early"}) == ["error", "LLM_FEATURE_NOT_ENABLED"]
+    server.call(ops.answer_notifications, "boom")
+    client.call(ops.answer_notifications)
+    assert client.call(ops.notify, 1, {"what": "release", "ids": [1, 2]}) == {
+        "echo": {"what": "release", "ids": [1, 2]}, "from": 2}
+    assert server.call(ops.notify, 2, {"what": "back"}) == {"echo": {"what": "back"}, "from": 1}
+    # A failing handler is the peer's answer; the link keeps working.
+    assert client.call(ops.notify, 1, {"what": "boom"}) == ["error", "LLM_FAILED"]
+    assert client.call(ops.notify, 1, {"what": "again"})["from"] == 2
+    assert server.call(ops.notes) == [[2, {"what": "release", "ids": [1, 2]}], [2, {"what": "again"}]]
+    assert client.call(ops.notify, 9, {"what": "nobody"}) == ["error", "LLM_NOT_YET_LINK"]

@@ -273,6 +273,7 @@ class LinkManager:
         self._threads: List[threading.Thread] = []
         self._incoming: set = set()  # accepted connections still served by a thread of ours
         self._closed = False
+        self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
 
     # -- listener ---------------------------------------------------------------------------------
     @property
@@ -551,6 +552,10 @@ class LinkManager:
             except (KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"malformed key release: {exc!r}") from None
             return self._reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0, wire.encode_json({"released": released}))
+        if op == wire.OP_NOTIFY:
+            message = wire.decode_json(self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "notification"))
+            status, answer = self._answer_notification(peer_id, message)
+            return self._reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
         if op == wire.OP_UNLINK:
             self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "unlink")
             # Forget the link before answering, so that a relink right after the answer is not
@@ -596,6 +601,20 @@ class LinkManager:
                     return st == 0
             return self._reply(fd, wire.OP_PULL_DATA, req_id, refusal)
         raise ProtocolError(f"unexpected {wire.OP_NAMES[op]}")
+
+    def _answer_notification(self, peer_id: int, message: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+        handler = self._notify_handler
+        if handler is None:
+            return S.LLM_FEATURE_NOT_ENABLED, {"error": "this cluster takes no notifications"}
+        try:
+            answer = handler(peer_id, message)
+            if not isinstance(answer, dict):
+                raise TypeError(f"the notification handler returned {type(answer).__name__}, not a dict")
+            return S.LLM_SUCCESS, answer
+        except Exception:  # the application's handler: its failure is the peer's answer, not ours
+            logger.exception("cluster %d: the handler of a notification from cluster %d failed",
+                             self.engine.cluster_id, peer_id)
+            return S.LLM_FAILED, {"error": "the handler failed"}
 
     def _refusal(self, plan, dst_side: bool, generation: int, ranges, current: int, peer_id: int,
                  what: str) -> int:
@@ -900,6 +919,24 @@ class LinkManager:
         _, reply = peer.outgoing.control(wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY,
                                          {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
         return bool(reply.get("released"))
+
+    # -- notifications --------------------------------------------------------------------------
+    def set_notify_handler(self, handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]]) -> None:
+        """Answer the linked peers' notifications with ``handler(peer_cluster_id, message) -> reply``
+        (JSON objects; it runs on the connection's thread, so it must be quick). None: refuse them
+        with ``LLM_FEATURE_NOT_ENABLED``."""
+        self._notify_handler = handler
+
+    def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
+        """Send a JSON object to a linked peer over the link (authenticated like it) and return
+        its handler's reply; ``LLMException`` with the peer's status if it refused or failed."""
+        peer = self.peer(remote_cluster_id)
+        status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
+                                              "notification")
+        if status != 0:
+            raise _fail(status, f"cluster {remote_cluster_id} did not take the notification: "
+                                f"{_status(status).name} ({reply.get('error', '')})")
+        return reply
 
     # -- life cycle -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -9,7 +9,7 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Control payloads (hello, tables, unlink, key release) are UTF-8 JSON of at most
+Control payloads (hello, tables, unlink, key release, notifications) are UTF-8 JSON of at most
 ``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 table generation`` + ``u64 descriptor bytes`` +
 descriptors (``src, dst, nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of
 every descriptor in order. A PULL payload is ``u64 table generation`` + the descriptors (the owner
@@ -48,9 +48,11 @@ OP_UNLINK = 9
 OP_UNLINK_DONE = 10
 OP_KEY_DONE = 11
 OP_KEY_DONE_REPLY = 12
+OP_NOTIFY = 13
+OP_NOTIFY_REPLY = 14
 
 OP_NAMES = {value: name for name, value in globals().items() if name.startswith("OP_")}
-REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE)
+REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE, OP_NOTIFY)
 
 #: Largest JSON payload accepted (cache tables included).
 MAX_CONTROL_BYTES = 16 << 20
