@@ -61,6 +61,7 @@ class LLMConfig:
         self._enable_cache_manager = None
         self._enable_remote_cache_accessible = None
         self._enable_switch_role = False
+        self._link_secret: Optional[str] = None
         self._ge_options: Dict[str, str] = {}
         self._mem_utilization = 0.95
         self._buf_pool_cfg = ""
@@ -143,6 +144,18 @@ class LLMConfig:
     @enable_switch_role.setter
     def enable_switch_role(self, value: bool) -> None:
         self._enable_switch_role = self._bool_setter("enable_switch_role", value)
+
+    @property
+    def link_secret(self) -> Optional[str]:
+        """Shared secret that every cluster of a deployment sets alike: links are then
+        authenticated by HMAC challenge-response (``llm.LinkSecret``; default: the environment
+        variable ``LLM_DATADIST_LINK_SECRET``). Not in CANN's API."""
+        return self._link_secret
+
+    @link_secret.setter
+    def link_secret(self, value: Optional[str]) -> None:
+        check_isinstance("link_secret", value, str)
+        self._link_secret = value
 
     @property
     def ge_options(self) -> Dict[str, str]:
@@ -307,6 +320,8 @@ class LLMConfig:
             opts["llm.EnableRemoteCacheAccessible"] = "1" if self._enable_remote_cache_accessible else "0"
         if self._enable_switch_role:
             opts["llm.EnableSwitchRole"] = "1"
+        if self._link_secret is not None:
+            opts["llm.LinkSecret"] = self._link_secret
         if self._link_total_time is not None:
             opts["llm.LinkTotalTime"] = str(self._link_total_time)
         if self._link_retry_count is not None:

@@ -102,6 +102,8 @@ OPTION_ENABLE_SET_ROLE = "llm.EnableSwitchRole"
 OPTION_LOCAL_COMM_RES = "llm.LocalCommRes"
 OPTION_TRANSFER_BACKEND = "llm.TransferBackend"
 OPTION_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
+#: Not in CANN: the shared secret that authenticates links (see ``transport.auth``).
+OPTION_LINK_SECRET = "llm.LinkSecret"
 
 # ge::DataType names (the ones with a fixed element size are usable in caches).
 DT_FLOAT = DataType.DT_FLOAT
@@ -333,6 +335,11 @@ class LlmDataDist:
         the C++ API; there for programs that listen on port 0."""
         address = self._engine.links.listen_address if self._engine.initialized else None
         return f"{address[0]}:{address[1]}" if address else ""
+
+    def lost_links(self) -> Dict[int, str]:
+        """Clusters whose link ended without an ``UnlinkLlmClusters`` here, with the reason (see
+        ``LLMDataDist.lost_links``); empty before ``Initialize``. Not in the C++ API."""
+        return self._engine.links.lost_links() if self._engine.initialized else {}
 
     # -- caches --------------------------------------------------------------------------------
     @_returns_status

@@ -153,6 +153,14 @@ class LLMDataDist:
         address = self._engine.links.listen_address
         return f"{address[0]}:{address[1]}" if address else ""
 
+    def lost_links(self) -> Dict[int, str]:
+        """Clusters whose link ended without an ``unlink_clusters`` here (the peer exited,
+        unlinked with ``force``, or a connection broke), each with the reason. Transfers to them
+        raise ``LLM_LINK_FAILED``; ``unlink_clusters`` or a new ``link_clusters`` clears the
+        entry. Not in CANN's API."""
+        self._check_init()
+        return self._engine.links.lost_links()
+
     def _targets(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_local: bool):
         check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
         check_int32("timeout", timeout)

@@ -330,3 +330,8 @@ def notify(state, remote_id: int, message: Dict[str, Any], timeout_ms: int = 300
 
 def notes(state) -> list:
     return [[peer, message] for peer, message in getattr(state, "notes", [])]
+
+
+def lost_links(state) -> Dict[int, str]:
+    """The clusters whose link ended without an unlink, and why."""
+    return (state.dd or state.cpp).lost_links()

@@ -140,7 +140,7 @@ class Child:
         return {"addrs": [a.ctypes.data for a in arrays], "tensor_bytes": arrays[0].nbytes}
 
     def plane(self, remote_id: int) -> dict:
-        return {"plane": self.dd._engine.links.peer(remote_id).plane}
+        return {"plane": self.dd._engine.links.data_plane(remote_id)}
 
     def host(self) -> dict:
         return {"host": host_identity()}

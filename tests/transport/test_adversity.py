@@ -32,6 +32,8 @@ from llm_datadist.testing import ChildError, Cluster, link
 from llm_datadist.transport import wire
 from llm_datadist.transport.host import host_identity
 
+import rawpeer
+
 S = LLMStatusCode
 PLANES = ["cma", "tcp"]
 SYNC_TIMEOUT_MS = 2000
@@ -128,6 +130,16 @@ def quiet_resources(state, timeout: float = 3.0) -> Dict[str, object]:
     return resources(state)
 
 
+def steady(state, links: int, timeout: float = 5.0) -> None:
+    """Wait until the connection threads are those of ``links`` made links (each serves its
+    peer's two forward connections; the thread that made a link here ends a moment after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(t.name == "llm_datadist-conn" for t in threading.enumerate()) == 2 * links:
+            return
+        time.sleep(0.01)
+
+
 def read_bytes(state, name: str, tensor: int, start: int, nbytes: int) -> bytes:
     """``nbytes`` of tensor ``tensor`` of cache ``name`` from byte ``start`` on."""
     return state.arrays[name][tensor].reshape(-1)[start:start + nbytes].tobytes()
@@ -198,7 +210,7 @@ def linked(state) -> List[int]:
 
 
 def peer_plane(state, remote_id: int) -> str:
-    return state.dd._engine.links.peer(remote_id).plane
+    return state.dd._engine.links.data_plane(remote_id)
 
 
 def protocol_errors(state) -> int:
@@ -539,6 +551,7 @@ def linked_pair(request):
         server.call(register_cache, "guarded", 1, SMALL_BLOCKS, SMALL_BLOCK, GUARDED_SEED)
         client.call(register_cache, "main", 0, SMALL_BLOCKS, SMALL_BLOCK, CLIENT_SEED)
         assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        server.call(steady, 1)
         server.call(record_thread_exceptions)
         yield server, client
 
@@ -651,25 +664,19 @@ def pull_frame(descriptors, generation: int, length: Optional[int] = None, req_i
 
 
 class RawPeer:
-    """A hand-made client: a valid hello (cluster ``RAW_ID``, another host, so tcp), then
-    whatever frames a test writes on the connection."""
+    """A hand-made client: a valid link (cluster ``RAW_ID``, over TCP, so the tcp plane), then
+    whatever frames a test writes on its forward connection."""
 
     def __init__(self, address) -> None:
-        self.sock = raw_connect(address)
-        hello = {"purpose": "link", "cluster_id": RAW_ID, "role": "DECODER", "pid": os.getpid(), "host": {},
-                 "planes": ["tcp"], "remote_cache_accessible": True, "probe": [0, 0], "generation_addr": 0,
-                 "generation_fd": -1, "force_link": True,
-                 "table": {"generation": 1, "caches": [], "blocks": [], "keys": []}}
-        self.sock.sendall(frame(wire.OP_HELLO, json.dumps(hello).encode()))
-        op, status, _, payload = read_frame(self.sock)
-        assert (op, status) == (wire.OP_HELLO_REPLY, 0), f"handshake refused: {payload!r}"
-        self.reply = json.loads(payload)
-        self.generation = self.reply["table"]["generation"]
-        self.next_id = 2
+        self.link = rawpeer.RawLink(address, RAW_ID)
+        self.sock = self.link.sock
+        self.table = self.link.table()
+        self.generation = self.table["generation"]
+        self.next_id = 100
 
     def cache(self, model_id: int):
         """``(tensor addresses, tensor bytes)`` of the server's blocks cache ``model_id``."""
-        table = self.reply["table"]
+        table = self.table
         cache_id = dict(table["blocks"])[model_id]
         entry = next(c for c in table["caches"] if c[0] == cache_id)
         return entry[6], entry[4] * entry[5]
@@ -702,7 +709,7 @@ class RawPeer:
         return reply
 
     def close(self) -> None:
-        self.sock.close()
+        self.link.close()
 
 
 @pytest.fixture
@@ -716,8 +723,16 @@ def tcp_server_with_client():
         server.call(register_cache, "scratch", 2, SMALL_BLOCKS, SMALL_BLOCK, SCRATCH_SEED)
         client.call(register_cache, "main", 0, SMALL_BLOCKS, SMALL_BLOCK, CLIENT_SEED)
         assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        server.call(steady, 1)
         server.call(record_thread_exceptions)
         yield server, client
+
+
+def private_addresses(state) -> Dict[str, int]:
+    """Addresses of this process's own words that no peer may touch (its registry generation and
+    its same-host probe cookie)."""
+    engine = state.dd._engine
+    return {"generation": engine.generation_word.addr, "probe": engine.links.cookie.addr}
 
 
 def test_raw_peer_requests_outside_registered_memory_are_refused(tcp_server_with_client):
@@ -732,8 +747,8 @@ def test_raw_peer_requests_outside_registered_memory_are_refused(tcp_server_with
         outside = [
             (0, addrs[0] + tensor_bytes - 8, 16),  # straddles the end of a tensor
             (0, addrs[1] + tensor_bytes, 8),  # just past it
-            (0, int(peer.reply["generation_addr"]), 8),
-            (0, int(peer.reply["probe"][0]), 8),
+            (0, server.call(private_addresses)["generation"], 8),
+            (0, server.call(private_addresses)["probe"], 8),
             (0, 4096, 8),
         ]
         for desc in outside:

@@ -1,31 +1,47 @@
-"""Links between clusters: the listener, the handshake, per-peer state and the data planes.
+"""Links between clusters: the listeners, the handshake, per-peer state and the data planes.
 
 A link between a client (the side calling ``link_clusters``) and a server (the side with
-``listen_ip_info``) is two TCP connections, both opened by the client:
+``listen_ip_info``) is made of connections that the client opens:
 
-* the *forward* connection carries the client's requests; a server thread serves it;
-* the *reverse* connection carries the server's requests; a client thread serves it.
+* a *link* connection to the server's TCP listener, used for the handshake only: both sides
+  prove knowledge of the link secret when one is set (``auth``), then the server answers with a
+  one-time token and the abstract name of its Unix socket;
+* *forward* connections (the client's requests, served by server threads) and *reverse*
+  connections (the server's requests, served by client threads), each authenticated the same way
+  and bound to the link by the token. On this host (same kernel, PID and network namespace) they
+  are Unix-domain sockets, so that the kernel tells each side the other's pid and uid
+  (``SO_PEERCRED``); otherwise TCP.
 
-So either side can push to or pull from the other. The handshake (first frame on each
-connection) exchanges magic, protocol version, cluster ids, roles, pids, host identity, the
-offered data planes, the remote-cache-accessible setting and each side's cache table. Each side
-then picks the plane for its own outgoing transfers:
+Nothing about this process (pid, tables, addresses) is sent before the peer has authenticated,
+and nothing the peer claims about itself is trusted: each side fetches the other's cache table
+over its own connections of the link and picks the plane of its own transfers:
 
 * ``cma`` (same host): the peer's memory is read or written directly with
-  ``process_vm_readv``/``process_vm_writev``, planned against the peer's published table;
-* ``tcp``: frames on the connection, the payload scatter/gathered straight from and into cache
-  memory; the side that owns the memory checks every range against its own registry.
+  ``process_vm_readv``/``process_vm_writev``, planned and range-checked against the table the
+  peer sent over a Unix connection. Chosen only towards a pid the kernel proved, that is not this
+  process, of this user, offering ``cma``, and whose memory a probe read reaches;
+* ``tcp`` (every other case): frames on the connections, the payload scatter/gathered straight
+  from and into cache memory; the side that owns the memory checks every range against its own
+  registry before a byte moves.
 
-``cma`` is chosen when both sides share a host identity and a probe read of the peer succeeds;
-otherwise ``tcp`` (and the fallback is logged). The option ``llm.DataPlane`` (or the environment
-variable ``LLM_DATADIST_DATA_PLANE``) forces ``cma`` or ``tcp``; ``auto`` is the default.
+The option ``llm.DataPlane`` (or the environment variable ``LLM_DATADIST_DATA_PLANE``) forces
+``cma`` or ``tcp`` (``tcp`` also keeps the connections on TCP); ``auto`` is the default.
+
+A connection that closes or breaks ends its whole link on both sides (``lost_links`` says why);
+a new link from a cluster that is still linked is refused unless the old link's connections
+are already closed. The listeners survive transient ``accept()`` failures, and handshakes,
+links and threads are bounded (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``,
+``LLM_DATADIST_MAX_LINKS``, ``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import select
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from llm_datadist import _core, _planes
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import wire
+from llm_datadist.transport import auth, wire
 from llm_datadist.transport.host import host_identity, same_host
 from llm_datadist.transport.shm import PeerCounter
 from llm_datadist.transport.table import RemoteTable
@@ -44,9 +60,23 @@ logger = logging.getLogger("llm_datadist")
 PLANES = ("auto", "cma", "tcp")
 DATA_PLANE_OPTION = "llm.DataPlane"
 DATA_PLANE_ENV = "LLM_DATADIST_DATA_PLANE"
-#: How long a fresh connection may take to send its hello, and a started frame to arrive whole.
-HANDSHAKE_TIMEOUT_MS = 10000
+#: How long an accepted connection may take over its whole handshake (idle or unauthenticated
+#: connections are closed then), and a started frame to arrive whole.
+DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
+HANDSHAKE_TIMEOUT_ENV = "LLM_DATADIST_HANDSHAKE_TIMEOUT_MS"
 FRAME_TIMEOUT_MS = 30000
+#: Connections accepted but not yet through their handshake; more are closed at once.
+DEFAULT_MAX_PENDING = 64
+MAX_PENDING_ENV = "LLM_DATADIST_MAX_PENDING_HANDSHAKES"
+#: Links a cluster holds (each costs a thread per incoming connection, two by default).
+DEFAULT_MAX_LINKS = 256
+MAX_LINKS_ENV = "LLM_DATADIST_MAX_LINKS"
+#: Largest handshake message (hello, challenge, authentication, reply).
+MAX_HANDSHAKE_BYTES = 64 << 10
+#: Most data connections a client may ask for, per direction.
+MAX_CONNECTIONS = 4
+#: Lost links remembered for ``lost_links``.
+MAX_LOST_RECORDS = 1024
 #: Transfers of at least this many bytes on the same-host plane are split over two threads.
 PARALLEL_CMA_BYTES = 8 << 20
 #: TCP transfers of at least this many bytes are split over the link's data connections.
@@ -224,67 +254,143 @@ class Channel:
 
 @dataclass(eq=False)
 class Peer:
-    """This side's state for one linked cluster."""
+    """This side's state for one linked cluster (or one being linked)."""
 
     cluster_id: int
     role: str
-    pid: int
-    host: Dict[str, str]
-    plane: str
-    outgoing: Optional[Channel]  # None on the server until the reverse connection arrives
-    table: RemoteTable
-    generation_addr: int
     is_client: bool
     address: Tuple[str, int]
-    incoming: Optional[socket.socket] = None
+    planes: List[str]
+    unix: bool = False  # the data connections are Unix-domain sockets (this host, this netns)
+    pid: int = 0        # proven by SO_PEERCRED on the Unix connections; 0 = not proven
+    uid: int = -1
+    token: str = ""
+    want: Tuple[int, int] = (CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION)  # forward, reverse
+    ready: bool = False
+    plane: Optional[str] = None  # chosen with the first table fetched over the link
+    table: Optional[RemoteTable] = None
+    channels: List[Channel] = field(default_factory=list)        # this side's requests
+    incoming: List[socket.socket] = field(default_factory=list)  # the peer's requests
+    forward_count: int = 0
     generation: Optional[PeerCounter] = None
+    generation_addr: int = 0
     pidfd: int = -1
-    extra: List[Channel] = field(default_factory=list)  # more outgoing data connections
-    extra_incoming: List[socket.socket] = field(default_factory=list)
+    closed: bool = False
+    unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
     table_lock: threading.Lock = field(default_factory=threading.Lock)
+    settle_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def outgoing(self) -> Optional[Channel]:
+        return self.channels[0] if self.channels else None
+
+    def broken(self) -> Optional[str]:
+        for channel in self.channels:
+            if channel.broken is not None:
+                return channel.broken
+        return None
+
+    def hung_up(self) -> bool:
+        """Whether any connection of the link has been closed or reset by the other end (or
+        by us): such a link is dead and may be replaced."""
+        if self.closed or self.broken() is not None:
+            return True
+        socks = [c.sock for c in self.channels] + list(self.incoming)
+        flags = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0x2000)
+        poller = select.poll()
+        try:
+            for sock in socks:
+                poller.register(sock.fileno(), flags)
+        except (OSError, ValueError):
+            return True
+        return any(event & flags for _, event in poller.poll(0))
+
+    def release_same_host(self) -> None:
+        """Close the pidfd and unmap the generation counter of the peer."""
+        pidfd, self.pidfd = self.pidfd, -1
+        if pidfd >= 0:
+            try:
+                os.close(pidfd)
+            except OSError:
+                pass
+        counter, self.generation = self.generation, None
+        if counter is not None:
+            counter.close()
 
     def close(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-        for channel in [self.outgoing] + self.extra:
-            if channel is not None:
-                channel.close()
-        for sock in [self.incoming] + self.extra_incoming:
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        self.closed = True
+        self.release_same_host()
+        for channel in list(self.channels):
+            channel.close()
+        for sock in list(self.incoming):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # its serving thread closes it
+            except OSError:
+                pass
+
+
+def _peer_credentials(sock: socket.socket) -> Tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket, as the kernel has them."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, _ = _UCRED.unpack(data)
+    return pid, uid
+
+
+_UCRED = struct.Struct("3i")
+
+
+def _is_int(value: Any, lo: int = 0, hi: int = 2**64 - 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _env_int(name: str, default: int, lo: int = 1) -> int:
+    try:
+        return max(lo, int(os.environ.get(name, str(default))))
+    except ValueError:
+        return default
 
 
 class LinkManager:
-    """The link table of one engine, its listener and its connection threads."""
+    """The link table of one engine, its listeners and its connection threads."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.plane = resolve_plane(engine.options)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        self.secret = auth.resolve_secret(engine.options)
         self.cookie = _planes.Word(int.from_bytes(os.urandom(8), "little") | 1)
+        self.max_links = _env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
+        self.max_pending = _env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING)
+        self.handshake_ms = _env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
         self._lock = threading.RLock()
         self._peers: Dict[int, Peer] = {}
-        self._listener: Optional[socket.socket] = None
-        self._listen_thread: Optional[threading.Thread] = None
+        self._pending: Dict[str, Peer] = {}   # server side: token -> a link waiting for its connections
+        self._linking: set = set()            # client side: cluster ids being linked now
+        self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
+        self._listeners: List[socket.socket] = []
+        self._listen_threads: List[threading.Thread] = []
+        self.unix_name: Optional[str] = None
         self._threads: List[threading.Thread] = []
-        self._incoming: set = set()  # accepted connections still served by a thread of ours
+        self._incoming: set = set()  # accepted connections still in their handshake
+        self._handshakes = 0
         self._closed = False
         self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
+        #: Counters of refused or failed connections (``link_stats``).
+        self.stats = {"accept_errors": 0, "refused_busy": 0, "auth_failures": 0, "handshake_failures": 0,
+                      "links_lost": 0}
 
     # -- listener ---------------------------------------------------------------------------------
     @property
     def listen_address(self) -> Optional[Tuple[str, int]]:
-        if self._listener is None:
-            return None
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        for sock in self._listeners:
+            if sock.family != socket.AF_UNIX:
+                host, port = sock.getsockname()[:2]
+                return host, port
+        return None
 
     def start_listener(self, ip: str, port: int) -> None:
-        """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``)."""
+        """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``), and on a Unix
+        socket of a random abstract name that same-host peers learn after authenticating."""
         self.stop_listener()
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -295,39 +401,92 @@ class LinkManager:
         except OSError as exc:
             sock.close()
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
-        sock.settimeout(0.2)
-        self._listener = sock
-        thread = threading.Thread(target=self._accept_loop, args=(sock,), daemon=True,
-                                  name=f"llm_datadist-listen-{port}")
-        self._listen_thread = thread
-        thread.start()
-        logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, *self.listen_address)
+        listeners = [sock]
+        unix_name = f"llm_datadist.{os.getpid()}.{os.urandom(12).hex()}"
+        try:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                local.bind("\0" + unix_name)
+                local.listen(128)
+                listeners.append(local)
+            except OSError:
+                local.close()
+                unix_name = None
+        except (OSError, AttributeError):
+            unix_name = None
+        self._listeners, self.unix_name = listeners, unix_name
+        self._listen_threads = []
+        for listener in listeners:
+            listener.settimeout(0.2)
+            thread = threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                                      name=f"llm_datadist-listen-{port}")
+            self._listen_threads.append(thread)
+            thread.start()
+        host, bound = self.listen_address
+        logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, host, bound)
+        if self.secret is None and not _is_loopback(ip):
+            _warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{bound} without a link secret: "
+                       f"any process that reaches this address can link, read and write the registered "
+                       f"caches (set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
 
     def stop_listener(self) -> None:
-        sock, thread = self._listener, self._listen_thread
-        self._listener = self._listen_thread = None
-        if sock is not None:
+        listeners, threads = self._listeners, self._listen_threads
+        self._listeners, self._listen_threads, self.unix_name = [], [], None
+        for sock in listeners:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             sock.close()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
 
     def _accept_loop(self, listener: socket.socket) -> None:
-        while self._listener is listener:
+        failures = 0
+        while listener in self._listeners:
             try:
                 conn, addr = listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                break
-            _tune(conn)
-            conn.setblocking(False)
+            except OSError as exc:
+                if listener not in self._listeners:
+                    break
+                # Out of descriptors or buffers, or a connection reset before it was accepted: a
+                # transient state; back off (up to a second) and go on listening.
+                failures += 1
+                with self._lock:
+                    self.stats["accept_errors"] += 1
+                delay = min(1.0, 0.01 * (2 ** min(failures, 7)))
+                if failures == 1 or failures % 100 == 0:
+                    logger.warning("cluster %d: accept() failed (%s, %d so far); retrying in %.2f s",
+                                   self.engine.cluster_id, exc, self.stats["accept_errors"], delay)
+                time.sleep(delay)
+                continue
+            failures = 0
+            name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
             with self._lock:
-                self._incoming.add(conn)
-            self._spawn(self._serve_accepted, conn, f"{addr[0]}:{addr[1]}")
+                busy = self._handshakes >= self.max_pending or self._closed
+                if not busy:
+                    self._handshakes += 1
+                    self._incoming.add(conn)
+                else:
+                    self.stats["refused_busy"] += 1
+            if busy:
+                if self.stats["refused_busy"] in (1, 10, 100) or self.stats["refused_busy"] % 1000 == 0:
+                    logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
+                                   "(%s)", self.engine.cluster_id, self.stats["refused_busy"], self.max_pending,
+                                   MAX_PENDING_ENV)
+                _close(conn)
+                continue
+            try:
+                _tune(conn)
+                conn.setblocking(False)
+                self._spawn(self._serve_accepted, conn, name)
+            except (OSError, RuntimeError) as exc:  # no thread could be started
+                logger.warning("cluster %d: dropping a connection from %s: %s", self.engine.cluster_id, name, exc)
+                self._handshake_done(conn)
+                _close(conn)
 
     def _spawn(self, target: Callable, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True, name="llm_datadist-conn")
@@ -337,73 +496,36 @@ class LinkManager:
         thread.start()
         return thread
 
-    # -- handshake --------------------------------------------------------------------------------
-    def _hello(self, purpose: str, **extra) -> Dict[str, Any]:
-        engine = self.engine
-        return dict(purpose=purpose, cluster_id=engine.cluster_id, role=engine.role, pid=os.getpid(),
-                    host=host_identity(), planes=["cma", "tcp"] if self.plane != "tcp" else ["tcp"],
-                    remote_cache_accessible=self.remote_accessible,
-                    probe=[self.cookie.addr, self.cookie.value],
-                    generation_addr=engine.generation_word.addr, generation_fd=engine.generation_word.fd,
-                    table=engine.export_table(), **extra)
+    def _handshake_done(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._incoming:
+                self._incoming.discard(conn)
+                self._handshakes -= 1
 
-    def _choose_plane(self, hello: Dict[str, Any]) -> str:
-        """The plane for this side's transfers to the peer that sent ``hello``."""
-        offered = hello.get("planes") or ["tcp"]
-        if self.plane == "tcp" or "cma" not in offered:
-            if self.plane == "cma":
-                raise _fail(S.LLM_LINK_FAILED, "llm.DataPlane=cma but the peer does not offer it")
-            return "tcp"
-        reason = None
-        if not same_host(host_identity(), hello.get("host") or {}):
-            reason = "the peer is on another host (boot id / pid or network namespace differ)"
-        else:
-            addr, value = hello["probe"]
-            st, err, data = _planes.cma_read_bytes(int(hello["pid"]), int(addr), 8)
-            if st != 0 or int.from_bytes(data, "little") != value:
-                reason = f"a probe read of the peer failed ({os.strerror(err) if err else 'mismatch'})"
-        if reason is None:
-            return "cma"
-        if self.plane == "cma":
-            raise _fail(S.LLM_LINK_FAILED, f"llm.DataPlane=cma but {reason}")
-        logger.warning("cluster %d -> %d: same-host plane not usable (%s); using tcp",
-                       self.engine.cluster_id, hello.get("cluster_id"), reason)
-        return "tcp"
+    # -- frames of the handshake ------------------------------------------------------------------
+    @staticmethod
+    def _send(fd: int, op: int, message: Dict[str, Any], deadline: float, status: int = 0) -> bool:
+        payload = wire.encode_json(message)
+        st, _ = _planes.send_bytes(fd, wire.pack_header(op, 1, len(payload), status) + payload,
+                                   max(1, _left(deadline)))
+        return st == 0
 
     @staticmethod
-    def _attach_same_host(peer: Peer, hello: Dict[str, Any]) -> None:
-        """Map the peer's generation counter and hold a pidfd of it (same-host plane only)."""
-        peer.generation = PeerCounter.open(peer.pid, int(hello.get("generation_fd", -1)))
-        try:
-            peer.pidfd = os.pidfd_open(peer.pid)
-        except (AttributeError, OSError):
-            peer.pidfd = -1
-
-    @staticmethod
-    def _check_hello(hello: Dict[str, Any]) -> None:
-        """Every field a hello (or hello reply) must carry, with its type."""
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        checks = {
-            "purpose": lambda v: isinstance(v, str),
-            "cluster_id": lambda v: is_int(v) and 0 <= v < 2**64,
-            "role": lambda v: isinstance(v, str),
-            "pid": lambda v: is_int(v) and 0 < v < 2**31,
-            "host": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
-            "planes": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-            "probe": lambda v: isinstance(v, list) and len(v) == 2 and all(is_int(x) and 0 <= x < 2**64 for x in v),
-            "generation_addr": lambda v: is_int(v) and 0 <= v < 2**64,
-            "generation_fd": lambda v: is_int(v) and -1 <= v < 2**31,
-            "table": lambda v: isinstance(v, dict),
-        }
-        for key, ok in checks.items():
-            if key not in hello:
-                raise ProtocolError(f"hello lacks {key!r}")
-            if not ok(hello[key]):
-                raise ProtocolError(f"hello: {key} = {hello[key]!r} is malformed")
-        if "token" in hello and not is_int(hello["token"]):
-            raise ProtocolError("hello: token must be an integer")
+    def _receive(fd: int, expect: int, deadline: float, what: str) -> Tuple[int, Dict[str, Any]]:
+        """``(status, JSON object)`` of the next frame, which must be ``expect``. ProtocolError for
+        a malformed frame; LLMException for a closed, silent or slow connection."""
+        header = bytearray(wire.HEADER_BYTES)
+        st, _, _ = _planes.recv_into(fd, header, max(1, _left(deadline)))
+        if st != 0:
+            raise _fail(S.LLM_LINK_FAILED, f"no {what} ({_status(st).name})")
+        op, status, _, length = wire.unpack_header(header)
+        if op != expect or length > MAX_HANDSHAKE_BYTES:
+            raise ProtocolError(f"{wire.OP_NAMES[op]} of {length} bytes instead of a {what}")
+        body = bytearray(length)
+        st, _, _ = _planes.recv_into(fd, body, max(1, _left(deadline)))
+        if st != 0:
+            raise _fail(S.LLM_LINK_FAILED, f"{what} truncated ({_status(st).name})")
+        return status, wire.decode_json(body)
 
     # -- server side ------------------------------------------------------------------------------
     def _serve_accepted(self, conn: socket.socket, name: str) -> None:
@@ -415,98 +537,165 @@ class LinkManager:
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", name, exc)
             self.engine.count_protocol_error()
-        finally:
+        except LLMException as exc:  # closed, silent or too slow
             with self._lock:
-                self._incoming.discard(conn)
+                self.stats["handshake_failures"] += 1
+            logger.info("closing connection from %s: %s", name, exc)
+        finally:
+            self._handshake_done(conn)
             if not handed_over:
                 _close(conn)
 
     def _handshake_accepted(self, conn: socket.socket, name: str) -> bool:
+        """hello -> challenge -> auth -> reply; then what the connection is for. True if the
+        socket now belongs to a link."""
         fd = conn.fileno()
-        header = bytearray(wire.HEADER_BYTES)
-        st, _, _ = _planes.recv_into(fd, header, HANDSHAKE_TIMEOUT_MS)
-        if st != 0:
-            return False  # closed or silent before a hello
-        op, _, req_id, length = wire.unpack_header(header)
-        if op != wire.OP_HELLO or length > wire.MAX_CONTROL_BYTES:
-            raise ProtocolError(f"first frame is {wire.OP_NAMES[op]} of {length} bytes, not a hello")
-        body = bytearray(length)
-        st, _, _ = _planes.recv_into(fd, body, HANDSHAKE_TIMEOUT_MS)
-        if st != 0:
-            raise ProtocolError(f"hello truncated ({_status(st).name})")
-        hello = wire.decode_json(body)
-        self._check_hello(hello)
-        status, reply, keep = self._accept_hello(hello, conn, name)
-        payload = wire.encode_json(reply)
-        st, _ = _planes.send_bytes(fd, wire.pack_header(wire.OP_HELLO_REPLY, req_id, len(payload), status)
-                                   + payload, HANDSHAKE_TIMEOUT_MS)
-        if status != 0 or st != 0:
-            if status == 0 and isinstance(keep, Peer):
-                self._drop_peer(keep.cluster_id, keep)
-            return False
-        if isinstance(keep, Peer):
-            self._serve(conn, name, keep)
-            if keep.outgoing is None:
-                # The client gave up before its reverse connection arrived: no half-made link stays.
-                self._drop_peer(keep.cluster_id, keep)
-            return True  # _serve closed it
-        return True  # the socket now belongs to the peer's outgoing Channel
-
-    def _accept_hello(self, hello: Dict[str, Any], conn: socket.socket, name: str):
-        """Decide on a hello: ``(status, reply, keep)``; ``keep`` is the new Peer whose requests
-        this connection carries, "channel" for a reverse connection, or None."""
-        peer_id = hello["cluster_id"]
-        reply: Dict[str, Any] = {"cluster_id": self.engine.cluster_id}
-        if hello["purpose"] in ("reverse", "forward"):
-            # A further connection of a link being made: the token names the pending Peer.
+        deadline = time.monotonic() + self.handshake_ms / 1000
+        _, hello = self._receive(fd, wire.OP_HELLO, deadline, "hello")
+        peer_id, client_nonce = hello.get("cluster_id"), hello.get("nonce")
+        if not _is_int(peer_id) or not auth.is_nonce(client_nonce) or not isinstance(hello.get("auth"), bool):
+            raise ProtocolError(f"malformed hello {_brief(hello)}")
+        mine = self.engine.cluster_id
+        server_nonce = auth.new_nonce()
+        challenge: Dict[str, Any] = {"cluster_id": mine, "nonce": server_nonce, "auth": self.secret is not None}
+        if hello["auth"] != (self.secret is not None):
             with self._lock:
-                peer = self._peers.get(peer_id)
-                if peer is None or hello.get("token") != id(peer):
-                    return S.LLM_LINK_FAILED, dict(reply, error="no pending link for this connection"), None
-                if hello["purpose"] == "forward":
-                    peer.extra_incoming.append(conn)
-                    return S.LLM_SUCCESS, reply, peer
-                channel = Channel(conn, f"cluster {peer_id} ({name})")
-                if peer.outgoing is None:
-                    peer.outgoing = channel
-                else:
-                    peer.extra.append(channel)
-            return S.LLM_SUCCESS, reply, "channel"
-        if hello["purpose"] != "link":
-            return S.LLM_PARAM_INVALID, dict(reply, error=f"unknown purpose {hello['purpose']!r}"), None
+                self.stats["auth_failures"] += 1
+            why = "this cluster requires a link secret" if self.secret else "this cluster has no link secret"
+            logger.warning("cluster %d refused a link from %s: %s", mine, name, why)
+            self._send(fd, wire.OP_CHALLENGE, dict(challenge, error=why), deadline, S.LLM_LINK_FAILED)
+            return False
+        if self.secret is not None:
+            challenge["proof"] = auth.proof(self.secret, "server", client_nonce, server_nonce, peer_id, mine)
+        if not self._send(fd, wire.OP_CHALLENGE, challenge, deadline):
+            return False
+        _, message = self._receive(fd, wire.OP_AUTH, deadline, "authentication")
+        if self.secret is not None and not auth.verify(self.secret, "client", client_nonce, server_nonce, peer_id,
+                                                       mine, message.get("proof")):
+            with self._lock:
+                self.stats["auth_failures"] += 1
+            logger.warning("cluster %d refused a connection from %s claiming cluster %d: wrong link secret",
+                           mine, name, peer_id)
+            self._send(fd, wire.OP_HELLO_REPLY, {"error": "authentication failed"}, deadline, S.LLM_LINK_FAILED)
+            return False
+        purpose = message.get("purpose")
+        if purpose == "link":
+            status, reply, peer = self._accept_link(peer_id, message, name)
+            sent = self._send(fd, wire.OP_HELLO_REPLY, reply, deadline, status)
+            if status != 0:
+                return False
+            self._handshake_done(conn)
+            # The client opens the link's data connections, then closes this one: wait for that
+            # (or the deadline); a link whose connections did not all arrive is dropped.
+            if sent:
+                _planes.recv_discard(fd, 1, max(1, _left(deadline)))
+            with self._lock:
+                complete = peer.ready
+            if not complete:
+                self._lose(peer, "its connections did not arrive", quiet=True)
+                return False
+            try:  # choose this side's plane now rather than on the first transfer
+                self._settle(peer, time.monotonic() + self.handshake_ms / 1000)
+            except LLMException as exc:
+                self._lose(peer, f"no data plane: {exc}")
+            return False
+        if purpose in ("forward", "reverse"):
+            status, reply, peer = self._accept_data(peer_id, purpose, message, conn)
+            if not self._send(fd, wire.OP_HELLO_REPLY, reply, deadline, status) or status != 0:
+                if peer is not None:
+                    self._lose(peer, f"its {purpose} connection failed", quiet=True)
+                return False
+            self._handshake_done(conn)
+            if purpose == "forward":
+                self._serve(conn, name, peer)
+            return True  # _serve closed it, or a Channel holds it
+        raise ProtocolError(f"unknown purpose {_brief(purpose)}")
+
+    def _accept_link(self, peer_id: int, message: Dict[str, Any], name: str):
+        """Decide on an authenticated link request: ``(status, reply, pending Peer or None)``."""
+        reply: Dict[str, Any] = {"cluster_id": self.engine.cluster_id}
+
+        def refuse(status: int, why: str):
+            logger.warning("cluster %d refused a link from %s (cluster %d): %s", self.engine.cluster_id, name,
+                           peer_id, why)
+            return status, dict(reply, error=why), None
+
+        want = message.get("connections")
+        planes = message.get("planes")
+        if not (isinstance(want, list) and len(want) == 2 and all(_is_int(n, 1, MAX_CONNECTIONS) for n in want)):
+            raise ProtocolError(f"link request: connections {_brief(want)}")
+        if not (isinstance(planes, list) and all(isinstance(p, str) for p in planes)):
+            raise ProtocolError(f"link request: planes {_brief(planes)}")
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("host"), dict):
+            raise ProtocolError("link request: role or host malformed")
         if peer_id == self.engine.cluster_id:
-            return S.LLM_PARAM_INVALID, dict(reply, error="a cluster cannot link to its own id"), None
-        if bool(hello.get("remote_cache_accessible")) != self.remote_accessible:
-            return S.LLM_PARAM_INVALID, dict(reply, error="enable_remote_cache_accessible differs "
-                                                          "between the two clusters"), None
-        try:
-            table = RemoteTable(hello["table"])
-            plane = self._choose_plane(hello)
-        except ProtocolError as exc:
-            return S.LLM_PARAM_INVALID, dict(reply, error=str(exc)), None
-        except LLMException as exc:
-            return int(exc.status_code), dict(reply, error=str(exc)), None
+            return refuse(S.LLM_PARAM_INVALID, "a cluster cannot link to its own id")
+        if bool(message.get("remote_cache_accessible")) != self.remote_accessible:
+            return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
+        peer = Peer(peer_id, message["role"][:64], False, (name, 0), list(planes)[:8], token=os.urandom(16).hex(),
+                    want=(want[0], want[1]))
         with self._lock:
             old = self._peers.get(peer_id)
-            if old is not None and not hello.get("force_link"):
-                return S.LLM_ALREADY_LINK, dict(reply, error=f"cluster {peer_id} is already linked"), None
+            if old is not None and (not old.ready or not old.hung_up()):
+                # A live link is never replaced; one whose connections are gone is (force_link).
+                return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
+            if len(self._peers) - (old is not None) >= self.max_links:
+                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links} links ({MAX_LINKS_ENV})")
             if old is not None:
-                self._peers.pop(peer_id)
-                old.close()
-            peer = Peer(peer_id, str(hello["role"]), hello["pid"], hello["host"], plane, None, table,
-                        int(hello["generation_addr"]), False, (name, 0), incoming=conn)
-            if plane == "cma":
-                self._attach_same_host(peer, hello)
+                self._forget(old, "replaced by a new link: its connections were closed")
             self._peers[peer_id] = peer
-        reply.update(self._hello("link-reply", token=id(peer)))
+            self._pending[peer.token] = peer
+        if old is not None:
+            old.close()
+        reply.update(role=self.engine.role, planes=self._offered_planes(), host=host_identity(),
+                     remote_cache_accessible=self.remote_accessible, token=peer.token,
+                     unix=self.unix_name)
         return S.LLM_SUCCESS, reply, peer
+
+    def _accept_data(self, peer_id: int, purpose: str, message: Dict[str, Any], conn: socket.socket):
+        """A data connection of a link being made: ``(status, reply, Peer or None)``."""
+        refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None
+        token = message.get("token")
+        unix = conn.family == socket.AF_UNIX
+        pid, uid = _peer_credentials(conn) if unix else (0, -1)
+        with self._lock:
+            peer = self._pending.get(token) if isinstance(token, str) else None
+            if peer is None or peer.cluster_id != peer_id or self._peers.get(peer_id) is not peer:
+                return refused
+            first = not peer.channels and not peer.incoming
+            if first:
+                peer.unix, peer.pid, peer.uid = unix, pid, uid
+            elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
+                # Every connection of a link comes from one process, over one kind of socket.
+                return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer
+            forward_count, reverse_count = peer.forward_count, len(peer.channels)
+            if purpose == "forward":
+                if forward_count >= peer.want[0]:
+                    return refused
+                peer.forward_count += 1
+                peer.incoming.append(conn)
+            else:
+                if reverse_count >= peer.want[1]:
+                    return refused
+                peer.channels.append(Channel(conn, f"cluster {peer_id} ({peer.address[0]})"))
+            if peer.forward_count == peer.want[0] and len(peer.channels) == peer.want[1]:
+                peer.ready = True
+                del self._pending[token]
+                logger.info("cluster %d: cluster %d linked from %s", self.engine.cluster_id, peer_id,
+                            "this host" if unix else peer.address[0])
+        return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer
+
+    def _offered_planes(self) -> List[str]:
+        return ["cma", "tcp"] if self.plane != "tcp" else ["tcp"]
 
     # -- serving requests -------------------------------------------------------------------------
     def _serve(self, conn: socket.socket, name: str, peer: Peer) -> None:
-        """Serve the peer's requests on ``conn`` until it closes or breaks the protocol."""
+        """Serve the peer's requests on ``conn`` until it closes or breaks the protocol; then the
+        whole link is gone (its other connections are closed too)."""
         peer_id = peer.cluster_id
         fd = conn.fileno()
         header = bytearray(wire.HEADER_BYTES)
+        why = "the connection was closed"
         try:
             while not self._closed:
                 st, _, got = _planes.recv_into(fd, header, -1)
@@ -516,12 +705,16 @@ class LinkManager:
                 if op not in wire.REQUEST_OPS or op == wire.OP_HELLO:
                     raise ProtocolError(f"{wire.OP_NAMES[op]} is not a request")
                 if not self._handle(fd, op, req_id, length, peer):
+                    why = "unlinked, or a reply could not be sent"
                     break
         except ProtocolError as exc:
             logger.warning("closing connection from %s (cluster %s): %s", name, peer_id, exc)
             self.engine.count_protocol_error()
+            why = f"protocol error: {exc}"
         finally:
             _close(conn)
+            if not self._closed:
+                self._lose(peer, why)
 
     def _recv_exact(self, fd: int, length: int, limit: int, what: str) -> bytearray:
         if length > limit:
@@ -542,7 +735,14 @@ class LinkManager:
         peer_id = peer.cluster_id
         if op == wire.OP_TABLE_GET:
             self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "table request")
-            return self._reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(engine.export_table()))
+            table = engine.export_table()
+            if peer.unix:
+                # Only a peer whose pid the kernel proved may use the same-host plane: tell it
+                # where to probe and where our registry generation lives.
+                table["same_host"] = {"probe": [self.cookie.addr, self.cookie.value],
+                                      "generation_addr": engine.generation_word.addr,
+                                      "generation_fd": engine.generation_word.fd}
+            return self._reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(table))
         if op == wire.OP_KEY_DONE:
             message = wire.decode_json(self._recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "key release"))
             try:
@@ -640,79 +840,98 @@ class LinkManager:
     def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int) -> LLMStatusCode:
         """Link to the cluster listening on ``ip:port``; returns a status, never raises."""
         deadline = time.monotonic() + timeout_ms / 1000
-        with self._lock:
-            if remote_cluster_id in self._peers:
-                return S.LLM_ALREADY_LINK
         if remote_cluster_id == self.engine.cluster_id:
             logger.error("cluster %d cannot link to itself", remote_cluster_id)
             return S.LLM_PARAM_INVALID
-        sockets: List[Tuple[str, socket.socket]] = []
+        with self._lock:
+            old = self._peers.get(remote_cluster_id)
+            if remote_cluster_id in self._linking or (old is not None and not old.hung_up()):
+                return S.LLM_ALREADY_LINK
+            if old is not None:
+                self._forget(old, "its connections were closed")
+            self._linking.add(remote_cluster_id)
+        if old is not None:
+            old.close()
+        sockets: List[socket.socket] = []
         try:
             return self._link(remote_cluster_id, ip, port, deadline, sockets)
         except LLMException as exc:
-            logger.error("link %d -> %d failed: %s", self.engine.cluster_id, remote_cluster_id, exc)
+            logger.error("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id, ip, port, exc)
             status = exc.status_code
         except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
             logger.error("link %d -> %d (%s:%d) failed: %s: %s", self.engine.cluster_id, remote_cluster_id,
                          ip, port, type(exc).__name__, exc)
             status = S.LLM_LINK_FAILED
-        for _, sock in sockets:
+        finally:
+            with self._lock:
+                self._linking.discard(remote_cluster_id)
+        for sock in sockets:
             _close(sock)
         return status
 
     def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-              sockets: List[Tuple[str, socket.socket]]) -> LLMStatusCode:
+              sockets: List[socket.socket]) -> LLMStatusCode:
         """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
         unless the link is made, in which case ``sockets`` is emptied)."""
-        forward, status, reply = self._handshake(ip, port, self._hello("link", force_link=True), deadline)
-        sockets.append(("link", forward))
-        if status != 0:
-            logger.error("link %d -> %d refused: %s (%s)", self.engine.cluster_id, remote_cluster_id,
-                         _status(status).name, reply.get("error", ""))
-            return _status(status)
-        if reply.get("cluster_id") != remote_cluster_id:
-            logger.error("link to %s:%d: expected cluster %d, found cluster %s", ip, port,
-                         remote_cluster_id, reply.get("cluster_id"))
-            return S.LLM_LINK_FAILED
-        self._check_hello(reply)
-        if "token" not in reply:
-            raise ProtocolError("hello reply lacks 'token'")
-        table = RemoteTable(reply["table"])
-        plane = self._choose_plane(reply)
-        # The reverse connection (the server's requests), then the extra data connections of each
-        # direction.
-        for purpose in ["reverse"] + ["forward", "reverse"] * (CONNECTIONS_PER_DIRECTION - 1):
-            sock, status, rreply = self._handshake(ip, port, self._hello(purpose, token=reply["token"]), deadline)
-            sockets.append((purpose, sock))
-            if status != 0:
-                logger.error("link %d -> %d: %s connection refused: %s", self.engine.cluster_id,
-                             remote_cluster_id, purpose, rreply.get("error", ""))
-                return S.LLM_LINK_FAILED
+        first = self._connect_tcp(ip, port, deadline)
+        sockets.append(first)
+        request = dict(purpose="link", role=self.engine.role, planes=self._offered_planes(), host=host_identity(),
+                       remote_cache_accessible=self.remote_accessible,
+                       connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
+        reply = self._client_handshake(first, remote_cluster_id, request, deadline)
+        token, unix_name = reply.get("token"), reply.get("unix")
+        planes, role = reply.get("planes"), reply.get("role")
+        if not isinstance(token, str) or not isinstance(role, str) or not (
+                isinstance(planes, list) and all(isinstance(p, str) for p in planes)):
+            raise ProtocolError(f"link reply lacks token, role or planes: {_brief(reply)}")
+        unix = (isinstance(unix_name, str) and self.plane != "tcp"
+                and same_host(host_identity(), reply.get("host") if isinstance(reply.get("host"), dict) else {}))
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
-        peer = Peer(remote_cluster_id, reply["role"], reply["pid"], reply["host"], plane,
-                    Channel(forward, name), table, reply["generation_addr"], True, (ip, port),
-                    incoming=sockets[1][1])
-        for purpose, sock in sockets[2:]:
+        peer = Peer(remote_cluster_id, role[:64], True, (ip, port), list(planes)[:8])
+        reverse: List[socket.socket] = []
+        for purpose in ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION:
+            sock = None
+            if unix:
+                try:
+                    sock = self._connect_unix(unix_name, deadline)
+                except OSError as exc:
+                    if peer.channels or reverse:
+                        raise
+                    logger.info("link %d -> %d: its Unix socket is not reachable (%s); using TCP",
+                                self.engine.cluster_id, remote_cluster_id, exc)
+                    unix = False
+            if sock is None:
+                sock = self._connect_tcp(ip, port, deadline)
+            sockets.append(sock)
+            self._client_handshake(sock, remote_cluster_id, {"purpose": purpose, "token": token}, deadline)
+            if unix:
+                pid, uid = _peer_credentials(sock)
+                if peer.pid and (pid, uid) != (peer.pid, peer.uid):
+                    raise _fail(S.LLM_LINK_FAILED, "the link's connections reach different processes")
+                peer.unix, peer.pid, peer.uid = True, pid, uid
             if purpose == "forward":
-                peer.extra.append(Channel(sock, name))
+                peer.channels.append(Channel(sock, name))
             else:
-                peer.extra_incoming.append(sock)
-        if plane == "cma":
-            self._attach_same_host(peer, reply)
+                reverse.append(sock)
+        peer.incoming = reverse
+        peer.ready = True
+        sockets.remove(first)
+        _close(first)  # the server now holds the link as made
+        self._settle(peer, deadline)
         with self._lock:
-            if remote_cluster_id in self._peers:
-                peer.close()
-                return S.LLM_ALREADY_LINK
+            if self._closed:
+                raise _fail(S.LLM_LINK_FAILED, "finalized while linking")
             self._peers[remote_cluster_id] = peer
-        reverse = [sock for purpose, sock in sockets if purpose == "reverse"]
+            self._lost.pop(remote_cluster_id, None)
         sockets.clear()  # they belong to the link now
         for sock in reverse:
             self._spawn(self._serve, sock, f"{ip}:{port}", peer)
         logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
-                    remote_cluster_id, ip, port, plane)
+                    remote_cluster_id, ip, port, peer.plane)
         return S.LLM_SUCCESS
 
-    def _handshake(self, ip: str, port: int, hello: Dict[str, Any], deadline: float):
+    @staticmethod
+    def _connect_tcp(ip: str, port: int, deadline: float) -> socket.socket:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
@@ -720,31 +939,125 @@ class LinkManager:
         try:
             _tune(sock)
             sock.setblocking(False)
-            fd = sock.fileno()
-            payload = wire.encode_json(hello)
-            ms = max(1, int((deadline - time.monotonic()) * 1000))
-            st, _ = _planes.send_bytes(fd, wire.pack_header(wire.OP_HELLO, 1, len(payload)) + payload, ms)
-            if st != 0:
-                raise LLMException(f"hello to {ip}:{port} failed", status_code=S.LLM_LINK_FAILED)
-            header = bytearray(wire.HEADER_BYTES)
-            ms = max(1, int((deadline - time.monotonic()) * 1000))
-            st, _, _ = _planes.recv_into(fd, header, ms)
-            if st != 0:
-                raise LLMException(f"no hello reply from {ip}:{port} ({_status(st).name})",
-                                   status_code=S.LLM_LINK_FAILED)
-            op, status, _, length = wire.unpack_header(header)
-            if op != wire.OP_HELLO_REPLY or length > wire.MAX_CONTROL_BYTES:
-                raise ProtocolError(f"unexpected {wire.OP_NAMES[op]} in reply to a hello")
-            body = bytearray(length)
-            ms = max(1, int((deadline - time.monotonic()) * 1000))
-            st, _, _ = _planes.recv_into(fd, body, ms)
-            if st != 0:
-                raise LLMException(f"hello reply from {ip}:{port} truncated", status_code=S.LLM_LINK_FAILED)
-            return sock, status, wire.decode_json(body) if body else {}
         except BaseException:
             _close(sock)
             raise
+        return sock
 
+    @staticmethod
+    def _connect_unix(unix_name: str, deadline: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect("\0" + unix_name)
+            _tune(sock)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _client_handshake(self, sock: socket.socket, remote_id: int, request: Dict[str, Any],
+                          deadline: float) -> Dict[str, Any]:
+        """hello -> challenge -> auth -> reply on a fresh connection; the reply, or LLMException."""
+        fd = sock.fileno()
+        mine = self.engine.cluster_id
+        nonce = auth.new_nonce()
+        if not self._send(fd, wire.OP_HELLO, {"cluster_id": mine, "nonce": nonce, "auth": self.secret is not None},
+                          deadline):
+            raise _fail(S.LLM_LINK_FAILED, "the hello could not be sent")
+        status, challenge = self._receive(fd, wire.OP_CHALLENGE, deadline, "challenge")
+        if status != 0:
+            raise _fail(status, f"refused: {challenge.get('error', '')}")
+        if challenge.get("cluster_id") != remote_id:
+            raise _fail(S.LLM_LINK_FAILED, f"expected cluster {remote_id}, found cluster "
+                                           f"{_brief(challenge.get('cluster_id'))}")
+        server_nonce, wants_auth = challenge.get("nonce"), challenge.get("auth")
+        if not auth.is_nonce(server_nonce) or not isinstance(wants_auth, bool):
+            raise ProtocolError(f"malformed challenge {_brief(challenge)}")
+        if wants_auth != (self.secret is not None):
+            raise _fail(S.LLM_LINK_FAILED, "the peer requires a link secret" if wants_auth
+                        else "the peer has no link secret, and this cluster requires one")
+        message = dict(request)
+        if self.secret is not None:
+            if not auth.verify(self.secret, "server", nonce, server_nonce, mine, remote_id, challenge.get("proof")):
+                with self._lock:
+                    self.stats["auth_failures"] += 1
+                raise _fail(S.LLM_LINK_FAILED, "the peer does not know the link secret")
+            message["proof"] = auth.proof(self.secret, "client", nonce, server_nonce, mine, remote_id)
+        if not self._send(fd, wire.OP_AUTH, message, deadline):
+            raise _fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
+        status, reply = self._receive(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
+        if status != 0:
+            raise _fail(status, f"refused: {reply.get('error', '')}")
+        return reply
+
+    # -- choosing the data plane ------------------------------------------------------------------
+    def _settle(self, peer: Peer, deadline: float) -> None:
+        """Fetch the peer's table and choose the plane of this side's transfers (once)."""
+        if peer.plane is not None:
+            return
+        with peer.settle_lock:
+            if peer.plane is not None:
+                return
+            table, same_host_info = self._fetch_table(peer, _left(deadline))
+            plane = self._choose_plane(peer, same_host_info)
+            if plane == "cma":
+                self._attach_same_host(peer, same_host_info)
+                if peer.closed:  # unlinked or lost meanwhile: close() may have run before the attach
+                    peer.release_same_host()
+            peer.table = table
+            peer.plane = plane
+
+    def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000) -> str:
+        """The plane of this side's transfers to a linked cluster (chosen now if not yet)."""
+        peer = self.peer(remote_cluster_id)
+        self._settle(peer, time.monotonic() + timeout_ms / 1000)
+        return peer.plane
+
+    def _choose_plane(self, peer: Peer, info: Any) -> str:
+        """``cma`` only towards a process the kernel named (SO_PEERCRED on the link's Unix
+        connections), other than this one, of this user, that offers it and whose memory a
+        probe read reaches; otherwise ``tcp``."""
+        if self.plane == "tcp":
+            return "tcp"
+        reason = None
+        if not peer.unix:
+            reason = "the peer is not on this host (or not in this network namespace)"
+        elif "cma" not in peer.planes:
+            reason = "the peer does not offer it"
+        elif peer.pid <= 0 or peer.pid == os.getpid():
+            reason = "the peer is this process"
+        elif peer.uid != os.geteuid():
+            reason = f"the peer runs as another user (uid {peer.uid})"
+        elif not (isinstance(info, dict) and isinstance(info.get("probe"), list) and len(info["probe"]) == 2
+                  and all(_is_int(x) for x in info["probe"]) and _is_int(info.get("generation_addr"))
+                  and _is_int(info.get("generation_fd"), -1, 2**31 - 1)):
+            reason = "the peer sent no usable same-host details"
+        else:
+            addr, value = info["probe"]
+            st, err, data = _planes.cma_read_bytes(peer.pid, addr, 8)
+            if st != 0 or int.from_bytes(data, "little") != value:
+                reason = f"a probe read of the peer failed ({os.strerror(err) if err else 'mismatch'})"
+        if reason is None:
+            return "cma"
+        if self.plane == "cma":
+            raise _fail(S.LLM_LINK_FAILED, f"llm.DataPlane=cma but {reason}")
+        logger.warning("cluster %d -> %d: same-host plane not usable (%s); using tcp",
+                       self.engine.cluster_id, peer.cluster_id, reason)
+        return "tcp"
+
+    @staticmethod
+    def _attach_same_host(peer: Peer, info: Dict[str, Any]) -> None:
+        """Map the peer's generation counter and hold a pidfd of it (same-host plane only)."""
+        peer.generation_addr = info["generation_addr"]
+        peer.generation = PeerCounter.open(peer.pid, info["generation_fd"])
+        try:
+            peer.pidfd = os.pidfd_open(peer.pid)
+        except (AttributeError, OSError):
+            peer.pidfd = -1
+
+    # -- unlink, loss ------------------------------------------------------------------------------
     def link_many(self, targets: List[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
         """Link to every ``(cluster_id, ip, port)`` in parallel (at most 16 at a time)."""
         return _parallel(lambda t: self.link(t[0], t[1], t[2], timeout_ms), targets)
@@ -756,10 +1069,14 @@ class LinkManager:
         """Drop the link; unless ``force``, tell the peer first. Local state goes either way."""
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
+            lost = self._lost.pop(remote_cluster_id, None)
         if peer is None:
+            if lost is not None:  # the peer went away: nobody left to tell
+                return S.LLM_SUCCESS if force else S.LLM_UNLINK_FAILED
             return S.LLM_NOT_YET_LINK if not force else S.LLM_SUCCESS
         status = S.LLM_SUCCESS
-        if not force and peer.outgoing is not None:
+        peer.unlinking = True
+        if not force and peer.outgoing is not None and peer.ready:
             try:
                 peer.outgoing.control(wire.OP_UNLINK, wire.OP_UNLINK_DONE, {"cluster_id": self.engine.cluster_id,
                                                                             "timeout": timeout_ms},
@@ -778,7 +1095,41 @@ class LinkManager:
             if peer is None or (expected is not None and peer is not expected):
                 return
             del self._peers[remote_cluster_id]
+            self._pending.pop(peer.token, None)
         peer.close()
+
+    def _forget(self, peer: Peer, why: str) -> bool:
+        """The table part of losing a link (lock held or not): whether ``peer`` was the current
+        link to its cluster."""
+        with self._lock:
+            if self._pending.get(peer.token) is peer:
+                del self._pending[peer.token]
+            if self._peers.get(peer.cluster_id) is not peer:
+                return False
+            del self._peers[peer.cluster_id]
+            if peer.ready and not peer.unlinking:
+                self._lost[peer.cluster_id] = why
+                while len(self._lost) > MAX_LOST_RECORDS:
+                    self._lost.pop(next(iter(self._lost)))
+                self.stats["links_lost"] += 1
+            return True
+
+    def _lose(self, peer: Peer, why: str, quiet: bool = False) -> None:
+        """A connection of the link ended without an unlink: forget the link, close the rest of
+        its connections, and remember why (``lost_links``). Not called with the lock held."""
+        current = self._forget(peer, why)
+        if peer.closed:
+            return
+        peer.close()
+        if current and peer.ready and not quiet and not peer.unlinking:
+            logger.warning("cluster %d: the link to cluster %d is gone (%s)", self.engine.cluster_id,
+                           peer.cluster_id, why)
+
+    def lost_links(self) -> Dict[int, str]:
+        """Clusters whose link ended without an unlink (their connections closed or broke), with
+        the reason; an entry goes with ``unlink`` or a new link to that cluster."""
+        with self._lock:
+            return dict(self._lost)
 
     def has_links(self) -> bool:
         with self._lock:
@@ -786,27 +1137,34 @@ class LinkManager:
 
     def linked_clusters(self) -> List[int]:
         with self._lock:
-            return sorted(self._peers)
+            return sorted(cid for cid, peer in self._peers.items() if peer.ready)
 
     def peer(self, remote_cluster_id: int) -> Peer:
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
+            lost = self._lost.get(remote_cluster_id)
+        if peer is None and lost is not None:
+            raise LLMException(f"the link to cluster {remote_cluster_id} is gone ({lost}); link again",
+                               status_code=S.LLM_LINK_FAILED)
         if peer is None:
             raise LLMException(f"cluster {self.engine.cluster_id} has no link to cluster "
                                f"{remote_cluster_id}", status_code=S.LLM_NOT_YET_LINK)
-        if peer.outgoing is None:
+        if not peer.ready or peer.outgoing is None:
             raise LLMException(f"the link to cluster {remote_cluster_id} is still being set up",
                                status_code=S.LLM_NOT_YET_LINK)
         return peer
 
     # -- transfers --------------------------------------------------------------------------------
-    def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
+    def _fetch_table(self, peer: Peer, timeout_ms: int) -> Tuple[RemoteTable, Any]:
         status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table")
         try:
-            table = RemoteTable(body)
+            return RemoteTable(body), body.get("same_host")
         except ProtocolError as exc:
             raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
                                status_code=S.LLM_LINK_FAILED) from None
+
+    def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
+        table, _ = self._fetch_table(peer, timeout_ms)
         peer.table = table
         return table
 
@@ -820,6 +1178,15 @@ class LinkManager:
         """
         peer = self.peer(remote_cluster_id)
         deadline = time.monotonic() + timeout_ms / 1000
+        try:
+            return self._transfer(peer, make_plan, write, deadline)
+        finally:
+            why = peer.broken()
+            if why is not None:  # out of step: the link cannot carry another request
+                self._lose(peer, why)
+
+    def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float):
+        self._settle(peer, deadline)
         refreshed = False
         while True:
             try:
@@ -840,7 +1207,7 @@ class LinkManager:
                 if refreshed or exc.status_code not in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_PARAM_INVALID):
                     raise
             if refreshed:
-                raise LLMException(f"the cache table of cluster {remote_cluster_id} keeps changing",
+                raise LLMException(f"the cache table of cluster {peer.cluster_id} keeps changing",
                                    status_code=S.LLM_KV_CACHE_NOT_EXIST)
             refreshed = True
             with peer.table_lock:
@@ -849,8 +1216,12 @@ class LinkManager:
     @staticmethod
     def _generation(peer: Peer) -> int:
         """The peer's registry generation now (same-host plane)."""
-        if peer.generation is not None:
-            return peer.generation.value
+        counter = peer.generation
+        if counter is not None:
+            value = counter.value
+            if value is not None:
+                return value
+            raise _fail(S.LLM_LINK_FAILED, f"the link to cluster {peer.cluster_id} is closed")
         st, err, generation = _planes.cma_read_u64(peer.pid, peer.generation_addr)
         if st != 0:
             raise _fail(S.LLM_LINK_FAILED, f"cluster {peer.cluster_id} (pid {peer.pid}) is not "
@@ -858,7 +1229,7 @@ class LinkManager:
         return generation
 
     def _tcp(self, peer: Peer, plan, write: bool, generation: int, deadline: float) -> None:
-        channels = [peer.outgoing] + [c for c in peer.extra if c.broken is None]
+        channels = [c for c in peer.channels if c.broken is None] or peer.channels[:1]
         if plan.total_bytes < PARALLEL_TCP_BYTES or len(channels) < 2 or len(plan) < 2:
             (channels[0].push if write else channels[0].pull)(plan, generation, _left(deadline))
             return
@@ -931,8 +1302,13 @@ class LinkManager:
         """Send a JSON object to a linked peer over the link (authenticated like it) and return
         its handler's reply; ``LLMException`` with the peer's status if it refused or failed."""
         peer = self.peer(remote_cluster_id)
-        status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
-                                              "notification")
+        try:
+            status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
+                                                  "notification")
+        finally:
+            why = peer.broken()
+            if why is not None:
+                self._lose(peer, why)
         if status != 0:
             raise _fail(status, f"cluster {remote_cluster_id} did not take the notification: "
                                 f"{_status(status).name} ({reply.get('error', '')})")
@@ -946,6 +1322,7 @@ class LinkManager:
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()
+            self._pending.clear()
             threads = list(self._threads)
             incoming = list(self._incoming)
         for peer in peers:
@@ -958,6 +1335,27 @@ class LinkManager:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return ip == "localhost"
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:
@@ -988,7 +1386,14 @@ def _tune(sock: socket.socket) -> None:
     (``LLM_DATADIST_TCP_BUFFER`` bytes, default 4 MiB; 0 leaves the system's autotuning). A
     receiver waiting for a large payload is woken once 1 MiB (a quarter of the buffer at most) is
     queued rather than for every segment: on loopback that is a third more throughput."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A peer whose host vanished without closing its connections is noticed (and its link
+        # dropped) within about a minute.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     size = _buffer_bytes()
     if size > 0:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):

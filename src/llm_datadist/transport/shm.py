@@ -77,5 +77,15 @@ class PeerCounter:
             os.close(local)
 
     @property
-    def value(self) -> int:
-        return int(self._view[0])
+    def value(self) -> Optional[int]:
+        """The counter; None once closed."""
+        view = self._view
+        return None if view is None else int(view[0])
+
+    def close(self) -> None:
+        """Unmap the page (a reader that still holds the old view keeps it mapped until done)."""
+        self._view = None
+        try:
+            self._map.close()
+        except BufferError:  # a concurrent reader's view: the page goes with it
+            pass

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")
@@ -50,6 +50,8 @@ OP_KEY_DONE = 11
 OP_KEY_DONE_REPLY = 12
 OP_NOTIFY = 13
 OP_NOTIFY_REPLY = 14
+OP_CHALLENGE = 15
+OP_AUTH = 16
 
 OP_NAMES = {value: name for name, value in globals().items() if name.startswith("OP_")}
 REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE, OP_NOTIFY)

@@ -1,0 +1,64 @@
+"""Link authentication: an optional shared secret, proven by HMAC challenge–response.
+
+Both ends of every connection of a link send a fresh random nonce; each side then proves that it
+knows the secret with ``HMAC-SHA256(secret, label | client nonce | server nonce | client id |
+server id)``, where the label differs between the two directions (so a proof cannot be reflected
+back) and both nonces are fresh (so a recorded proof cannot be replayed). The secret itself never
+crosses the wire. Proofs are compared in constant time.
+
+The secret comes from the option ``llm.LinkSecret`` (``LLMConfig.link_secret``) or, when the
+option is absent, the environment variable ``LLM_DATADIST_LINK_SECRET``. Without one, links are
+not authenticated (CANN's behaviour): any process that reaches the listener may link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Any, Dict, Optional
+
+SECRET_OPTION = "llm.LinkSecret"
+SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
+NONCE_BYTES = 32
+_LABELS = {"client": b"llm_datadist link v3 client proof", "server": b"llm_datadist link v3 server proof"}
+
+
+def resolve_secret(options: Dict[str, str]) -> Optional[bytes]:
+    """The link secret of a cluster (None: links are not authenticated)."""
+    value = options.get(SECRET_OPTION)
+    if value is None:
+        value = os.environ.get(SECRET_ENV)
+    if not value:
+        return None
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def new_nonce() -> str:
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def is_nonce(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) != 2 * NONCE_BYTES:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True
+
+
+def proof(secret: bytes, side: str, client_nonce: str, server_nonce: str, client_id: int, server_id: int) -> str:
+    """What ``side`` ("client" or "server") sends to prove that it knows ``secret``."""
+    message = b"|".join([_LABELS[side], bytes.fromhex(client_nonce), bytes.fromhex(server_nonce),
+                         str(client_id).encode(), str(server_id).encode()])
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, side: str, client_nonce: str, server_nonce: str, client_id: int, server_id: int,
+           received: Any) -> bool:
+    """Whether ``received`` is ``side``'s proof (constant-time comparison)."""
+    if not isinstance(received, str):
+        return False
+    expected = proof(secret, side, client_nonce, server_nonce, client_id, server_id)
+    return hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))

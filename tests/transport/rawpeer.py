@@ -1,0 +1,131 @@
+"""A hand-written client of the link protocol (version 3), for tests that play a hostile or
+broken peer: it speaks the handshake with plain blocking sockets and lets the test send any
+frame afterwards. It shares no code with ``llm_datadist.transport.links`` (only the frame
+constants and the HMAC proof function), so a test built on it checks the server against the
+protocol, not against itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, Dict, List, Optional, Tuple
+
+from llm_datadist.transport import auth, wire
+
+TIMEOUT_S = 5.0
+
+
+def frame(op: int, payload: bytes = b"", length: Optional[int] = None, magic: bytes = wire.MAGIC,
+          version: int = wire.PROTOCOL_VERSION, req_id: int = 1, status: int = 0) -> bytes:
+    """A frame as the wire module would pack it, with any field overridable."""
+    return wire.HEADER.pack(magic, version, op, status, req_id, len(payload) if length is None else length) + payload
+
+
+def json_frame(op: int, message: Any, **kwargs) -> bytes:
+    return frame(op, json.dumps(message).encode(), **kwargs)
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError(f"connection closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock: socket.socket, timeout: float = TIMEOUT_S) -> Tuple[int, int, int, bytes]:
+    """One frame: ``(op, status, req_id, payload)``."""
+    sock.settimeout(timeout)
+    op, status, req_id, length = wire.unpack_header(read_exact(sock, wire.HEADER_BYTES))
+    return op, status, req_id, read_exact(sock, length)
+
+
+def connect(address, unix_name: Optional[str] = None) -> socket.socket:
+    if unix_name is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(TIMEOUT_S)
+        sock.connect("\0" + unix_name)
+        return sock
+    return socket.create_connection(address, timeout=TIMEOUT_S)
+
+
+class Refused(Exception):
+    def __init__(self, stage: str, status: int, message: Dict[str, Any]) -> None:
+        super().__init__(f"{stage} refused with status {status}: {message}")
+        self.stage, self.status, self.message = stage, status, message
+
+
+def handshake(sock: socket.socket, cluster_id: int, request: Dict[str, Any], secret: Optional[bytes] = None,
+              claim_auth: Optional[bool] = None, proof: Optional[str] = None) -> Dict[str, Any]:
+    """hello -> challenge -> auth -> reply; the reply, or ``Refused``. ``claim_auth`` and
+    ``proof`` override what an honest client would send."""
+    nonce = os.urandom(auth.NONCE_BYTES).hex()
+    sock.sendall(json_frame(wire.OP_HELLO, {"cluster_id": cluster_id, "nonce": nonce,
+                                            "auth": secret is not None if claim_auth is None else claim_auth}))
+    op, status, _, payload = read_frame(sock)
+    challenge = json.loads(payload)
+    assert op == wire.OP_CHALLENGE, op
+    if status != 0:
+        raise Refused("hello", status, challenge)
+    message = dict(request)
+    if proof is not None:
+        message["proof"] = proof
+    elif secret is not None:
+        message["proof"] = auth.proof(secret, "client", nonce, challenge["nonce"], cluster_id, challenge["cluster_id"])
+    sock.sendall(json_frame(wire.OP_AUTH, message))
+    op, status, _, payload = read_frame(sock)
+    reply = json.loads(payload)
+    assert op == wire.OP_HELLO_REPLY, op
+    if status != 0:
+        raise Refused("authentication", status, reply)
+    reply["_challenge"] = challenge
+    return reply
+
+
+def link_request(**changes) -> Dict[str, Any]:
+    request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "remote_cache_accessible": True,
+               "connections": [1, 1], "force_link": True}
+    request.update(changes)
+    return request
+
+
+class RawLink:
+    """A link made by hand: one forward connection (this side's requests) and one reverse
+    connection (never served: the server's own requests would wait on it)."""
+
+    def __init__(self, address, cluster_id: int, secret: Optional[bytes] = None, unix: bool = False,
+                 **changes) -> None:
+        self.cluster_id = cluster_id
+        first = connect(address)
+        try:
+            self.reply = handshake(first, cluster_id, link_request(**changes), secret)
+            unix_name = self.reply.get("unix") if unix else None
+            self.sockets: List[socket.socket] = []
+            for purpose in ("forward", "reverse"):
+                sock = connect(address, unix_name)
+                self.sockets.append(sock)
+                handshake(sock, cluster_id, {"purpose": purpose, "token": self.reply["token"]}, secret)
+        finally:
+            first.close()
+        self.sock, self.reverse = self.sockets
+        self.next_id = 2
+
+    def request(self, op: int, payload: bytes = b"", length: Optional[int] = None) -> int:
+        req_id = self.next_id
+        self.next_id += 1
+        self.sock.sendall(frame(op, payload, length, req_id=req_id))
+        return req_id
+
+    def table(self) -> Dict[str, Any]:
+        req_id = self.request(wire.OP_TABLE_GET, b"{}")
+        op, status, rid, payload = read_frame(self.sock)
+        assert (op, status, rid) == (wire.OP_TABLE, 0, req_id)
+        return json.loads(payload)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()

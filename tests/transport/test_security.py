@@ -1,0 +1,570 @@
+"""Link security with real processes: authentication by a shared secret, identity proven by the
+kernel rather than claimed, no link hijack, a listener that survives descriptor exhaustion and
+floods of idle connections, and links reaped when their peers vanish.
+
+The hostile peer is ``rawpeer`` (a hand-written client of the protocol) running in the test
+process; the servers are real clusters in their own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from llm_datadist.status import LLMStatusCode
+from llm_datadist.testing import Cluster, link
+from llm_datadist.transport import auth, wire
+
+import rawpeer
+
+S = LLMStatusCode
+SECRET = "correct horse battery staple"
+SERVER_ID, CLIENT_ID, RAW_ID = 1, 2, 77
+BLOCK = 4096
+BLOCKS = 8
+GUARD = 4096
+SHORT_HANDSHAKE_MS = 600
+
+
+# -- helpers that run inside the cluster processes -------------------------------------------------
+
+def register_guarded(state, seed: int) -> Dict[str, int]:
+    """A blocks cache (model 0) of 2 tensors x BLOCKS x BLOCK bytes, filled from ``seed``, with a
+    GUARD of 0xEE before and after each tensor in the same allocation, and a SECRET buffer that
+    is never registered. Returns the addresses a hostile peer would aim at."""
+    backing = [np.full(GUARD + BLOCKS * BLOCK + GUARD, 0xEE, dtype=np.uint8) for _ in range(2)]
+    rng = np.random.default_rng(seed)
+    for array in backing:
+        array[GUARD:GUARD + BLOCKS * BLOCK] = rng.integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
+    state.backing = backing
+    state.expected = [array.copy() for array in backing]
+    state.secret = np.frombuffer(b"TOP-SECRET-" * 372, dtype=np.uint8).copy()
+    desc = CacheDesc(2, [BLOCKS, BLOCK], DataType.DT_UINT8, Placement.HOST)
+    addrs = [array.ctypes.data + GUARD for array in backing]
+    cache = state.cm.register_blocks_cache(desc, addrs, BlocksCacheKey(state.cluster_id, 0))
+    state.cache = cache
+    return {"tensors": addrs, "guard": backing[0].ctypes.data, "secret": state.secret.ctypes.data,
+            "generation": state.dd._engine.generation_word.addr, "probe": state.dd._engine.links.cookie.addr}
+
+
+def untouched(state, blocks_changed: List[int] = ()) -> bool:
+    """Guards and the secret are as they were; so is every block not in ``blocks_changed``."""
+    if bytes(state.secret[:11]) != b"TOP-SECRET-":
+        return False
+    for array, expected in zip(state.backing, state.expected):
+        if not (np.array_equal(array[:GUARD], expected[:GUARD]) and np.array_equal(array[-GUARD:], expected[-GUARD:])):
+            return False
+        for block in range(BLOCKS):
+            if block in blocks_changed:
+                continue
+            span = slice(GUARD + block * BLOCK, GUARD + (block + 1) * BLOCK)
+            if not np.array_equal(array[span], expected[span]):
+                return False
+    return True
+
+
+def block_bytes(state, tensor: int, block: int) -> bytes:
+    return bytes(state.backing[tensor][GUARD + block * BLOCK:GUARD + (block + 1) * BLOCK])
+
+
+def push(state, remote_id: int, src: List[int], dst: List[int]) -> int:
+    try:
+        state.cm.push_blocks(BlocksCacheKey(remote_id, 0), state.cache, src, dst)
+    except Exception as exc:  # the status is what the test looks at
+        return int(getattr(exc, "status_code", -1))
+    return 0
+
+
+def pull(state, remote_id: int, src: List[int], dst: List[int]) -> int:
+    try:
+        state.cm.pull_blocks(BlocksCacheKey(remote_id, 0), state.cache, src, dst)
+    except Exception as exc:
+        return int(getattr(exc, "status_code", -1))
+    return 0
+
+
+def linked(state) -> List[int]:
+    return state.dd._engine.links.linked_clusters()
+
+
+def lost(state) -> Dict[int, str]:
+    return state.dd.lost_links()
+
+
+def data_plane(state, remote_id: int) -> str:
+    return state.dd._engine.links.data_plane(remote_id)
+
+
+def stats(state) -> Dict[str, int]:
+    return dict(state.dd._engine.links.stats)
+
+
+def resources(state) -> Dict[str, int]:
+    return {"fds": len(os.listdir("/proc/self/fd")),
+            "threads": sum(t.name.startswith("llm_datadist") for t in threading.enumerate())}
+
+
+def settle_to(state, baseline: Dict[str, int], timeout: float = 10.0) -> Dict[str, int]:
+    deadline = time.monotonic() + timeout
+    now = resources(state)
+    while now != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = resources(state)
+    return now
+
+
+def limit_descriptors(state, headroom: int) -> int:
+    """Lower this process's descriptor limit to what it uses now plus ``headroom``."""
+    used = len(os.listdir("/proc/self/fd"))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + headroom, hard))
+    return used + headroom
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def start(stack: ExitStack, cluster_id: int, listen: bool = False, secret=None, plane=None) -> Cluster:
+    options = {} if secret is None else {"llm.LinkSecret": secret}
+    return stack.enter_context(Cluster(cluster_id, "PROMPT" if listen else "DECODER", listen=listen, plane=plane,
+                                       options=options, timeout=60.0))
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_secret(monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv("LLM_DATADIST_DATA_PLANE", raising=False)
+
+
+# ==================================================================================================
+# authentication
+# ==================================================================================================
+
+@pytest.mark.parametrize("plane", ["cma", "tcp"])
+def test_same_secret_links_and_transfers(plane):
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=SECRET, plane=plane)
+        client = start(stack, CLIENT_ID, secret=SECRET, plane=plane)
+        server.call(register_guarded, 1)
+        client.call(register_guarded, 2)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert client.call(data_plane, SERVER_ID) == plane
+        assert client.call(push, SERVER_ID, [0, 1], [4, 5]) == 0
+        assert server.call(block_bytes, 0, 4) == client.call(block_bytes, 0, 0)
+        assert client.call(pull, SERVER_ID, [2], [7]) == 0
+        assert client.call(block_bytes, 1, 7) == server.call(block_bytes, 1, 2)
+        assert server.call(untouched, [4, 5])
+
+
+@pytest.mark.parametrize("server_secret, client_secret", [
+    (SECRET, None), (None, SECRET), (SECRET, "another secret"), ("another secret", SECRET)])
+def test_secret_mismatch_fails_the_link(server_secret, client_secret):
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=server_secret)
+        client = start(stack, CLIENT_ID, secret=client_secret)
+        server.call(register_guarded, 1)
+        client.call(register_guarded, 2)
+        assert link(client, server, 3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert server.call(linked) == [] and client.call(linked) == []
+        assert client.call(push, SERVER_ID, [0], [1]) == S.LLM_NOT_YET_LINK
+        assert server.call(untouched)
+
+
+def test_secret_from_the_environment(monkeypatch):
+    monkeypatch.setenv(auth.SECRET_ENV, SECRET)
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        client = start(stack, CLIENT_ID)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        # The option wins over the environment.
+        other = start(stack, 3, secret="not the one")
+        assert link(other, server, 3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+
+
+def test_cpp_style_option_authenticates():
+    from llm_datadist import cpp
+    with ExitStack() as stack:
+        server = stack.enter_context(Cluster(SERVER_ID, "PROMPT", listen=True, api="cpp",
+                                             options={cpp.OPTION_LINK_SECRET: SECRET}))
+        good = stack.enter_context(Cluster(CLIENT_ID, "DECODER", api="cpp", options={cpp.OPTION_LINK_SECRET: SECRET}))
+        bad = stack.enter_context(Cluster(3, "DECODER", api="cpp"))
+        assert link(good, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert link(bad, server, 3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+
+
+def _challenge(address, claim_auth: bool):
+    sock = rawpeer.connect(address)
+    nonce = os.urandom(auth.NONCE_BYTES).hex()
+    sock.sendall(rawpeer.json_frame(wire.OP_HELLO, {"cluster_id": RAW_ID, "nonce": nonce, "auth": claim_auth}))
+    op, status, _, payload = rawpeer.read_frame(sock)
+    return sock, nonce, op, status, json.loads(payload)
+
+
+def test_an_unauthenticated_peer_learns_nothing():
+    """Without the secret a peer gets LLM_LINK_FAILED and no pid, host, table, cookie or token;
+    a made-up proof, a proof replayed from another connection and the server's own proof
+    reflected back are all refused; the server counts them and keeps serving."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=SECRET)
+        server.call(register_guarded, 1)
+        secret = SECRET.encode()
+        # No secret at all: refused at the challenge, which says nothing about the process.
+        sock, _, op, status, challenge = _challenge(server.address, False)
+        assert (op, status) == (wire.OP_CHALLENGE, S.LLM_LINK_FAILED)
+        assert set(challenge) <= {"cluster_id", "nonce", "auth", "error"}
+        assert rawpeer.read_exact.__name__ and sock.recv(1) == b""  # closed after the refusal
+        sock.close()
+        # Claims to have one, sends garbage.
+        with pytest.raises(rawpeer.Refused) as refused:
+            rawpeer.handshake(rawpeer.connect(server.address), RAW_ID, rawpeer.link_request(), claim_auth=True,
+                              proof="00" * 32)
+        assert refused.value.status == S.LLM_LINK_FAILED
+        assert set(refused.value.message) == {"error"}
+        # A valid proof from one connection, replayed on another (fresh server nonce).
+        sock, nonce, _, _, challenge = _challenge(server.address, True)
+        old_proof = auth.proof(secret, "client", nonce, challenge["nonce"], RAW_ID, SERVER_ID)
+        sock.close()
+        sock2, _, _, _, _ = _challenge(server.address, True)
+        sock2.sendall(rawpeer.json_frame(wire.OP_AUTH, dict(rawpeer.link_request(), proof=old_proof)))
+        op, status, _, payload = rawpeer.read_frame(sock2)
+        assert (op, status, set(json.loads(payload))) == (wire.OP_HELLO_REPLY, S.LLM_LINK_FAILED, {"error"})
+        sock2.close()
+        # The server's own proof reflected back as the client's.
+        sock3, _, _, _, challenge = _challenge(server.address, True)
+        sock3.sendall(rawpeer.json_frame(wire.OP_AUTH, dict(rawpeer.link_request(), proof=challenge["proof"])))
+        op, status, _, _ = rawpeer.read_frame(sock3)
+        assert status == S.LLM_LINK_FAILED
+        sock3.close()
+        assert server.call(stats)["auth_failures"] >= 4
+        assert server.call(linked) == []
+        # The real secret works (the raw peer computes the proof itself).
+        peer = rawpeer.RawLink(server.address, RAW_ID, secret=secret)
+        table = peer.table()
+        assert "same_host" not in table  # a TCP peer never learns where our private words are
+        peer.close()
+        assert server.call(untouched)
+
+
+def test_server_proves_itself_to_the_client():
+    """A listener that does not know the secret but answers with a made-up proof is refused by
+    the client before it sends anything about itself."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: List[bytes] = []
+
+    def fake_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            op, _, _, payload = rawpeer.read_frame(conn)
+            hello = json.loads(payload)
+            conn.sendall(rawpeer.json_frame(wire.OP_CHALLENGE, {"cluster_id": SERVER_ID, "nonce": "ab" * 32,
+                                                                "auth": True, "proof": "cd" * 32}))
+            conn.settimeout(3)
+            try:
+                while True:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    received.append(chunk)
+            except OSError:
+                pass
+            assert hello["auth"] is True
+
+    thread = threading.Thread(target=fake_server, daemon=True)
+    thread.start()
+    try:
+        with ExitStack() as stack:
+            client = start(stack, CLIENT_ID, secret=SECRET)
+            client.call(register_guarded, 2)
+            status = client.call(_link_to, SERVER_ID, *listener.getsockname()[:2])
+            assert status == S.LLM_LINK_FAILED
+        thread.join(5)
+        assert received == [], "the client sent its authentication to a server that failed to prove itself"
+    finally:
+        listener.close()
+
+
+def _link_to(state, remote_id: int, ip: str, port: int) -> int:
+    return int(state.dd._engine.links.link(remote_id, ip, port, 3000))
+
+
+def test_warning_for_a_non_loopback_listener_without_secret(caplog):
+    from llm_datadist.transport import links
+    caplog.set_level("WARNING", logger="llm_datadist")
+    links._warned.clear()
+    links._warn_once("probe")
+    assert "probe" in caplog.text
+    assert links._is_loopback("127.0.0.1") and links._is_loopback("::1") and not links._is_loopback("0.0.0.0")
+
+
+# ==================================================================================================
+# identity proven by the kernel
+# ==================================================================================================
+
+class ForgingPeer:
+    """A raw link over the server's Unix socket whose reverse connection answers the server's
+    requests: its table lists the server's own guard, secret and generation word, and replays
+    the server's own probe cookie; the bytes of every PUSH it receives are recorded."""
+
+    def __init__(self, address, server_addrs: Dict[str, int], server_table: bool = True) -> None:
+        self.link = rawpeer.RawLink(address, RAW_ID, unix=True, planes=["cma", "tcp"],
+                                    host={})  # a host identity claim is not needed, nor trusted
+        mine = self.link.table()
+        self.server_same_host = mine.get("same_host")
+        forged_addrs = [server_addrs["guard"], server_addrs["secret"]]
+        self.forged_table = {"generation": 1, "blocks": [[0, 1]], "keys": [],
+                             "caches": [[1, "blocks", 0, 2, BLOCKS, BLOCK, forged_addrs, True]],
+                             "same_host": dict(self.server_same_host or {})}
+        self.pushed: List[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock = self.link.reverse
+        try:
+            while True:
+                op, _, req_id, payload = rawpeer.read_frame(sock, timeout=30)
+                if op == wire.OP_TABLE_GET:
+                    body = json.dumps(self.forged_table).encode()
+                    sock.sendall(rawpeer.frame(wire.OP_TABLE, body, req_id=req_id))
+                elif op == wire.OP_PUSH:
+                    self.pushed.append(payload)
+                    sock.sendall(rawpeer.frame(wire.OP_PUSH_DONE, req_id=req_id))
+                elif op == wire.OP_PULL:
+                    # Send bytes of our choosing: they may only land where the server asked.
+                    (_,) = wire.U64.unpack(payload[:8])
+                    total = sum(wire.U64.unpack(payload[8 + i + 16:8 + i + 24])[0]
+                                for i in range(0, len(payload) - 8, 24))
+                    sock.sendall(rawpeer.frame(wire.OP_PULL_DATA, b"\x66" * total, req_id=req_id))
+                else:
+                    return
+        except (OSError, EOFError, ValueError):
+            return
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def test_forged_table_and_replayed_identity_never_reach_unregistered_memory():
+    """The finding: a peer replaying the server's own pid, cookie and generation fd, with a table
+    of the server's own unregistered addresses, made the server write to and read from memory
+    it never registered. Now the server learns the peer's pid from the kernel (the test
+    process, not itself), so its probe of the replayed cookie fails, it uses TCP towards that
+    peer, and its pushes and pulls touch only its own registered blocks."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        addrs = server.call(register_guarded, 1)
+        peer = ForgingPeer(server.address, addrs)
+        stack.callback(peer.close)
+        assert peer.server_same_host is not None, "a Unix peer of this host gets the same-host details"
+        assert server.call(data_plane, RAW_ID) == "tcp"
+        assert server.call(push, RAW_ID, [0, 1], [2, 3]) == 0
+        assert len(peer.pushed) == 1 and b"TOP-SECRET" not in peer.pushed[0]
+        assert server.call(pull, RAW_ID, [0], [6]) == 0
+        assert server.call(block_bytes, 0, 6) == b"\x66" * BLOCK  # only where it asked
+        assert server.call(untouched, [6])
+
+
+def test_same_host_plane_only_towards_the_proven_pid():
+    """Between two real clusters on this host the plane is cma, and each side's proven peer pid
+    is the other process (not a claim)."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        client = start(stack, CLIENT_ID)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert client.call(_peer_pid, SERVER_ID) == server.pid
+        assert server.call(_peer_pid, CLIENT_ID) == client.pid
+        assert client.call(data_plane, SERVER_ID) == "cma" and server.call(data_plane, CLIENT_ID) == "cma"
+
+
+def _peer_pid(state, remote_id: int) -> int:
+    return state.dd._engine.links.peer(remote_id).pid
+
+
+def test_connections_of_one_link_from_two_processes_are_refused():
+    """The token binds a link's connections: one presented from another process (over the Unix
+    socket, where the kernel names it) is refused and the half-made link dropped."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        first = rawpeer.connect(server.address)
+        reply = rawpeer.handshake(first, RAW_ID, rawpeer.link_request(planes=["cma", "tcp"]))
+        sock = rawpeer.connect(None, reply["unix"])
+        rawpeer.handshake(sock, RAW_ID, {"purpose": "forward", "token": reply["token"]})
+        other = stack.enter_context(Cluster(5, "DECODER"))
+        status = other.call(_present_token, reply["unix"], reply["token"])
+        assert status == S.LLM_LINK_FAILED
+        first.close()
+        assert wait_for(lambda: server.call(linked) == [])
+        sock.close()
+
+
+def _present_token(state, unix_name: str, token: str) -> int:
+    sock = rawpeer.connect(None, unix_name)
+    try:
+        rawpeer.handshake(sock, RAW_ID, {"purpose": "reverse", "token": token})
+    except rawpeer.Refused as exc:
+        return exc.status
+    finally:
+        sock.close()
+    return 0
+
+
+# ==================================================================================================
+# hijack
+# ==================================================================================================
+
+def test_a_second_hello_for_a_linked_cluster_cannot_hijack_it():
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        client = start(stack, CLIENT_ID)
+        server.call(register_guarded, 1)
+        client.call(register_guarded, 2)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        for unix in (False, True):
+            with pytest.raises(rawpeer.Refused) as refused:
+                rawpeer.RawLink(server.address, CLIENT_ID, unix=unix, force_link=True)
+            assert refused.value.status == S.LLM_ALREADY_LINK
+        assert client.call(push, SERVER_ID, [0], [3]) == 0
+        assert client.call(pull, SERVER_ID, [1], [4]) == 0
+        # Once the legitimate client is gone (killed), its id may link again.
+        client.kill()
+        assert wait_for(lambda: server.call(linked) == [])
+        assert CLIENT_ID in server.call(lost)
+        peer = rawpeer.RawLink(server.address, CLIENT_ID)
+        assert server.call(linked) == [CLIENT_ID]
+        peer.close()
+
+
+# ==================================================================================================
+# the listener survives; handshakes, links and threads are bounded
+# ==================================================================================================
+
+def test_listener_survives_descriptor_exhaustion(monkeypatch):
+    """With the server out of descriptors, accept() fails (EMFILE) for a while: the listener
+    backs off and keeps going, and links again once the descriptors are back."""
+    monkeypatch.setenv("LLM_DATADIST_HANDSHAKE_TIMEOUT_MS", str(SHORT_HANDSHAKE_MS))
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(limit_descriptors, 12)
+        idle = []
+        try:
+            for _ in range(40):
+                idle.append(socket.create_connection(server.address, timeout=2))
+            assert wait_for(lambda: server.call(stats)["accept_errors"] > 0, 5)
+        finally:
+            for sock in idle:
+                sock.close()
+        # The idle ones time out of their handshake; the backlog drains; a real client links.
+        client = start(stack, CLIENT_ID)
+        assert wait_for(lambda: link(client, server, 2000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), 15)
+        assert server.call(linked) == [CLIENT_ID]
+
+
+def test_idle_and_unauthenticated_connections_time_out_and_are_capped(monkeypatch):
+    monkeypatch.setenv("LLM_DATADIST_HANDSHAKE_TIMEOUT_MS", str(SHORT_HANDSHAKE_MS))
+    monkeypatch.setenv("LLM_DATADIST_MAX_PENDING_HANDSHAKES", "8")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        baseline = server.call(resources)
+        idle = [socket.create_connection(server.address, timeout=2) for _ in range(30)]
+        try:
+            assert wait_for(lambda: server.call(stats)["refused_busy"] >= 20, 5)
+            assert server.call(resources)["threads"] <= baseline["threads"] + 8
+            # The 8 admitted ones are closed at the handshake deadline, without a byte.
+            started = time.monotonic()
+            for sock in idle:
+                sock.settimeout(5)
+                assert sock.recv(1) == b""
+            assert time.monotonic() - started < 3
+        finally:
+            for sock in idle:
+                sock.close()
+        assert server.call(settle_to, baseline) == baseline
+        client = start(stack, CLIENT_ID)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+def test_link_cap(monkeypatch):
+    monkeypatch.setenv("LLM_DATADIST_MAX_LINKS", "3")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        peers = [rawpeer.RawLink(server.address, 100 + i) for i in range(3)]
+        with pytest.raises(rawpeer.Refused) as refused:
+            rawpeer.RawLink(server.address, 200)
+        assert refused.value.status == S.LLM_LINK_FAILED
+        peers.pop().close()
+        assert wait_for(lambda: len(server.call(linked)) == 2)
+        peers.append(rawpeer.RawLink(server.address, 200))
+        for peer in peers:
+            peer.close()
+
+
+# ==================================================================================================
+# reaping
+# ==================================================================================================
+
+def test_a_thousand_peers_come_and_go_and_nothing_grows():
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(register_guarded, 1)
+        baseline = server.call(resources)
+        for i in range(1000):
+            peer = rawpeer.RawLink(server.address, 1000 + i, unix=bool(i % 2))
+            if i % 100 == 0:
+                assert 1000 + i in server.call(linked)
+            peer.close()
+        assert wait_for(lambda: server.call(linked) == [], 20)
+        assert server.call(settle_to, baseline) == baseline
+        assert len(server.call(lost)) == 1000
+        assert server.call(untouched)
+
+
+def test_killed_clients_are_reaped_on_both_planes():
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(register_guarded, 1)
+        baseline = server.call(resources)
+        clients = []
+        for i, plane in enumerate(["cma", "tcp"] * 3):
+            client = start(stack, 10 + i, plane=plane)
+            client.call(register_guarded, 20 + i)
+            assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            assert client.call(push, SERVER_ID, [0], [1]) == 0
+            clients.append(client)
+        assert sorted(server.call(linked)) == [10 + i for i in range(6)]
+        for client in clients:
+            os.kill(client.pid, signal.SIGKILL)
+        assert wait_for(lambda: server.call(linked) == [], 10)
+        assert sorted(server.call(lost)) == [10 + i for i in range(6)]
+        assert server.call(push, 10, [0], [1]) == S.LLM_LINK_FAILED
+        assert server.call(settle_to, baseline) == baseline
+
+
+def test_a_server_that_goes_away_is_reaped_by_its_client():
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        client = start(stack, CLIENT_ID)
+        client.call(register_guarded, 2)
+        server.call(register_guarded, 1)
+        baseline = client.call(resources)
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        server.kill()
+        assert wait_for(lambda: client.call(linked) == [], 10)
+        assert SERVER_ID in client.call(lost)
+        assert client.call(push, SERVER_ID, [0], [1]) == S.LLM_LINK_FAILED
+        assert client.call(settle_to, baseline) == baseline
