@@ -129,3 +129,68 @@ class RawLink:
     def close(self) -> None:
         for sock in self.sockets:
             sock.close()
+
+
+class RawServer:
+    """A hand-made server: it completes the handshake (no secret, TCP only) for cluster
+    ``cluster_id``, answers table requests with ``table`` and every other request on a forward
+    connection with ``answer(op, payload) -> (reply op, status, reply payload)``."""
+
+    def __init__(self, cluster_id: int, table: Dict[str, Any], answer) -> None:
+        self.cluster_id, self.table, self.answer = cluster_id, table, answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.requests: List[Tuple[int, bytes]] = []
+        self._socks: List[socket.socket] = []
+        self._stop = False
+        import threading
+        self._threading = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self._socks.append(conn)
+            self._threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            _, _, _, payload = read_frame(conn)
+            conn.sendall(json_frame(wire.OP_CHALLENGE, {"cluster_id": self.cluster_id, "nonce": "ab" * 32,
+                                                        "auth": False}))
+            _, _, _, payload = read_frame(conn)
+            request = json.loads(payload)
+            reply: Dict[str, Any] = {"cluster_id": self.cluster_id}
+            if request["purpose"] == "link":
+                reply.update(role="PROMPT", planes=["tcp"], host={}, remote_cache_accessible=True, token="t" * 32,
+                             unix=None)
+            conn.sendall(json_frame(wire.OP_HELLO_REPLY, reply))
+            if request["purpose"] != "forward":
+                conn.settimeout(None)
+                while conn.recv(65536):  # hold it open until the client closes it
+                    pass
+                return
+            while True:
+                op, _, req_id, payload = read_frame(conn, timeout=60)
+                self.requests.append((op, payload))
+                if op == wire.OP_TABLE_GET:
+                    conn.sendall(json_frame(wire.OP_TABLE, self.table, req_id=req_id))
+                    continue
+                reply_op, status, body = self.answer(op, payload)
+                conn.sendall(frame(reply_op, body, req_id=req_id, status=status))
+        except (OSError, EOFError, ValueError, KeyError):
+            return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -746,6 +746,8 @@ def test_raw_peer_requests_outside_registered_memory_are_refused(tcp_server_with
         addrs, tensor_bytes = peer.cache(2)
         outside = [
             (0, addrs[0] + tensor_bytes - 8, 16),  # straddles the end of a tensor
+            (0, addrs[0] + tensor_bytes - 15, 16),  # ends one byte past it
+            (0, addrs[0] - 1, 16),  # starts one byte before a tensor
             (0, addrs[1] + tensor_bytes, 8),  # just past it
             (0, server.call(private_addresses)["generation"], 8),
             (0, server.call(private_addresses)["probe"], 8),
@@ -1426,6 +1428,51 @@ def test_finalize_does_not_wait_for_silent_connections():
         time.sleep(0.2)  # let the server accept them
         outcome = server.call(timed_finalize)
         assert outcome["threads_left"] == [] and outcome["seconds"] < 1.5, outcome
+
+
+def unregister_in_background(state, name: str) -> None:
+    """Start unregistering cache ``name`` on a thread; ``unregister_took`` tells when it returned."""
+    state.unregistered = []
+
+    def run() -> None:
+        started = time.monotonic()
+        state.cm.unregister_cache(state.caches[name].cache_id)
+        state.unregistered.append(time.monotonic() - started)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def unregister_took(state) -> Optional[float]:
+    return state.unregistered[0] if state.unregistered else None
+
+
+def test_unregister_waits_for_a_push_in_flight_into_that_cache(tcp_server_with_client):
+    """While a peer's push into ``scratch`` is half way through its payload, unregistering
+    ``scratch`` does not return (the memory is still being written); once the payload is in,
+    the push succeeds byte-exactly and the unregister returns."""
+    server, client = tcp_server_with_client
+    peer = RawPeer(server.address)
+    try:
+        addrs, _ = peer.cache(2)
+        data = bytes(range(256)) * (2 * SMALL_BLOCK // 256)
+        head = push_frame([(0, addrs[0], 2 * SMALL_BLOCK)], b"", peer.generation,
+                          length=push_length(24, 2 * SMALL_BLOCK))
+        peer.send(head + data[:SMALL_BLOCK])
+        time.sleep(0.2)
+        server.call(unregister_in_background, "scratch")
+        time.sleep(0.5)
+        assert server.call(unregister_took) is None, "unregister returned while a push was writing into the cache"
+        peer.send(data[SMALL_BLOCK:])
+        op, status, _, _ = read_frame(peer.sock)
+        assert (op, status) == (wire.OP_PUSH_DONE, 0)
+        deadline = time.monotonic() + 5
+        while server.call(unregister_took) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.call(unregister_took) is not None
+        assert server.call(read_bytes, "scratch", 0, 0, 2 * SMALL_BLOCK) == data
+    finally:
+        peer.close()
+    check_still_serving(server, client)
 
 
 def test_stalled_push_does_not_block_unregistering_another_cache(tcp_server_with_client):

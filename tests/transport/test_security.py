@@ -568,3 +568,40 @@ def test_a_server_that_goes_away_is_reaped_by_its_client():
         assert SERVER_ID in client.call(lost)
         assert client.call(push, SERVER_ID, [0], [1]) == S.LLM_LINK_FAILED
         assert client.call(settle_to, baseline) == baseline
+
+
+# ==================================================================================================
+# every refusal reaches the caller
+# ==================================================================================================
+
+def _refusing_server(status: int) -> rawpeer.RawServer:
+    table = {"generation": 1, "blocks": [[0, 1]], "keys": [],
+             "caches": [[1, "blocks", 0, 2, BLOCKS, BLOCK, [0x10000000, 0x20000000], True]]}
+
+    def answer(op: int, payload: bytes):
+        return (wire.OP_PUSH_DONE if op == wire.OP_PUSH else wire.OP_PULL_DATA), status, b""
+
+    return rawpeer.RawServer(SERVER_ID, table, answer)
+
+
+@pytest.mark.parametrize("refusal, expected", [
+    (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_KV_CACHE_NOT_EXIST), (S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID),
+    (S.LLM_FAILED, S.LLM_FAILED), (S.LLM_TIMEOUT, S.LLM_TIMEOUT), (7777, S.LLM_FAILED),
+    (wire.STATUS_STALE_TABLE, S.LLM_KV_CACHE_NOT_EXIST)])
+def test_every_refusal_of_a_tcp_push_or_pull_reaches_the_caller(refusal, expected):
+    """A server that refuses a push or pull, whatever the status, makes the call fail with it
+    (an unknown status as LLM_FAILED; a table that stays stale as LLM_KV_CACHE_NOT_EXIST) --
+    never a silent success; and the caller's own bytes are untouched."""
+    server = _refusing_server(refusal)
+    try:
+        with ExitStack() as stack:
+            client = start(stack, CLIENT_ID, plane="tcp")
+            client.call(register_guarded, 2)
+            assert client.call(_link_to, SERVER_ID, *server.address) == S.LLM_SUCCESS
+            assert client.call(push, SERVER_ID, [0], [1]) == expected
+            assert client.call(pull, SERVER_ID, [0], [1]) == expected
+            assert client.call(untouched)
+            ops = [op for op, _ in server.requests]
+            assert wire.OP_PUSH in ops and wire.OP_PULL in ops
+    finally:
+        server.close()
