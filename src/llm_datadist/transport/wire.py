@@ -9,7 +9,14 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Control payloads (hello, tables, unlink, key release, notifications) are UTF-8 JSON of at most
+Every connection starts with a handshake of four JSON frames (protocol version 3): HELLO from the
+connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
+``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
+(its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
+"forward"/"reverse" with the link's ``token``), and HELLO_REPLY (a status; for a link the server's
+role, planes, token and Unix socket name). See ``auth`` for the proofs.
+
+Control payloads (handshake, tables, unlink, key release, notifications) are UTF-8 JSON of at most
 ``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 table generation`` + ``u64 descriptor bytes`` +
 descriptors (``src, dst, nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of
 every descriptor in order. A PULL payload is ``u64 table generation`` + the descriptors (the owner
