@@ -304,12 +304,25 @@ def _link_to(state, remote_id: int, ip: str, port: int) -> int:
 
 
 def test_warning_for_a_non_loopback_listener_without_secret(caplog):
+    """Listening beyond loopback without a secret is logged (once); on loopback, or with a
+    secret, it is not."""
+    from llm_datadist import LLMConfig, LLMDataDist, LLMRole
     from llm_datadist.transport import links
     caplog.set_level("WARNING", logger="llm_datadist")
     links._warned.clear()
-    links._warn_once("probe")
-    assert "probe" in caplog.text
-    assert links._is_loopback("127.0.0.1") and links._is_loopback("::1") and not links._is_loopback("0.0.0.0")
+    for ip, secret, warned in [("127.0.0.1", None, False), ("0.0.0.0", SECRET, False), ("0.0.0.0", None, True)]:
+        caplog.clear()
+        config = LLMConfig()
+        config.device_id = 0
+        config.enable_cache_manager = True
+        config.listen_ip_info = f"{ip}:0"
+        config.link_secret = secret
+        dd = LLMDataDist(LLMRole.PROMPT, 1)
+        dd.init(config.generate_options())
+        try:
+            assert ("without a link secret" in caplog.text) == warned, (ip, secret, caplog.text)
+        finally:
+            dd.finalize()
 
 
 # ==================================================================================================
