@@ -268,9 +268,10 @@ class CacheManager:
                                  src_desc.batch_size, dst_desc.batch_size)
 
     # -- transfers between clusters ----------------------------------------------------------------
-    def _remote_id(self, cluster_id: int) -> int:
-        if cluster_id == self._engine.cluster_id:
-            raise param_invalid(f"cluster_id {cluster_id} is this cluster's own id; transfers need a peer")
+    @staticmethod
+    def _remote_id(cluster_id: int) -> int:
+        # This cluster's own id is a peer like any other once it has linked to its own listener
+        # (as in CANN); until then the transfer fails with LLM_NOT_YET_LINK.
         return cluster_id
 
     @staticmethod

@@ -498,8 +498,6 @@ class LlmDataDist:
         if not isinstance(index, CacheIndex):
             raise param_invalid(f"{name} must be a cpp.CacheIndex, got {type(index).__name__}")
         cluster_id = _check_uint(f"{name}.cluster_id", index.cluster_id, 64)
-        if cluster_id == self._cluster_id:
-            raise param_invalid(f"{name}.cluster_id {cluster_id} is this cluster's own id")
         if not is_instance_strict(index.cache_id, int):
             raise param_invalid(f"{name}.cache_id must be an int64")
         return cluster_id, index.cache_id, _check_uint(f"{name}.batch_index", index.batch_index, 32)

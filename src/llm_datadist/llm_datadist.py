@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _engine
-from llm_datadist._validate import check_int32, check_isinstance, check_uint64, raise_if_false
+from llm_datadist._validate import check_int32, check_isinstance, check_uint32, check_uint64, raise_if_false
 from llm_datadist.cache_manager import CacheManager
 from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole, unpack_ip
 from llm_datadist.llm_types import RegisterMemStatus
 from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport import comms
 
 __all__ = ["LLMDataDist"]
 
@@ -28,10 +30,9 @@ def _finalize_at_exit() -> None:
             pass
 
 
-def _not_implemented(method: str) -> LLMException:
-    return LLMException(f"{method}: the two-sided rank-table link (link/unlink/"
-                        f"query_register_mem_status) is not implemented yet; use link_clusters",
-                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+_MAX_COMM_NAME = 128
+_MAX_COMM_MEMBERS = 4
+_MAX_COMMS = 512
 
 
 def _overall(rets: List[LLMStatusCode]) -> LLMStatusCode:
@@ -161,55 +162,64 @@ class LLMDataDist:
         self._check_init()
         return self._engine.links.lost_links()
 
-    def _targets(self, clusters: Sequence[LLMClusterInfo], timeout: int, need_local: bool):
-        check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
+    def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int) -> None:
         check_int32("timeout", timeout)
-        raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
-        has_comm_res = bool(self._engine.options.get("llm.LocalCommRes"))
-        targets = []
-        for i, info in enumerate(clusters):
-            raise_if_false(info.remote_cluster_id is not None, f"clusters[{i}].remote_cluster_id is not set")
-            raise_if_false(len(info.remote_ip_info_list) == 1,
-                           f"clusters[{i}] needs exactly one remote ip info (the server's listen "
-                           f"ip and port), got {len(info.remote_ip_info_list)}")
-            if need_local and not has_comm_res:
-                raise_if_false(len(info.local_ip_info_list) == 1,
-                               f"clusters[{i}] needs one local ip info (append_local_ip_info)")
-            ip, port = info.remote_ip_info_list[0]
-            targets.append((info.remote_cluster_id, unpack_ip(ip), port))
-        return targets
+        raise_if_false(timeout > 0, "Param timeout should be greater than 0.")
+        check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
                       ) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
         """Link to each cluster's listener (in parallel); never raises for a link failure.
 
         Returns ``(overall, per-cluster)``: overall is ``LLM_SUCCESS`` only if every link was
-        made. Per cluster: ``LLM_SUCCESS``, ``LLM_ALREADY_LINK``, ``LLM_LINK_FAILED`` (connect,
-        handshake or timeout), ``LLM_PARAM_INVALID`` (e.g. mismatched remote-cache-accessible
-        settings or the peer's own id). Bad arguments raise as the spec says.
+        made. Per cluster: ``LLM_SUCCESS`` (also when that cluster has linked to this one, or
+        links to it at the same moment: one link serves both), ``LLM_ALREADY_LINK``,
+        ``LLM_LINK_FAILED`` (connect, handshake, authentication or timeout), ``LLM_PARAM_INVALID``
+        (not exactly one remote ip info, mismatched remote-cache-accessible settings). Bad
+        arguments raise as CANN's code does.
         """
         self._check_init()
-        targets = self._targets(clusters, timeout, need_local=True)
-        rets = self._engine.links.link_many(targets, timeout)
+        self._check_clusters(clusters, timeout)
+        has_comm_res = bool(self._engine.options.get("llm.LocalCommRes"))
+        for cluster in clusters:
+            if not has_comm_res:
+                raise_if_false(cluster.local_ip_info_list, "local_ip_info_list is empty. Call append_local_ip_info "
+                               "to add local_ip_info when local_comm_res option is unspecified or empty.")
+            check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        rets: List[Optional[LLMStatusCode]] = [None] * len(clusters)
+        targets, slots = [], []
+        for i, cluster in enumerate(clusters):
+            if len(cluster.remote_ip_info_list) != 1:  # the native layer's check: that cluster's status
+                rets[i] = LLMStatusCode.LLM_PARAM_INVALID
+                continue
+            ip, port = cluster.remote_ip_info_list[0]
+            targets.append((cluster.remote_cluster_id, unpack_ip(ip), port))
+            slots.append(i)
+        for i, status in zip(slots, self._engine.links.link_many(targets, timeout)):
+            rets[i] = status
         return _overall(rets), rets
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
                         force: bool = False) -> Tuple[LLMStatusCode, List[LLMStatusCode]]:
-        """Drop links. Non-forced: tell the peer, then drop local state (``LLM_UNLINK_FAILED``
-        if the peer could not be told; local state is dropped anyway). ``force=True``: local
-        state only (call it on both ends when the peer is gone)."""
+        """Drop links. Non-forced: tell the peer over the link, then drop local state
+        (``LLM_UNLINK_FAILED`` if the peer could not be told; local state is dropped anyway).
+        ``force=True``: local state only. Only ``remote_cluster_id`` is needed; a cluster info
+        with more than one remote ip info gets ``LLM_PARAM_INVALID`` in the list."""
         self._check_init()
-        check_isinstance("force", force, bool, allow_none=False)
-        if force:
-            check_isinstance("clusters", clusters, [list, tuple], LLMClusterInfo, allow_none=False)
-            check_int32("timeout", timeout)
-            raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
-            for i, info in enumerate(clusters):
-                raise_if_false(info.remote_cluster_id is not None, f"clusters[{i}].remote_cluster_id is not set")
-            ids = [info.remote_cluster_id for info in clusters]
-        else:
-            ids = [t[0] for t in self._targets(clusters, timeout, need_local=False)]
-        rets = self._engine.links.unlink_many(ids, timeout, force)
+        self._check_clusters(clusters, timeout)
+        check_isinstance("force", force, bool)
+        for cluster in clusters:
+            check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        rets: List[Optional[LLMStatusCode]] = [None] * len(clusters)
+        ids, slots = [], []
+        for i, cluster in enumerate(clusters):
+            if len(cluster.remote_ip_info_list) > 1:
+                rets[i] = LLMStatusCode.LLM_PARAM_INVALID
+                continue
+            ids.append(cluster.remote_cluster_id)
+            slots.append(i)
+        for i, status in zip(slots, self._engine.links.unlink_many(ids, timeout, bool(force))):
+            rets[i] = status
         return _overall(rets), rets
 
     def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
@@ -223,18 +233,64 @@ class LLMDataDist:
         self._engine.switch_role(ROLE_NAMES[role], listen)
         self._role = role
 
+    def _check_cache_manager_mode(self, method: str) -> None:
+        raise_if_false(self._is_v2, f"{method} is not supported when llm.EnableCacheManager is not configured.")
+
     def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
-        """The two-sided, rank-table link; not implemented yet (use ``link_clusters``)."""
+        """Two-sided link: every member calls it with the same arguments; returns this member's
+        ``comm_id``. Blocks until every member has linked (``llm.LinkTotalTime`` seconds, default
+        120), then the cache tables are exchanged in the background: poll
+        ``query_register_mem_status`` until ``OK``. How rank-table entries map to addresses and
+        ports: ``llm_datadist.transport.comms``. Raises ``LLMException(LLM_LINK_FAILED)`` if a
+        member does not link in time."""
         self._check_init()
-        raise _not_implemented("link")
+        self._check_cache_manager_mode("link")
+        check_isinstance("comm_name", comm_name, str, allow_none=False)
+        raise_if_false(len(comm_name) != 0, "comm_name can not be empty")
+        raise_if_false(len(comm_name) < _MAX_COMM_NAME, "comm_name length should be smaller than 128.")
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
+        for key, value in cluster_rank_info.items():
+            check_isinstance("cluster_rank_info key", key, int, allow_none=False)
+            check_isinstance("cluster_rank_info value", value, int, allow_none=False)
+        raise_if_false(len(cluster_rank_info) <= _MAX_COMM_MEMBERS, "cluster_rank_info size can not be greater than 4.")
+        for key, value in cluster_rank_info.items():
+            check_uint64("cluster_rank_info key", key)
+            check_uint32("cluster_rank_info value", value)
+        check_isinstance("rank_table", rank_table, str, allow_none=False)
+        ranks = list(cluster_rank_info.values())
+        raise_if_false(len(ranks) > 1, "cluster num must be bigger than 1.")
+        raise_if_false(ranks == sorted(ranks), "rank in cluster_rank_info must be ordered")
+        raise_if_false(len(set(ranks)) == len(ranks), "rank in cluster_rank_info can not be duplicated.")
+        raise_if_false(self._cluster_id in cluster_rank_info,
+                       f"cluster_rank_info does not contain this cluster's id {self._cluster_id}")
+        links = self._engine.links
+        raise_if_false(len(links.comms) < _MAX_COMMS, f"at most {_MAX_COMMS} links made with link() at a time")
+        members = comms.parse(rank_table, cluster_rank_info, comms.port_base(self._engine.options))
+        me = next(m for m in members if m.cluster_id == self._cluster_id)
+        comm = links.new_comm(comm_name, (comm_name, comms.digest(comm_name, rank_table, cluster_rank_info)),
+                              members, me)
+        total_s = int(self._engine.options.get("llm.LinkTotalTime", "0") or 0) or int(
+            os.environ.get("HCCL_CONNECT_TIMEOUT", comms.DEFAULT_LINK_TOTAL_S))
+        links.join_comm(comm, total_s * 1000)
+        self._cache_manager._is_call_linked = True
+        return comm.comm_id
 
     def unlink(self, comm_id: int) -> None:
+        """Drop a two-sided link (the links made for it); ``LLM_NOT_YET_LINK`` for an unknown id."""
         self._check_init()
-        raise _not_implemented("unlink")
+        self._check_cache_manager_mode("unlink")
+        check_isinstance("comm_id", comm_id, int, allow_none=False)
+        check_uint64("comm_id", comm_id)
+        self._engine.links.leave_comm(comm_id, self._engine.sync_kv_timeout_ms)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING`` while the cache tables of a two-sided link are exchanged, then ``OK``, or
+        ``FAILED`` (sticky); ``LLM_NOT_YET_LINK`` for an unknown id."""
         self._check_init()
-        raise _not_implemented("query_register_mem_status")
+        self._check_cache_manager_mode("query_register_mem_status")
+        check_isinstance("comm_id", comm_id, int, allow_none=False)
+        check_uint64("comm_id", comm_id)
+        return RegisterMemStatus[self._engine.links.comm(comm_id).status]
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()

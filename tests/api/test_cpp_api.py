@@ -82,10 +82,11 @@ def test_push_kv_blocks_example_setup(dd):
     # The layer range selects exactly tensor 3 under the core's C++ rules.
     assert _core.resolve_layer_ranges(ext.src_layer_range, ext.dst_layer_range, 4, 4,
                                       ext.tensor_num_per_layer, True) == ([3], [3])
-    # Cluster 0 is this cluster itself: a push needs a peer. To an unlinked peer: NOT_YET_LINK.
+    # Cluster 0 is this cluster itself: like any peer, it must be linked first (to its own
+    # listener, as CANN allows). To an unlinked peer: NOT_YET_LINK.
     # (tests/transport runs this example between two processes.)
     assert dd.PushKvBlocks(cache, cpp.CacheIndex(cluster_id=0, cache_id=1), [0, 1, 2, 3], [3, 2, 1, 0],
-                           ext) == cpp.LLM_PARAM_INVALID
+                           ext) == cpp.LLM_NOT_YET_LINK
     assert dd.PushKvBlocks(cache, cpp.CacheIndex(cluster_id=7, cache_id=1), [0, 1, 2, 3], [3, 2, 1, 0],
                            ext) == cpp.LLM_NOT_YET_LINK
 

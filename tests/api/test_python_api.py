@@ -416,5 +416,7 @@ def test_transfers_without_a_link_say_not_yet_linked(py_api):
         LLMStatusCode.LLM_NOT_YET_LINK
     # A cluster info without remote_cluster_id is refused before any connection is tried.
     assert status(py_api.dd.link_clusters, [ld.LLMClusterInfo()]) == PARAM_INVALID
-    # Pulling from one's own cluster id is a parameter error, not a missing link.
-    assert status(py_api.cm.pull_blocks, BlocksCacheKey(py_api.dd.cluster_id), cache, [0], [0]) == PARAM_INVALID
+    # One's own cluster id is a peer like any other (CANN lets a cluster link to its own
+    # listener): not linked yet.
+    assert status(py_api.cm.pull_blocks, BlocksCacheKey(py_api.dd.cluster_id), cache, [0], [0]) == \
+        LLMStatusCode.LLM_NOT_YET_LINK

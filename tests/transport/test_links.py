@@ -197,10 +197,33 @@ def test_link_to_the_wrong_cluster_id_leaves_no_link(clusters, api):
 
 
 @pytest.mark.parametrize("api", API)
-def test_link_to_own_cluster_id_is_refused(clusters, api):
+def test_link_to_the_wrong_own_cluster_id_fails(clusters, api):
+    """Naming this cluster's own id as the remote id of another cluster's address: the server
+    answers with its real id, so the link fails and nothing stays."""
     server, client = start_pair(clusters, api, client_id=1, server_id=5)
     status, rets = link_to(client, [target(server, cluster_id=1)], api)
-    assert rets == [S.LLM_PARAM_INVALID] and status == S.LLM_PARAM_INVALID
+    assert rets == [S.LLM_LINK_FAILED] and status == S.LLM_LINK_FAILED
+    assert transfer_status(client, 1, api) == S.LLM_NOT_YET_LINK
+
+
+@pytest.mark.parametrize("api", API)
+def test_a_cluster_links_to_its_own_listener(clusters, api):
+    """As in CANN, a cluster may link to its own listener and address transfers to its own id
+    over that link (the bytes move inside the process, checked like any peer's)."""
+    server = clusters.start(1, "MIX", listen=True, api=api)
+    assert add_blocks(server, api) == 1
+    assert link_to(server, [target(server)], api) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert link_to(server, [target(server)], api) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+    if api == "python":
+        data = server.call(ops.fill, "blocks", next(SEEDS))
+        server.call(ops.py, "pull_blocks", BlocksCacheKey(1, 0), "blocks", [0, 1], [4, 5])
+        server.call(ops.py, "push_blocks", BlocksCacheKey(1, 0), "blocks", [2], [3])
+        expected = copy_blocks(data, data, range(4), range(4), [0, 1, 2], [4, 5, 3])
+        assert_same(server.call(ops.snapshot, "blocks"), expected, "blocks moved inside one cluster")
+    else:
+        assert server.call(ops.cpp_op, "PullKvBlocks", (1, 1, 0), "blocks", [0], [4]) == 0
+    assert unlink_from(server, [target(server)], api) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert transfer_status(server, 1, api) == S.LLM_NOT_YET_LINK
 
 
 @pytest.mark.parametrize("api", API)

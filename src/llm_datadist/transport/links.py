@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from llm_datadist import _core, _planes
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import auth, wire
+from llm_datadist.transport.comms import Comm
 from llm_datadist.transport.host import host_identity, same_host
 from llm_datadist.transport.shm import PeerCounter
 from llm_datadist.transport.table import RemoteTable
@@ -105,6 +106,10 @@ def resolve_plane(options: Dict[str, str]) -> str:
         raise LLMException(f"{DATA_PLANE_OPTION} must be one of {', '.join(PLANES)}, got {value!r}",
                            status_code=S.LLM_PARAM_INVALID)
     return value
+
+
+class _MutualLink(Exception):
+    """The peer is linking to this cluster at the same time, and its link is the one kept."""
 
 
 class _StaleTable(Exception):
@@ -277,6 +282,8 @@ class Peer:
     pidfd: int = -1
     closed: bool = False
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
+    unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
+    comm: Optional[Tuple[str, str]] = None  # the two-sided link (name, digest) it was made for
     table_lock: threading.Lock = field(default_factory=threading.Lock)
     settle_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -367,6 +374,13 @@ class LinkManager:
         self._pending: Dict[str, Peer] = {}   # server side: token -> a link waiting for its connections
         self._linking: set = set()            # client side: cluster ids being linked now
         self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
+        self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
+        self._self_peers: List[Peer] = []     # server side of links this cluster made to its own listener
+        self._joining: Dict[Tuple[str, str], set] = {}  # two-sided links being made -> ids expected to link here
+        self._comm_listeners: Dict[Tuple[str, int], List[Any]] = {}  # (ip, port) -> [socket, users]
+        self._comm_unix_name: Optional[str] = None  # the Unix socket of the comm listeners
+        self.comms: Dict[int, Comm] = {}
+        self._next_comm_id = 1
         self._listeners: List[socket.socket] = []
         self._listen_threads: List[threading.Thread] = []
         self.unix_name: Optional[str] = None
@@ -402,18 +416,9 @@ class LinkManager:
             sock.close()
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
         listeners = [sock]
-        unix_name = f"llm_datadist.{os.getpid()}.{os.urandom(12).hex()}"
-        try:
-            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                local.bind("\0" + unix_name)
-                local.listen(128)
-                listeners.append(local)
-            except OSError:
-                local.close()
-                unix_name = None
-        except (OSError, AttributeError):
-            unix_name = None
+        local, unix_name = _unix_listener()
+        if local is not None:
+            listeners.append(local)
         self._listeners, self.unix_name = listeners, unix_name
         self._listen_threads = []
         for listener in listeners:
@@ -444,13 +449,13 @@ class LinkManager:
 
     def _accept_loop(self, listener: socket.socket) -> None:
         failures = 0
-        while listener in self._listeners:
+        while self._listening(listener):
             try:
                 conn, addr = listener.accept()
             except socket.timeout:
                 continue
             except OSError as exc:
-                if listener not in self._listeners:
+                if not self._listening(listener):
                     break
                 # Out of descriptors or buffers, or a connection reset before it was accepted: a
                 # transient state; back off (up to a second) and go on listening.
@@ -487,6 +492,11 @@ class LinkManager:
                 logger.warning("cluster %d: dropping a connection from %s: %s", self.engine.cluster_id, name, exc)
                 self._handshake_done(conn)
                 _close(conn)
+
+    def _listening(self, listener: socket.socket) -> bool:
+        with self._lock:
+            return listener in self._listeners or any(entry[0] is listener
+                                                      for entry in self._comm_listeners.values())
 
     def _spawn(self, target: Callable, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True, name="llm_datadist-conn")
@@ -628,14 +638,33 @@ class LinkManager:
             raise ProtocolError(f"link request: planes {_brief(planes)}")
         if not isinstance(message.get("role"), str) or not isinstance(message.get("host"), dict):
             raise ProtocolError("link request: role or host malformed")
-        if peer_id == self.engine.cluster_id:
-            return refuse(S.LLM_PARAM_INVALID, "a cluster cannot link to its own id")
-        if bool(message.get("remote_cache_accessible")) != self.remote_accessible:
+        comm = message.get("comm")
+        if comm is not None:
+            if not (isinstance(comm, list) and len(comm) == 2 and all(isinstance(x, str) for x in comm)):
+                raise ProtocolError(f"link request: comm {_brief(comm)}")
+            comm = (comm[0], comm[1])
+        elif bool(message.get("remote_cache_accessible")) != self.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
+        mine = self.engine.cluster_id
         peer = Peer(peer_id, message["role"][:64], False, (name, 0), list(planes)[:8], token=os.urandom(16).hex(),
-                    want=(want[0], want[1]))
+                    want=(want[0], want[1]), comm=comm)
+        if peer_id == mine:  # a link to our own listener: its server side is kept apart from the client side
+            with self._lock:
+                if len(self._self_peers) >= MAX_CONNECTIONS:
+                    return refuse(S.LLM_LINK_FAILED, "too many links to itself")
+                self._self_peers.append(peer)
+                self._pending[peer.token] = peer
+            return S.LLM_SUCCESS, self._link_reply(reply, peer), peer
         with self._lock:
+            if comm is not None and peer_id not in self._joining.get(comm, ()):
+                return S.LLM_NOT_YET_LINK, dict(reply, error="this cluster is not making that link now"), None
             old = self._peers.get(peer_id)
+            mutual = "this cluster is linking to you at the same time; one link serves both"
+            if old is None and peer_id in self._linking and peer_id > mine:
+                # Both sides link to each other at once: the link of the lower cluster id is kept.
+                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
+            if old is not None and old.ready and old.is_client and not old.hung_up():
+                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
             if old is not None and (not old.ready or not old.hung_up()):
                 # A live link is never replaced; one whose connections are gone is (force_link).
                 return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
@@ -647,10 +676,12 @@ class LinkManager:
             self._pending[peer.token] = peer
         if old is not None:
             old.close()
-        reply.update(role=self.engine.role, planes=self._offered_planes(), host=host_identity(),
-                     remote_cache_accessible=self.remote_accessible, token=peer.token,
-                     unix=self.unix_name)
-        return S.LLM_SUCCESS, reply, peer
+        return S.LLM_SUCCESS, self._link_reply(reply, peer), peer
+
+    def _link_reply(self, reply: Dict[str, Any], peer: Peer) -> Dict[str, Any]:
+        return dict(reply, role=self.engine.role, planes=self._offered_planes(), host=host_identity(),
+                    remote_cache_accessible=self.remote_accessible, token=peer.token,
+                    unix=self.unix_name or self._comm_unix_name)
 
     def _accept_data(self, peer_id: int, purpose: str, message: Dict[str, Any], conn: socket.socket):
         """A data connection of a link being made: ``(status, reply, Peer or None)``."""
@@ -660,7 +691,7 @@ class LinkManager:
         pid, uid = _peer_credentials(conn) if unix else (0, -1)
         with self._lock:
             peer = self._pending.get(token) if isinstance(token, str) else None
-            if peer is None or peer.cluster_id != peer_id or self._peers.get(peer_id) is not peer:
+            if peer is None or peer.cluster_id != peer_id or not self._holds(peer):
                 return refused
             first = not peer.channels and not peer.incoming
             if first:
@@ -684,6 +715,9 @@ class LinkManager:
                 logger.info("cluster %d: cluster %d linked from %s", self.engine.cluster_id, peer_id,
                             "this host" if unix else peer.address[0])
         return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer
+
+    def _holds(self, peer: Peer) -> bool:
+        return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
 
     def _offered_planes(self) -> List[str]:
         return ["cma", "tcp"] if self.plane != "tcp" else ["tcp"]
@@ -761,8 +795,14 @@ class LinkManager:
             # Forget the link before answering, so that a relink right after the answer is not
             # mistaken for this one; close the connections after answering.
             with self._lock:
+                peer.unlinked_by_peer = True
                 if self._peers.get(peer_id) is peer:
                     del self._peers[peer_id]
+                    if not peer.unlinking:
+                        self._unlinked_by_peer.add(peer_id)
+                        while len(self._unlinked_by_peer) > MAX_LOST_RECORDS:
+                            self._unlinked_by_peer.pop()
+                self._self_peers = [p for p in self._self_peers if p is not peer]
             self._reply(fd, wire.OP_UNLINK_DONE, req_id, 0)
             peer.close()
             logger.info("cluster %d: cluster %d unlinked", engine.cluster_id, peer_id)
@@ -837,30 +877,41 @@ class LinkManager:
             raise ProtocolError(str(exc)) from None
 
     # -- client side ------------------------------------------------------------------------------
-    def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int) -> LLMStatusCode:
-        """Link to the cluster listening on ``ip:port``; returns a status, never raises."""
+    def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int,
+             comm: Optional[Tuple[str, str]] = None, quiet: bool = False) -> LLMStatusCode:
+        """Link to the cluster listening on ``ip:port``; returns a status, never raises.
+
+        A cluster that has linked to this one already is linked (``LLM_SUCCESS``: that link
+        serves both); so is one that links to this one at the same moment (the link made by the
+        lower cluster id is kept). ``comm`` names the two-sided link this one is part of.
+        """
         deadline = time.monotonic() + timeout_ms / 1000
-        if remote_cluster_id == self.engine.cluster_id:
-            logger.error("cluster %d cannot link to itself", remote_cluster_id)
-            return S.LLM_PARAM_INVALID
         with self._lock:
             old = self._peers.get(remote_cluster_id)
-            if remote_cluster_id in self._linking or (old is not None and not old.hung_up()):
+            if remote_cluster_id in self._linking:
                 return S.LLM_ALREADY_LINK
+            if old is not None and not old.hung_up():
+                if not old.ready:
+                    return S.LLM_ALREADY_LINK
+                return S.LLM_ALREADY_LINK if old.is_client and comm is None else S.LLM_SUCCESS
             if old is not None:
                 self._forget(old, "its connections were closed")
             self._linking.add(remote_cluster_id)
+            self._unlinked_by_peer.discard(remote_cluster_id)
         if old is not None:
             old.close()
         sockets: List[socket.socket] = []
+        log = logger.debug if quiet else logger.error
         try:
-            return self._link(remote_cluster_id, ip, port, deadline, sockets)
+            return self._link(remote_cluster_id, ip, port, deadline, sockets, comm)
+        except _MutualLink:
+            status = self._await_mutual(remote_cluster_id, deadline)
         except LLMException as exc:
-            logger.error("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id, ip, port, exc)
+            log("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id, ip, port, exc)
             status = exc.status_code
         except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
-            logger.error("link %d -> %d (%s:%d) failed: %s: %s", self.engine.cluster_id, remote_cluster_id,
-                         ip, port, type(exc).__name__, exc)
+            log("link %d -> %d (%s:%d) failed: %s: %s", self.engine.cluster_id, remote_cluster_id,
+                ip, port, type(exc).__name__, exc)
             status = S.LLM_LINK_FAILED
         finally:
             with self._lock:
@@ -869,8 +920,21 @@ class LinkManager:
             _close(sock)
         return status
 
+    def _await_mutual(self, remote_cluster_id: int, deadline: float) -> LLMStatusCode:
+        """The peer is linking to this cluster at the same time and its link is the one kept:
+        wait for it to arrive."""
+        while time.monotonic() < deadline:
+            with self._lock:
+                peer = self._peers.get(remote_cluster_id)
+                if peer is not None and peer.ready and not peer.is_client:
+                    return S.LLM_SUCCESS
+            time.sleep(0.005)
+        logger.error("link %d -> %d: the peer's own link to this cluster did not arrive in time",
+                     self.engine.cluster_id, remote_cluster_id)
+        return S.LLM_LINK_FAILED
+
     def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-              sockets: List[socket.socket]) -> LLMStatusCode:
+              sockets: List[socket.socket], comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
         """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
         unless the link is made, in which case ``sockets`` is emptied)."""
         first = self._connect_tcp(ip, port, deadline)
@@ -878,6 +942,8 @@ class LinkManager:
         request = dict(purpose="link", role=self.engine.role, planes=self._offered_planes(), host=host_identity(),
                        remote_cache_accessible=self.remote_accessible,
                        connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
+        if comm is not None:
+            request["comm"] = list(comm)
         reply = self._client_handshake(first, remote_cluster_id, request, deadline)
         token, unix_name = reply.get("token"), reply.get("unix")
         planes, role = reply.get("planes"), reply.get("role")
@@ -887,7 +953,7 @@ class LinkManager:
         unix = (isinstance(unix_name, str) and self.plane != "tcp"
                 and same_host(host_identity(), reply.get("host") if isinstance(reply.get("host"), dict) else {}))
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
-        peer = Peer(remote_cluster_id, role[:64], True, (ip, port), list(planes)[:8])
+        peer = Peer(remote_cluster_id, role[:64], True, (ip, port), list(planes)[:8], comm=comm)
         reverse: List[socket.socket] = []
         for purpose in ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION:
             sock = None
@@ -988,6 +1054,8 @@ class LinkManager:
         if not self._send(fd, wire.OP_AUTH, message, deadline):
             raise _fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
         status, reply = self._receive(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
+        if status == S.LLM_ALREADY_LINK and reply.get("mutual") is True:
+            raise _MutualLink()
         if status != 0:
             raise _fail(status, f"refused: {reply.get('error', '')}")
         return reply
@@ -1019,8 +1087,8 @@ class LinkManager:
         """``cma`` only towards a process the kernel named (SO_PEERCRED on the link's Unix
         connections), other than this one, of this user, that offers it and whose memory a
         probe read reaches; otherwise ``tcp``."""
-        if self.plane == "tcp":
-            return "tcp"
+        if self.plane == "tcp" or (peer.unix and peer.pid == os.getpid()):
+            return "tcp"  # a link to this very process: frames, checked by the owner (ourselves)
         reason = None
         if not peer.unix:
             reason = "the peer is not on this host (or not in this network namespace)"
@@ -1070,7 +1138,11 @@ class LinkManager:
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
             lost = self._lost.pop(remote_cluster_id, None)
+            by_peer = remote_cluster_id in self._unlinked_by_peer
+            self._unlinked_by_peer.discard(remote_cluster_id)
         if peer is None:
+            if by_peer:  # the peer unlinked first (both sides may unlink): done
+                return S.LLM_SUCCESS
             if lost is not None:  # the peer went away: nobody left to tell
                 return S.LLM_SUCCESS if force else S.LLM_UNLINK_FAILED
             return S.LLM_NOT_YET_LINK if not force else S.LLM_SUCCESS
@@ -1082,9 +1154,10 @@ class LinkManager:
                                                                             "timeout": timeout_ms},
                                       timeout_ms, "unlink")
             except LLMException as exc:
-                logger.error("unlink %d -> %d: the peer was not told (%s); local state dropped",
-                             self.engine.cluster_id, remote_cluster_id, exc)
-                status = S.LLM_UNLINK_FAILED
+                if not peer.unlinked_by_peer:  # else the peer unlinked at the same moment: fine
+                    logger.error("unlink %d -> %d: the peer was not told (%s); local state dropped",
+                                 self.engine.cluster_id, remote_cluster_id, exc)
+                    status = S.LLM_UNLINK_FAILED
         self._drop_peer(remote_cluster_id)
         return status
 
@@ -1104,6 +1177,9 @@ class LinkManager:
         with self._lock:
             if self._pending.get(peer.token) is peer:
                 del self._pending[peer.token]
+            if any(p is peer for p in self._self_peers):
+                self._self_peers = [p for p in self._self_peers if p is not peer]
+                return False
             if self._peers.get(peer.cluster_id) is not peer:
                 return False
             del self._peers[peer.cluster_id]
@@ -1291,6 +1367,151 @@ class LinkManager:
                                          {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
         return bool(reply.get("released"))
 
+    # -- two-sided links ---------------------------------------------------------------------------
+    def new_comm(self, name: str, key: Tuple[str, str], members, me) -> Comm:
+        with self._lock:
+            comm = Comm(self._next_comm_id, name, key, list(members), me)
+            self._next_comm_id += 1
+        return comm
+
+    def join_comm(self, comm: Comm, timeout_ms: int) -> None:
+        """Make the links of a two-sided link: listen for the members of higher rank, link to those
+        of lower rank (retrying while they are not listening yet), and wait for every link; then
+        fetch the tables in the background (``comm.status`` PREPARING -> OK or FAILED).
+        ``LLMException(LLM_LINK_FAILED)`` if not every link is made within ``timeout_ms``."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        higher = [m for m in comm.others if m.rank > comm.me.rank]
+        lower = [m for m in comm.others if m.rank < comm.me.rank]
+        listen_at = (comm.me.device_ip, comm.me.port) if higher else None
+        if listen_at is not None:
+            self._open_comm_listener(*listen_at)
+        with self._lock:
+            self._joining[comm.key] = {m.cluster_id for m in higher}
+        try:
+            for member in lower:
+                status = S.LLM_LINK_FAILED
+                while time.monotonic() < deadline:
+                    status = self.link(member.cluster_id, member.device_ip, member.port, max(1, _left(deadline)),
+                                       comm=comm.key, quiet=True)
+                    if status not in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_ALREADY_LINK):
+                        break
+                    time.sleep(0.05)
+                if status != S.LLM_SUCCESS:
+                    raise _fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) at "
+                                                   f"{member.device_ip}:{member.port} was not linked in time "
+                                                   f"({_status(status).name})")
+            for member in higher:
+                while not self._linked_now(member.cluster_id):
+                    if time.monotonic() >= deadline:
+                        raise _fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) did not "
+                                                       f"link to {comm.me.device_ip}:{comm.me.port} in time")
+                    time.sleep(0.01)
+        except BaseException:
+            with self._lock:
+                self._joining.pop(comm.key, None)
+            for member in comm.others:  # links made for this comm go with it
+                self._drop_comm_link(member.cluster_id, comm.key)
+            raise
+        finally:
+            with self._lock:
+                self._joining.pop(comm.key, None)
+            if listen_at is not None:
+                self._close_comm_listener(listen_at)
+        with self._lock:
+            self.comms[comm.comm_id] = comm
+        self._spawn(self._prepare_comm, comm)
+
+    def _linked_now(self, cluster_id: int) -> bool:
+        with self._lock:
+            peer = self._peers.get(cluster_id)
+            return peer is not None and peer.ready
+
+    def _prepare_comm(self, comm: Comm) -> None:
+        deadline = time.monotonic() + self.handshake_ms / 1000
+        try:
+            for member in comm.others:
+                self._settle(self.peer(member.cluster_id), deadline)
+            comm.status = "OK"
+        except LLMException as exc:
+            logger.error("cluster %d: link %r failed while exchanging cache tables: %s", self.engine.cluster_id,
+                         comm.name, exc)
+            comm.status = "FAILED"
+
+    def comm(self, comm_id: int) -> Comm:
+        with self._lock:
+            comm = self.comms.get(comm_id)
+        if comm is None:
+            raise LLMException(f"comm_id {comm_id} is not a link of this cluster", status_code=S.LLM_NOT_YET_LINK)
+        return comm
+
+    def leave_comm(self, comm_id: int, timeout_ms: int) -> None:
+        """Drop a two-sided link: its links (those made for it) are unlinked."""
+        comm = self.comm(comm_id)
+        with self._lock:
+            self.comms.pop(comm_id, None)
+        for member in comm.others:
+            self._drop_comm_link(member.cluster_id, comm.key, timeout_ms)
+
+    def _drop_comm_link(self, cluster_id: int, key: Tuple[str, str], timeout_ms: int = 1000) -> None:
+        with self._lock:
+            peer = self._peers.get(cluster_id)
+            shared = any(c.key != key and any(m.cluster_id == cluster_id for m in c.others)
+                         for c in self.comms.values())
+        if peer is not None and peer.comm == key and not shared:
+            self.unlink(cluster_id, timeout_ms, force=False)
+        with self._lock:
+            self._unlinked_by_peer.discard(cluster_id)
+            self._lost.pop(cluster_id, None)
+
+    def _open_comm_listener(self, ip: str, port: int) -> None:
+        with self._lock:
+            entry = self._comm_listeners.get((ip, port))
+            if entry is not None:
+                entry[1] += 1
+                return
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ip, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise _fail(S.LLM_LINK_FAILED, f"cannot listen on {ip}:{port}, this member's rank-table address "
+                                           f"(device_ip, port base + 16 x device_id + rank_id): {exc}") from None
+        sock.settimeout(0.2)
+        unix = None
+        with self._lock:
+            self._comm_listeners[(ip, port)] = [sock, 1]
+            if self.unix_name is None and self._comm_unix_name is None:
+                unix, self._comm_unix_name = _unix_listener()
+                if unix is not None:
+                    self._comm_listeners[("", 0)] = [unix, 1]
+        for listener in [sock] + ([unix] if unix is not None else []):
+            listener.settimeout(0.2)
+            threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                             name=f"llm_datadist-listen-{port}").start()
+        if self.secret is None and not _is_loopback(ip):
+            _warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{port} without a link secret: any "
+                       f"process that reaches this address can link, read and write the registered caches "
+                       f"(set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
+
+    def _close_comm_listener(self, key: Tuple[str, int]) -> None:
+        with self._lock:
+            entry = self._comm_listeners.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._comm_listeners[key]
+            closing = [entry[0]]
+            if list(self._comm_listeners) == [("", 0)]:  # the last one: its Unix socket goes too
+                closing.append(self._comm_listeners.pop(("", 0))[0])
+                self._comm_unix_name = None
+        for sock in closing:
+            _close(sock)
+
     # -- notifications --------------------------------------------------------------------------
     def set_notify_handler(self, handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]]) -> None:
         """Answer the linked peers' notifications with ``handler(peer_cluster_id, message) -> reply``
@@ -1320,9 +1541,15 @@ class LinkManager:
         self._closed = True
         self.stop_listener()
         with self._lock:
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) + self._self_peers
             self._peers.clear()
+            self._self_peers = []
             self._pending.clear()
+            comm_listeners = [entry[0] for entry in self._comm_listeners.values()]
+            self._comm_listeners.clear()
+        for sock in comm_listeners:
+            _close(sock)
+        with self._lock:
             threads = list(self._threads)
             incoming = list(self._incoming)
         for peer in peers:
@@ -1335,6 +1562,22 @@ class LinkManager:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+
+
+def _unix_listener() -> Tuple[Optional[socket.socket], Optional[str]]:
+    """A listening Unix socket of a random abstract name (per network namespace), or Nones."""
+    name = f"llm_datadist.{os.getpid()}.{os.urandom(12).hex()}"
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except (OSError, AttributeError):
+        return None, None
+    try:
+        sock.bind("\0" + name)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None, None
+    return sock, name
 
 
 def _is_loopback(ip: str) -> bool:

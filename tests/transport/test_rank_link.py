@@ -1,0 +1,370 @@
+"""The two-sided rank-table link (``link`` / ``query_register_mem_status`` / ``unlink``, spec §7,
+§10.2, §14.4), CANN's simultaneous one-sided links (its hixl backend sample) and the malformed
+cluster infos of ``link_clusters`` / ``unlink_clusters``, between real processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from contextlib import ExitStack
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, Placement, RegisterMemStatus
+from llm_datadist.status import LLMStatusCode
+from llm_datadist.testing import ChildError, Cluster
+
+S = LLMStatusCode
+P_ID, D_ID = 1, 2
+BLOCKS, BLOCK = 8, 1024
+LINK_TIMEOUT_S = 60
+
+
+def free_base() -> int:
+    """A port base whose first 64 ports look free (the rank-table ports are base + 16 x device + rank)."""
+    import socket
+    for _ in range(50):
+        base = 20000 + int.from_bytes(os.urandom(2), "little") % 30000
+        try:
+            for port in (base, base + 1, base + 16, base + 17):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+def rank_table(shape: str, device_ids=(0, 0), ip: str = "127.0.0.1") -> str:
+    """Spec §14.4: one server entry holding both devices ("one"), or one entry each ("two")."""
+    devices = [{"device_id": str(device_ids[rank]), "device_ip": ip, "rank_id": str(rank)} for rank in (0, 1)]
+    if shape == "one":
+        servers = [{"device": devices, "server_id": ip}]
+    else:
+        servers = [{"device": [devices[0]], "server_id": ip}, {"device": [devices[1]], "server_id": ip}]
+    return json.dumps({"version": "1.2", "server_count": str(len(servers)), "status": "completed",
+                       "server_list": servers})
+
+
+# -- run inside the cluster processes ----------------------------------------------------------------
+
+def register(state, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    state.kv = [rng.integers(0, 2**31, (BLOCKS, BLOCK // 4), dtype=np.int32) for _ in range(2)]
+    desc = CacheDesc(2, [BLOCKS, BLOCK // 4], DataType.DT_INT32, Placement.DEVICE)
+    state.cache = state.cm.register_blocks_cache(desc, [t.ctypes.data for t in state.kv],
+                                                 BlocksCacheKey(state.cluster_id, 0))
+
+
+def blocks(state, ids: List[int]) -> List[bytes]:
+    return [b"".join(t[i].tobytes() for t in state.kv) for i in ids]
+
+
+def link(state, name: str, ranks: Dict[int, int], table: str) -> int:
+    return state.dd.link(name, ranks, table)
+
+
+def wait_ok(state, comm_id: int, timeout: float = 10.0) -> List[str]:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = state.dd.query_register_mem_status(comm_id=comm_id)
+        if not seen or seen[-1] != status.name:
+            seen.append(status.name)
+        if status != RegisterMemStatus.PREPARING:
+            return seen
+        time.sleep(0.01)
+    return seen
+
+
+def pull(state, remote: int, src: List[int], dst: List[int]) -> None:
+    state.cm.pull_blocks(BlocksCacheKey(remote, 0), state.cache, src, dst)
+
+
+def push(state, remote: int, src: List[int], dst: List[int]) -> None:
+    state.cm.push_blocks(BlocksCacheKey(remote, 0), state.cache, src, dst)
+
+
+def unlink(state, comm_id: int) -> None:
+    state.dd.unlink(comm_id)
+
+
+def query(state, comm_id: int) -> str:
+    return state.dd.query_register_mem_status(comm_id).name
+
+
+def plane(state, remote: int) -> str:
+    return state.dd._engine.links.data_plane(remote)
+
+
+def linked(state) -> List[int]:
+    return state.dd._engine.links.linked_clusters()
+
+
+def register_remote_accessible_after_link(state) -> str:
+    desc = CacheDesc(1, [2, 4], DataType.DT_INT32, Placement.DEVICE)
+    keep = np.zeros((2, 4), np.int32)
+    state.keep = keep
+    try:
+        state.cm.register_blocks_cache(desc, [keep.ctypes.data], None, True)
+    except Exception as exc:  # the type and status are what the test checks
+        return f"{type(exc).__name__}:{int(getattr(exc, 'status_code', -1))}"
+    return "registered"
+
+
+def resources(state) -> Dict[str, int]:
+    return {"fds": len(os.listdir("/proc/self/fd")),
+            "threads": sum(t.name.startswith("llm_datadist") for t in threading.enumerate())}
+
+
+def settle_to(state, baseline: Dict[str, int], timeout: float = 10.0) -> Dict[str, int]:
+    deadline = time.monotonic() + timeout
+    now = resources(state)
+    while now != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = resources(state)
+    return now
+
+
+def start(stack: ExitStack, cluster_id: int, plane_name=None, options=None) -> Cluster:
+    return stack.enter_context(Cluster(cluster_id, "PROMPT" if cluster_id == P_ID else "DECODER", plane=plane_name,
+                                       options=dict(options or {}), timeout=60.0))
+
+
+@pytest.fixture(autouse=True)
+def _port_base(monkeypatch):
+    monkeypatch.setenv("LLM_DATADIST_RANK_PORT_BASE", str(free_base()))
+    monkeypatch.delenv("LLM_DATADIST_DATA_PLANE", raising=False)
+
+
+# ==================================================================================================
+
+@pytest.mark.parametrize("shape", ["one", "two"])
+@pytest.mark.parametrize("plane_name", ["cma", "tcp"])
+def test_two_sided_link_moves_blocks(plane_name, shape):
+    """Both members call link() at once with the same arguments (same device_ip and device_id,
+    different ranks); the status goes PREPARING -> OK; the decoder pulls and pushes; both unlink."""
+    table = rank_table(shape)
+    ranks = {P_ID: 0, D_ID: 1}
+    with ExitStack() as stack:
+        p = start(stack, P_ID, plane_name)
+        d = start(stack, D_ID, plane_name, {"remote_cache_accessible": "0"})
+        p.call(register, 11)
+        d.call(register, 22)
+        p.send(link, "link", ranks, table)
+        d.send(link, "link", ranks, table)
+        p_comm, d_comm = p.result(LINK_TIMEOUT_S), d.result(LINK_TIMEOUT_S)
+        assert p_comm == 1 and d_comm == 1
+        assert d.call(wait_ok, d_comm)[-1] == "OK" and p.call(wait_ok, p_comm)[-1] == "OK"
+        assert d.call(plane, P_ID) == plane_name
+        d.call(pull, P_ID, [0, 1, 5], [7, 6, 2])
+        assert d.call(blocks, [7, 6, 2]) == p.call(blocks, [0, 1, 5])
+        assert d.call(register_remote_accessible_after_link) == f"LLMException:{int(S.LLM_PARAM_INVALID)}"
+        d.call(unlink, d_comm)
+        p.call(unlink, p_comm)
+        with pytest.raises(ChildError) as unknown:
+            d.call(query, d_comm)
+        assert unknown.value.status_code == S.LLM_NOT_YET_LINK
+        assert d.call(linked) == [] and p.call(linked) == []
+
+
+def test_three_members_link_in_a_mesh():
+    ranks = {1: 0, 2: 1, 3: 2}
+    devices = [{"device_id": "0", "device_ip": "127.0.0.1", "rank_id": str(r)} for r in range(3)]
+    table = json.dumps({"version": "1.2", "server_count": "1", "status": "completed",
+                        "server_list": [{"device": devices, "server_id": "1"}]})
+    with ExitStack() as stack:
+        members = [start(stack, cid) for cid in ranks]
+        for cluster in members:
+            cluster.call(register, cluster.cluster_id)
+        for cluster in members:
+            cluster.send(link, "mesh", ranks, table)
+        comm_ids = [cluster.result(LINK_TIMEOUT_S) for cluster in members]
+        for cluster, comm_id in zip(members, comm_ids):
+            assert cluster.call(wait_ok, comm_id)[-1] == "OK"
+            assert sorted(cluster.call(linked)) == sorted(set(ranks) - {cluster.cluster_id})
+        members[2].call(pull, 1, [3], [4])
+        assert members[2].call(blocks, [4]) == members[0].call(blocks, [3])
+        members[0].call(pull, 2, [5], [6])
+        assert members[0].call(blocks, [6]) == members[1].call(blocks, [5])
+
+
+def test_a_member_that_never_arrives_fails_the_link_in_time():
+    with ExitStack() as stack:
+        for cluster_id, ranks in ((P_ID, {P_ID: 0, D_ID: 1}), (D_ID, {P_ID: 0, D_ID: 1})):
+            lonely = start(stack, cluster_id, options={"llm.LinkTotalTime": "2"})
+            baseline = lonely.call(resources)
+            started = time.monotonic()
+            with pytest.raises(ChildError) as failed:
+                lonely.call(link, "alone", ranks, rank_table("one"), timeout=30)
+            took = time.monotonic() - started
+            assert failed.value.kind == "LLMException" and failed.value.status_code == S.LLM_LINK_FAILED
+            assert 1.5 < took < 6, took
+            assert lonely.call(settle_to, baseline) == baseline
+            assert lonely.call(linked) == []
+
+
+# -- the vllm-ascend connector's calls (spec §14.2-§14.5), in their order and argument forms --------
+
+def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: str, kv_seed: int, conn) -> None:
+    try:
+        from llm_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: F401
+        import llm_datadist
+        role = LLMRole.PROMPT if role_name == "kv_producer" else LLMRole.DECODER
+        dd = LLMDataDist(role, cluster_id)
+        cfg = LLMConfig()
+        cfg.device_id = 0
+        cfg.sync_kv_timeout = 33064
+        cfg.enable_switch_role = True
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = True
+        opts = cfg.generate_options()
+        dd.init(opts)
+        cm = dd.cache_manager
+        rng = np.random.default_rng(kv_seed)
+        kv = [rng.standard_normal((BLOCKS, 4, 2, 16)).astype(np.float16) for _ in range(4)]  # 2 layers x K/V
+        desc = CacheDesc(4, [BLOCKS, 4, 2, 16], llm_datadist.DataType.DT_FLOAT16)
+        cache = cm.register_blocks_cache(desc, [t.ctypes.data for t in kv], BlocksCacheKey(cluster_id=cluster_id))
+        p_id, d_id = (cluster_id, peer_id) if role_name == "kv_producer" else (peer_id, cluster_id)
+        comm_id = dd.link(f"pd_comm_127.0.0.1_127.0.0.1", {p_id: 0, d_id: 1}, table)
+        while True:
+            status = dd.query_register_mem_status(comm_id=comm_id)
+            if status == llm_datadist.RegisterMemStatus.OK:
+                break
+            if status == llm_datadist.RegisterMemStatus.FAILED:
+                raise RuntimeError("link failed")
+            time.sleep(0.05)
+        if role_name == "kv_consumer":
+            remote_ids, local_ids = [3, 4, 5], [0, 6, 7]
+            cm.pull_blocks(BlocksCacheKey(cluster_id=peer_id), cache, remote_ids, local_ids)
+            conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in local_ids]))
+        else:
+            conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in (3, 4, 5)]))
+        conn.recv()  # the parent says when both are done
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("shape", ["one", "two"])
+def test_vllm_ascend_call_sequence(shape):
+    ctx = multiprocessing.get_context("spawn")
+    table = rank_table(shape)
+    procs, conns = [], []
+    try:
+        for role, cid, peer, seed in (("kv_producer", P_ID, D_ID, 5), ("kv_consumer", D_ID, P_ID, 6)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_vllm_ascend_worker, args=(role, cid, peer, table, seed, child), daemon=True)
+            proc.start()
+            procs.append(proc)
+            conns.append(parent)
+        results = []
+        for conn in conns:
+            assert conn.poll(LINK_TIMEOUT_S), "a worker did not answer"
+            kind, value = conn.recv()
+            assert kind == "blocks", value
+            results.append(value)
+        assert results[1] == results[0], "the decoder's blocks differ from the prefill's"
+        for conn in conns:
+            conn.send("done")
+        for conn in conns:
+            assert conn.poll(30)
+            assert conn.recv() == ("ok", None)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+# ==================================================================================================
+# one-sided links as CANN's hixl backend makes them
+# ==================================================================================================
+
+def _info(remote_id: int, remote_port=None, local=True, extra_remote=False) -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_id
+    if local:
+        info.append_local_ip_info("127.0.0.1", 0)
+    if remote_port is not None:
+        info.append_remote_ip_info("127.0.0.1", remote_port)
+        if extra_remote:
+            info.append_remote_ip_info("127.0.0.1", remote_port)
+    return info
+
+
+def link_clusters(state, infos) -> list:
+    status, rets = state.dd.link_clusters(infos, 5000)
+    return [int(status), [int(r) for r in rets]]
+
+
+def unlink_clusters(state, infos, force: bool = False) -> list:
+    status, rets = state.dd.unlink_clusters(infos, 5000, force)
+    return [int(status), [int(r) for r in rets]]
+
+
+def mutual(state, remote_id: int, remote_port: int, barrier_file: str) -> list:
+    while not os.path.exists(barrier_file):
+        time.sleep(0.001)
+    return link_clusters(state, [_info(remote_id, remote_port)])
+
+
+@pytest.mark.parametrize("rounds", [range(5)])
+def test_simultaneous_mutual_links_both_succeed(tmp_path, rounds):
+    """Both clusters call link_clusters to each other at the same moment (CANN's hixl backend
+    sample): both get LLM_SUCCESS, each pulls and pushes, and each unlinks with a cluster info
+    holding only remote_cluster_id."""
+    for i in rounds:
+        with ExitStack() as stack:
+            p = stack.enter_context(Cluster(0, "PROMPT", listen=True, timeout=60.0))
+            d = stack.enter_context(Cluster(1, "DECODER", listen=True, timeout=60.0))
+            p.call(register, 1)
+            d.call(register, 2)
+            go = str(tmp_path / f"go{i}")
+            p.send(mutual, 1, d.address[1], go)
+            d.send(mutual, 0, p.address[1], go)
+            open(go, "w").close()
+            assert p.result(30) == [0, [0]] and d.result(30) == [0, [0]]
+            p.call(pull, 1, [2], [2])
+            d.call(push, 0, [0, 1], [0, 1])
+            assert p.call(blocks, [2, 0, 1]) == d.call(blocks, [2, 0, 1])
+            p.send(unlink_clusters, [_info(1, local=False)])
+            d.send(unlink_clusters, [_info(0, local=False)])
+            assert p.result(30) == [0, [0]] and d.result(30) == [0, [0]]
+            assert p.call(linked) == [] and d.call(linked) == []
+
+
+def test_linking_back_to_a_cluster_that_linked_here_succeeds():
+    with ExitStack() as stack:
+        p = stack.enter_context(Cluster(0, "PROMPT", listen=True, timeout=60.0))
+        d = stack.enter_context(Cluster(1, "DECODER", listen=True, timeout=60.0))
+        p.call(register, 1)
+        d.call(register, 2)
+        assert d.call(link_clusters, [_info(0, p.address[1])]) == [0, [0]]
+        assert p.call(link_clusters, [_info(1, d.address[1])]) == [0, [0]]
+        p.call(push, 1, [3], [4])
+        assert d.call(blocks, [4]) == p.call(blocks, [3])
+        # the same client linking again is still ALREADY_LINK
+        assert d.call(link_clusters, [_info(0, p.address[1])]) == [S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK]]
+
+
+def test_malformed_cluster_infos_are_reported_per_cluster():
+    with ExitStack() as stack:
+        p = stack.enter_context(Cluster(0, "PROMPT", listen=True, timeout=60.0))
+        d = stack.enter_context(Cluster(1, "DECODER", timeout=60.0))
+        infos = [_info(0, None), _info(0, p.address[1], extra_remote=True), _info(0, p.address[1])]
+        status, rets = d.call(link_clusters, infos)
+        assert rets == [S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID, S.LLM_SUCCESS] and status == S.LLM_PARAM_INVALID
+        status, rets = d.call(unlink_clusters, [_info(0, p.address[1], extra_remote=True), _info(0, local=False)])
+        assert rets == [S.LLM_PARAM_INVALID, S.LLM_SUCCESS]
+        # CANN's own checks still raise: no local ip info, no remote cluster id.
+        with pytest.raises(ChildError) as raised:
+            d.call(link_clusters, [_info(0, p.address[1], local=False)])
+        assert raised.value.status_code == S.LLM_PARAM_INVALID
