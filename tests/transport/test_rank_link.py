@@ -232,7 +232,7 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
         desc = CacheDesc(4, [BLOCKS, 4, 2, 16], llm_datadist.DataType.DT_FLOAT16)
         cache = cm.register_blocks_cache(desc, [t.ctypes.data for t in kv], BlocksCacheKey(cluster_id=cluster_id))
         p_id, d_id = (cluster_id, peer_id) if role_name == "kv_producer" else (peer_id, cluster_id)
-        comm_id = dd.link(f"pd_comm_127.0.0.1_127.0.0.1", {p_id: 0, d_id: 1}, table)
+        comm_id = dd.link("pd_comm_127.0.0.1_127.0.0.1", {p_id: 0, d_id: 1}, table)
         while True:
             status = dd.query_register_mem_status(comm_id=comm_id)
             if status == llm_datadist.RegisterMemStatus.OK:
