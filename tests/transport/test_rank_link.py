@@ -368,3 +368,69 @@ def test_malformed_cluster_infos_are_reported_per_cluster():
         with pytest.raises(ChildError) as raised:
             d.call(link_clusters, [_info(0, p.address[1], local=False)])
         assert raised.value.status_code == S.LLM_PARAM_INVALID
+
+
+# -- CANN's pull_cache / pull_from_cache_to_blocks samples: link first, then allocate keyed caches --
+
+POOL = '{"memory_size": 67108864}'
+SAMPLE_OPTIONS = {"llm.MemPoolConfig": POOL, "remote_cache_accessible": "0"}  # as CANN's samples configure it
+
+
+def allocate_keyed(state, req_ids: List[int], seed: int) -> List[bytes]:
+    """The prompt side: allocate a 4-tensor cache bound to CacheKey(1, req_id) rows, filled."""
+    from llm_datadist import CacheKey
+    desc = CacheDesc(4, [len(req_ids), 256], DataType.DT_FLOAT16, Placement.DEVICE)
+    keys = [CacheKey(prompt_cluster_id=1, req_id=r, model_id=0) for r in req_ids]
+    state.keyed = state.cm.allocate_cache(desc, keys)
+    views = state.keyed.as_numpy()
+    rng = np.random.default_rng(seed)
+    for view in views:
+        view[...] = rng.standard_normal(view.shape).astype(np.float16)
+    return [b"".join(v[row].tobytes() for v in views) for row in range(len(req_ids))]
+
+
+def pull_keyed(state, req_ids: List[int]) -> List[bytes]:
+    """The decoder side: allocate a cache and pull_cache each request's row into its batch index."""
+    from llm_datadist import CacheKey
+    desc = CacheDesc(4, [len(req_ids), 256], DataType.DT_FLOAT16, Placement.DEVICE)
+    cache = state.cm.allocate_cache(desc)
+    for index, req in enumerate(req_ids):
+        state.cm.pull_cache(CacheKey(prompt_cluster_id=1, req_id=req, model_id=0), cache, batch_index=index)
+    views = cache.as_numpy()
+    return [b"".join(v[row].tobytes() for v in views) for row in range(len(req_ids))]
+
+
+def pull_row_into_blocks(state, req: int) -> bytes:
+    from llm_datadist import CacheKey
+    desc = CacheDesc(4, [4, 64], DataType.DT_FLOAT16, Placement.DEVICE)
+    state.backing = [np.zeros((4, 64), np.float16) for _ in range(4)]
+    cache = state.cm.register_blocks_cache(desc, [t.ctypes.data for t in state.backing])
+    state.cm.pull_blocks(CacheKey(prompt_cluster_id=1, req_id=req, model_id=0), cache, src_blocks=[], dst_blocks=[0])
+    return b"".join(t[0].tobytes() for t in state.backing)
+
+
+def test_keyed_caches_allocated_after_the_link_are_pulled():
+    table = rank_table("two")
+    ranks = {P_ID: 0, D_ID: 1}
+    with ExitStack() as stack:
+        p = start(stack, P_ID, options=SAMPLE_OPTIONS)
+        d = start(stack, D_ID, options=SAMPLE_OPTIONS)
+        p.send(link, "link", ranks, table)
+        d.send(link, "link", ranks, table)
+        p_comm, d_comm = p.result(LINK_TIMEOUT_S), d.result(LINK_TIMEOUT_S)
+        assert p.call(wait_ok, p_comm)[-1] == "OK" and d.call(wait_ok, d_comm)[-1] == "OK"
+        rows = p.call(allocate_keyed, [0, 1], 9)
+        assert d.call(pull_keyed, [0, 1]) == rows
+        d.call(unlink, d_comm)
+        p.call(unlink, p_comm)
+    with ExitStack() as stack:
+        p = start(stack, P_ID, options=SAMPLE_OPTIONS)
+        d = start(stack, D_ID, options=SAMPLE_OPTIONS)
+        p.send(link, "link", ranks, table)
+        d.send(link, "link", ranks, table)
+        p_comm, d_comm = p.result(LINK_TIMEOUT_S), d.result(LINK_TIMEOUT_S)
+        assert d.call(wait_ok, d_comm)[-1] == "OK"
+        rows = p.call(allocate_keyed, [0], 10)
+        # The remote row (256 fp16 a tensor) is cut into blocks of 64 fp16; chunk 0 -> block 0.
+        expected = b"".join(rows[0][t * 512:t * 512 + 128] for t in range(4))
+        assert d.call(pull_row_into_blocks, 0) == expected
