@@ -316,7 +316,7 @@ def mutual(state, remote_id: int, remote_port: int, barrier_file: str) -> list:
     return link_clusters(state, [_info(remote_id, remote_port)])
 
 
-@pytest.mark.parametrize("rounds", [range(5)])
+@pytest.mark.parametrize("rounds", [range(8)])
 def test_simultaneous_mutual_links_both_succeed(tmp_path, rounds):
     """Both clusters call link_clusters to each other at the same moment (CANN's hixl backend
     sample): both get LLM_SUCCESS, each pulls and pushes, and each unlinks with a cluster info

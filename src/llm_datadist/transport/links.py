@@ -890,10 +890,17 @@ class LinkManager:
             old = self._peers.get(remote_cluster_id)
             if remote_cluster_id in self._linking:
                 return S.LLM_ALREADY_LINK
-            if old is not None and not old.hung_up():
-                if not old.ready:
-                    return S.LLM_ALREADY_LINK
-                return S.LLM_ALREADY_LINK if old.is_client and comm is None else S.LLM_SUCCESS
+            live = old is not None and not old.hung_up()
+            if live and old.is_client:
+                return S.LLM_ALREADY_LINK if comm is None else S.LLM_SUCCESS
+            if live and old.ready:
+                return S.LLM_SUCCESS  # the peer linked to this cluster: that link serves both
+        if live:  # the peer's link to this cluster is being made right now: it will serve both
+            return self._await_mutual(remote_cluster_id, deadline)
+        with self._lock:
+            old = self._peers.get(remote_cluster_id)
+            if remote_cluster_id in self._linking or (old is not None and not old.hung_up()):
+                return S.LLM_ALREADY_LINK
             if old is not None:
                 self._forget(old, "its connections were closed")
             self._linking.add(remote_cluster_id)
