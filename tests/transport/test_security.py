@@ -618,3 +618,100 @@ def test_every_refusal_of_a_tcp_push_or_pull_reaches_the_caller(refusal, expecte
             assert wire.OP_PUSH in ops and wire.OP_PULL in ops
     finally:
         server.close()
+
+
+# ==================================================================================================
+# a peer of another user never gets the same-host plane
+# ==================================================================================================
+
+#: A raw peer in plain standard-library Python (it runs as another user, who cannot read this
+#: checkout's interpreter or package): links over the server's Unix socket, answers the server's
+#: table request with an honest table whose probe cookie really is its own memory, then waits.
+OTHER_USER_PEER = r"""
+import ctypes, json, os, socket, struct, sys
+HEADER = struct.Struct("<4sHHIQQ")
+MAGIC, VERSION = b"LLDD", int(sys.argv[3])
+OP = dict(HELLO=1, HELLO_REPLY=2, TABLE_GET=3, TABLE=4, CHALLENGE=15, AUTH=16)
+def send(sock, op, obj, req_id=1):
+    body = json.dumps(obj).encode()
+    sock.sendall(HEADER.pack(MAGIC, VERSION, op, 0, req_id, len(body)) + body)
+def recv(sock):
+    head = b""
+    while len(head) < HEADER.size:
+        chunk = sock.recv(HEADER.size - len(head))
+        if not chunk:
+            raise EOFError
+        head += chunk
+    _, _, op, status, req_id, length = HEADER.unpack(head)
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return op, status, req_id, json.loads(body) if body else {}
+def handshake(sock, request):
+    send(sock, OP["HELLO"], {"cluster_id": 88, "nonce": os.urandom(32).hex(), "auth": False})
+    assert recv(sock)[1] == 0
+    send(sock, OP["AUTH"], request)
+    op, status, _, reply = recv(sock)
+    assert status == 0, reply
+    return reply
+first = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+reply = handshake(first, {"purpose": "link", "role": "DECODER", "planes": ["cma", "tcp"], "host": {},
+                          "remote_cache_accessible": True, "connections": [1, 1]})
+conns = []
+for purpose in ("forward", "reverse"):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + reply["unix"])
+    handshake(sock, {"purpose": purpose, "token": reply["token"]})
+    conns.append(sock)
+first.close()
+cookie = ctypes.c_uint64(0x1234567890ABCDEF)
+counter = ctypes.c_uint64(1)
+print("ready", flush=True)
+reverse = conns[1]
+while True:
+    try:
+        op, _, req_id, _ = recv(reverse)
+    except (EOFError, OSError):
+        break
+    table = {"generation": 1, "caches": [], "blocks": [], "keys": [],
+             "same_host": {"probe": [ctypes.addressof(cookie), cookie.value],
+                           "generation_addr": ctypes.addressof(counter), "generation_fd": -1}}
+    send(reverse, OP["TABLE"], table, req_id)
+"""
+
+
+def test_a_peer_of_another_user_gets_tcp():
+    import pwd
+    import shutil
+    import subprocess
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root (to start a process as another user) and a system python3")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' user")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        proc = subprocess.Popen([python, "-c", OTHER_USER_PEER, str(server.address[1]), "unused",
+                                 str(wire.PROTOCOL_VERSION)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                preexec_fn=lambda: (os.setgid(nobody.pw_gid), os.setuid(nobody.pw_uid)))
+        stack.callback(lambda: (proc.kill(), proc.wait(5)))
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        assert server.call(_peer_uid, 88) == nobody.pw_uid
+        assert server.call(data_plane, 88) == "tcp"
+        # The same peer as this user would get cma: the probe is honest, only the user differs.
+        assert server.call(_plane_if_same_user, 88) == "cma"
+
+
+def _peer_uid(state, remote_id: int) -> int:
+    return state.dd._engine.links.peer(remote_id).uid
+
+
+def _plane_if_same_user(state, remote_id: int) -> str:
+    links = state.dd._engine.links
+    peer = links.peer(remote_id)
+    _, info = links._fetch_table(peer, 3000)
+    peer.uid = os.geteuid()
+    return links._choose_plane(peer, info)
