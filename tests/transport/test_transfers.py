@@ -570,7 +570,8 @@ def test_tensor_num_per_layer_above_the_tensor_count(py_pair, base):
     check_refused(py_pair, _with(base, kwargs={**call.kwargs, "tensor_num_per_layer": 5}), PI)
 
 
-@pytest.mark.parametrize("target,expected", [("self", NOT_LINKED), ("unlinked", NOT_LINKED)], ids=["own-id", "not-linked"])
+@pytest.mark.parametrize("target,expected", [("self", NOT_LINKED), ("unlinked", NOT_LINKED)],
+                         ids=["own-id", "not-linked"])
 @pytest.mark.parametrize("base", list(BASE))
 def test_wrong_peer_refused(py_pair, base, target, expected):
     check_refused(py_pair, BASE[base], expected, target)
