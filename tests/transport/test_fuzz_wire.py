@@ -137,7 +137,8 @@ class Checker:
         server = self.server
         before = server.counters()
         expected = self.model.expect(case.data, server.session(case))
-        observed = server.run(case)
+        observed = server.run(case, sum(wire.HEADER_BYTES + (len(r.value) if r.kind == "bytes" else 4096)
+                                        for r in expected.replies))
         try:
             self._compare(case, expected, observed, before)
         except Mismatch as exc:
@@ -207,7 +208,8 @@ class Checker:
     def _count(self, case: Case, expected: Expected, observed: Observed) -> None:
         summary = self.summary
         summary["cases"][case.mode + (" (secret)" if case.secret else "")] += 1
-        summary["mutated"]["yes" if case.mutations else "no"] += 1
+        summary["inputs"]["well-behaved session" if case.clean else "mutated" if case.mutations
+                          else "built wrong, not mutated"] += 1
         summary["ends"][expected.end] += 1
         for name, result in expected.frames:
             summary[name][result] += 1
@@ -221,7 +223,7 @@ class Checker:
         lines = [f"wire fuzz: {cases} cases in {seconds:.1f} s ({cases / max(seconds, 1e-9):.0f}/s); "
                  f"slowest case {self.slowest[1]} ({self.slowest[0] * 1000:.0f} ms); "
                  f"{self.written} bytes written by accepted pushes"]
-        for key in ("cases", "mutated", "ends", "known bugs"):
+        for key in ("cases", "inputs", "ends", "known bugs"):
             lines.append(f"  {key}: {dict(self.summary[key].most_common())}")
         lines.append("  frames per op (accepted / refused / stale table / closed the connection):")
         for name in sorted(n for n in self.summary if n in wire.OP_NAMES.values()):
@@ -380,7 +382,8 @@ def test_deeply_nested_json_is_a_protocol_error(fuzz_server, fuzzing, where):
         segments = [_hello(DEEP)]
     else:
         segments = _forward_handshake(1234, token) + [Segment("NOTIFY", frame(wire.OP_NOTIFY, DEEP, req_id=9))]
-    case = Case(0, "forward", secret=False, notify=True, unix=True, peer_id=1234, token=token, segments=segments)
+    case = Case(0, "forward", secret=False, notify=True, unix=True, clean=False, peer_id=1234, token=token,
+                segments=segments)
     expected, observed, deltas = _single(fuzz_server, case)
     assert expected.end == "protocol_error" and expected.known_bug == "RecursionError"
     assert observed.escape is None, observed.escape_trace
@@ -393,7 +396,7 @@ def test_deeply_nested_json_is_a_protocol_error(fuzz_server, fuzzing, where):
 def test_infinite_number_in_a_key_release_is_a_protocol_error(fuzz_server, fuzzing, payload):
     """OP_KEY_DONE with a JSON number Python reads as infinity: int(inf) raises OverflowError,
     which _handle does not catch (only KeyError, TypeError, ValueError), so it leaves _serve."""
-    case = Case(0, "direct", secret=False, notify=False, unix=False, peer_id=1235, token="c1" * 16,
+    case = Case(0, "direct", secret=False, notify=False, unix=False, clean=False, peer_id=1235, token="c1" * 16,
                 segments=[Segment("KEY_DONE", frame(wire.OP_KEY_DONE, payload, req_id=5))])
     expected, observed, deltas = _single(fuzz_server, case)
     assert expected.end == "protocol_error" and expected.known_bug == "OverflowError"
@@ -418,7 +421,7 @@ def test_the_oracle_and_the_server_agree_on_hand_made_cases(fuzz_server, fuzzing
                 Segment("PUSH", frame(wire.OP_PUSH, outside, req_id=3)),
                 Segment("PUSH", frame(wire.OP_PUSH, stale, req_id=4)),
                 Segment("PULL", frame(wire.OP_PULL, pull, req_id=5))]
-    case = Case(0, "direct", secret=False, notify=False, unix=False, peer_id=1236, token="c2" * 16,
+    case = Case(0, "direct", secret=False, notify=False, unix=False, clean=False, peer_id=1236, token="c2" * 16,
                 segments=segments)
     expected = checker.check(case)
     assert [(r.op, r.status, r.req_id) for r in expected.replies] == [

@@ -69,6 +69,7 @@ class Case:
     secret: bool              # the server requires the link secret
     notify: bool              # the server has a notification handler
     unix: bool                # direct mode: the forged link's peer is a proven Unix peer
+    clean: bool               # a well-behaved session: only requests a real peer sends, unmutated
     peer_id: int              # the cluster id of the staged (or directly linked) peer
     token: str                # the staged link's token
     segments: List[Segment]
@@ -80,9 +81,10 @@ class Case:
 
     def describe(self, limit: int = 512) -> str:
         data = self.data
-        parts = ", ".join(f"{s.kind}[{len(s.data)}]" for s in self.segments)
+        parts = ", ".join(f"{s.kind}[{len(s.data)}]" for s in self.segments[:40])
         shown = data[:limit].hex()
         return (f"case {self.index}: mode={self.mode} secret={self.secret} notify={self.notify} unix={self.unix} "
+                f"clean={self.clean} "
                 f"peer={self.peer_id} segments=[{parts}] mutations={self.mutations}\n"
                 f"  {len(data)} bytes: {shown}{'...' if len(data) > limit else ''}")
 
@@ -102,10 +104,19 @@ class CaseGenerator:
         mode = ("forward" if roll < 0.55 else "link" if roll < 0.66 else "reverse" if roll < 0.69
                 else "handshake" if roll < 0.75 else "direct")
         case = Case(index, mode, secret=mode != "direct" and rng.random() < 0.35, notify=rng.random() < 0.5,
-                    unix=rng.random() < 0.5, peer_id=1000 + rng.randrange(1000), token=rng.randbytes(16).hex(),
-                    segments=[])
+                    unix=rng.random() < 0.5, clean=False, peer_id=1000 + rng.randrange(1000),
+                    token=rng.randbytes(16).hex(), segments=[])
         if mode != "direct":
-            self._handshake(rng, case)
+            self._handshake(rng, case, clean=False)
+        if mode in ("forward", "direct") and rng.random() < 0.15:
+            # A well-behaved session: requests a real peer could send, nothing mutated.
+            if mode != "direct":
+                case.segments.clear()
+                self._handshake(rng, case, clean=True)
+            for _ in range(rng.randint(3, 10)):
+                case.segments.append(self._valid_request(rng))
+            case.clean = True
+            return case
         if mode in ("forward", "direct") or rng.random() < 0.1:
             for _ in range(rng.choice((1, 1, 2, 2, 3, 3, 4, 5, 6, 8))):
                 case.segments.append(self._request(rng))
@@ -115,13 +126,13 @@ class CaseGenerator:
         return case
 
     # -- handshake ------------------------------------------------------------------------------
-    def _handshake(self, rng: random.Random, case: Case) -> None:
+    def _handshake(self, rng: random.Random, case: Case, clean: bool) -> None:
         t = self.target
         hello: Dict[str, Any] = {"cluster_id": case.peer_id, "nonce": rng.randbytes(auth.NONCE_BYTES).hex(),
                                  "auth": case.secret}
         if case.mode == "link":
             hello["cluster_id"] = rng.choice([rng.randrange(2000, 3000)] * 6 + [case.peer_id, t.cluster_id])
-        if rng.random() < 0.12:
+        if not clean and rng.random() < 0.12:
             key = rng.choice(["cluster_id", "nonce", "auth"])
             if rng.random() < 0.25:
                 del hello[key]
@@ -129,7 +140,7 @@ class CaseGenerator:
                 hello[key] = rng.choice([
                     -1, 2**64, U64_MAX, 0, 1.0, True, None, "1", [1], {}, "ab" * 31, "zz" * 32, "AB" * 32,
                     not case.secret, "ab" * 32 + "\n"])
-        if rng.random() < 0.05:
+        if not clean and rng.random() < 0.05:
             hello[rng.choice(["extra", "pid", "x" * 100])] = self._json_value(rng, 2)
         if case.mode == "link":
             message: Dict[str, Any] = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {},
@@ -145,24 +156,53 @@ class CaseGenerator:
                        "token": case.token}
         else:
             message = {"purpose": case.mode, "token": case.token}
-            if rng.random() < 0.1:
+            if not clean and rng.random() < 0.1:
                 message["token"] = rng.choice([case.token.upper(), case.token[:-1], "", None, 1, [case.token],
                                                rng.randbytes(16).hex()])
-        if case.secret or rng.random() < 0.05:
-            secret = t.link_secret if rng.random() < 0.9 else b"not the secret"
+        if case.secret or (not clean and rng.random() < 0.05):
+            secret = t.link_secret if clean or rng.random() < 0.9 else b"not the secret"
             try:
                 args = (hello["nonce"], t.server_nonce, hello["cluster_id"], t.cluster_id)
                 proof, reflected = auth.proof(secret, "client", *args), auth.proof(secret, "server", *args)
             except (KeyError, TypeError, ValueError, AttributeError):  # a hello perturbed beyond proving
                 proof = reflected = "00" * 32
-            message["proof"] = rng.choice([proof] * 8 + [proof.upper(), proof[:-2], "", None, 0, [proof], reflected])
-        if rng.random() < 0.05:
+            message["proof"] = proof if clean else rng.choice([proof] * 8 + [proof.upper(), proof[:-2], "", None, 0,
+                                                                             [proof], reflected])
+        if not clean and rng.random() < 0.05:
             message[rng.choice(["extra", "pid", "unix"])] = self._json_value(rng, 2)
-        case.segments.append(Segment("hello", frame(wire.OP_HELLO, self._control(rng, hello, 0.04),
+        weird = 0.0 if clean else 0.04
+        case.segments.append(Segment("hello", frame(wire.OP_HELLO, self._control(rng, hello, weird),
                                                      req_id=rng.choice([1, 1, 0, U64_MAX]))))
-        case.segments.append(Segment("auth", frame(wire.OP_AUTH, self._control(rng, message, 0.04))))
+        case.segments.append(Segment("auth", frame(wire.OP_AUTH, self._control(rng, message, weird))))
 
     # -- requests -------------------------------------------------------------------------------
+    def _valid_request(self, rng: random.Random) -> Segment:
+        req_id = rng.randrange(2, 1 << 32)
+        roll = rng.random()
+        if roll < 0.7:
+            op = rng.choice((wire.OP_PUSH, wire.OP_PULL))
+            descs = []
+            for _ in range(rng.choice((0, 1, 1, 2, 3, 4, 8, 16)) if rng.random() < 0.99 else rng.randint(1000, 2100)):
+                addr, size = rng.choice(self.target.tensors)
+                offset = rng.randrange(size)
+                nbytes = rng.randint(0, min(size - offset, 256 if len(descs) < 16 else 4))
+                descs.append((rng.getrandbits(40), addr + offset, nbytes) if op == wire.OP_PUSH
+                             else (addr + offset, rng.getrandbits(40), nbytes))
+            packed = b"".join(wire.U64.pack(v) for d in descs for v in d)
+            generation = self.target.generation
+            if op == wire.OP_PUSH:
+                data = rng.randbytes(sum(n for _, _, n in descs))
+                return Segment("PUSH", frame(op, wire.U64x2.pack(generation, len(packed)) + packed + data, req_id))
+            return Segment("PULL", frame(op, wire.U64.pack(generation) + packed, req_id))
+        if roll < 0.8:
+            return Segment("TABLE_GET", frame(wire.OP_TABLE_GET, b"{}", req_id))
+        if roll < 0.9:
+            message = {"request": rng.randrange(1000), "blocks": [rng.randrange(64) for _ in range(rng.randrange(5))]}
+            return Segment("NOTIFY", frame(wire.OP_NOTIFY, json.dumps(message).encode(), req_id))
+        key = [rng.choice(["blocks", "prefix", "cache"]), rng.randrange(100), rng.randrange(4)]
+        body = json.dumps({"key": key, "tensors": [rng.randrange(4) for _ in range(rng.randrange(4))]}).encode()
+        return Segment("KEY_DONE", frame(wire.OP_KEY_DONE, body, req_id))
+
     def _request(self, rng: random.Random) -> Segment:
         req_id = rng.choice([rng.randrange(2, 1000), 0, U64_MAX, rng.getrandbits(64)])
         status = 0 if rng.random() < 0.9 else rng.getrandbits(32)
@@ -246,7 +286,7 @@ class CaseGenerator:
 
     def _descriptors(self, rng: random.Random, checked_side: str) -> List[Tuple[int, int, int]]:
         descs = []
-        for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 3, 4, 6))):
+        for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 3, 4, 6, 12))):
             addr, nbytes = self._range(rng)
             other = rng.choice([0, rng.getrandbits(40), U64_MAX if rng.random() < 0.1 else 4096])
             if checked_side == "dst":

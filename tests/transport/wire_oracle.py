@@ -15,6 +15,7 @@ there is no timing in this model: a frame that stops short is a truncated frame.
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import json
 import struct
@@ -107,11 +108,16 @@ class Ranges:
             else:
                 merged.append([start, end])
         self.spans = [(a, b) for a, b in merged]
+        self._starts = [a for a, _ in self.spans]
 
     def contains(self, addr: int, nbytes: int) -> bool:
         """Whether ``[addr, addr + nbytes)`` lies in one range (a zero-byte range must start
         inside one)."""
-        return any(a <= addr < b and nbytes <= b - addr for a, b in self.spans)
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return False
+        end = self.spans[i][1]
+        return addr < end and nbytes <= end - addr
 
 
 class Stream:
