@@ -17,11 +17,14 @@ counters move and which registered bytes the case may write; after every case:
 * the link table holds no leftover link, no transfer is still pinned, and the number of threads
   and open descriptors is back to what it was.
 
-At the end, guards and secret are checked against their original bytes, and a legitimate
-cluster in another process links to the server over TCP (with the link secret) and pushes and
-pulls blocks byte-exactly.
+A legitimate cluster in another process is linked to the server over TCP (with the link secret)
+for the whole fuzz: link requests claiming its id are refused, its link is never replaced or
+dropped, and every ``LEGIT_EVERY`` cases and at the end it pushes and pulls blocks byte-exactly.
+At the end the guards and the secret are also checked against their original bytes, and after
+the unlink the server's threads and descriptors are back to what they were before the link.
 
-``LLM_DATADIST_FUZZ_CASES`` sets the number of cases (default ``DEFAULT_CASES``),
+``LLM_DATADIST_FUZZ_CASES`` sets the number of cases (default ``DEFAULT_CASES``: about 50 s on
+two idle cores, under 2 minutes on two busy ones),
 ``LLM_DATADIST_FUZZ_SEED`` the seed; a failure names the case, and
 ``LLM_DATADIST_FUZZ_FIRST=<case>`` with ``LLM_DATADIST_FUZZ_CASES=1`` replays it alone.
 """
@@ -34,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -50,7 +53,7 @@ from wire_harness import CACHES, LINK_SECRET, SERVER_ID, SERVER_NONCE, FuzzServe
 from wire_oracle import Expected, ServerModel
 
 S = LLMStatusCode
-DEFAULT_CASES = 20000
+DEFAULT_CASES = 100_000
 CLIENT_ID = 42
 #: Exceptions by which the server is known to leave its connection code instead of closing the
 #: connection as a protocol error (each pinned by a strict xfail test below).
@@ -82,10 +85,12 @@ def fuzzing(fuzz_server, monkeypatch):
     """The server set up for a run: a fixed challenge nonce, short timeouts, quiet logs, and
     every exception of another thread recorded."""
     monkeypatch.setattr(auth, "new_nonce", lambda: SERVER_NONCE)
-    # Every case's bytes are in the socket (or the peer's side is shut) before the server waits
-    # on them: a timeout is never what ends a case, these only bound a server that hangs.
-    monkeypatch.setattr(links_module, "FRAME_TIMEOUT_MS", 2000)
-    monkeypatch.setattr(fuzz_server.links, "handshake_ms", 2000)
+    # A case's bytes are all in the socket, and its end shut, before the server waits on them
+    # (or, for the few larger than the socket buffer, written as fast as it reads): a truncated
+    # frame ends at the end of the stream, never at a timeout. These only bound a server that
+    # hangs, and are long enough that a busy machine never ends a case early.
+    monkeypatch.setattr(links_module, "FRAME_TIMEOUT_MS", 5000)
+    monkeypatch.setattr(fuzz_server.links, "handshake_ms", 5000)
     logger = logging.getLogger("llm_datadist")
     level = logger.level
     logger.setLevel(logging.CRITICAL + 1)
@@ -125,9 +130,10 @@ class Mismatch(AssertionError):
 class Checker:
     """Runs cases against the server and holds it to the oracle; keeps the summary."""
 
-    def __init__(self, server: FuzzServer, model: ServerModel) -> None:
+    def __init__(self, server: FuzzServer, model: ServerModel, live: Optional[Dict[int, object]] = None) -> None:
         self.server = server
         self.model = model
+        self.live = dict(live or {})  # links made before the fuzz: never replaced, never dropped
         self.baseline = _resources()
         self.summary: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.slowest = (0.0, -1)
@@ -136,7 +142,7 @@ class Checker:
     def check(self, case: Case) -> Expected:
         server = self.server
         before = server.counters()
-        expected = self.model.expect(case.data, server.session(case))
+        expected = self.model.expect(case.data, server.session(case, tuple(self.live)))
         observed = server.run(case, sum(wire.HEADER_BYTES + (len(r.value) if r.kind == "bytes" else 4096)
                                         for r in expected.replies))
         try:
@@ -170,7 +176,7 @@ class Checker:
         links = server.links
         with links._lock:
             left = (dict(links._peers), dict(links._pending), set(links._incoming), links._handshakes)
-        if left != ({}, {}, set(), 0):
+        if left != (self.live, {}, set(), 0):
             raise Mismatch(f"left in the link table: peers {left[0]}, pending {left[1]}, incoming {left[2]}, "
                            f"handshakes {left[3]}")
         if server.engine._pinned:
@@ -216,6 +222,8 @@ class Checker:
         if observed.escape is not None:
             summary["known bugs"][type(observed.escape).__name__] += 1
         self.written += expected.written
+        for note in expected.notes:
+            summary[note][case.mode] += 1
         if observed.seconds > self.slowest[0]:
             self.slowest = (observed.seconds, case.index)
 
@@ -223,7 +231,7 @@ class Checker:
         lines = [f"wire fuzz: {cases} cases in {seconds:.1f} s ({cases / max(seconds, 1e-9):.0f}/s); "
                  f"slowest case {self.slowest[1]} ({self.slowest[0] * 1000:.0f} ms); "
                  f"{self.written} bytes written by accepted pushes"]
-        for key in ("cases", "inputs", "ends", "known bugs"):
+        for key in ("cases", "inputs", "ends", "known bugs", "hijack attempts"):
             lines.append(f"  {key}: {dict(self.summary[key].most_common())}")
         lines.append("  frames per op (accepted / refused / stale table / closed the connection):")
         for name in sorted(n for n in self.summary if n in wire.OP_NAMES.values()):
@@ -235,20 +243,32 @@ class Checker:
 
 # -- the fuzz --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_wire_fuzz(fuzz_server, fuzzing):
     cases = _env_int("LLM_DATADIST_FUZZ_CASES", DEFAULT_CASES)
     seed = _env_int("LLM_DATADIST_FUZZ_SEED", 10)
     first = _env_int("LLM_DATADIST_FUZZ_FIRST", 0)
     server = fuzz_server
-    generator = CaseGenerator(server.target(), seed)
-    checker = Checker(server, server.model())
-    started = time.monotonic()
-    for index in range(first, first + cases):
-        checker.check(generator.case(index))
-    seconds = time.monotonic() - started
-    print("\n" + checker.report(cases, seconds))
-    assert fuzzing == [], f"exceptions in other threads: {fuzzing}"
-    assert server.guards_intact(), "a guard byte or the secret changed"
+    before_link = _server_resources()
+    with LegitimatePeer(server) as legit:
+        generator = CaseGenerator(server.target(linked=[CLIENT_ID]), seed)
+        checker = Checker(server, server.model(), live={CLIENT_ID: legit.peer})
+        started = time.monotonic()
+        for n, index in enumerate(range(first, first + cases), 1):
+            checker.check(generator.case(index))
+            if n % LEGIT_EVERY == 0:
+                legit.transfer_and_check(checker, n)
+        seconds = time.monotonic() - started
+        print("\n" + checker.report(cases, seconds) + f"\n  legitimate transfers checked: {legit.rounds}")
+        assert fuzzing == [], f"exceptions in other threads: {fuzzing}"
+        assert server.guards_intact(), "a guard byte or the secret changed"
+        legit.transfer_and_check(checker, cases + 1)
+        legit.unlink()
+    deadline = time.monotonic() + 10
+    while (_server_resources() != before_link or server.links.has_links()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.links.has_links()
+    assert _server_resources() == before_link
     if cases >= 2000:  # the generator still reaches every outcome the fuzz is meant to cover
         summary = checker.summary
         for name in ("OP_PUSH", "OP_PULL"):
@@ -260,22 +280,23 @@ def test_wire_fuzz(fuzz_server, fuzzing):
         for end in ("eof", "protocol_error", "link_failure", "auth_refused", "refused", "unlinked",
                     "handed_over", "link_abandoned"):
             assert summary["ends"][end] > 0, (end, summary["ends"])
-    _legitimate_peer_works(server, checker)
+        assert summary["hijack attempts"]["link"] > 0
 
 
-# -- a legitimate peer afterwards ------------------------------------------------------------------
+# -- a legitimate peer, linked throughout ------------------------------------------------------------
 
 LEGIT_SEED = 77
+#: The legitimate peer pushes and pulls after every this many cases.
+LEGIT_EVERY = 2500
 
 
-def _register_like_model_0(state, blocks: int, block_bytes: int) -> List[bytes]:
+def _register_like_model_0(state, blocks: int, block_bytes: int) -> None:
     arrays = [np.random.default_rng(LEGIT_SEED + i).integers(0, 256, blocks * block_bytes, dtype=np.uint8)
               for i in range(2)]
     state.arrays["legit"] = arrays
     desc = CacheDesc(2, [blocks, block_bytes], DataType.DT_UINT8, Placement.HOST)
     state.caches["legit"] = state.cm.register_blocks_cache(desc, [a.ctypes.data for a in arrays],
                                                            BlocksCacheKey(state.cluster_id, 0))
-    return [bytes(a) for a in arrays]
 
 
 def _link_to(state, remote_id: int, ip: str, port: int) -> List[int]:
@@ -287,10 +308,14 @@ def _link_to(state, remote_id: int, ip: str, port: int) -> List[int]:
     return [int(status)] + [int(r) for r in rets]
 
 
+def _blocks(state) -> List[bytes]:
+    return [bytes(a) for a in state.arrays["legit"]]
+
+
 def _transfer(state, op: str, remote_id: int, src: List[int], dst: List[int]) -> List[bytes]:
     method = state.cm.push_blocks if op == "push" else state.cm.pull_blocks
     method(BlocksCacheKey(remote_id, 0), state.caches["legit"], src, dst)
-    return [bytes(a) for a in state.arrays["legit"]]
+    return _blocks(state)
 
 
 def _unlink(state, remote_id: int, ip: str, port: int) -> int:
@@ -301,40 +326,80 @@ def _unlink(state, remote_id: int, ip: str, port: int) -> int:
     return int(status)
 
 
-def _legitimate_peer_works(server: FuzzServer, checker: Checker) -> None:
-    """A real cluster (another process, TCP plane, the link secret) links to the fuzzed server
-    and pushes and pulls blocks byte-exactly; nothing else changes; everything is released."""
-    _, _, blocks, block_bytes, _ = next(c for c in CACHES if c[0] == 0)
-    baseline = _server_resources()
-    server.links.secret = LINK_SECRET
-    tensors = server.cache_tensors[0]
-    ip, port = server.address
-    with Cluster(CLIENT_ID, "DECODER", plane="tcp", options={"llm.LinkSecret": LINK_SECRET.decode()},
-                 timeout=60.0) as client:
-        mine = client.call(_register_like_model_0, blocks, block_bytes)
-        assert client.call(_link_to, SERVER_ID, ip, port) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
-        src, dst = [0, 3, 5], [7, 1, 2]
+class LegitimatePeer:
+    """A real cluster in another process (TCP plane, the link secret) linked to the fuzzed
+    server for the whole fuzz: its link must never be replaced or dropped, and its pushes and
+    pulls must stay byte-exact."""
+
+    def __init__(self, server: FuzzServer) -> None:
+        self.server = server
+        _, _, self.blocks, self.block_bytes, _ = next(c for c in CACHES if c[0] == 0)
+        self.rng = np.random.default_rng(LEGIT_SEED)
+        self.rounds = 0
+        self.client: Optional[Cluster] = None
+
+    def __enter__(self) -> "LegitimatePeer":
+        server = self.server
+        server.links.secret = LINK_SECRET
+        self.client = Cluster(CLIENT_ID, "DECODER", plane="tcp", options={"llm.LinkSecret": LINK_SECRET.decode()},
+                              timeout=60.0)
+        try:
+            self.client.call(_register_like_model_0, self.blocks, self.block_bytes)
+            ip, port = server.address
+            assert self.client.call(_link_to, SERVER_ID, ip, port) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+            # The server's side of the link is settled once it has chosen its plane; its
+            # handshake threads are gone once the thread count holds still.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                peer = server.links._peers.get(CLIENT_ID)
+                if peer is not None and peer.plane is not None:
+                    count = threading.active_count()
+                    time.sleep(0.2)
+                    if threading.active_count() == count:
+                        break
+                time.sleep(0.02)
+            self.peer = server.links.peer(CLIENT_ID)
+            assert self.peer.plane == "tcp", self.peer.plane
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def transfer_and_check(self, checker: "Checker", when: int) -> None:
+        """A push of some of its blocks to the server and a pull of others back: the bytes
+        arrive exactly, and nothing else in the server's buffers changes."""
+        server, client = self.server, self.client
+        size = self.block_bytes
+        tensors = server.cache_tensors[0]
+        src, dst = [self.rng.choice(self.blocks, 3, replace=False).tolist() for _ in range(2)]
+        mine = client.call(_blocks)
         client.call(_transfer, "push", SERVER_ID, src, dst)
         for t, (addr, _) in enumerate(tensors):
             for s, d in zip(src, dst):
-                real = _read(server, addr + d * block_bytes, block_bytes)
-                assert real == mine[t][s * block_bytes:(s + 1) * block_bytes], (t, s, d)
-                checker.model.shadow.write(addr + d * block_bytes, real)
-        pulled = client.call(_transfer, "pull", SERVER_ID, [6, 7], [4, 0])
+                real = _read(server, addr + d * size, size)
+                assert real == mine[t][s * size:(s + 1) * size], f"after case {when}: push of block {s} to {d}"
+                checker.model.shadow.write(addr + d * size, real)
+        src, dst = [self.rng.choice(self.blocks, 2, replace=False).tolist() for _ in range(2)]
+        pulled = client.call(_transfer, "pull", SERVER_ID, src, dst)
         for t, (addr, _) in enumerate(tensors):
-            for s, d in zip([6, 7], [4, 0]):
-                assert pulled[t][d * block_bytes:(d + 1) * block_bytes] == _read(server, addr + s * block_bytes,
-                                                                                 block_bytes), (t, s, d)
+            for s, d in zip(src, dst):
+                assert pulled[t][d * size:(d + 1) * size] == _read(server, addr + s * size, size), \
+                    f"after case {when}: pull of block {s} to {d}"
         for (_, shadow), real in zip(checker.model.shadow.buffers, server.buffers):
-            assert np.array_equal(real, shadow), "the legitimate transfers changed bytes they did not name"
+            assert np.array_equal(real, shadow), f"after case {when}: the legitimate transfers changed other bytes"
         assert server.guards_intact() and server.private_words_intact()
-        assert client.call(_unlink, SERVER_ID, ip, port) == S.LLM_SUCCESS
-    client.process.close()
-    deadline = time.monotonic() + 10
-    while (_server_resources() != baseline or server.links.has_links()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not server.links.has_links()
-    assert _server_resources() == baseline
+        assert server.links.linked_clusters() == [CLIENT_ID] and server.links.lost_links().get(CLIENT_ID) is None
+        self.rounds += 1
+
+    def unlink(self) -> None:
+        ip, port = self.server.address
+        assert self.client.call(_unlink, SERVER_ID, ip, port) == S.LLM_SUCCESS
+
+    def __exit__(self, *exc) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
+            client.process.close()  # its sentinel pipes
 
 
 def _read(server: FuzzServer, addr: int, nbytes: int) -> bytes:

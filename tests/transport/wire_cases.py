@@ -47,6 +47,7 @@ class Target:
 
     cluster_id: int
     generation: int
+    linked: List[int]                # clusters linked to it (a new link claiming one is a hijack)
     remote_accessible: bool
     tensors: List[Tuple[int, int]]   # registered (addr, nbytes)
     buffers: List[Tuple[int, int]]   # every buffer holding them, guards included
@@ -131,7 +132,7 @@ class CaseGenerator:
         hello: Dict[str, Any] = {"cluster_id": case.peer_id, "nonce": rng.randbytes(auth.NONCE_BYTES).hex(),
                                  "auth": case.secret}
         if case.mode == "link":
-            hello["cluster_id"] = rng.choice([rng.randrange(2000, 3000)] * 6 + [case.peer_id, t.cluster_id])
+            hello["cluster_id"] = rng.choice([rng.randrange(2000, 3000)] * 6 + [case.peer_id, t.cluster_id] + t.linked)
         if not clean and rng.random() < 0.12:
             key = rng.choice(["cluster_id", "nonce", "auth"])
             if rng.random() < 0.25:

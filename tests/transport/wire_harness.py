@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -167,8 +167,8 @@ class FuzzServer:
         self.dd.finalize()
 
     # -- what the fuzzer and its oracle know ------------------------------------------------------
-    def target(self) -> Target:
-        return Target(cluster_id=SERVER_ID, generation=self.engine.generation_word.value,
+    def target(self, linked: Sequence[int] = ()) -> Target:
+        return Target(cluster_id=SERVER_ID, generation=self.engine.generation_word.value, linked=list(linked),
                       remote_accessible=self.links.remote_accessible, tensors=list(self.tensors),
                       buffers=[(a.ctypes.data, a.size) for a in self.buffers[:-1]],
                       secret=(self.secret.ctypes.data, self.secret.size),
@@ -186,12 +186,12 @@ class FuzzServer:
             role=engine.role, planes=links._offered_planes(), host=host_identity(), unix_name=links.unix_name)
 
     @staticmethod
-    def session(case: Case) -> Session:
+    def session(case: Case, linked: Tuple[int, ...] = ()) -> Session:
         handler = notify_handler if case.notify else None
         secret = LINK_SECRET if case.secret else None
         if case.mode == "direct":
-            return Session(secret, handler, direct=(case.peer_id, case.unix))
-        return Session(secret, handler, staged=(case.peer_id, case.token))
+            return Session(secret, handler, linked=linked, direct=(case.peer_id, case.unix))
+        return Session(secret, handler, linked=linked, staged=(case.peer_id, case.token))
 
     def counters(self) -> Dict[str, int]:
         stats = self.links.stats

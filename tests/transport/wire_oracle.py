@@ -73,6 +73,7 @@ class Expected:
     #: of them ("accepted", "refused", "stale", "closed").
     frames: List[Tuple[str, str]] = field(default_factory=list)
     written: int = 0  # bytes of registered memory that accepted pushes wrote
+    notes: List[str] = field(default_factory=list)
 
 
 class Shadow:
@@ -148,6 +149,8 @@ class Session:
 
     secret: Optional[bytes]
     notify: Optional[Callable[[int, Dict[str, Any]], Any]]
+    #: Clusters linked to the server (live links).
+    linked: Tuple[int, ...] = ()
     #: Handshake connections: the link waiting for its data connections (cluster id, token).
     staged: Optional[Tuple[int, str]] = None
     #: Connections served directly as a link's forward connection: (cluster id, proven Unix peer).
@@ -265,6 +268,9 @@ class ServerModel:
             refusal = S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters"
         elif session.staged is not None and session.staged[0] == peer_id:  # still being linked
             refusal = S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked"
+        elif peer_id in session.linked:  # a live link is never replaced
+            refusal = S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked"
+            out.notes.append("hijack attempts")
         if refusal is not None:
             out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, refusal[0], 1, "json",
                                              {"cluster_id": self.cluster_id, "error": refusal[1]}))
