@@ -82,7 +82,7 @@ def fuzz_server():
 
 @pytest.fixture
 def fuzzing(fuzz_server, monkeypatch):
-    """The server set up for a run: a fixed challenge nonce, short timeouts, quiet logs, and
+    """The server set up for a run: a fixed challenge nonce, bounded timeouts, quiet logs, and
     every exception of another thread recorded."""
     monkeypatch.setattr(auth, "new_nonce", lambda: SERVER_NONCE)
     # A case's bytes are all in the socket, and its end shut, before the server waits on them
@@ -202,9 +202,10 @@ class Checker:
                     body = json.loads(payload)
                 except ValueError:
                     raise Mismatch(f"{wire.OP_NAMES.get(reply.op)} reply is not JSON: {payload[:80]!r}") from None
-                if reply.kind == "link":
+                if reply.kind == "link":  # the one-time token is random: 16 bytes in hex
                     token = body.pop("token", None)
-                    ok = body == reply.value and isinstance(token, str) and len(bytes.fromhex(token)) == 16
+                    ok = body == reply.value and isinstance(token, str) and len(token) == 32 and \
+                        all(c in "0123456789abcdef" for c in token)
                 else:
                     ok = body == reply.value
             if not ok:
@@ -215,7 +216,7 @@ class Checker:
         summary = self.summary
         summary["cases"][case.mode + (" (secret)" if case.secret else "")] += 1
         summary["inputs"]["well-behaved session" if case.clean else "mutated" if case.mutations
-                          else "built wrong, not mutated"] += 1
+                          else "generated, not mutated"] += 1
         summary["ends"][expected.end] += 1
         for name, result in expected.frames:
             summary[name][result] += 1
