@@ -23,8 +23,8 @@ dropped, and every ``LEGIT_EVERY`` cases and at the end it pushes and pulls bloc
 At the end the guards and the secret are also checked against their original bytes, and after
 the unlink the server's threads and descriptors are back to what they were before the link.
 
-``LLM_DATADIST_FUZZ_CASES`` sets the number of cases (default ``DEFAULT_CASES``: about 50 s on
-two idle cores, under 2 minutes on two busy ones),
+``LLM_DATADIST_FUZZ_CASES`` sets the number of cases (default ``DEFAULT_CASES``: about 40 s of
+CPU, 1 to 2 minutes on a shared two-core machine),
 ``LLM_DATADIST_FUZZ_SEED`` the seed; a failure names the case, and
 ``LLM_DATADIST_FUZZ_FIRST=<case>`` with ``LLM_DATADIST_FUZZ_CASES=1`` replays it alone.
 """
@@ -222,6 +222,8 @@ class Checker:
             summary[name][result] += 1
         if observed.escape is not None:
             summary["known bugs"][type(observed.escape).__name__] += 1
+        summary["served"]["on a worker thread (input or replies beyond the socket buffers)" if observed.threaded
+                          else "on the test thread"] += 1
         self.written += expected.written
         for note in expected.notes:
             summary[note][case.mode] += 1
@@ -232,7 +234,7 @@ class Checker:
         lines = [f"wire fuzz: {cases} cases in {seconds:.1f} s ({cases / max(seconds, 1e-9):.0f}/s); "
                  f"slowest case {self.slowest[1]} ({self.slowest[0] * 1000:.0f} ms); "
                  f"{self.written} bytes written by accepted pushes"]
-        for key in ("cases", "inputs", "ends", "known bugs", "hijack attempts"):
+        for key in ("cases", "inputs", "served", "ends", "known bugs", "hijack attempts"):
             lines.append(f"  {key}: {dict(self.summary[key].most_common())}")
         lines.append("  frames per op (accepted / refused / stale table / closed the connection):")
         for name in sorted(n for n in self.summary if n in wire.OP_NAMES.values()):
@@ -282,6 +284,8 @@ def test_wire_fuzz(fuzz_server, fuzzing):
                     "handed_over", "link_abandoned"):
             assert summary["ends"][end] > 0, (end, summary["ends"])
         assert summary["hijack attempts"]["link"] > 0
+    if cases >= 20000:  # about 1 case in 1500 moves more than the socket buffers hold
+        assert sum(n for k, n in checker.summary["served"].items() if k.startswith("on a worker")) > 0
 
 
 # -- a legitimate peer, linked throughout ------------------------------------------------------------
@@ -388,6 +392,12 @@ class LegitimatePeer:
                     f"after case {when}: pull of block {s} to {d}"
         for (_, shadow), real in zip(checker.model.shadow.buffers, server.buffers):
             assert np.array_equal(real, shadow), f"after case {when}: the legitimate transfers changed other bytes"
+        # The client has every byte of its pull once the server's last send returns; the
+        # server's thread unpins the transfer just after.
+        deadline = time.monotonic() + 5
+        while server.engine._pinned and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not server.engine._pinned, f"after case {when}: a legitimate transfer stays pinned"
         assert server.guards_intact() and server.private_words_intact()
         assert server.links.linked_clusters() == [CLIENT_ID] and server.links.lost_links().get(CLIENT_ID) is None
         self.rounds += 1

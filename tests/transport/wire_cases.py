@@ -183,10 +183,14 @@ class CaseGenerator:
         if roll < 0.7:
             op = rng.choice((wire.OP_PUSH, wire.OP_PULL))
             descs = []
-            for _ in range(rng.choice((0, 1, 1, 2, 3, 4, 8, 16)) if rng.random() < 0.99 else rng.randint(1000, 2100)):
+            # Now and then more descriptors than one sendmsg/recvmsg takes (IOV_MAX), moving up
+            # to half a megabyte: more than the socket buffers hold.
+            many = rng.random() < 0.005
+            small = many and rng.random() < 0.5
+            for _ in range(rng.randint(1000, 2100) if many else rng.choice((0, 1, 1, 2, 3, 4, 8, 16))):
                 addr, size = rng.choice(self.target.tensors)
                 offset = rng.randrange(size)
-                nbytes = rng.randint(0, min(size - offset, 256 if len(descs) < 16 else 4))
+                nbytes = rng.randint(0, min(size - offset, 4 if small else 256))
                 descs.append((rng.getrandbits(40), addr + offset, nbytes) if op == wire.OP_PUSH
                              else (addr + offset, rng.getrandbits(40), nbytes))
             packed = b"".join(wire.U64.pack(v) for d in descs for v in d)

@@ -58,6 +58,7 @@ class Observed:
     escape: Optional[BaseException]
     escape_trace: str
     seconds: float
+    threaded: bool  # served on the worker thread while this one wrote and read
 
 
 class Worker:
@@ -318,7 +319,7 @@ class FuzzServer:
                     else:
                         eof = True
                         poller.unregister(client_fd)
-        return Observed(bytes(replies), worker.error, worker.trace, time.monotonic() - started)
+        return Observed(bytes(replies), worker.error, worker.trace, time.monotonic() - started, True)
 
     def _serve_here(self, client: socket.socket, job: Callable[[], None], staged: Optional[Peer],
                     started: float) -> Observed:
@@ -341,7 +342,7 @@ class FuzzServer:
             if not chunk:
                 break
             replies += chunk
-        return Observed(bytes(replies), error, trace, time.monotonic() - started)
+        return Observed(bytes(replies), error, trace, time.monotonic() - started, False)
 
 
 def parse_frames(data: bytes) -> List[Tuple[int, int, int, int, bytes]]:
