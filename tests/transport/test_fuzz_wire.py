@@ -56,13 +56,10 @@ S = LLMStatusCode
 DEFAULT_CASES = 100_000
 CLIENT_ID = 42
 #: Exceptions by which the server is known to leave its connection code instead of closing the
-#: connection as a protocol error (each pinned by a strict xfail test below).
-KNOWN_BUGS = {
-    "RecursionError": "wire.decode_json lets json.loads' RecursionError out: a control payload nested "
-                      "deeper than the recursion limit (test_deeply_nested_json_is_a_protocol_error)",
-    "OverflowError": "LinkManager._handle (OP_KEY_DONE) calls int() on a JSON 1e400/Infinity and does not "
-                     "catch OverflowError (test_infinite_number_in_a_key_release_is_a_protocol_error)",
-}
+#: connection as a protocol error: none. (The fuzzer found two, both fixed: a control payload
+#: nested deeper than the recursion limit, and a key release with an infinite number; the
+#: tests below pin them.)
+KNOWN_BUGS: Dict[str, str] = {}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -446,13 +443,11 @@ def _single(server: FuzzServer, case: Case) -> tuple:
 DEEP = b'{"a":' + b"[" * 30000 + b"]" * 30000 + b"}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KNOWN_BUGS["RecursionError"])
 @pytest.mark.parametrize("where", ["hello", "notification"])
 def test_deeply_nested_json_is_a_protocol_error(fuzz_server, fuzzing, where):
     """A control payload nested 30000 deep (60 KiB, within every size limit): json.loads raises
-    RecursionError, which wire.decode_json does not turn into a ProtocolError. It leaves
-    _serve_accepted (a hello: before any authentication) or _serve (a notification on a link)
-    as an unhandled exception of the connection's thread; the protocol error is not counted."""
+    RecursionError, which must close the connection as a counted protocol error, before any
+    authentication (a hello) as on a link (a notification) -- found by the fuzzer."""
     token = "c0" * 16
     if where == "hello":
         segments = [_hello(DEEP)]
@@ -466,12 +461,11 @@ def test_deeply_nested_json_is_a_protocol_error(fuzz_server, fuzzing, where):
     assert deltas["protocol_errors"] == 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KNOWN_BUGS["OverflowError"])
 @pytest.mark.parametrize("payload", [b'{"key":["blocks",1e400,0],"tensors":[]}',
                                      b'{"key":["blocks",1,0],"tensors":[-Infinity]}'])
 def test_infinite_number_in_a_key_release_is_a_protocol_error(fuzz_server, fuzzing, payload):
     """OP_KEY_DONE with a JSON number Python reads as infinity: int(inf) raises OverflowError,
-    which _handle does not catch (only KeyError, TypeError, ValueError), so it leaves _serve."""
+    which must close the connection as a counted protocol error -- found by the fuzzer."""
     case = Case(0, "direct", secret=False, notify=False, unix=False, clean=False, peer_id=1235, token="c1" * 16,
                 segments=[Segment("KEY_DONE", frame(wire.OP_KEY_DONE, payload, req_id=5))])
     expected, observed, deltas = _single(fuzz_server, case)

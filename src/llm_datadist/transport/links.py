@@ -783,7 +783,7 @@ class LinkManager:
                 kind, ident, model_id = message["key"]
                 released = engine.consume_key((str(kind), int(ident), int(model_id)),
                                               [int(t) for t in message["tensors"]])
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
                 raise ProtocolError(f"malformed key release: {exc!r}") from None
             return self._reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0, wire.encode_json({"released": released}))
         if op == wire.OP_NOTIFY:

@@ -102,8 +102,8 @@ def encode_json(obj: Any) -> bytes:
 def decode_json(data) -> Any:
     try:
         obj = json.loads(bytes(data).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"control payload is not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise ProtocolError(f"control payload is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("control payload must be a JSON object")
     return obj
