@@ -14,13 +14,15 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
 2. When it finishes, the prefill engine keeps the request's blocks and returns
    ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
-   listener), plus ``remote_cluster_id`` and ``remote_notify_port``.
+   listener), plus ``remote_cluster_id``.
 3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
    scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
    to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
-   background thread, and tells the prefill worker it is done on the notification port.
+   background thread, and tells the prefill worker it is done with a notification over the same
+   link (authenticated like it: there is no second server).
 4. The prefill worker then reports the request in ``finished_sending`` and vLLM frees the blocks;
-   a decode side that never comes gets them freed after ``kv_lease_s``.
+   a decode side that never comes gets them freed after ``kv_lease_s``, and one that comes too late
+   is refused (what it pulled is then reported as not loaded).
 
 A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
 then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
@@ -29,7 +31,7 @@ that did not arrive.
 ``kv_connector_extra_config`` keys (all optional):
 
 ``listen_host`` (``"127.0.0.1"``)
-    Address the prefill worker's llm_datadist listener and notification server bind to.
+    Address the prefill worker's llm_datadist listener binds to.
 ``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
     Address handed to decode engines in ``remote_host``.
 ``listen_port`` (``0``: any free port)
@@ -52,7 +54,6 @@ layer-by-layer pipelining.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -84,11 +85,13 @@ __all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConne
            "LLMDataDistHandshakeMetadata"]
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
-REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id",
-                 "remote_notify_port", "remote_request_id")
+REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
 
 #: Request ids whose blocks a prefill worker freed, remembered to refuse late releases.
 _GONE_REMEMBERED = 1 << 16
+
+#: Statuses of a transfer or notification that mean the link itself is gone.
+_LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
 
 _DTYPES = {
     torch.float16: ld.DataType.DT_FLOAT16,
@@ -116,7 +119,6 @@ class _Recv:
     host: str
     port: int
     cluster_id: int
-    notify_port: int
     remote_request_id: str
     awaiting: bool = False
 
@@ -129,7 +131,6 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
     cluster_id: int
     host: str
     port: int
-    notify_port: int
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
@@ -184,8 +185,7 @@ def _recv_spec(params: Any) -> Optional[_Recv]:
         if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
             return None
         return _Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                     int(params["remote_cluster_id"]), int(params["remote_notify_port"]),
-                     str(params["remote_request_id"]))
+                     int(params["remote_cluster_id"]), str(params["remote_request_id"]))
     except (TypeError, ValueError, OverflowError):
         return None
 
@@ -267,7 +267,7 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> Dict[str, int]:
         """Worker counters: links made, requests pulled / failed, blocks pulled, releases sent (``notified``)
-        and received (``released``), leases that ran out (``expired``)."""
+        and received (``released``; ``refused`` when too late), leases that ran out (``expired``)."""
         return dict(self._worker.stats) if self._worker is not None else {}
 
     @property
@@ -369,7 +369,6 @@ class _Scheduler:
             "remote_host": self.worker.host,
             "remote_port": self.worker.port,
             "remote_cluster_id": self.worker.cluster_id,
-            "remote_notify_port": self.worker.notify_port,
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": 1,
         }
@@ -399,19 +398,18 @@ class _Worker:
         self.dd = ld.LLMDataDist(role, self.cluster_id)
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
+        # Block releases travel as notifications over the links (no server of our own).
+        self._links_api = self.dd._engine.links
         self.cache: Optional[ld.Cache] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
                       "notified": 0, "released": 0, "refused": 0, "expired": 0}
         self._lock = threading.Lock()
-        self._closed = threading.Event()
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
         self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
         self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
         self._generation = 0
-        self._notifiers: Dict[Tuple[str, int], Tuple[socket.socket, Any]] = {}
-        self._notify_gates: Dict[Tuple[str, int], threading.Lock] = {}
-        self._notify_timeout = min(options.link_timeout_ms, 5000) / 1000
+        self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -419,12 +417,9 @@ class _Worker:
         self._leases: Dict[str, float] = {}  # request id -> monotonic deadline
         self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
         self._gone: "OrderedDict[str, str]" = OrderedDict()  # blocks freed -> why
-        self._conns: Set[socket.socket] = set()
         self._sent: Set[str] = set()
-        self._server: Optional[socket.socket] = None
         if self.producer:
-            self._server = socket.create_server((options.listen_host, 0))
-            threading.Thread(target=self._serve, name="llm_datadist-vllm-notify", daemon=True).start()
+            self._links_api.set_notify_handler(self._on_notification)
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
@@ -467,13 +462,8 @@ class _Worker:
                                   f"expected {self.num_blocks} blocks on dimension 0 (or 1 after K/V)")
 
     def handshake(self) -> LLMDataDistHandshakeMetadata:
-        port = 0
-        notify = 0
-        if self.producer:
-            port = int(self.dd.listen_ip_info.rsplit(":", 1)[1])
-            notify = self._server.getsockname()[1]
-        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host,
-                                            port, notify)
+        port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
+        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port)
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
@@ -562,9 +552,7 @@ class _Worker:
             except (ld.LLMException, TypeError, ValueError) as exc:
                 logger.error("request %s: pulling %d blocks from cluster %d failed: %s", req_id, len(local),
                              spec.cluster_id, exc)
-                broken = isinstance(exc, ld.LLMException) and exc.status_code in (
-                    ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK,
-                    ld.LLMStatusCode.LLM_TIMEOUT)
+                broken = isinstance(exc, ld.LLMException) and exc.status_code in _LINK_BROKEN
                 if not broken:
                     return False
                 self._forget_link(spec, generation)
@@ -608,76 +596,47 @@ class _Worker:
             self.dd.unlink_clusters([info], 1000, force=True)
 
     def _release_remote(self, spec: _Recv) -> Tuple[bool, str]:
-        """Tell the prefill worker the request's blocks may be freed; it answers whether it still
-        held them. ``(confirmed, why not)``."""
-        line = (json.dumps({"done": spec.remote_request_id}) + "\n").encode()
-        key = (spec.host, spec.notify_port)
-        with self._lock:
-            gate = self._notify_gates.setdefault(key, threading.Lock())
+        """Tell the prefill worker, with a notification over the link, that the request's blocks
+        may be freed; it answers whether it still held them. ``(confirmed, why not)``."""
+        message = {"op": "release", "request_id": spec.remote_request_id}
         why = "not reachable"
-        with gate:
-            for _ in range(2):  # a kept connection may have gone stale: one fresh try
-                conn = self._notifiers.get(key)
-                try:
-                    if conn is None:
-                        sock = socket.create_connection(key, timeout=self._notify_timeout)
-                        conn = self._notifiers[key] = (sock, sock.makefile("rb"))
-                    conn[0].sendall(line)
-                    answer = json.loads(conn[1].readline() or b"null")
-                    if not isinstance(answer, dict) or answer.get("done") != spec.remote_request_id:
-                        raise OSError("no or malformed answer")
-                except (OSError, ValueError) as exc:
-                    why = f"not reachable: {exc}"
-                    self._drop_notifier(key)
-                    continue
-                with self._lock:
-                    self.stats["notified"] += 1
-                return bool(answer.get("ok")), str(answer.get("why", ""))
+        for _ in range(2):  # a link kept from earlier may have gone stale: one fresh try
+            try:
+                generation, fresh = self._link(spec)
+            except (ld.LLMException, OSError, ValueError) as exc:
+                why = f"no link: {exc}"
+                break
+            try:
+                reply = self._links_api.notify(spec.cluster_id, message, self._notify_timeout_ms)
+            except ld.LLMException as exc:
+                why = str(exc)
+                if exc.status_code not in _LINK_BROKEN:
+                    break
+                self._forget_link(spec, generation)
+                if fresh:
+                    break
+                continue
+            if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
+                why = "a malformed answer"
+                break
+            with self._lock:
+                self.stats["notified"] += 1
+            return bool(reply.get("released")), str(reply.get("why", ""))
         logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled (%s); "
-                       "they are freed when its lease ends", spec.remote_request_id, *key, why)
+                       "they are freed when its lease ends", spec.remote_request_id, spec.host, spec.port, why)
         return False, why
 
-    def _drop_notifier(self, key: Tuple[str, int]) -> None:
-        conn = self._notifiers.pop(key, None)
-        if conn is not None:
-            conn[1].close()
-            conn[0].close()
-
     # -- prefill side -----------------------------------------------------------------------------
-    def _serve(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closed.is_set():
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._answer_releases, args=(conn,), daemon=True,
-                             name="llm_datadist-vllm-notify-conn").start()
-
-    def _answer_releases(self, conn: socket.socket) -> None:
-        """One JSON object a line each way: ``{"done": id}`` -> ``{"done": id, "ok": bool, "why": str}``."""
-        try:
-            with conn.makefile("rb") as lines:
-                for raw in lines:
-                    try:
-                        req_id = json.loads(raw)["done"]
-                    except (ValueError, KeyError, TypeError):
-                        req_id = None
-                    if not isinstance(req_id, str):
-                        logger.warning("llm_datadist notify: closing a connection that sent a malformed line")
-                        return
-                    ok, why = self._release(req_id)
-                    conn.sendall((json.dumps({"done": req_id, "ok": ok, "why": why}) + "\n").encode())
-        except OSError:
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+    def _on_notification(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A linked decode worker's ``{"op": "release", "request_id": id}`` ->
+        ``{"request_id": id, "released": bool, "why": str}`` (on the link's thread: quick)."""
+        req_id = message.get("request_id")
+        if message.get("op") != "release" or not isinstance(req_id, str):
+            logger.warning("llm_datadist: cluster %d sent a notification that is not a block release; ignored",
+                           peer_cluster_id)
+            return {"released": False, "why": "not a block release"}
+        released, why = self._release(req_id)
+        return {"request_id": req_id, "released": released, "why": why}
 
     def _release(self, req_id: str) -> Tuple[bool, str]:
         with self._lock:
@@ -700,21 +659,7 @@ class _Worker:
             self._gone.popitem(last=False)
 
     def close(self) -> None:
-        self._closed.set()
-        if self._server is not None:
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept
-            except OSError:
-                pass
-            self._server.close()
-        with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if self.producer:
+            self._links_api.set_notify_handler(None)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for key in list(self._notifiers):
-            self._drop_notifier(key)
         self.dd.finalize()
