@@ -437,6 +437,35 @@ def test_a_prefill_worker_listens_on_its_link_port_only():
         worker.close()
 
 
+@needs_vllm
+def test_link_secret_reaches_the_engine_and_no_log(caplog, monkeypatch):
+    from llm_datadist.integrations.vllm import _Options, _Worker
+
+    config = PRODUCER
+    secret, from_env = "configured-" + os.urandom(8).hex(), "environment-" + os.urandom(8).hex()
+
+    def engine_secret(extra: dict):
+        worker = _Worker(config, "engine", _Options.parse(extra), None)
+        try:
+            return worker.dd._engine.options.get("llm.LinkSecret")
+        finally:
+            worker.close()
+
+    monkeypatch.setenv("LLM_DATADIST_LINK_SECRET", from_env)
+    with caplog.at_level(logging.DEBUG):
+        assert engine_secret({"link_secret": secret, "listen_prot": 1}) == secret
+        assert engine_secret({}) == from_env  # the environment variable is the default
+        monkeypatch.delenv("LLM_DATADIST_LINK_SECRET")
+        assert engine_secret({}) is None
+        options = _Options.parse({"link_secret": secret})
+        for bad in (42, ""):
+            with pytest.raises(ValueError, match="link_secret must be a non-empty string"):
+                _Options.parse({"link_secret": bad})
+    assert "listen_prot" in caplog.text  # the log was captured
+    assert secret not in caplog.text and from_env not in caplog.text
+    assert secret not in repr(options)
+
+
 def test_package_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import llm_datadist, llm_datadist.integrations\n"

@@ -44,6 +44,10 @@ that did not arrive.
     Transfer and link deadlines.
 ``kv_lease_s`` (``120``)
     How long a prefill engine keeps a finished request's blocks for its decode side.
+``link_secret`` (the environment variable ``LLM_DATADIST_LINK_SECRET``)
+    Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
+    engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
+    start-up, so prefer the environment variable there. The connector never logs it.
 
 Supported: models with one KV cache group (one paged tensor per attention layer, block id on
 dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
@@ -61,7 +65,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 try:
@@ -86,6 +90,10 @@ __all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConne
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
+
+#: The engine option that carries the links' shared secret, and where it comes from by default.
+LINK_SECRET_OPTION = "llm.LinkSecret"
+LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 
 #: Request ids whose blocks a prefill worker freed, remembered to refuse late releases.
 _GONE_REMEMBERED = 1 << 16
@@ -151,6 +159,7 @@ class _Options:
     sync_kv_timeout_ms: int = 30000
     link_timeout_ms: int = 10000
     kv_lease_s: float = 120.0
+    link_secret: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "_Options":
@@ -163,6 +172,11 @@ class _Options:
         opts = cls(**{k: v for k, v in extra.items() if k in known})
         if opts.data_plane not in ("auto", "cma", "tcp"):
             raise ValueError(f"LLMDataDistConnector: data_plane must be auto, cma or tcp, got {opts.data_plane!r}")
+        if opts.link_secret is None:
+            opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
+        elif not isinstance(opts.link_secret, str) or not opts.link_secret:
+            # (the value itself stays out of the message)
+            raise ValueError("LLMDataDistConnector: link_secret must be a non-empty string")
         if not opts.advertise_host:
             opts.advertise_host = opts.listen_host
             if opts.listen_host in ("0.0.0.0", "::", ""):
@@ -395,6 +409,8 @@ class _Worker:
             ld.LLMRole.PROMPT if self.producer else ld.LLMRole.DECODER
         engine_options = cfg.generate_options()
         engine_options["llm.DataPlane"] = options.data_plane
+        if options.link_secret:
+            engine_options[LINK_SECRET_OPTION] = options.link_secret
         self.dd = ld.LLMDataDist(role, self.cluster_id)
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
