@@ -143,6 +143,9 @@ CORRUPTED = prompts_of([40, 70], seed=2)
 FAILING = prompts_of([50], seed=3)
 ABANDONED = prompts_of([60], seed=4)
 MALFORMED = prompts_of([50, 50, 50], seed=8)
+# A prompt whose prefill engine dies, and a twin: the same kv_transfer_params on a prompt they do
+# not fit (so it has nothing to load, and only releases).
+DEAD = prompts_of([50, 100], seed=9)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,7 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED
+        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
@@ -323,6 +326,31 @@ def test_failed_pull_is_reported_and_never_decoded(engines):
     # the decode engine keeps serving
     again = decode.generate(PROMPTS[:1], MAX_TOKENS, prefill_for_remote_decode(prefill, PROMPTS[:1]))
     assert again[0]["token_ids"] == baseline[tuple(PROMPTS[0])]
+
+
+@needs_vllm
+def test_a_pull_from_a_dead_prefill_engine_logs_one_accurate_line(engines):
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, DEAD[:1])[0]
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+    # the prefill engine is gone, every port of it (older ones also named a notification port)
+    gone = dict(params, remote_port=dead_port, remote_notify_port=dead_port,
+                remote_cluster_id=params["remote_cluster_id"] ^ 0x5A5A)
+    logged = decode.log.stat().st_size
+    outputs = decode.generate(DEAD, MAX_TOKENS, [gone, gone])
+    assert release_over_link(params)["released"] is True  # what the decode side could not (see above)
+    with open(decode.log, "rb") as log:
+        log.seek(logged)
+        new = log.read().decode(errors="replace")
+    # the pull failed and was never decoded from; the twin had nothing to load and computed its prompt
+    assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+    assert outputs[1]["token_ids"] == baseline[tuple(DEAD[1])]
+    about = [line for line in new.splitlines() if params["remote_request_id"] in line]
+    assert len(about) == 1, new
+    assert "nothing pulled" in about[0] and f"127.0.0.1:{dead_port}" in about[0] and "unreachable" in about[0]
+    assert "were pulled" not in about[0]
 
 
 @needs_vllm

@@ -66,7 +66,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 try:
     import torch
@@ -95,7 +95,8 @@ REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_clust
 LINK_SECRET_OPTION = "llm.LinkSecret"
 LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 
-#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases.
+#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases; and prefill
+#: requests a decode worker has already settled, remembered to skip a twin's release.
 _GONE_REMEMBERED = 1 << 16
 
 #: Statuses of a transfer or notification that mean the link itself is gone.
@@ -388,6 +389,10 @@ class _Scheduler:
         }
 
 
+class _Unreachable(Exception):
+    """No working link to a prefill worker could be had."""
+
+
 class _Worker:
     def __init__(self, vllm_config, engine_id: str, options: _Options, kv_cache_config):
         transfer = vllm_config.kv_transfer_config
@@ -426,6 +431,7 @@ class _Worker:
         self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
         self._generation = 0
         self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
+        self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -490,7 +496,20 @@ class _Worker:
                     self._sent.add(req_id)  # its decode side was done before the lease came
                 else:
                     self._leases[req_id] = now + seconds
-        for req_id, spec in meta.reqs_to_recv.items():
+            pulls = []
+            for req_id, spec in meta.reqs_to_recv.items():
+                key = (spec.cluster_id, spec.remote_request_id)
+                if not spec.awaiting and key in self._settled:
+                    # Nothing to load, and another request of ours has already pulled or
+                    # released these prefill blocks (or found their engine gone): say nothing twice.
+                    logger.debug("request %s: prefill request %s already settled by request %s", req_id,
+                                 spec.remote_request_id, self._settled[key])
+                    continue
+                self._settled[key] = req_id
+                while len(self._settled) > _GONE_REMEMBERED:
+                    self._settled.popitem(last=False)
+                pulls.append((req_id, spec))
+        for req_id, spec in pulls:
             self._pool.submit(self._pull, req_id, spec)
 
     def results(self) -> KVConnectorTransferResults:
@@ -520,18 +539,12 @@ class _Worker:
     # -- decode side ------------------------------------------------------------------------------
     def _pull(self, req_id: str, spec: _Recv) -> None:
         """Pull the request's blocks, then have the prefill side release them; the request is
-        reported done in every case, and failed unless both steps succeeded."""
+        reported done in every case, and failed unless both steps succeeded. At most one line is
+        logged per request, saying what happened."""
         local = spec.local_block_ids
         ok = False
         try:
-            ok = self._pull_blocks(req_id, spec) if local else True
-            released, why = self._release_remote(spec)
-            if local and ok and not released:
-                # The prefill side no longer held the blocks when we said we were done (its
-                # lease ran out, or it cannot be asked): what we read may have been reused.
-                ok = False
-                logger.error("request %s: the prefill engine did not confirm it held the pulled blocks "
-                             "(%s); reporting them as not loaded", req_id, why)
+            ok = self._pull_and_release(req_id, spec)
         except Exception:  # noqa: BLE001 - whatever happens, vLLM must hear about the request
             ok = False
             logger.exception("request %s: KV load failed", req_id)
@@ -547,38 +560,71 @@ class _Worker:
                     if ok:
                         self.stats["pulled_blocks"] += len(local)
 
-    def _pull_blocks(self, req_id: str, spec: _Recv) -> bool:
+    def _pull_and_release(self, req_id: str, spec: _Recv) -> bool:
         local = spec.local_block_ids
-        if len(spec.remote_block_ids) < len(local):
-            logger.error("request %s: %d remote blocks for %d local ones", req_id, len(spec.remote_block_ids),
-                         len(local))
+        where = f"the prefill engine at {spec.host}:{spec.port} (cluster {spec.cluster_id})"
+        pull_error = None
+        if local:
+            # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
+            remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
+            try:
+                if len(spec.remote_block_ids) < len(local):
+                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
+                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
+                                                                remote, local))
+            except _Unreachable as exc:
+                # No link, so no release can be sent either: if that engine is alive, its lease
+                # frees the blocks.
+                logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
+                             "as not loaded", req_id, where, exc, spec.remote_request_id)
+                return False
+            except (ld.LLMException, TypeError, ValueError) as exc:
+                pull_error = exc  # the link works: still tell the prefill side to free the blocks
+        released, why = self._release_remote(spec)
+        if pull_error is not None:
+            told = ("it was told to free them" if released else
+                    f"it no longer held them: {why}" if released is False else
+                    f"it could not be told to free them ({why}) and does when its lease ends")
+            logger.error("request %s: pulling %d blocks of prefill request %s from %s failed: %s; reporting them "
+                         "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, pull_error, told)
             return False
-        # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
-        remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
-        for _ in range(2):
+        if released:
+            return True
+        if local:
+            # What we read may have been reused: the prefill side no longer held the blocks
+            # when we said we were done (its lease ran out), or could not be asked.
+            logger.error("request %s: pulled prefill request %s, but %s %s; reporting its blocks as not loaded",
+                         req_id, spec.remote_request_id, where,
+                         f"no longer held them: {why}" if released is False else
+                         f"could not confirm that it still held them: {why}")
+            return False
+        if released is None:
+            logger.warning("request %s: could not tell %s that it may free the blocks of prefill request %s (%s); "
+                           "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
+        return True
+
+    def _on_link(self, spec: _Recv, action: Callable[[], Any]) -> Any:
+        """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
+        that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
+        working link can be had."""
+        for attempt in range(2):
             try:
                 generation, fresh = self._link(spec)
-            except (ld.LLMException, OSError, ValueError) as exc:
-                logger.error("request %s: no link to cluster %d at %s:%d: %s", req_id, spec.cluster_id,
-                             spec.host, spec.port, exc)
-                return False
+            except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
+                raise _Unreachable(str(exc)) from None
             try:
-                self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
-                return True
-            except (ld.LLMException, TypeError, ValueError) as exc:
-                logger.error("request %s: pulling %d blocks from cluster %d failed: %s", req_id, len(local),
-                             spec.cluster_id, exc)
-                broken = isinstance(exc, ld.LLMException) and exc.status_code in _LINK_BROKEN
-                if not broken:
-                    return False
+                return action()
+            except ld.LLMException as exc:
+                if exc.status_code not in _LINK_BROKEN:
+                    raise
                 self._forget_link(spec, generation)
-                if fresh:
-                    return False  # a link made just now failed: the peer is not there
-                # a link kept from earlier went stale (peer restarted?): one more try on a new one
-        return False
+                if fresh or attempt:
+                    raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
+        raise AssertionError("unreachable")
 
     def _link(self, spec: _Recv) -> Tuple[int, bool]:
-        """``(generation of the link to use, whether it was made now)``."""
+        """``(generation of the link to use, whether it was made now)``; ``_Unreachable`` if the
+        prefill worker refuses or does not answer."""
         key = (spec.cluster_id, spec.host, spec.port)
         with self._lock:
             gate = self._links.setdefault(key, threading.Lock())
@@ -592,8 +638,7 @@ class _Worker:
             info.append_remote_ip_info(address, spec.port)
             _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
             if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
-                raise ld.LLMException(f"link to cluster {spec.cluster_id} at {spec.host}:{spec.port} failed: "
-                                      f"{rets[0].name}", status_code=rets[0])
+                raise _Unreachable(f"linking failed: {rets[0].name}")
             with self._lock:
                 self._generation += 1
                 self._linked[key] = self._generation
@@ -611,36 +656,21 @@ class _Worker:
             info.remote_cluster_id = spec.cluster_id
             self.dd.unlink_clusters([info], 1000, force=True)
 
-    def _release_remote(self, spec: _Recv) -> Tuple[bool, str]:
-        """Tell the prefill worker, with a notification over the link, that the request's blocks
-        may be freed; it answers whether it still held them. ``(confirmed, why not)``."""
+    def _release_remote(self, spec: _Recv) -> Tuple[Optional[bool], str]:
+        """Tell the prefill worker, over the link, that the request's blocks may be freed.
+        ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
+        ``(None, why)`` if it could not be told."""
         message = {"op": "release", "request_id": spec.remote_request_id}
-        why = "not reachable"
-        for _ in range(2):  # a link kept from earlier may have gone stale: one fresh try
-            try:
-                generation, fresh = self._link(spec)
-            except (ld.LLMException, OSError, ValueError) as exc:
-                why = f"no link: {exc}"
-                break
-            try:
-                reply = self._links_api.notify(spec.cluster_id, message, self._notify_timeout_ms)
-            except ld.LLMException as exc:
-                why = str(exc)
-                if exc.status_code not in _LINK_BROKEN:
-                    break
-                self._forget_link(spec, generation)
-                if fresh:
-                    break
-                continue
-            if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
-                why = "a malformed answer"
-                break
-            with self._lock:
-                self.stats["notified"] += 1
-            return bool(reply.get("released")), str(reply.get("why", ""))
-        logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled (%s); "
-                       "they are freed when its lease ends", spec.remote_request_id, spec.host, spec.port, why)
-        return False, why
+        try:
+            reply = self._on_link(spec, lambda: self._links_api.notify(spec.cluster_id, message,
+                                                                       self._notify_timeout_ms))
+        except (_Unreachable, ld.LLMException) as exc:
+            return None, str(exc)
+        if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
+            return None, "a malformed answer"
+        with self._lock:
+            self.stats["notified"] += 1
+        return bool(reply.get("released")), str(reply.get("why", ""))
 
     # -- prefill side -----------------------------------------------------------------------------
     def _on_notification(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
