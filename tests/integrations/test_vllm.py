@@ -83,13 +83,15 @@ def write_model(path: Path, seed: int = 0) -> None:
 class Engine:
     """A vLLM engine process (``vllm_engine.py``) spoken to one JSON line at a time."""
 
-    def __init__(self, model: Path, role: str, log: Path, extra: dict = None):
+    def __init__(self, model: Path, role: str, log: Path, extra: dict = None, engine_args: dict = None,
+                 env: dict = None):
         self.role, self.log = role, log
         self._log_file = open(log, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
-                                      json.dumps(extra or {})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log_file, text=True, env=env)
+                                      json.dumps(extra or {}), json.dumps(engine_args or {})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
+                                     text=True, env=env)
 
     def wait_ready(self) -> None:
         assert self._read(START_TIMEOUT_S) == {"ready": True}

@@ -24,6 +24,14 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
    a decode side that never comes gets them freed after ``kv_lease_s``, and one that comes too late
    is refused (what it pulled is then reported as not loaded).
 
+When the prefill engine begins to shut down (vLLM's engine core process turns SIGTERM/SIGINT into
+a drain or an abort, then steps until no finished request holds blocks), the blocks still held for
+decode sides are freed at once, so that a lease does not hold up a graceful stop; a prefill that
+finishes after that point hands no ``kv_transfer_params`` out. vLLM tells connectors nothing until
+the drain is over, so the scheduler side chains onto the signal handlers vLLM's engine core process
+installed before it built the connector (handlers that are not a Python callable, or Python's own
+``KeyboardInterrupt`` one, are left alone: then no drain waits for leases either).
+
 A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
 then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
 that did not arrive.
@@ -60,6 +68,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -102,6 +111,9 @@ _GONE_REMEMBERED = 1 << 16
 #: Statuses of a transfer or notification that mean the link itself is gone.
 _LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
 
+#: Signals on which vLLM's engine core process begins to shut down.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 _DTYPES = {
     torch.float16: ld.DataType.DT_FLOAT16,
     torch.bfloat16: ld.DataType.DT_BF16,
@@ -143,11 +155,13 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side."""
+    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side, and
+    whether the engine has begun to shut down (then held blocks are freed)."""
 
     def __init__(self) -> None:
         self.reqs_to_recv: Dict[str, _Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
+        self.stopping = False
 
 
 @dataclass
@@ -222,7 +236,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self._scheduler: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size)
+            self._scheduler = _Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
+                                         producer=bool(transfer.is_kv_producer))
         else:
             self._worker = _Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -275,6 +290,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
 
@@ -282,7 +299,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> Dict[str, int]:
         """Worker counters: links made, requests pulled / failed, blocks pulled, releases sent (``notified``)
-        and received (``released``; ``refused`` when too late), leases that ran out (``expired``)."""
+        and received (``released``; ``refused`` when too late), leases that ran out (``expired``) or were
+        cut short because the engine began to shut down (``freed_at_shutdown``)."""
         return dict(self._worker.stats) if self._worker is not None else {}
 
     @property
@@ -300,14 +318,59 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 LLMDataDistCMgrConnector = LLMDataDistConnector
 
 
+class _StopSignals:
+    """Notices that the engine process was told to stop, before vLLM's drain begins.
+
+    vLLM's engine core process installs SIGTERM/SIGINT handlers before it builds the scheduler
+    (and so this connector); on a signal they start a drain (or an abort) that steps the engine
+    until no finished request holds blocks, and connectors hear of it only after that. So this
+    wraps those handlers: it records the signal, then calls vLLM's. Only Python callables are
+    wrapped, and not ``signal.default_int_handler`` (``KeyboardInterrupt``): a process whose
+    handlers vLLM did not install (an in-process engine) keeps its own. Setting a bool is all the
+    wrapper does before calling on, so it is safe wherever the signal lands."""
+
+    def __init__(self, watch: bool) -> None:
+        self.stopping = False
+        self._previous: Dict[int, Any] = {}
+        if not watch or threading.current_thread() is not threading.main_thread():
+            return  # (signal handlers can only be set from the main thread)
+        for signum in _STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if callable(previous) and previous is not signal.default_int_handler:
+                try:
+                    signal.signal(signum, self._handle)
+                except (ValueError, OSError) as exc:  # not the main interpreter...: serve without it
+                    logger.debug("llm_datadist: cannot watch signal %d: %s", signum, exc)
+                    continue
+                self._previous[signum] = previous
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        previous = self._previous.get(signum)
+        if previous is not None:
+            previous(signum, frame)
+
+    def close(self) -> None:
+        """Put vLLM's handlers back where ours are still installed."""
+        if threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                if signal.getsignal(signum) == self._handle:
+                    signal.signal(signum, previous)
+        self._previous = {}
+
+
 class _Scheduler:
-    def __init__(self, engine_id: str, options: _Options, block_size: int):
+    def __init__(self, engine_id: str, options: _Options, block_size: int, producer: bool):
         self.engine_id = engine_id
         self.options = options
         self.block_size = block_size
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None
         self._recv: Dict[str, _Recv] = {}
         self._send: Dict[str, float] = {}
+        self._signals = _StopSignals(watch=producer)  # only a prefill engine holds blocks
+
+    def close(self) -> None:
+        self._signals.close()
 
     def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
         if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
@@ -347,6 +410,7 @@ class _Scheduler:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
         meta.reqs_to_send, self._send = self._send, {}
+        meta.stopping = self._signals.stopping
         return meta
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -370,6 +434,8 @@ class _Scheduler:
         ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or ())
         if not ids:
             return False, None
+        if self._signals.stopping:
+            return False, None  # the engine is going away: no decode side could take them in time
         if self.worker is None:
             logger.warning("request %s: no llm_datadist worker address yet; its KV cannot be handed "
                            "to a decode engine", request.request_id)
@@ -423,7 +489,7 @@ class _Worker:
         self._links_api = self.dd._engine.links
         self.cache: Optional[ld.Cache] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
-                      "notified": 0, "released": 0, "refused": 0, "expired": 0}
+                      "notified": 0, "released": 0, "refused": 0, "expired": 0, "freed_at_shutdown": 0}
         self._lock = threading.Lock()
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
@@ -440,6 +506,7 @@ class _Worker:
         self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
         self._gone: "OrderedDict[str, str]" = OrderedDict()  # blocks freed -> why
         self._sent: Set[str] = set()
+        self._stopping = False
         if self.producer:
             self._links_api.set_notify_handler(self._on_notification)
 
@@ -490,10 +557,22 @@ class _Worker:
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         now = time.monotonic()
+        freed = 0
         with self._lock:
+            began_stopping = meta.stopping and not self._stopping
+            if began_stopping:
+                # vLLM waits for these before it stops: free them now (finished_sending below)
+                self._stopping = True
+                for req_id in self._leases:
+                    self._free_at_shutdown(req_id)
+                freed = len(self._leases)
+                self._leases.clear()
             for req_id, seconds in meta.reqs_to_send.items():
                 if self._released.pop(req_id, None) is not None:
                     self._sent.add(req_id)  # its decode side was done before the lease came
+                elif self._stopping:
+                    self._free_at_shutdown(req_id)
+                    freed += 1
                 else:
                     self._leases[req_id] = now + seconds
             pulls = []
@@ -509,8 +588,17 @@ class _Worker:
                 while len(self._settled) > _GONE_REMEMBERED:
                     self._settled.popitem(last=False)
                 pulls.append((req_id, spec))
+        if began_stopping:
+            logger.warning("llm_datadist: the engine is shutting down: freed the KV blocks of %d finished "
+                           "request(s) that no decode engine had taken yet (a decode engine that comes for them "
+                           "is refused); requests that finish from now on hand out no KV", freed)
         for req_id, spec in pulls:
             self._pool.submit(self._pull, req_id, spec)
+
+    def _free_at_shutdown(self, req_id: str) -> None:
+        self._sent.add(req_id)
+        self._forget(req_id, "the engine is shutting down")
+        self.stats["freed_at_shutdown"] += 1
 
     def results(self) -> KVConnectorTransferResults:
         now = time.monotonic()
@@ -707,5 +795,12 @@ class _Worker:
     def close(self) -> None:
         if self.producer:
             self._links_api.set_notify_handler(None)
+        with self._lock:
+            held, self._leases = len(self._leases), {}
+        if held:
+            # No drain freed them (an engine stopped in-process, or by a signal vLLM did not turn
+            # into a drain): they go with this engine.
+            logger.warning("llm_datadist: shutting down with the KV blocks of %d finished requests still held "
+                           "for decode engines; those find this engine gone", held)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.dd.finalize()
