@@ -100,8 +100,8 @@ __all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConne
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
 
-#: The engine option that carries the links' shared secret, and where it comes from by default.
-LINK_SECRET_OPTION = "llm.LinkSecret"
+#: Where the links' shared secret comes from when the extra config names none (the library reads
+#: it there too).
 LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 
 #: Request ids whose blocks a prefill worker freed, remembered to refuse late releases; and prefill
@@ -474,14 +474,13 @@ class _Worker:
         cfg.sync_kv_timeout = options.sync_kv_timeout_ms
         cfg.enable_cache_manager = True
         cfg.enable_remote_cache_accessible = True
+        cfg.link_secret = options.link_secret  # the option llm.LinkSecret; None: not authenticated
         if self.producer:
             cfg.listen_ip_info = f"{options.listen_host}:{options.listen_port}"
         role = ld.LLMRole.MIX if self.producer and self.consumer else \
             ld.LLMRole.PROMPT if self.producer else ld.LLMRole.DECODER
         engine_options = cfg.generate_options()
         engine_options["llm.DataPlane"] = options.data_plane
-        if options.link_secret:
-            engine_options[LINK_SECRET_OPTION] = options.link_secret
         self.dd = ld.LLMDataDist(role, self.cluster_id)
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
