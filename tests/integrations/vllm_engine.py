@@ -1,12 +1,16 @@
 """One vLLM engine in its own process, driven over stdin/stdout with one JSON object a line.
 
-    python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON]
+    python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]]
 
-ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector). Requests:
+ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector); ENGINE_ARGS
+are more keyword arguments of ``LLM`` (``shutdown_timeout``...). Requests:
 ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params or null]}``
 -> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}``;
 ``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "stats"}`` -> the
-worker connector's counters; ``{"op": "exit"}``.
+worker connector's counters (in-process engines only); ``{"op": "shutdown", "grace_s": s}`` shuts
+the engine down the way ``vllm serve`` does (its engine core process gets SIGTERM and ``s`` seconds
+before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) -> ``{"seconds", "exitcodes"}``;
+``{"op": "exit"}``.
 The first line written is ``{"ready": true}`` once the engine is up.
 """
 
@@ -27,14 +31,18 @@ BLOCK_SIZE = 32
 def main() -> int:
     model, role = sys.argv[1], sys.argv[2]
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's prints must not mix with the replies
+    engine_args = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    # vLLM's prints, its engine core process's included, must not mix with the replies: they get
+    # descriptor 1 pointed at stderr, the replies a (non-inheritable) copy of the original.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kwargs = {}
+    kwargs = dict(engine_args)
     if role != "plain":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
@@ -51,6 +59,15 @@ def main() -> int:
         request = json.loads(line)
         if request["op"] == "exit":
             break
+        if request["op"] == "shutdown":
+            import time
+
+            client = llm.llm_engine.engine_core
+            processes = client.resources.engine_manager.processes
+            start = time.monotonic()
+            client.shutdown(timeout=request["grace_s"])
+            reply({"seconds": time.monotonic() - start, "exitcodes": [p.exitcode for p in processes]})
+            continue
         if request["op"] == "prompt_tokens":
             # vLLM's own count of where prompt tokens came from: local_compute, local_cache_hit,
             # external_kv_transfer

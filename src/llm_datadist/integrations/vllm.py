@@ -14,13 +14,23 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
 2. When it finishes, the prefill engine keeps the request's blocks and returns
    ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
-   listener), plus ``remote_cluster_id`` and ``remote_notify_port``.
+   listener), plus ``remote_cluster_id``.
 3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
    scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
    to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
-   background thread, and tells the prefill worker it is done on the notification port.
+   background thread, and tells the prefill worker it is done with a notification over the same
+   link (authenticated like it: there is no second server).
 4. The prefill worker then reports the request in ``finished_sending`` and vLLM frees the blocks;
-   a decode side that never comes gets them freed after ``kv_lease_s``.
+   a decode side that never comes gets them freed after ``kv_lease_s``, and one that comes too late
+   is refused (what it pulled is then reported as not loaded).
+
+When the prefill engine begins to shut down (vLLM's engine core process turns SIGTERM/SIGINT into
+a drain or an abort, then steps until no finished request holds blocks), the blocks still held for
+decode sides are freed at once, so that a lease does not hold up a graceful stop; a prefill that
+finishes after that point hands no ``kv_transfer_params`` out. vLLM tells connectors nothing until
+the drain is over, so the scheduler side chains onto the signal handlers vLLM's engine core process
+installed before it built the connector (handlers that are not a Python callable, or Python's own
+``KeyboardInterrupt`` one, are left alone: then no drain waits for leases either).
 
 A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
 then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
@@ -29,7 +39,7 @@ that did not arrive.
 ``kv_connector_extra_config`` keys (all optional):
 
 ``listen_host`` (``"127.0.0.1"``)
-    Address the prefill worker's llm_datadist listener and notification server bind to.
+    Address the prefill worker's llm_datadist listener binds to.
 ``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
     Address handed to decode engines in ``remote_host``.
 ``listen_port`` (``0``: any free port)
@@ -42,6 +52,10 @@ that did not arrive.
     Transfer and link deadlines.
 ``kv_lease_s`` (``120``)
     How long a prefill engine keeps a finished request's blocks for its decode side.
+``link_secret`` (the environment variable ``LLM_DATADIST_LINK_SECRET``)
+    Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
+    engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
+    start-up, so prefer the environment variable there. The connector never logs it.
 
 Supported: models with one KV cache group (one paged tensor per attention layer, block id on
 dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
@@ -52,16 +66,16 @@ layer-by-layer pipelining.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 try:
     import torch
@@ -84,11 +98,21 @@ __all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConne
            "LLMDataDistHandshakeMetadata"]
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
-REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id",
-                 "remote_notify_port", "remote_request_id")
+REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
 
-#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases.
+#: Where the links' shared secret comes from when the extra config names none (the library reads
+#: it there too).
+LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
+
+#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases; and prefill
+#: requests a decode worker has already settled, remembered to skip a twin's release.
 _GONE_REMEMBERED = 1 << 16
+
+#: Statuses of a transfer or notification that mean the link itself is gone.
+_LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
+
+#: Signals on which vLLM's engine core process begins to shut down.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _DTYPES = {
     torch.float16: ld.DataType.DT_FLOAT16,
@@ -116,7 +140,6 @@ class _Recv:
     host: str
     port: int
     cluster_id: int
-    notify_port: int
     remote_request_id: str
     awaiting: bool = False
 
@@ -129,15 +152,16 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
     cluster_id: int
     host: str
     port: int
-    notify_port: int
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side."""
+    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side, and
+    whether the engine has begun to shut down (then held blocks are freed)."""
 
     def __init__(self) -> None:
         self.reqs_to_recv: Dict[str, _Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
+        self.stopping = False
 
 
 @dataclass
@@ -150,6 +174,7 @@ class _Options:
     sync_kv_timeout_ms: int = 30000
     link_timeout_ms: int = 10000
     kv_lease_s: float = 120.0
+    link_secret: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "_Options":
@@ -162,6 +187,11 @@ class _Options:
         opts = cls(**{k: v for k, v in extra.items() if k in known})
         if opts.data_plane not in ("auto", "cma", "tcp"):
             raise ValueError(f"LLMDataDistConnector: data_plane must be auto, cma or tcp, got {opts.data_plane!r}")
+        if opts.link_secret is None:
+            opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
+        elif not isinstance(opts.link_secret, str) or not opts.link_secret:
+            # (the value itself stays out of the message)
+            raise ValueError("LLMDataDistConnector: link_secret must be a non-empty string")
         if not opts.advertise_host:
             opts.advertise_host = opts.listen_host
             if opts.listen_host in ("0.0.0.0", "::", ""):
@@ -184,8 +214,7 @@ def _recv_spec(params: Any) -> Optional[_Recv]:
         if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
             return None
         return _Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                     int(params["remote_cluster_id"]), int(params["remote_notify_port"]),
-                     str(params["remote_request_id"]))
+                     int(params["remote_cluster_id"]), str(params["remote_request_id"]))
     except (TypeError, ValueError, OverflowError):
         return None
 
@@ -207,7 +236,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self._scheduler: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size)
+            self._scheduler = _Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
+                                         producer=bool(transfer.is_kv_producer))
         else:
             self._worker = _Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -260,6 +290,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
 
@@ -267,7 +299,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> Dict[str, int]:
         """Worker counters: links made, requests pulled / failed, blocks pulled, releases sent (``notified``)
-        and received (``released``), leases that ran out (``expired``)."""
+        and received (``released``; ``refused`` when too late), leases that ran out (``expired``) or were
+        cut short because the engine began to shut down (``freed_at_shutdown``)."""
         return dict(self._worker.stats) if self._worker is not None else {}
 
     @property
@@ -285,14 +318,59 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 LLMDataDistCMgrConnector = LLMDataDistConnector
 
 
+class _StopSignals:
+    """Notices that the engine process was told to stop, before vLLM's drain begins.
+
+    vLLM's engine core process installs SIGTERM/SIGINT handlers before it builds the scheduler
+    (and so this connector); on a signal they start a drain (or an abort) that steps the engine
+    until no finished request holds blocks, and connectors hear of it only after that. So this
+    wraps those handlers: it records the signal, then calls vLLM's. Only Python callables are
+    wrapped, and not ``signal.default_int_handler`` (``KeyboardInterrupt``): a process whose
+    handlers vLLM did not install (an in-process engine) keeps its own. Setting a bool is all the
+    wrapper does before calling on, so it is safe wherever the signal lands."""
+
+    def __init__(self, watch: bool) -> None:
+        self.stopping = False
+        self._previous: Dict[int, Any] = {}
+        if not watch or threading.current_thread() is not threading.main_thread():
+            return  # (signal handlers can only be set from the main thread)
+        for signum in _STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if callable(previous) and previous is not signal.default_int_handler:
+                try:
+                    signal.signal(signum, self._handle)
+                except (ValueError, OSError) as exc:  # not the main interpreter...: serve without it
+                    logger.debug("llm_datadist: cannot watch signal %d: %s", signum, exc)
+                    continue
+                self._previous[signum] = previous
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        previous = self._previous.get(signum)
+        if previous is not None:
+            previous(signum, frame)
+
+    def close(self) -> None:
+        """Put vLLM's handlers back where ours are still installed."""
+        if threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                if signal.getsignal(signum) == self._handle:
+                    signal.signal(signum, previous)
+        self._previous = {}
+
+
 class _Scheduler:
-    def __init__(self, engine_id: str, options: _Options, block_size: int):
+    def __init__(self, engine_id: str, options: _Options, block_size: int, producer: bool):
         self.engine_id = engine_id
         self.options = options
         self.block_size = block_size
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None
         self._recv: Dict[str, _Recv] = {}
         self._send: Dict[str, float] = {}
+        self._signals = _StopSignals(watch=producer)  # only a prefill engine holds blocks
+
+    def close(self) -> None:
+        self._signals.close()
 
     def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
         if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
@@ -332,6 +410,7 @@ class _Scheduler:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
         meta.reqs_to_send, self._send = self._send, {}
+        meta.stopping = self._signals.stopping
         return meta
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -355,6 +434,8 @@ class _Scheduler:
         ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or ())
         if not ids:
             return False, None
+        if self._signals.stopping:
+            return False, None  # the engine is going away: no decode side could take them in time
         if self.worker is None:
             logger.warning("request %s: no llm_datadist worker address yet; its KV cannot be handed "
                            "to a decode engine", request.request_id)
@@ -369,10 +450,13 @@ class _Scheduler:
             "remote_host": self.worker.host,
             "remote_port": self.worker.port,
             "remote_cluster_id": self.worker.cluster_id,
-            "remote_notify_port": self.worker.notify_port,
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": 1,
         }
+
+
+class _Unreachable(Exception):
+    """No working link to a prefill worker could be had."""
 
 
 class _Worker:
@@ -390,6 +474,7 @@ class _Worker:
         cfg.sync_kv_timeout = options.sync_kv_timeout_ms
         cfg.enable_cache_manager = True
         cfg.enable_remote_cache_accessible = True
+        cfg.link_secret = options.link_secret  # the option llm.LinkSecret; None: not authenticated
         if self.producer:
             cfg.listen_ip_info = f"{options.listen_host}:{options.listen_port}"
         role = ld.LLMRole.MIX if self.producer and self.consumer else \
@@ -399,19 +484,19 @@ class _Worker:
         self.dd = ld.LLMDataDist(role, self.cluster_id)
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
+        # Block releases travel as notifications over the links (no server of our own).
+        self._links_api = self.dd._engine.links
         self.cache: Optional[ld.Cache] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
-                      "notified": 0, "released": 0, "refused": 0, "expired": 0}
+                      "notified": 0, "released": 0, "refused": 0, "expired": 0, "freed_at_shutdown": 0}
         self._lock = threading.Lock()
-        self._closed = threading.Event()
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
         self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
         self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
         self._generation = 0
-        self._notifiers: Dict[Tuple[str, int], Tuple[socket.socket, Any]] = {}
-        self._notify_gates: Dict[Tuple[str, int], threading.Lock] = {}
-        self._notify_timeout = min(options.link_timeout_ms, 5000) / 1000
+        self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
+        self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
         self._load_errors: Set[int] = set()
@@ -419,12 +504,10 @@ class _Worker:
         self._leases: Dict[str, float] = {}  # request id -> monotonic deadline
         self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
         self._gone: "OrderedDict[str, str]" = OrderedDict()  # blocks freed -> why
-        self._conns: Set[socket.socket] = set()
         self._sent: Set[str] = set()
-        self._server: Optional[socket.socket] = None
+        self._stopping = False
         if self.producer:
-            self._server = socket.create_server((options.listen_host, 0))
-            threading.Thread(target=self._serve, name="llm_datadist-vllm-notify", daemon=True).start()
+            self._links_api.set_notify_handler(self._on_notification)
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
@@ -467,25 +550,54 @@ class _Worker:
                                   f"expected {self.num_blocks} blocks on dimension 0 (or 1 after K/V)")
 
     def handshake(self) -> LLMDataDistHandshakeMetadata:
-        port = 0
-        notify = 0
-        if self.producer:
-            port = int(self.dd.listen_ip_info.rsplit(":", 1)[1])
-            notify = self._server.getsockname()[1]
-        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host,
-                                            port, notify)
+        port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
+        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port)
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         now = time.monotonic()
+        freed = 0
         with self._lock:
+            began_stopping = meta.stopping and not self._stopping
+            if began_stopping:
+                # vLLM waits for these before it stops: free them now (finished_sending below)
+                self._stopping = True
+                for req_id in self._leases:
+                    self._free_at_shutdown(req_id)
+                freed = len(self._leases)
+                self._leases.clear()
             for req_id, seconds in meta.reqs_to_send.items():
                 if self._released.pop(req_id, None) is not None:
                     self._sent.add(req_id)  # its decode side was done before the lease came
+                elif self._stopping:
+                    self._free_at_shutdown(req_id)
+                    freed += 1
                 else:
                     self._leases[req_id] = now + seconds
-        for req_id, spec in meta.reqs_to_recv.items():
+            pulls = []
+            for req_id, spec in meta.reqs_to_recv.items():
+                key = (spec.cluster_id, spec.remote_request_id)
+                if not spec.awaiting and key in self._settled:
+                    # Nothing to load, and another request of ours has already pulled or
+                    # released these prefill blocks (or found their engine gone): say nothing twice.
+                    logger.debug("request %s: prefill request %s already settled by request %s", req_id,
+                                 spec.remote_request_id, self._settled[key])
+                    continue
+                self._settled[key] = req_id
+                while len(self._settled) > _GONE_REMEMBERED:
+                    self._settled.popitem(last=False)
+                pulls.append((req_id, spec))
+        if began_stopping:
+            logger.warning("llm_datadist: the engine is shutting down: freed the KV blocks of %d finished "
+                           "request(s) that no decode engine had taken yet (a decode engine that comes for them "
+                           "is refused); requests that finish from now on hand out no KV", freed)
+        for req_id, spec in pulls:
             self._pool.submit(self._pull, req_id, spec)
+
+    def _free_at_shutdown(self, req_id: str) -> None:
+        self._sent.add(req_id)
+        self._forget(req_id, "the engine is shutting down")
+        self.stats["freed_at_shutdown"] += 1
 
     def results(self) -> KVConnectorTransferResults:
         now = time.monotonic()
@@ -514,18 +626,12 @@ class _Worker:
     # -- decode side ------------------------------------------------------------------------------
     def _pull(self, req_id: str, spec: _Recv) -> None:
         """Pull the request's blocks, then have the prefill side release them; the request is
-        reported done in every case, and failed unless both steps succeeded."""
+        reported done in every case, and failed unless both steps succeeded. At most one line is
+        logged per request, saying what happened."""
         local = spec.local_block_ids
         ok = False
         try:
-            ok = self._pull_blocks(req_id, spec) if local else True
-            released, why = self._release_remote(spec)
-            if local and ok and not released:
-                # The prefill side no longer held the blocks when we said we were done (its
-                # lease ran out, or it cannot be asked): what we read may have been reused.
-                ok = False
-                logger.error("request %s: the prefill engine did not confirm it held the pulled blocks "
-                             "(%s); reporting them as not loaded", req_id, why)
+            ok = self._pull_and_release(req_id, spec)
         except Exception:  # noqa: BLE001 - whatever happens, vLLM must hear about the request
             ok = False
             logger.exception("request %s: KV load failed", req_id)
@@ -541,40 +647,71 @@ class _Worker:
                     if ok:
                         self.stats["pulled_blocks"] += len(local)
 
-    def _pull_blocks(self, req_id: str, spec: _Recv) -> bool:
+    def _pull_and_release(self, req_id: str, spec: _Recv) -> bool:
         local = spec.local_block_ids
-        if len(spec.remote_block_ids) < len(local):
-            logger.error("request %s: %d remote blocks for %d local ones", req_id, len(spec.remote_block_ids),
-                         len(local))
+        where = f"the prefill engine at {spec.host}:{spec.port} (cluster {spec.cluster_id})"
+        pull_error = None
+        if local:
+            # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
+            remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
+            try:
+                if len(spec.remote_block_ids) < len(local):
+                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
+                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
+                                                                remote, local))
+            except _Unreachable as exc:
+                # No link, so no release can be sent either: if that engine is alive, its lease
+                # frees the blocks.
+                logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
+                             "as not loaded", req_id, where, exc, spec.remote_request_id)
+                return False
+            except (ld.LLMException, TypeError, ValueError) as exc:
+                pull_error = exc  # the link works: still tell the prefill side to free the blocks
+        released, why = self._release_remote(spec)
+        if pull_error is not None:
+            told = ("it was told to free them" if released else
+                    f"it no longer held them: {why}" if released is False else
+                    f"it could not be told to free them ({why}) and does when its lease ends")
+            logger.error("request %s: pulling %d blocks of prefill request %s from %s failed: %s; reporting them "
+                         "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, pull_error, told)
             return False
-        # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
-        remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
-        for _ in range(2):
+        if released:
+            return True
+        if local:
+            # What we read may have been reused: the prefill side no longer held the blocks
+            # when we said we were done (its lease ran out), or could not be asked.
+            logger.error("request %s: pulled prefill request %s, but %s %s; reporting its blocks as not loaded",
+                         req_id, spec.remote_request_id, where,
+                         f"no longer held them: {why}" if released is False else
+                         f"could not confirm that it still held them: {why}")
+            return False
+        if released is None:
+            logger.warning("request %s: could not tell %s that it may free the blocks of prefill request %s (%s); "
+                           "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
+        return True
+
+    def _on_link(self, spec: _Recv, action: Callable[[], Any]) -> Any:
+        """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
+        that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
+        working link can be had."""
+        for attempt in range(2):
             try:
                 generation, fresh = self._link(spec)
-            except (ld.LLMException, OSError, ValueError) as exc:
-                logger.error("request %s: no link to cluster %d at %s:%d: %s", req_id, spec.cluster_id,
-                             spec.host, spec.port, exc)
-                return False
+            except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
+                raise _Unreachable(str(exc)) from None
             try:
-                self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
-                return True
-            except (ld.LLMException, TypeError, ValueError) as exc:
-                logger.error("request %s: pulling %d blocks from cluster %d failed: %s", req_id, len(local),
-                             spec.cluster_id, exc)
-                broken = isinstance(exc, ld.LLMException) and exc.status_code in (
-                    ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK,
-                    ld.LLMStatusCode.LLM_TIMEOUT)
-                if not broken:
-                    return False
+                return action()
+            except ld.LLMException as exc:
+                if exc.status_code not in _LINK_BROKEN:
+                    raise
                 self._forget_link(spec, generation)
-                if fresh:
-                    return False  # a link made just now failed: the peer is not there
-                # a link kept from earlier went stale (peer restarted?): one more try on a new one
-        return False
+                if fresh or attempt:
+                    raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
+        raise AssertionError("unreachable")
 
     def _link(self, spec: _Recv) -> Tuple[int, bool]:
-        """``(generation of the link to use, whether it was made now)``."""
+        """``(generation of the link to use, whether it was made now)``; ``_Unreachable`` if the
+        prefill worker refuses or does not answer."""
         key = (spec.cluster_id, spec.host, spec.port)
         with self._lock:
             gate = self._links.setdefault(key, threading.Lock())
@@ -588,8 +725,7 @@ class _Worker:
             info.append_remote_ip_info(address, spec.port)
             _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
             if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
-                raise ld.LLMException(f"link to cluster {spec.cluster_id} at {spec.host}:{spec.port} failed: "
-                                      f"{rets[0].name}", status_code=rets[0])
+                raise _Unreachable(f"linking failed: {rets[0].name}")
             with self._lock:
                 self._generation += 1
                 self._linked[key] = self._generation
@@ -607,77 +743,33 @@ class _Worker:
             info.remote_cluster_id = spec.cluster_id
             self.dd.unlink_clusters([info], 1000, force=True)
 
-    def _release_remote(self, spec: _Recv) -> Tuple[bool, str]:
-        """Tell the prefill worker the request's blocks may be freed; it answers whether it still
-        held them. ``(confirmed, why not)``."""
-        line = (json.dumps({"done": spec.remote_request_id}) + "\n").encode()
-        key = (spec.host, spec.notify_port)
+    def _release_remote(self, spec: _Recv) -> Tuple[Optional[bool], str]:
+        """Tell the prefill worker, over the link, that the request's blocks may be freed.
+        ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
+        ``(None, why)`` if it could not be told."""
+        message = {"op": "release", "request_id": spec.remote_request_id}
+        try:
+            reply = self._on_link(spec, lambda: self._links_api.notify(spec.cluster_id, message,
+                                                                       self._notify_timeout_ms))
+        except (_Unreachable, ld.LLMException) as exc:
+            return None, str(exc)
+        if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
+            return None, "a malformed answer"
         with self._lock:
-            gate = self._notify_gates.setdefault(key, threading.Lock())
-        why = "not reachable"
-        with gate:
-            for _ in range(2):  # a kept connection may have gone stale: one fresh try
-                conn = self._notifiers.get(key)
-                try:
-                    if conn is None:
-                        sock = socket.create_connection(key, timeout=self._notify_timeout)
-                        conn = self._notifiers[key] = (sock, sock.makefile("rb"))
-                    conn[0].sendall(line)
-                    answer = json.loads(conn[1].readline() or b"null")
-                    if not isinstance(answer, dict) or answer.get("done") != spec.remote_request_id:
-                        raise OSError("no or malformed answer")
-                except (OSError, ValueError) as exc:
-                    why = f"not reachable: {exc}"
-                    self._drop_notifier(key)
-                    continue
-                with self._lock:
-                    self.stats["notified"] += 1
-                return bool(answer.get("ok")), str(answer.get("why", ""))
-        logger.warning("request %s: could not tell the prefill engine at %s:%d that its blocks were pulled (%s); "
-                       "they are freed when its lease ends", spec.remote_request_id, *key, why)
-        return False, why
-
-    def _drop_notifier(self, key: Tuple[str, int]) -> None:
-        conn = self._notifiers.pop(key, None)
-        if conn is not None:
-            conn[1].close()
-            conn[0].close()
+            self.stats["notified"] += 1
+        return bool(reply.get("released")), str(reply.get("why", ""))
 
     # -- prefill side -----------------------------------------------------------------------------
-    def _serve(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closed.is_set():
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._answer_releases, args=(conn,), daemon=True,
-                             name="llm_datadist-vllm-notify-conn").start()
-
-    def _answer_releases(self, conn: socket.socket) -> None:
-        """One JSON object a line each way: ``{"done": id}`` -> ``{"done": id, "ok": bool, "why": str}``."""
-        try:
-            with conn.makefile("rb") as lines:
-                for raw in lines:
-                    try:
-                        req_id = json.loads(raw)["done"]
-                    except (ValueError, KeyError, TypeError):
-                        req_id = None
-                    if not isinstance(req_id, str):
-                        logger.warning("llm_datadist notify: closing a connection that sent a malformed line")
-                        return
-                    ok, why = self._release(req_id)
-                    conn.sendall((json.dumps({"done": req_id, "ok": ok, "why": why}) + "\n").encode())
-        except OSError:
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+    def _on_notification(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A linked decode worker's ``{"op": "release", "request_id": id}`` ->
+        ``{"request_id": id, "released": bool, "why": str}`` (on the link's thread: quick)."""
+        req_id = message.get("request_id")
+        if message.get("op") != "release" or not isinstance(req_id, str):
+            logger.warning("llm_datadist: cluster %d sent a notification that is not a block release; ignored",
+                           peer_cluster_id)
+            return {"released": False, "why": "not a block release"}
+        released, why = self._release(req_id)
+        return {"request_id": req_id, "released": released, "why": why}
 
     def _release(self, req_id: str) -> Tuple[bool, str]:
         with self._lock:
@@ -700,21 +792,14 @@ class _Worker:
             self._gone.popitem(last=False)
 
     def close(self) -> None:
-        self._closed.set()
-        if self._server is not None:
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept
-            except OSError:
-                pass
-            self._server.close()
+        if self.producer:
+            self._links_api.set_notify_handler(None)
         with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            held, self._leases = len(self._leases), {}
+        if held:
+            # No drain freed them (an engine stopped in-process, or by a signal vLLM did not turn
+            # into a drain): they go with this engine.
+            logger.warning("llm_datadist: shutting down with the KV blocks of %d finished requests still held "
+                           "for decode engines; those find this engine gone", held)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for key in list(self._notifiers):
-            self._drop_notifier(key)
         self.dd.finalize()

@@ -1,0 +1,107 @@
+"""A prefill engine holding blocks for a decode side that never comes still stops gracefully.
+
+vLLM stops an engine the way ``vllm serve`` does here: its engine core process gets SIGTERM, drains
+(it steps until no finished request holds blocks; ``shutdown_timeout``), and is killed if still
+running when the grace period ends. The connector frees the held blocks when the drain begins
+instead of letting a lease (120 s here) hold it up.
+
+Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+from datetime import datetime
+
+from test_vllm import PRODUCER, Engine, needs_vllm, prompts_of, write_model
+
+LEASE_S = 120
+GRACE_S = 30
+
+
+def _when(log: str, text: str) -> datetime:
+    """The time of the first vLLM log line containing ``text`` (vLLM logs to the second)."""
+    for line in log.splitlines():
+        if text in line:
+            return datetime.strptime(re.search(r"\d\d-\d\d \d\d:\d\d:\d\d", line).group(), "%m-%d %H:%M:%S")
+    raise AssertionError(f"no log line contains {text!r}")
+
+
+@needs_vllm
+def test_a_held_lease_does_not_hold_up_shutdown(tmp_path):
+    write_model(tmp_path / "model")
+    prefill = Engine(tmp_path / "model", "producer", tmp_path / "prefill.log", {"kv_lease_s": LEASE_S},
+                     engine_args={"shutdown_timeout": GRACE_S},
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": "DEBUG"})
+    try:
+        prefill.wait_ready()
+        held = prefill.generate(prompts_of([60], seed=4), 1, [{"do_remote_decode": True}])
+        assert len(held[0]["kv_transfer_params"]["remote_block_ids"]) == 2  # kept for 120 s
+        stopped = prefill.call(op="shutdown", grace_s=GRACE_S)
+    finally:
+        prefill.close()
+    log = prefill.log.read_text(errors="replace")
+    # The engine core process ended by itself, not killed when the grace period ran out, and
+    # shut its scheduler (and so the connector) down on the way.
+    assert stopped["exitcodes"] == [0], f"{stopped}; the log ends:\n" + "\n".join(log.splitlines()[-30:])
+    assert "force killing" not in log
+    assert "[shutdown] Scheduler: complete" in log
+    # The drain did not wait for the lease (the rest of the stop is vLLM's own teardown).
+    drained = _when(log, "request processing complete") - _when(log, "[shutdown] EngineCore: start mode=drain")
+    assert drained.total_seconds() <= 2, drained
+    assert stopped["seconds"] < GRACE_S
+    # Said once.
+    said = [line for line in log.splitlines() if line.startswith("llm_datadist:")]
+    assert len(said) == 1 and "shutting down: freed the KV blocks of 1 finished request(s)" in said[0], said
+
+
+@needs_vllm
+def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases(caplog):
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata, _Options, _Worker
+
+    def step(stopping: bool, **leases) -> set:
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_send, meta.stopping = leases, stopping
+        worker.start(meta)
+        return worker.results().finished_sending
+
+    worker = _Worker(PRODUCER, "engine", _Options.parse({"kv_lease_s": LEASE_S}), None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="llm_datadist.integrations.vllm"):
+            assert step(False, a=LEASE_S, b=LEASE_S) == set()
+            assert step(True, c=LEASE_S) == {"a", "b", "c"}  # held ones, and one finishing now
+            assert step(True, d=LEASE_S) == {"d"}
+            assert worker._on_notification(7, {"op": "release", "request_id": "a"}) == {
+                "request_id": "a", "released": False,
+                "why": "its blocks were already freed (the engine is shutting down)"}
+            assert worker.stats["freed_at_shutdown"] == 4 and worker.stats["refused"] == 1
+    finally:
+        worker.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "llm_datadist.integrations.vllm"]
+    assert len(said) == 1 and "freed the KV blocks of 3 finished request(s)" in said[0], said
+
+
+@needs_vllm
+def test_the_stop_signal_is_noticed_and_passed_on_to_the_handler_vllm_set():
+    from llm_datadist.integrations.vllm import _StopSignals
+
+    received = []
+    original = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        watcher = _StopSignals(watch=True)
+        assert not watcher.stopping
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watcher.stopping and received == [signal.SIGTERM]
+        watcher.close()
+        assert signal.getsignal(signal.SIGTERM) is not watcher._handle  # vLLM's is back
+        # a process whose handlers vLLM did not set keeps them: nothing is watched there
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        bystander = _StopSignals(watch=True)
+        assert signal.SIGTERM not in bystander._previous
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        bystander.close()
+    finally:
+        signal.signal(signal.SIGTERM, original)
