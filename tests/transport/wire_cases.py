@@ -147,6 +147,9 @@ class CaseGenerator:
             message: Dict[str, Any] = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {},
                                        "remote_cache_accessible": t.remote_accessible, "connections": [1, 1],
                                        "force_link": True}
+            if rng.random() < 0.08:  # a member of a two-sided link, or a malformed claim to be one
+                message["comm"] = rng.choice([["link", "ab" * 16], ["pd_comm_x", ""], [], ["a"], ["a", 1],
+                                              "link", None, {"name": "a"}, [["a"], "b"]])
             if rng.random() < 0.4:
                 key = rng.choice(["role", "planes", "host", "remote_cache_accessible", "connections"])
                 message[key] = rng.choice([

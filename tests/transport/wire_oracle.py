@@ -262,10 +262,16 @@ class ServerModel:
         if not isinstance(message.get("role"), str) or not isinstance(message.get("host"), dict):
             raise protocol_error("link request: role or host")
         refusal = None
-        if peer_id == self.cluster_id:
-            refusal = S.LLM_PARAM_INVALID, "a cluster cannot link to its own id"
-        elif bool(message.get("remote_cache_accessible")) != self.remote_accessible:
+        comm = message.get("comm")
+        if comm is not None and not (isinstance(comm, list) and len(comm) == 2
+                                     and all(isinstance(x, str) for x in comm)):
+            raise protocol_error("link request: comm")
+        if comm is None and bool(message.get("remote_cache_accessible")) != self.remote_accessible:
             refusal = S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters"
+        elif peer_id == self.cluster_id:
+            pass  # a link to its own listener: accepted like any other (as in CANN)
+        elif comm is not None:  # this server makes no two-sided link while it is fuzzed
+            refusal = S.LLM_NOT_YET_LINK, "this cluster is not making that link now"
         elif session.staged is not None and session.staged[0] == peer_id:  # still being linked
             refusal = S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked"
         elif peer_id in session.linked:  # a live link is never replaced
