@@ -166,6 +166,69 @@ def test_range_set_edges_of_each_registration(ranges, data):
             assert rs.first_outside(probe(a, m, dst_side), dst_side) == expected, (ranges, a, m)
 
 
+TOP = 2**64
+
+
+def test_range_set_holds_a_range_ending_at_the_top_of_the_address_space():
+    """A registration may end at 2**64 exactly: it is stored and checked like any other."""
+    ranges = _planes.RangeSet([(TOP - 1024, 1024), (TOP - 4096, 1024)])
+    assert ranges.spans() == [(TOP - 4096, TOP - 3072), (TOP - 1024, TOP)]
+    assert ranges.contains(TOP - 1024, 1024) and ranges.contains(TOP - 1, 1)
+    assert not ranges.contains(TOP - 1025, 2) and not ranges.contains(TOP - 3072, 1)
+    assert not ranges.contains(TOP - 1, 2)  # would run past the top: not inside
+    for dst_side in (True, False):
+        assert ranges.first_outside(probe(TOP - 1024, 1023, dst_side), dst_side) == -1
+        assert ranges.first_outside(probe(TOP - 1025, 1023, dst_side), dst_side) == 0
+        assert ranges.first_outside(probe(TOP - 3073, 1, dst_side), dst_side) == -1
+        assert ranges.first_outside(probe(TOP - 3072, 1, dst_side), dst_side) == 0
+    assert ranges.overlaps(probe(TOP - 1, 0, True), True) is False
+    assert ranges.overlaps(probe(TOP - 2000, 977, True), True)       # reaches TOP - 1024
+    assert not ranges.overlaps(probe(TOP - 2000, 976, True), True)   # stops one byte short
+
+
+@pytest.mark.parametrize("bad", [(TOP - 1024, 1025), (TOP, 1), (TOP - 1, 2), (-1, 4), (4, -1),
+                                 (0, TOP + 1), (TOP + 5, 0)])
+def test_range_set_refuses_ranges_outside_the_address_space(bad):
+    with pytest.raises(ValueError):
+        _planes.RangeSet([(4096, 16), bad])
+    with pytest.raises(TypeError):
+        _planes.RangeSet([(4096.0, 16)])
+
+
+top_ranges = st.lists(st.tuples(st.integers(TOP - 400, TOP), st.integers(0, 60)).filter(
+    lambda r: r[0] + r[1] <= TOP), max_size=6)
+top_probes = st.lists(st.tuples(st.integers(TOP - 480, TOP - 1), st.integers(0, 80)).filter(
+    lambda r: r[0] + r[1] < TOP), min_size=1, max_size=8)
+
+
+def interval_oracle_first_outside(ranges, probes):
+    merged = _merged(ranges)
+    for i, (addr, n) in enumerate(probes):
+        if not any(s <= addr < e and addr + n <= e for s, e in merged):
+            return i
+    return -1
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranges=top_ranges, probes=top_probes, dst_side=st.booleans())
+def test_range_set_at_the_top_matches_an_interval_oracle(ranges, probes, dst_side):
+    rs = _planes.RangeSet(ranges)
+    plan = wire_plan(*[((JUNK, a, n) if dst_side else (a, JUNK, n)) for a, n in probes])
+    assert rs.first_outside(plan, dst_side) == interval_oracle_first_outside(ranges, probes)
+    assert rs.spans() == [tuple(m) for m in _merged(ranges)]
+
+
+def _merged(ranges):
+    spans = sorted((a, a + n) for a, n in ranges if n > 0)
+    merged = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
 # ------------------------------------------------------------------------------------------------
 # cma_copy against a child whose mapping ends in an unmapped page
 # ------------------------------------------------------------------------------------------------
