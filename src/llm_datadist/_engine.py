@@ -44,6 +44,16 @@ _KIND_BY_PLACEMENT = {
 }
 
 
+def is_blocks(record: "CacheRecord") -> bool:
+    """Whether the cache was registered or allocated as a blocks cache (or MIX)."""
+    return record.kind != CONTIGUOUS
+
+
+def is_rows(record: "CacheRecord") -> bool:
+    """Whether the cache was registered or allocated as a contiguous cache (or MIX)."""
+    return record.kind != BLOCKS
+
+
 def _not_exist(message: str) -> LLMException:
     return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
@@ -62,6 +72,7 @@ class CacheRecord:
     tensor_bytes: int
     layout: Any  # _core.CacheLayout: rows = shape[0], row bytes = tensor_bytes // shape[0]
     registered: bool
+    batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
     allocations: List[Any] = field(default_factory=list)
     keepalive: List[Any] = field(default_factory=list)
     owner_keys: set = field(default_factory=set)
@@ -219,16 +230,19 @@ class Engine:
     # -- registry ------------------------------------------------------------------------------
     def _new_record(self, num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type: DataType,
                     placement: int, kind: str, addrs: List[int], registered: bool,
-                    cache_id: int) -> CacheRecord:
+                    cache_id: int, batch_dim: int = 0) -> CacheRecord:
         """A record over ``addrs`` with the geometry of ``cache_geometry`` (checked here: every
-        tensor is a valid range of the address space)."""
+        tensor is a valid range of the address space). Every later operation on the cache plans
+        against this record, never against the caller's objects."""
         if len(addrs) != num_tensors:
             raise param_invalid(f"{len(addrs)} addresses given for {num_tensors} tensors")
+        if not is_instance_strict(batch_dim, int) or not 0 <= batch_dim < len(shape):
+            raise param_invalid(f"batch_dim_index {batch_dim!r} must be in [0, {len(shape)})")
         for i, addr in enumerate(addrs):
             check_address_range(addr, nbytes, f"addrs[{i}]")
         layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
         return CacheRecord(cache_id, num_tensors, shape, data_type, placement, kind,
-                           list(addrs), nbytes, layout, registered)
+                           list(addrs), nbytes, layout, registered, batch_dim)
 
     def _checked_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]]) -> List[tuple]:
         """``(row, key)`` for the row keys to bind (k-th key -> row k; None = placeholder), after
@@ -264,20 +278,21 @@ class Engine:
 
     def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
                  addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
         self.check_initialized()
         if not addrs:
             raise param_invalid("addrs must not be empty")
         shape, nbytes = cache_geometry(shape, data_type)
         resolved, keepalive = resolve_addresses(addrs, nbytes, self.runtime.name)
-        record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1)
+        record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1,
+                                  batch_dim)
         record.keepalive = keepalive
         return self._commit(record, owner_keys, blocks_model_id)
 
     def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
         memory starts zeroed, acl/cuda device memory is uninitialised as aclrtMalloc's is)."""
         self.check_initialized()
@@ -298,7 +313,7 @@ class Engine:
             allocations = [_core.Allocation(self.runtime, nbytes, placement == DEVICE)
                            for _ in range(num_tensors)]
             record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind,
-                                      [a.addr for a in allocations], False, -1)
+                                      [a.addr for a in allocations], False, -1, batch_dim)
             record.allocations = allocations
             record.pool_bytes = total if pool is not None else 0
             return self._commit(record, owner_keys, blocks_model_id)
@@ -309,10 +324,11 @@ class Engine:
             raise
 
     def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
-                  addrs: Sequence[int], kind: str) -> CacheRecord:
+                  addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
         """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
         shape, nbytes = cache_geometry(shape, data_type)
-        return self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, list(addrs), True, -1)
+        return self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, list(addrs), True, -1,
+                                batch_dim)
 
     def lookup(self, cache_id: int) -> CacheRecord:
         with self._lock:
@@ -347,8 +363,9 @@ class Engine:
         self._shared_ranges = ranges
         return removed
 
-    def deallocate(self, cache_id: int) -> None:
-        """Drop the id reference of an allocated cache; memory goes when no key is bound to it."""
+    def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:
+        """Drop the id reference of an allocated cache; memory goes when no key is bound to it.
+        ``blocks``: the kind the caller means (None = either); the record must be of it."""
         self.check_initialized()
         with self._lock:
             record = self._caches.get(cache_id)
@@ -356,6 +373,9 @@ class Engine:
                 return
             if record.registered:
                 raise param_invalid(f"cache {cache_id} is registered memory; use unregister_cache")
+            if blocks is not None and not (is_blocks(record) if blocks else is_rows(record)):
+                raise param_invalid(f"cache {cache_id} is a {'contiguous' if blocks else 'blocks'} cache; "
+                                    f"use {'deallocate_cache' if blocks else 'deallocate_blocks_cache'}")
             if record.owner_keys:
                 record.id_released = True
                 return
@@ -534,18 +554,29 @@ class Engine:
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
         self._run(plan, src, dst)
 
-    def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks,
-                    block_bytes: int, num_blocks_src: int, num_blocks_dst: int) -> None:
-        """Swap blocks between host and device caches with explicit block geometry."""
+    @staticmethod
+    def swap_geometry(record: CacheRecord) -> Tuple[int, int]:
+        """``(blocks, block bytes)`` of a cache as swap_blocks sees it: the blocks are
+        ``shape[batch_dim]`` and one block is ``tensor bytes // blocks``, as recorded."""
+        blocks = record.shape[record.batch_dim]
+        return blocks, record.tensor_bytes // blocks
+
+    def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> None:
+        """Copy blocks between a host and a device cache, block ``src_blocks[k]`` to
+        ``dst_blocks[k]`` of every tensor, with the geometry recorded for each cache."""
         self.check_initialized()
+        (src_count, src_block), (dst_count, dst_block) = self.swap_geometry(src), self.swap_geometry(dst)
+        if src_block != dst_block:
+            raise param_invalid(f"src block size {src_block} and dst block size {dst_block} must be equal")
+        if src.num_tensors != dst.num_tensors:
+            raise param_invalid(f"src num_tensors {src.num_tensors} and dst num_tensors "
+                                f"{dst.num_tensors} must be equal")
         if (src.placement, dst.placement) not in ((HOST, DEVICE), (DEVICE, HOST)):
             raise param_invalid(f"swap from placement {src.placement} to {dst.placement} is not "
                                 f"supported: one side must be HOST and the other DEVICE")
-        if src.num_tensors != dst.num_tensors:
-            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
-        src_layout = _core.CacheLayout(src.addrs, num_blocks_src, block_bytes)
-        dst_layout = _core.CacheLayout(dst.addrs, num_blocks_dst, block_bytes)
-        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, block_bytes)
+        src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
+        dst_layout = _core.CacheLayout(dst.addrs, dst_count, dst_block)
+        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
         self._run(plan, src, dst)
 
     # -- transfers between clusters ----------------------------------------------------------------
