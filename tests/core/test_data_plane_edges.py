@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from llm_datadist import _core, _planes
 from llm_datadist.status import LLMException, LLMStatusCode
+from refusals import names
 
 HOST = _core.load_runtime("host")
 H2H = _core.MEMCPY_HOST_TO_HOST
@@ -431,14 +432,17 @@ class Guarded:
         return self.buffers[tensor][start:start + self.row_bytes]
 
 
-def refused_before_any_byte_moves(plan_call, caches, run=True):
-    """``plan_call()`` must raise LLMException(LLM_PARAM_INVALID). If a wrong planner returns a
-    plan instead, it is executed (``run``) so the failure shows what it would have written."""
+def refused_before_any_byte_moves(plan_call, caches, bad=None, run=True):
+    """``plan_call()`` must raise LLMException(LLM_PARAM_INVALID), naming ``bad`` (so that it is
+    refused for that value, not for another reason). If a wrong planner returns a plan instead,
+    it is executed (``run``) so the failure shows what it would have written."""
     before = [c.snapshot() for c in caches]
     try:
         plan = plan_call()
     except LLMException as exc:
         assert exc.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        if bad is not None:
+            assert names(exc.args[0], bad), (exc.args[0], bad)
         assert all(c.unchanged_since(s) for c, s in zip(caches, before))
         return
     if run:
@@ -465,11 +469,11 @@ def test_plan_blocks_refuses_block_index_at_the_limit(pair, side, bad):
     run = bad in ("limit", "-1")
     refused_before_any_byte_moves(
         lambda: _core.plan_blocks(src.layout, dst.layout, [0, 1], [0, 1], blocks["src"], blocks["dst"]),
-        [src, dst], run)
+        [src, dst], value, run)
     if side == "dst":
         refused_before_any_byte_moves(
             lambda: _core.plan_row_to_blocks(src.layout, dst.layout, [0, 1], [0, 1], 0, blocks["dst"]),
-            [src, dst], run)
+            [src, dst], value, run)
 
 
 def test_plan_blocks_last_block_is_valid_and_stays_inside(pair):
@@ -499,7 +503,7 @@ def test_planners_refuse_tensor_index_at_the_limit(pair, planner, side, bad):
     }[planner]
     # A tensor index past the address table would make a wrong planner read an address from
     # outside it: never run such a plan.
-    refused_before_any_byte_moves(call, [src, dst], run=False)
+    refused_before_any_byte_moves(call, [src, dst], value, run=False)
 
 
 @pytest.mark.parametrize("side", ["src", "dst"])
@@ -507,18 +511,19 @@ def test_plan_rows_refuses_row_at_the_limit(pair, side):
     src, dst = pair
     rows = {"src": 0, "dst": 0}
     rows[side] = src.rows if side == "src" else dst.rows
+    # Two tensors on each side: the row is the only thing wrong.
     refused_before_any_byte_moves(
-        lambda: _core.plan_rows(src.layout, dst.layout, None if side == "src" else [0, 1],
-                                None if side == "dst" else [0, 1], rows["src"], rows["dst"]), [src, dst])
+        lambda: _core.plan_rows(src.layout, dst.layout, [0, 1], [0, 1], rows["src"], rows["dst"]), [src, dst],
+        rows[side])
     for value in (-1, -src.rows):
         rows[side] = value
         refused_before_any_byte_moves(
             lambda: _core.plan_rows(src.layout, dst.layout, [0, 1], [0, 1], rows["src"], rows["dst"]),
-            [src, dst], run=False)
+            [src, dst], value, run=False)
     if side == "src":
         refused_before_any_byte_moves(
             lambda: _core.plan_row_to_blocks(src.layout, dst.layout, [0, 1], [0, 1], src.rows, [0]),
-            [src, dst])
+            [src, dst], src.rows)
 
 
 def test_plan_rows_last_row_is_valid_and_stays_inside(pair):
