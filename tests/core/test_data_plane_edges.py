@@ -526,6 +526,29 @@ def test_plan_rows_refuses_row_at_the_limit(pair, side):
             [src, dst], src.rows)
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_plans_at_the_top_of_the_address_space_match_plans_below(data):
+    """A tensor may end at 2**64 (the registry accepts it): its plans are the plans of the same
+    cache anywhere else, shifted. Merging must not compute a range end that wraps to 0 (which
+    made an overlapping chain such as blocks [5, 6] -> [6, 7] one memmove, not two copies)."""
+    rows, row_bytes = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 32))
+    tensor = rows * row_bytes
+    n = data.draw(st.integers(1, 6))
+    src_blocks = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+    dst_blocks = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+    same_cache = data.draw(st.booleans())
+    low_base, top_base = 1 << 40, TOP - tensor
+    plans = []
+    for base in (low_base, top_base):
+        layout = _core.CacheLayout([base], rows, row_bytes)
+        other = layout if same_cache else _core.CacheLayout([base - 2 * tensor], rows, row_bytes)
+        descs = [tuple(int(x) for x in d) for d in
+                 _core.plan_blocks(layout, other, None, None, src_blocks, dst_blocks).descriptors()]
+        plans.append([(s - base, d - base, k) for s, d, k in descs])
+    assert plans[1] == plans[0]
+
+
 def test_plan_rows_last_row_is_valid_and_stays_inside(pair):
     src, dst = pair
     expected = [src.row(t, src.rows - 1).copy() for t in (0, 1)]
