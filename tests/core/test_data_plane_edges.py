@@ -355,9 +355,14 @@ def hole_cases(addr, page):
 CASES = list(hole_cases(0, 4096))
 
 
+@pytest.mark.parametrize("pidfd", [False, True], ids=["pid", "pidfd"])
 @pytest.mark.parametrize("write", [False, True], ids=["readv", "writev"])
 @pytest.mark.parametrize("case", CASES)
-def test_cma_copy_into_an_unmapped_page_reports_failure(hole_child, case, write):
+def test_cma_copy_into_an_unmapped_page_reports_failure(hole_child, case, write, pidfd):
+    """As links.py calls it: ``cma_copy(pid, plan, write, timeout_ms, pidfd)``."""
+    if pidfd and not hasattr(os, "pidfd_open"):
+        pytest.skip("os.pidfd_open is not available")
+    fd = os.pidfd_open(hole_child.pid) if pidfd else -1
     ranges = hole_cases(hole_child.addr, hole_child.page)[case]
     local = np.full(4 * hole_child.page, 0xC3, np.uint8)
     descs, offset = [], 0
@@ -366,7 +371,11 @@ def test_cma_copy_into_an_unmapped_page_reports_failure(hole_child, case, write)
         local_addr = local.ctypes.data + offset
         descs.append((local_addr, remote, n) if write else (remote, local_addr, n))
         offset += n
-    status, err = _planes.cma_copy(hole_child.pid, wire_plan(*descs), write, 5000)
+    try:
+        status, err = _planes.cma_copy(hole_child.pid, wire_plan(*descs), write, 5000, fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     hole_child.check_layout()
     assert status != _planes.SUCCESS, f"{case}: a copy that ran into an unmapped page reported success"
     assert (status, err) == (_planes.PARAM_INVALID, errno.EFAULT), (case, status, err)
