@@ -128,12 +128,16 @@ cdef int _host_free(void *ctx, void *ptr) noexcept nogil:
     return 0
 
 
+cdef inline uint64_t _distance(uint64_t a, uint64_t b) noexcept nogil:
+    return a - b if a >= b else b - a
+
+
 cdef inline void _host_copy(void *dst, const void *src, size_t count) noexcept nogil:
-    cdef const char *s = <const char *>src
-    cdef char *d = <char *>dst
-    if s == d:
+    # The ranges overlap when their starts are less than count apart (no end is computed: a
+    # range may end at the top of the address space).
+    if src == dst:
         return
-    if s < d + count and d < s + count:
+    if _distance(<uint64_t>src, <uint64_t>dst) < count:
         memmove(dst, src, count)
     else:
         memcpy(dst, src, count)
@@ -470,13 +474,17 @@ cdef class CopyPlan:
         # Callers reserve first. A descriptor that continues the previous one on both sides is
         # merged into it, unless the merged ranges would overlap (then the copies must stay
         # separate and ordered, as the caller listed them).
+        # Written without computing range ends, which wrap for a range that ends at 2**64: the
+        # merged ranges are apart when their starts are at least their length apart.
         cdef dd_copy_desc *last
+        cdef uint64_t apart
         self.total_bytes += nbytes
         if self.count > 0:
             last = &self.descs[self.count - 1]
-            if (last.src + last.nbytes == src and last.dst + last.nbytes == dst
-                    and (last.src + last.nbytes + nbytes <= last.dst
-                         or last.dst + last.nbytes + nbytes <= last.src)):
+            apart = _distance(last.src, last.dst)
+            if (src >= last.src and src - last.src == last.nbytes
+                    and dst >= last.dst and dst - last.dst == last.nbytes
+                    and nbytes <= apart and last.nbytes <= apart - nbytes):
                 last.nbytes += nbytes
                 return
         self.descs[self.count].src = src

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _core, _planes
 from llm_datadist._device import select_runtime
-from llm_datadist._memory import resolve_addresses
-from llm_datadist._validate import INT32_MAX, param_invalid
+from llm_datadist._memory import ADDRESS_SPACE, check_address_range, resolve_addresses
+from llm_datadist._validate import INT32_MAX, is_instance_strict, param_invalid
 from llm_datadist.data_type import DataType, numpy_dtype
 from llm_datadist.llm_types import BlocksCacheKey, tensor_bytes
 from llm_datadist.transport.shm import SharedCounter
@@ -44,6 +44,16 @@ _KIND_BY_PLACEMENT = {
 }
 
 
+def is_blocks(record: "CacheRecord") -> bool:
+    """Whether the cache was registered or allocated as a blocks cache (or MIX)."""
+    return record.kind != CONTIGUOUS
+
+
+def is_rows(record: "CacheRecord") -> bool:
+    """Whether the cache was registered or allocated as a contiguous cache (or MIX)."""
+    return record.kind != BLOCKS
+
+
 def _not_exist(message: str) -> LLMException:
     return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
@@ -62,6 +72,7 @@ class CacheRecord:
     tensor_bytes: int
     layout: Any  # _core.CacheLayout: rows = shape[0], row bytes = tensor_bytes // shape[0]
     registered: bool
+    batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
     allocations: List[Any] = field(default_factory=list)
     keepalive: List[Any] = field(default_factory=list)
     owner_keys: set = field(default_factory=set)
@@ -94,6 +105,21 @@ def parse_listen_ip_info(value: str) -> Tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise param_invalid(f"listen ip info {value!r} must look like 'ip:port'")
     return host, int(port)
+
+
+def cache_geometry(shape: Sequence[int], data_type: DataType) -> Tuple[Tuple[int, ...], int]:
+    """``(shape as a tuple, bytes of one tensor)``, the shape read exactly once: a caller's list
+    may change after (or while) it is checked, so the engine keeps and uses only this copy. A
+    tensor must fit the 64-bit address space."""
+    dims = tuple(shape)
+    for dim in dims:
+        if not is_instance_strict(dim, int):
+            raise TypeError(f"shape {list(dims)} must hold ints, got {type(dim).__name__}")
+    nbytes = tensor_bytes(dims, data_type)
+    if nbytes >= ADDRESS_SPACE:
+        raise param_invalid(f"a tensor of shape {list(dims)} ({nbytes} bytes) does not fit the "
+                            f"64-bit address space")
+    return dims, nbytes
 
 
 def _parse_pool(options: Dict[str, str], key: str) -> Optional[MemoryPool]:
@@ -193,6 +219,7 @@ class Engine:
                 self._caches.clear()
                 self._keys.clear()
                 self._blocks_keys.clear()
+                self._shared_ranges = _planes.RangeSet(())
                 for pool in self.pools.values():
                     if pool is not None:
                         pool.used = 0
@@ -201,18 +228,25 @@ class Engine:
                 _active_engine = None
 
     # -- registry ------------------------------------------------------------------------------
-    def _new_record(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
-                    kind: str, addrs: List[int], registered: bool, cache_id: int) -> CacheRecord:
-        nbytes = tensor_bytes(shape, data_type)
+    def _new_record(self, num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type: DataType,
+                    placement: int, kind: str, addrs: List[int], registered: bool,
+                    cache_id: int, batch_dim: int = 0) -> CacheRecord:
+        """A record over ``addrs`` with the geometry of ``cache_geometry`` (checked here: every
+        tensor is a valid range of the address space). Every later operation on the cache plans
+        against this record, never against the caller's objects."""
         if len(addrs) != num_tensors:
             raise param_invalid(f"{len(addrs)} addresses given for {num_tensors} tensors")
+        if not is_instance_strict(batch_dim, int) or not 0 <= batch_dim < len(shape):
+            raise param_invalid(f"batch_dim_index {batch_dim!r} must be in [0, {len(shape)})")
+        for i, addr in enumerate(addrs):
+            check_address_range(addr, nbytes, f"addrs[{i}]")
         layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
-        return CacheRecord(cache_id, num_tensors, tuple(shape), data_type, placement, kind,
-                           list(addrs), nbytes, layout, registered)
+        return CacheRecord(cache_id, num_tensors, shape, data_type, placement, kind,
+                           list(addrs), nbytes, layout, registered, batch_dim)
 
-    def _bind_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]],
-                   blocks_model_id: Optional[int]) -> None:
-        """Check then bind row keys (k-th key -> row k; None = placeholder) and a blocks key."""
+    def _checked_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]]) -> List[tuple]:
+        """``(row, key)`` for the row keys to bind (k-th key -> row k; None = placeholder), after
+        checking that none is bound already (lock held)."""
         if len(owner_keys) > record.num_rows:
             raise param_invalid(f"{len(owner_keys)} cache keys given for a batch of {record.num_rows}")
         seen = set()
@@ -222,45 +256,50 @@ class Engine:
             if key in seen or key in self._keys:
                 raise param_invalid(f"cache key {key} is already bound")
             seen.add(key)
-        for row, key in enumerate(owner_keys):
-            if key is not None:
-                self._keys[key] = (record, row)
-                record.owner_keys.add(key)
-        if blocks_model_id is not None:
-            self._blocks_keys[blocks_model_id] = record
+        return [(row, key) for row, key in enumerate(owner_keys) if key is not None]
 
     def _commit(self, record: CacheRecord, owner_keys, blocks_model_id) -> CacheRecord:
+        """Enter ``record`` into the registry: everything that can fail (key checks, the new
+        shared ranges) happens before the first table changes, so a failure leaves the registry
+        and the ranges peers may touch exactly as they were."""
         with self._lock:
-            self._bind_keys(record, owner_keys, blocks_model_id)
+            keys = self._checked_keys(record, owner_keys)
+            ranges = self._ranges_of([*self._caches.values(), record])
             record.cache_id = self._next_cache_id
             self._next_cache_id += 1
             self._caches[record.cache_id] = record
-            self._rebuild_ranges()
+            for row, key in keys:
+                self._keys[key] = (record, row)
+                record.owner_keys.add(key)
+            if blocks_model_id is not None:
+                self._blocks_keys[blocks_model_id] = record
+            self._shared_ranges = ranges
         return record
 
     def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
                  addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
         self.check_initialized()
         if not addrs:
             raise param_invalid("addrs must not be empty")
-        nbytes = tensor_bytes(shape, data_type)
+        shape, nbytes = cache_geometry(shape, data_type)
         resolved, keepalive = resolve_addresses(addrs, nbytes, self.runtime.name)
-        record = self._new_record(num_tensors, shape, data_type, placement, kind, resolved, True, -1)
+        record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1,
+                                  batch_dim)
         record.keepalive = keepalive
         return self._commit(record, owner_keys, blocks_model_id)
 
     def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None) -> CacheRecord:
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
         memory starts zeroed, acl/cuda device memory is uninitialised as aclrtMalloc's is)."""
         self.check_initialized()
         self._bind_thread()
         if num_tensors <= 0:
             raise param_invalid(f"num_tensors must be > 0, got {num_tensors}")
-        nbytes = tensor_bytes(shape, data_type)
+        shape, nbytes = cache_geometry(shape, data_type)
         total = nbytes * num_tensors
         pool = self.pools.get(placement)
         with self._lock:
@@ -273,8 +312,8 @@ class Engine:
         try:
             allocations = [_core.Allocation(self.runtime, nbytes, placement == DEVICE)
                            for _ in range(num_tensors)]
-            record = self._new_record(num_tensors, shape, data_type, placement, kind,
-                                      [a.addr for a in allocations], False, -1)
+            record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind,
+                                      [a.addr for a in allocations], False, -1, batch_dim)
             record.allocations = allocations
             record.pool_bytes = total if pool is not None else 0
             return self._commit(record, owner_keys, blocks_model_id)
@@ -285,9 +324,11 @@ class Engine:
             raise
 
     def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
-                  addrs: Sequence[int], kind: str) -> CacheRecord:
+                  addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
         """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
-        return self._new_record(num_tensors, shape, data_type, placement, kind, list(addrs), True, -1)
+        shape, nbytes = cache_geometry(shape, data_type)
+        return self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, list(addrs), True, -1,
+                                batch_dim)
 
     def lookup(self, cache_id: int) -> CacheRecord:
         with self._lock:
@@ -297,9 +338,17 @@ class Engine:
                              f"{self.cluster_id}")
         return record
 
-    def _drop(self, record: CacheRecord) -> Any:
+    def _prepare_drop(self, record: CacheRecord) -> Tuple[Any, Any]:
+        """What the registry looks like without ``record``: ``(shared ranges, its memory)``,
+        computed before anything changes, as everything that can fail (lock held)."""
+        ranges = self._ranges_of([r for r in self._caches.values() if r is not record])
+        removed = _planes.RangeSet((addr, record.tensor_bytes) for addr in record.addrs)
+        return ranges, removed
+
+    def _drop(self, record: CacheRecord, prepared: Optional[Tuple[Any, Any]] = None) -> Any:
         """Remove a record and everything that names it (lock held); returns its memory as a
-        RangeSet for ``_wait_unpinned``."""
+        RangeSet for ``_wait_unpinned``. Nothing changes if this raises."""
+        ranges, removed = prepared if prepared is not None else self._prepare_drop(record)
         self._caches.pop(record.cache_id, None)
         for key in record.owner_keys:
             self._keys.pop(key, None)
@@ -311,11 +360,12 @@ class Engine:
             pool.used -= record.pool_bytes
             record.pool_bytes = 0
         self.generation_word.value = self.generation_word.value + 1
-        self._rebuild_ranges()
-        return _planes.RangeSet((addr, record.tensor_bytes) for addr in record.addrs)
+        self._shared_ranges = ranges
+        return removed
 
-    def deallocate(self, cache_id: int) -> None:
-        """Drop the id reference of an allocated cache; memory goes when no key is bound to it."""
+    def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:
+        """Drop the id reference of an allocated cache; memory goes when no key is bound to it.
+        ``blocks``: the kind the caller means (None = either); the record must be of it."""
         self.check_initialized()
         with self._lock:
             record = self._caches.get(cache_id)
@@ -323,6 +373,9 @@ class Engine:
                 return
             if record.registered:
                 raise param_invalid(f"cache {cache_id} is registered memory; use unregister_cache")
+            if blocks is not None and not (is_blocks(record) if blocks else is_rows(record)):
+                raise param_invalid(f"cache {cache_id} is a {'contiguous' if blocks else 'blocks'} cache; "
+                                    f"use {'deallocate_cache' if blocks else 'deallocate_blocks_cache'}")
             if record.owner_keys:
                 record.id_released = True
                 return
@@ -347,12 +400,14 @@ class Engine:
             if entry is None or entry[0].registered:
                 return
             record = entry[0]
+            last = record.id_released and record.owner_keys == {owner_key}
+            prepared = self._prepare_drop(record) if last else None
             del self._keys[owner_key]
             record.owner_keys.discard(owner_key)
             self.generation_word.value = self.generation_word.value + 1
-            if not (record.id_released and not record.owner_keys):
+            if not last:
                 return
-            removed = self._drop(record)
+            removed = self._drop(record, prepared)
         self._wait_unpinned(removed)
 
     def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
@@ -371,13 +426,12 @@ class Engine:
         return record
 
     # -- what peers see ----------------------------------------------------------------------------
-    def _rebuild_ranges(self) -> None:
-        """The memory peers may read or write over TCP: every tensor of every registered or
-        allocated cache that the host can address (lock held)."""
+    def _ranges_of(self, records) -> Any:
+        """The memory peers may read or write over TCP with ``records`` registered: every tensor
+        of those caches that the host can address."""
         host_ok = self.runtime is None or self.runtime.host_addressable
-        self._shared_ranges = _planes.RangeSet(
-            (addr, record.tensor_bytes) for record in self._caches.values()
-            if record.placement == HOST or host_ok for addr in record.addrs)
+        return _planes.RangeSet((addr, record.tensor_bytes) for record in records
+                                if record.placement == HOST or host_ok for addr in record.addrs)
 
     @contextlib.contextmanager
     def pinned(self, plan, dst_side: bool):
@@ -500,18 +554,29 @@ class Engine:
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
         self._run(plan, src, dst)
 
-    def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks,
-                    block_bytes: int, num_blocks_src: int, num_blocks_dst: int) -> None:
-        """Swap blocks between host and device caches with explicit block geometry."""
+    @staticmethod
+    def swap_geometry(record: CacheRecord) -> Tuple[int, int]:
+        """``(blocks, block bytes)`` of a cache as swap_blocks sees it: the blocks are
+        ``shape[batch_dim]`` and one block is ``tensor bytes // blocks``, as recorded."""
+        blocks = record.shape[record.batch_dim]
+        return blocks, record.tensor_bytes // blocks
+
+    def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> None:
+        """Copy blocks between a host and a device cache, block ``src_blocks[k]`` to
+        ``dst_blocks[k]`` of every tensor, with the geometry recorded for each cache."""
         self.check_initialized()
+        (src_count, src_block), (dst_count, dst_block) = self.swap_geometry(src), self.swap_geometry(dst)
+        if src_block != dst_block:
+            raise param_invalid(f"src block size {src_block} and dst block size {dst_block} must be equal")
+        if src.num_tensors != dst.num_tensors:
+            raise param_invalid(f"src num_tensors {src.num_tensors} and dst num_tensors "
+                                f"{dst.num_tensors} must be equal")
         if (src.placement, dst.placement) not in ((HOST, DEVICE), (DEVICE, HOST)):
             raise param_invalid(f"swap from placement {src.placement} to {dst.placement} is not "
                                 f"supported: one side must be HOST and the other DEVICE")
-        if src.num_tensors != dst.num_tensors:
-            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
-        src_layout = _core.CacheLayout(src.addrs, num_blocks_src, block_bytes)
-        dst_layout = _core.CacheLayout(dst.addrs, num_blocks_dst, block_bytes)
-        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, block_bytes)
+        src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
+        dst_layout = _core.CacheLayout(dst.addrs, dst_count, dst_block)
+        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
         self._run(plan, src, dst)
 
     # -- transfers between clusters ----------------------------------------------------------------

@@ -9,6 +9,17 @@ import numpy as np
 from llm_datadist._validate import UINT64_MAX, param_invalid
 
 
+ADDRESS_SPACE = UINT64_MAX + 1
+
+
+def check_address_range(addr: int, nbytes: int, where: str) -> None:
+    """``[addr, addr + nbytes)`` must be a range of the 64-bit address space that does not start
+    at 0 (a range ending exactly at 2**64 is accepted); LLM_PARAM_INVALID otherwise."""
+    if addr <= 0 or addr + nbytes > ADDRESS_SPACE:
+        raise param_invalid(f"{where} = {addr:#x} is not a valid address for a tensor of {nbytes} "
+                            f"bytes: it must be non-zero and the tensor must end at or below 2**64")
+
+
 def _is_torch_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
 
@@ -20,8 +31,7 @@ def resolve_address(value: Any, needed_bytes: int, runtime_name: str, where: str
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         addr = int(value)
-        if addr <= 0 or addr > UINT64_MAX:
-            raise param_invalid(f"{where} = {addr:#x} is not a valid address")
+        check_address_range(addr, needed_bytes, where)
         return addr, None
     if isinstance(value, np.ndarray):
         if not value.flags.c_contiguous:

@@ -25,6 +25,8 @@ from llm_datadist._os cimport (
 )
 from llm_datadist._runtime cimport dd_copy_desc
 
+import operator
+
 #: Status codes returned by the executors (values from dd_status.h).
 SUCCESS = _status.DD_LLM_SUCCESS
 FAILED = _status.DD_LLM_FAILED
@@ -39,6 +41,7 @@ MAX_IOVECS = IOV_MAX
 WIRE_DESC_BYTES = sizeof(dd_copy_desc)
 
 cdef size_t _BATCH = IOV_MAX
+_ADDRESS_SPACE = 2**64
 # Bytes a waiting receiver asks the kernel to gather before waking it (SO_RCVLOWAT); 0 = off.
 cdef int _recv_lowat = 0
 # Streams with less than this left wake on any data (a small frame lands in one segment anyway).
@@ -479,17 +482,31 @@ def plan_from_wire(const unsigned char[::1] data):
 
 
 cdef class RangeSet:
-    """Sorted, merged ``[start, end)`` address ranges: the memory a process lets peers touch."""
+    """Sorted, merged address ranges: the memory a process lets peers touch.
+
+    Built from ``(address, nbytes)`` pairs. A range may end at the very top of the address space
+    (``address + nbytes == 2**64``); one that would run past it, or a negative value, is refused
+    with ``ValueError`` before anything is stored. Each range is kept as its first and its last
+    byte, so that the top end needs no 65th bit.
+    """
 
     cdef uint64_t *starts
-    cdef uint64_t *ends
+    cdef uint64_t *lasts
     cdef size_t count
 
     def __cinit__(self, ranges=()):
-        cdef list spans = sorted((int(a), int(a) + int(n)) for a, n in ranges if int(n) > 0)
+        cdef list spans = []
         cdef list merged = []
         cdef list last = None
         cdef size_t i
+        for pair in ranges:
+            start, nbytes = (operator.index(v) for v in pair)
+            if start < 0 or nbytes < 0 or start + nbytes > _ADDRESS_SPACE:
+                raise ValueError(f"range of {nbytes} bytes at {start:#x} does not lie in the 64-bit "
+                                 f"address space")
+            if nbytes > 0:
+                spans.append((start, start + nbytes))
+        spans.sort()
         for start, end in spans:
             if last is not None and start <= last[1]:
                 if end > last[1]:
@@ -499,21 +516,28 @@ cdef class RangeSet:
                 merged.append(last)
         self.count = len(merged)
         self.starts = <uint64_t *>malloc((self.count + 1) * sizeof(uint64_t))
-        self.ends = <uint64_t *>malloc((self.count + 1) * sizeof(uint64_t))
-        if self.starts == NULL or self.ends == NULL:
+        self.lasts = <uint64_t *>malloc((self.count + 1) * sizeof(uint64_t))
+        if self.starts == NULL or self.lasts == NULL:
             raise MemoryError()
         for i in range(self.count):
             self.starts[i] = merged[i][0]
-            self.ends[i] = merged[i][1]
+            self.lasts[i] = merged[i][1] - 1
 
     def __dealloc__(self):
         free(self.starts)
-        free(self.ends)
+        free(self.lasts)
 
     def __len__(self):
         return self.count
 
+    def spans(self):
+        """The merged ranges as ``(start, end)`` pairs, ``end`` exclusive (at most 2**64)."""
+        return [(int(self.starts[i]), int(self.lasts[i]) + 1) for i in range(self.count)]
+
     cdef bint _contains(self, uint64_t addr, uint64_t nbytes) noexcept nogil:
+        # Inside one merged range: it starts at or before addr, addr is one of its bytes and so
+        # is addr + nbytes - 1 (nothing here computes an end that could wrap). A zero-length
+        # range counts as inside when addr is a byte of the set.
         cdef size_t lo = 0, hi = self.count, mid
         # The last range whose start <= addr.
         while lo < hi:
@@ -522,9 +546,9 @@ cdef class RangeSet:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo == 0:
+        if lo == 0 or addr > self.lasts[lo - 1]:
             return False
-        return addr < self.ends[lo - 1] and nbytes <= self.ends[lo - 1] - addr
+        return nbytes == 0 or nbytes - 1 <= self.lasts[lo - 1] - addr
 
     def contains(self, uint64_t addr, uint64_t nbytes):
         return self._contains(addr, nbytes)
@@ -533,10 +557,11 @@ cdef class RangeSet:
         cdef size_t lo = 0, hi = self.count, mid
         if nbytes == 0:
             return False
-        # The first range that ends after addr; it overlaps if it starts before addr + nbytes.
+        # The first range whose last byte is at or after addr; it overlaps if it starts before
+        # addr + nbytes.
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.ends[mid] <= addr:
+            if self.lasts[mid] < addr:
                 lo = mid + 1
             else:
                 hi = mid

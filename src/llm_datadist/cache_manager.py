@@ -64,14 +64,25 @@ class CacheManager:
         self._initialized = False
 
     def _record(self, cache: Cache):
-        """The engine record behind ``cache`` (a transient one for ``create_cpu_cache`` caches)."""
+        """The engine record behind ``cache``: what was recorded at registration or allocation,
+        whatever the caller did to ``cache`` or its ``cache_desc`` since. A ``create_cpu_cache``
+        cache gets a transient record from the geometry and addresses it was created with."""
         if cache.cache_id == -1:
-            raise_if_false(bool(cache.tensor_addrs), "the cache has no tensors (was it released?)")
-            desc = cache.cache_desc
-            return self._engine.transient(desc.num_tensors, desc.shape, desc.data_type,
-                                          _PLACEMENT[desc.placement], cache.tensor_addrs,
-                                          _engine.BLOCKS if cache.is_blocks_cache else _engine.CONTIGUOUS)
+            geometry = cache._geometry
+            raise_if_false(geometry is not None and bool(cache._tensor_addrs),
+                           "the cache has no tensors (was it released?)")
+            return self._engine.transient(geometry.num_tensors, geometry.shape, geometry.data_type,
+                                          _PLACEMENT[geometry.placement], cache._tensor_addrs,
+                                          _engine.BLOCKS if cache.is_blocks_cache else _engine.CONTIGUOUS,
+                                          geometry.batch_dim)
         return self._engine.lookup(cache.cache_id)
+
+    @staticmethod
+    def _is_kind(cache: Cache, record, blocks: bool) -> bool:
+        """Whether ``cache`` is a blocks cache (``blocks``) or a contiguous one, as the caller's
+        object says and as the engine recorded it: both must agree."""
+        recorded = _engine.is_blocks(record) if blocks else _engine.is_rows(record)
+        return cache.is_blocks_cache == blocks and recorded
 
     def _tensor_views(self, cache: Cache) -> list:
         self._check_is_inited()
@@ -117,7 +128,8 @@ class CacheManager:
         self._remote_accessible(cache_desc, remote_accessible)
         record = self._engine.register(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], addrs, _engine.CONTIGUOUS,
-                                       [key.owner_key() for key in cache_keys])
+                                       [key.owner_key() for key in cache_keys],
+                                       batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, True, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: List[int],
@@ -132,7 +144,7 @@ class CacheManager:
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
         record = self._engine.register(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], addrs, _engine.BLOCKS,
-                                       blocks_model_id=model_id)
+                                       blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, True, True)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -166,7 +178,8 @@ class CacheManager:
         self._check_pool(cache_desc)
         record = self._engine.allocate(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], _engine.CONTIGUOUS,
-                                       [key.owner_key() for key in cache_keys])
+                                       [key.owner_key() for key in cache_keys],
+                                       batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, False, False)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc,
@@ -179,11 +192,11 @@ class CacheManager:
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
         record = self._engine.allocate(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], _engine.BLOCKS,
-                                       blocks_model_id=model_id)
+                                       blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, False, True)
 
-    def _release(self, cache: Cache) -> None:
-        self._engine.deallocate(cache.cache_id)
+    def _release(self, cache: Cache, blocks: bool) -> None:
+        self._engine.deallocate(cache.cache_id, blocks)
         cache._tensor_addrs = []
         cache._valid = False
 
@@ -193,14 +206,14 @@ class CacheManager:
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_false(not cache.is_blocks_cache, "deallocate_cache takes a contiguous cache; "
                        "use deallocate_blocks_cache for blocks caches")
-        self._release(cache)
+        self._release(cache, False)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
         """Release an allocated blocks cache."""
         self._check_is_inited()
         check_isinstance("cache", cache, Cache, allow_none=False)
         raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache takes a blocks cache")
-        self._release(cache)
+        self._release(cache, True)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind a key (no-op if unknown or bound to registered memory)."""
@@ -225,8 +238,10 @@ class CacheManager:
         raise_if_false(size == -1 or size > 0, f"copy_cache: size ({size}) must be -1 or > 0")
         if req_id is not None:
             check_uint64("req_id", req_id)
-        self._engine.copy_rows(self._record(dst), self._record(src), dst_batch_index,
-                               src_batch_index, offset, size)
+        dst_record, src_record = self._record(dst), self._record(src)
+        raise_if_false(self._is_kind(src, src_record, False), "copy_cache: src cache can not be a blocks cache")
+        raise_if_false(self._is_kind(dst, dst_record, False), "copy_cache: dst cache can not be a blocks cache")
+        self._engine.copy_rows(dst_record, src_record, dst_batch_index, src_batch_index, offset, size)
 
     def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
         """Inside one blocks cache, copy block ``s`` to each block of ``copy_block_info[s]``."""
@@ -240,6 +255,7 @@ class CacheManager:
         src_blocks = [s for s, dsts in copy_block_info.items() for _ in dsts]
         dst_blocks = [d for dsts in copy_block_info.values() for d in dsts]
         record = self._record(cache)
+        raise_if_false(self._is_kind(cache, record, True), "copy_blocks: cache should be a blocks cache")
         self._engine.copy_blocks(record, record, src_blocks, dst_blocks)
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
@@ -252,20 +268,12 @@ class CacheManager:
             check_isinstance(name, cache, Cache)
             raise_if_false(cache.is_blocks_cache, f"swap_blocks: {name} should be a blocks cache")
         check_isinstance("src_to_dst", src_to_dst, dict, int, allow_none=False)
-        src_desc, dst_desc = src_cache.cache_desc, dst_cache.cache_desc
-        src_block = src_desc.size // src_desc.batch_size
-        dst_block = dst_desc.size // dst_desc.batch_size
-        raise_if_false(src_block == dst_block,
-                       f"src block size {src_block} and dst block size {dst_block} must be equal")
-        raise_if_false(src_desc.num_tensors == dst_desc.num_tensors,
-                       f"src num_tensors {src_desc.num_tensors} and dst num_tensors "
-                       f"{dst_desc.num_tensors} must be equal")
-        raise_if_false((src_desc.placement, dst_desc.placement)
-                       in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)),
-                       f"swap from {src_desc.placement} to {dst_desc.placement} is not supported")
-        self._engine.swap_blocks(self._record(src_cache), self._record(dst_cache),
-                                 list(src_to_dst.keys()), list(src_to_dst.values()), src_block,
-                                 src_desc.batch_size, dst_desc.batch_size)
+        # Block size, block counts, tensor counts and placements all come from the records: the
+        # geometry recorded when each cache was registered, allocated or created.
+        src, dst = self._record(src_cache), self._record(dst_cache)
+        for name, cache, record in (("src_cache", src_cache, src), ("dst_cache", dst_cache, dst)):
+            raise_if_false(self._is_kind(cache, record, True), f"swap_blocks: {name} should be a blocks cache")
+        self._engine.swap_blocks(src, dst, list(src_to_dst.keys()), list(src_to_dst.values()))
 
     # -- transfers between clusters ----------------------------------------------------------------
     @staticmethod
@@ -356,7 +364,7 @@ class CacheManager:
         for name, value in (("src_cache_offset", src_off), ("dst_cache_offset", dst_off)):
             check_int64(name, value)
             raise_if_false(value >= -1, f"{name} must be -1 (unset) or >= 0, got {value}")
-        raise_if_false(not cache.is_blocks_cache, "pull_cache: the destination must not be a blocks cache")
+        raise_if_false(self._is_kind(cache, dst, False), "pull_cache: the destination must not be a blocks cache")
         raise_if_false(size == -1 or size > 0, f"pull_cache: size ({size}) must be -1 or > 0")
         raise_if_false(batch_index < dst.num_rows,
                        f"batch_index {batch_index} is out of range for a batch of {dst.num_rows}")
@@ -388,7 +396,7 @@ class CacheManager:
         src_range, dst_range, n, rest = self._layer_kwargs(kwargs)
         if rest:
             raise TypeError(f"pull_blocks() got unexpected keyword arguments {sorted(rest)}")
-        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks: dst_cache must be a blocks cache")
+        raise_if_false(self._is_kind(dst_cache, dst, True), "pull_blocks: dst_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "pull_blocks: dst_blocks must not be empty")
         tensors = self._tensors(src_range, dst_range, n)
         remote = self._remote_id(src_cache_key.cluster_id)
@@ -423,7 +431,7 @@ class CacheManager:
         check_uint32("src_batch_index", src_batch_index)
         check_int64("size", size)
         self._check_push_mode("push_cache")
-        raise_if_false(not src_cache.is_blocks_cache, "push_cache: src_cache must not be a blocks cache")
+        raise_if_false(self._is_kind(src_cache, src, False), "push_cache: src_cache must not be a blocks cache")
         raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
         raise_if_false(src_batch_index < src.num_rows,
                        f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
@@ -450,7 +458,7 @@ class CacheManager:
         src_list = self._block_list("src_blocks", src_blocks)
         dst_list = self._block_list("dst_blocks", dst_blocks)
         self._check_push_mode("push_blocks")
-        raise_if_false(src_cache.is_blocks_cache, "push_blocks: src_cache must be a blocks cache")
+        raise_if_false(self._is_kind(src_cache, src, True), "push_blocks: src_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "push_blocks: dst_blocks must not be empty")
         if len(src_list) != len(dst_list):
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
@@ -476,8 +484,7 @@ class CacheManager:
                                 f"enable_remote_cache_accessible is "
                                 f"{'on' if self._enable_remote_cache_accessible else 'off'}")
         raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
-        raise_if_false(src_cache.cache_desc.placement == Placement.DEVICE,
-                       "transfer_cache_async: a HOST source is not supported")
+        raise_if_false(src.placement == _engine.DEVICE, "transfer_cache_async: a HOST source is not supported")
         raise_if_false(src.num_tensors % 2 == 0, "transfer_cache_async: num_tensors must be even")
         for name, value in (("src_block_indices", src_block_indices), ("dst_block_indices", dst_block_indices)):
             check_isinstance(name, value, [list, tuple], int)
@@ -487,18 +494,18 @@ class CacheManager:
             raise_if_false(dst_block_indices is not None, "dst_block_indices is required with src_block_indices")
             raise_if_false(len(src_block_indices) == len(dst_block_indices),
                            "src_block_indices and dst_block_indices must have the same length")
-            raise_if_false(src_cache.is_blocks_cache, "src_block_indices needs a blocks source cache")
+            raise_if_false(self._is_kind(src_cache, src, True), "src_block_indices needs a blocks source cache")
             size = dst_block_memory_size or src.row_bytes
             raise_if_false(size > 0, "dst_block_memory_size must be > 0")
             blocks = ("blocks", list(src_block_indices), list(dst_block_indices), size)
         elif dst_block_indices is not None:
-            raise_if_false(not src_cache.is_blocks_cache, "blocks -> cache transfers are not supported")
+            raise_if_false(self._is_kind(src_cache, src, False), "blocks -> cache transfers are not supported")
             raise_if_false(dst_block_memory_size is not None and 0 < dst_block_memory_size < src.tensor_bytes,
                            "dst_block_memory_size is required for cache -> blocks, in (0, tensor size)")
             blocks = ("row_to_blocks", None, list(dst_block_indices), dst_block_memory_size)
         else:
             raise_if_false(not dst_block_memory_size, "dst_block_memory_size must be None or 0 "
                            "when the destination is not a blocks cache")
-            raise_if_false(not src_cache.is_blocks_cache, "a blocks source needs src_block_indices")
+            raise_if_false(self._is_kind(src_cache, src, False), "a blocks source needs src_block_indices")
         jobs = self._engine.layer_jobs(src, list(transfer_configs), blocks)
         return self._engine.start_layer_transfer(src, layer_synchronizer, jobs)

@@ -6,7 +6,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import List, Optional, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 from llm_datadist import _core
 from llm_datadist._validate import (
@@ -154,11 +154,31 @@ def tensor_bytes(shape, data_type: DataType) -> int:
     return math.prod(shape) * size
 
 
+class CacheGeometry(NamedTuple):
+    """A CacheDesc's geometry as it was when a cache was made (the desc itself stays the
+    caller's: ``update_dim`` and list shapes change it in place)."""
+
+    num_tensors: int
+    shape: Tuple[int, ...]
+    data_type: DataType
+    placement: Placement
+    batch_dim: int
+
+
+def _geometry_of(desc) -> Optional[CacheGeometry]:
+    if not isinstance(desc, CacheDesc):
+        return None
+    return CacheGeometry(desc.num_tensors, tuple(desc.shape), desc.data_type, desc.placement,
+                         desc.batch_dim_index)
+
+
 class Cache:
     """A registered or allocated cache: ``num_tensors`` tensors at ``tensor_addrs``.
 
     Built by the CacheManager (or ``create_cpu_cache``), not by users. ``as_numpy()`` returns
-    zero-copy numpy views of the tensors when their memory is host-addressable.
+    zero-copy numpy views of the tensors when their memory is host-addressable. Operations use
+    the geometry and addresses recorded when the cache was made, not ``cache_desc`` as it may
+    have been changed since; ``tensor_addrs`` returns a copy.
     """
 
     def __init__(self, cache_id: int, cache_desc: CacheDesc, tensor_addrs: List[int],
@@ -166,6 +186,7 @@ class Cache:
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._tensor_addrs = list(tensor_addrs)
+        self._geometry = _geometry_of(cache_desc)
         self._cache_manager = cache_manager
         self._is_registered = is_registered
         self._is_blocks_cache = is_blocks_cache
@@ -182,7 +203,7 @@ class Cache:
 
     @property
     def tensor_addrs(self) -> List[int]:
-        return self._tensor_addrs
+        return list(self._tensor_addrs)
 
     @property
     def is_blocks_cache(self) -> bool:
@@ -199,13 +220,15 @@ class Cache:
         from llm_datadist._memory import resolve_addresses
 
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        raise_if_false(cache_desc.placement == Placement.HOST,
+        geometry = _geometry_of(cache_desc)  # read once: what the addresses are checked against
+        raise_if_false(geometry.placement == Placement.HOST,
                        "create_cpu_cache needs a cache_desc with placement HOST")
         check_isinstance("addrs", addrs, list, allow_none=False)
-        raise_if_false(len(addrs) == cache_desc.num_tensors,
-                       f"{len(addrs)} addresses given for {cache_desc.num_tensors} tensors")
-        resolved, keepalive = resolve_addresses(addrs, cache_desc.size, "cpu")
+        raise_if_false(len(addrs) == geometry.num_tensors,
+                       f"{len(addrs)} addresses given for {geometry.num_tensors} tensors")
+        resolved, keepalive = resolve_addresses(addrs, tensor_bytes(geometry.shape, geometry.data_type), "cpu")
         cache = cls(-1, cache_desc, resolved, None, True, True)
+        cache._geometry = geometry
         cache._keepalive = keepalive
         return cache
 
@@ -220,10 +243,12 @@ class Cache:
         if self._cache_manager is not None:
             views = self._cache_manager._tensor_views(self)
         else:
-            desc = self._cache_desc
-            nbytes = desc.size
+            geometry = self._geometry
+            if geometry is None:
+                raise param_invalid("the cache has no CacheDesc to view its tensors with")
+            nbytes = tensor_bytes(geometry.shape, geometry.data_type)
             views = [_core.HostRegion(addr, nbytes, self._keepalive).as_array(
-                numpy_dtype(desc.data_type), tuple(desc.shape)) for addr in self._tensor_addrs]
+                numpy_dtype(geometry.data_type), geometry.shape) for addr in self._tensor_addrs]
         return views if index is None else views[index]
 
     def __repr__(self) -> str:
@@ -237,7 +262,7 @@ class KvCache(Cache):
 
     @property
     def per_device_tensor_addrs(self) -> List[List[int]]:
-        return [self._tensor_addrs]
+        return [list(self._tensor_addrs)]
 
 
 def _parse_key_args(cls_name: str, args, kwargs, positional: List[str], aliases: dict, max_params: int):
