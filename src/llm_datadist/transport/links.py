@@ -76,6 +76,8 @@ MAX_LINKS_ENV = "LLM_DATADIST_MAX_LINKS"
 MAX_HANDSHAKE_BYTES = 64 << 10
 #: Most data connections a client may ask for, per direction.
 MAX_CONNECTIONS = 4
+#: How long ``close`` (finalize) waits for each peer to acknowledge its unlink.
+FINALIZE_UNLINK_MS = 500
 #: Lost links remembered for ``lost_links``.
 MAX_LOST_RECORDS = 1024
 #: Transfers of at least this many bytes on the same-host plane are split over two threads.
@@ -1544,7 +1546,12 @@ class LinkManager:
 
     # -- life cycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop listening, drop every link and join the connection threads."""
+        """Tell every linked peer that its link ends (as CANN's finalize unlinks everything, so
+        that the peers see an unlink rather than a lost link), stop listening, drop every link
+        and join the connection threads."""
+        with self._lock:
+            linked = [cid for cid, peer in self._peers.items() if peer.ready and not peer.hung_up()]
+        _parallel(lambda cid: self.unlink(cid, FINALIZE_UNLINK_MS, force=False), linked)
         self._closed = True
         self.stop_listener()
         with self._lock:
