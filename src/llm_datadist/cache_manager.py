@@ -290,6 +290,13 @@ class CacheManager:
                 kwargs.get("tensor_num_per_layer", 2), rest)
 
     @staticmethod
+    def _check_tensor_num_per_layer(method: str, tensor_num_per_layer, num_tensors: int) -> None:
+        """CANN's check: a uint32 (ValueError for -1), then > 0 (LLM_PARAM_INVALID)."""
+        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+        raise_if_false(tensor_num_per_layer > 0, f"[{method}] param check failed, tensor_num_per_layer "
+                       f"({tensor_num_per_layer}) is invalid, should [1, {num_tensors}]")
+
+    @staticmethod
     def _tensors(src_layer_range, dst_layer_range, tensor_num_per_layer):
         """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
@@ -366,6 +373,7 @@ class CacheManager:
             raise_if_false(value >= -1, f"{name} must be -1 (unset) or >= 0, got {value}")
         raise_if_false(self._is_kind(cache, dst, False), "pull_cache: the destination must not be a blocks cache")
         raise_if_false(size == -1 or size > 0, f"pull_cache: size ({size}) must be -1 or > 0")
+        self._check_tensor_num_per_layer("pull_cache", n, dst.num_tensors)
         raise_if_false(batch_index < dst.num_rows,
                        f"batch_index {batch_index} is out of range for a batch of {dst.num_rows}")
         raise_if_false(size <= dst.row_bytes, f"size {size} exceeds the row of {dst.row_bytes} bytes")
@@ -398,6 +406,7 @@ class CacheManager:
             raise TypeError(f"pull_blocks() got unexpected keyword arguments {sorted(rest)}")
         raise_if_false(self._is_kind(dst_cache, dst, True), "pull_blocks: dst_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "pull_blocks: dst_blocks must not be empty")
+        self._check_tensor_num_per_layer("pull_blocks", n, dst.num_tensors)
         tensors = self._tensors(src_range, dst_range, n)
         remote = self._remote_id(src_cache_key.cluster_id)
         if isinstance(src_cache_key, BlocksCacheKey):
@@ -413,8 +422,7 @@ class CacheManager:
 
     def _check_push_mode(self, method: str) -> None:
         if not self._enable_remote_cache_accessible:
-            raise param_invalid(f"{method} needs enable_remote_cache_accessible=True "
-                                f"(llm.EnableRemoteCacheAccessible=1)")
+            raise param_invalid(f"{method} is only supported while enable_remote_cache_accessible is True")
 
     def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
                    src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
@@ -426,19 +434,21 @@ class CacheManager:
         Raises like ``pull_cache``.
         """
         self._check_is_inited()
+        self._check_push_mode("push_cache")
         check_isinstance("dst_cache_key", dst_cache_key, [CacheKeyByIdAndIndex, CacheKey], allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         src = self._local(src_cache, "src_cache")
         check_uint32("src_batch_index", src_batch_index)
-        check_int64("size", size)
-        self._check_push_mode("push_cache")
         raise_if_false(self._is_kind(src_cache, src, False), "push_cache: src_cache must not be a blocks cache")
-        raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
-        raise_if_false(src_batch_index < src.num_rows,
-                       f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
+        self._check_tensor_num_per_layer("push_cache", tensor_num_per_layer, src.num_tensors)
         if src_layer_range is not None and dst_layer_range is not None:
             raise_if_false(len(src_layer_range) == len(dst_layer_range),
                            f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
                            f"must span the same number of layers")
+        check_int64("size", size)
+        raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
+        raise_if_false(src_batch_index < src.num_rows,
+                       f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._engine.push_rows(self._remote_id(dst_cache_key.cluster_id), self._row_ref(dst_cache_key),
                                src, src_batch_index, tensors)
@@ -452,14 +462,15 @@ class CacheManager:
         Layer ranges select the tensors (default all). Needs remote-cache-accessible mode.
         Raises like ``pull_cache``."""
         self._check_is_inited()
+        self._check_push_mode("push_blocks")
         if type(dst_cache_key) is not BlocksCacheKey:
             check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         src = self._local(src_cache, "src_cache")
         src_list = self._block_list("src_blocks", src_blocks)
         dst_list = self._block_list("dst_blocks", dst_blocks)
-        self._check_push_mode("push_blocks")
         raise_if_false(self._is_kind(src_cache, src, True), "push_blocks: src_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "push_blocks: dst_blocks must not be empty")
+        self._check_tensor_num_per_layer("push_blocks", tensor_num_per_layer, src.num_tensors)
         if len(src_list) != len(dst_list):
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)

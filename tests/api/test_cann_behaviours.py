@@ -1,0 +1,156 @@
+"""Behaviours copied from CANN's Python package (hicann/hixl, ``src/python/llm_datadist/``):
+exception classes and messages of its checks (``utils/utils.py`` ``check_isinstance`` /
+``check_uint32``, ``status.py`` ``raise_if_false``), the lazy v1 names of its ``__init__.py``, its
+enum base classes and the setters of its transfer configs. Where the C++ API has the call, the
+C++ style returns the status instead of raising.
+
+Transfers between two processes (``transfer_cache_async`` from a blocks cache) are in
+``tests/transport/test_cann_async.py``.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from llm_datadist import (
+    BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
+    LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement, cpp,
+)
+
+PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
+PEER = 8  # a cluster id nobody links to
+
+
+def message_of(info) -> str:
+    """The message an exception was raised with (LLMException's str() adds the status)."""
+    return info.value.args[0]
+
+
+def raises_llm(fn, *args, status=PARAM_INVALID, **kwargs) -> str:
+    with pytest.raises(LLMException) as info:
+        fn(*args, **kwargs)
+    assert info.value.status_code == status
+    return message_of(info)
+
+
+class Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index, timeout_in_millis):
+        return True
+
+
+class Local:
+    """One initialized Python-style cluster with a 2-tensor row cache and a blocks cache."""
+
+    def __init__(self, remote_accessible: bool) -> None:
+        cfg = LLMConfig()
+        cfg.device_id = 0
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = remote_accessible
+        self.dd = LLMDataDist(LLMRole.PROMPT, 7)
+        self.dd.init(cfg.generate_options())
+        self.cm = self.dd.cache_manager
+        self.memory = [np.zeros((4, 8), np.int32) for _ in range(4)]
+        addrs = [a.ctypes.data for a in self.memory]
+        self.rows = self.cm.register_cache(CacheDesc(2, [4, 8], DataType.DT_INT32), addrs[:2])
+        self.blocks = self.cm.register_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_INT32), addrs[2:])
+
+
+@pytest.fixture(params=[True, False], ids=["remote-accessible", "not-remote-accessible"])
+def local(request):
+    cluster = Local(request.param)
+    yield cluster
+    cluster.dd.finalize()
+
+
+@pytest.fixture
+def accessible():
+    cluster = Local(True)
+    yield cluster
+    cluster.dd.finalize()
+
+
+@pytest.fixture
+def cpp_dd():
+    dd = cpp.LlmDataDist(7, cpp.LlmRole.kPrompt)
+    assert dd.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
+    memory = [np.zeros((4, 8), np.int32) for _ in range(2)]
+    desc = cpp.CacheDesc(placement=cpp.CachePlacement.kDevice, num_tensors=2, data_type=cpp.DT_INT32, shape=[4, 8])
+    cache_id = cpp.Ref()
+    assert dd.RegisterKvCache(desc, [a.ctypes.data for a in memory], cpp.RegisterCfg(), cache_id) == cpp.LLM_SUCCESS
+    dd.cache = cpp.Cache(cache_id=cache_id.value, tensor_addrs=[a.ctypes.data for a in memory], cache_desc=desc)
+    dd.memory = memory
+    yield dd
+    dd.Finalize()
+
+
+# -- None where CANN's check refuses None: TypeError -------------------------------------------------
+
+def test_push_cache_none_source_is_a_type_error(accessible):
+    with pytest.raises(TypeError) as info:
+        accessible.cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), None)
+    assert message_of(info) == "src_cache only support ['Cache'], but got <class 'NoneType'>."
+    with pytest.raises(TypeError):
+        accessible.cm.push_cache(None, accessible.rows)
+
+
+def test_push_cache_checks_the_mode_first():
+    """CANN checks enable_remote_cache_accessible before the arguments."""
+    cluster = Local(False)
+    try:
+        message = raises_llm(cluster.cm.push_cache, CacheKeyByIdAndIndex(PEER, 1), None)
+        assert message == "push_cache is only supported while enable_remote_cache_accessible is True"
+        message = raises_llm(cluster.cm.push_blocks, BlocksCacheKey(PEER), None, [0], [0])
+        assert message == "push_blocks is only supported while enable_remote_cache_accessible is True"
+    finally:
+        cluster.dd.finalize()
+
+
+def test_cache_type_error_wording():
+    with pytest.raises(TypeError) as info:
+        Cache.create_cpu_cache(CacheDesc(1, [1], DataType.DT_INT32, Placement.HOST), (1,))
+    assert message_of(info) == "addrs only support ['list'], but got <class 'tuple'>."
+
+
+def test_cpp_push_kv_cache_of_none_returns_the_status(cpp_dd):
+    status = cpp_dd.PushKvCache(None, cpp.CacheIndex(cluster_id=PEER, cache_id=1, batch_index=0))
+    assert status == cpp.LLM_PARAM_INVALID
+
+
+# -- tensor_num_per_layer=-1: ValueError (not a uint32); 0: LLM_PARAM_INVALID --------------------------
+
+def _transfers(cluster: Local):
+    return {
+        "pull_cache": lambda **kw: cluster.cm.pull_cache(CacheKeyByIdAndIndex(PEER, 1), cluster.rows, **kw),
+        "pull_blocks": lambda **kw: cluster.cm.pull_blocks(BlocksCacheKey(PEER), cluster.blocks, [0], [0], **kw),
+        "push_cache": lambda **kw: cluster.cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), cluster.rows, **kw),
+        "push_blocks": lambda **kw: cluster.cm.push_blocks(BlocksCacheKey(PEER), cluster.blocks, [0], [0], **kw),
+    }
+
+
+@pytest.mark.parametrize("method", ["pull_cache", "pull_blocks", "push_cache", "push_blocks"])
+def test_tensor_num_per_layer_minus_one_is_a_value_error(accessible, method):
+    with pytest.raises(ValueError) as info:
+        _transfers(accessible)[method](tensor_num_per_layer=-1)
+    assert message_of(info) == "tensor_num_per_layer's value is out of range,-1 is not a uint32 value."
+
+
+@pytest.mark.parametrize("method", ["pull_cache", "pull_blocks", "push_cache", "push_blocks"])
+def test_tensor_num_per_layer_zero_is_param_invalid(accessible, method):
+    message = raises_llm(_transfers(accessible)[method], tensor_num_per_layer=0)
+    assert message == f"[{method}] param check failed, tensor_num_per_layer (0) is invalid, should [1, 2]"
+
+
+@pytest.mark.parametrize("value", [-1, 0])
+@pytest.mark.parametrize("method", ["PullKvCache", "PullKvBlocks", "PushKvCache", "PushKvBlocks"])
+def test_cpp_bad_tensor_num_per_layer_returns_param_invalid(cpp_dd, method, value):
+    index = cpp.CacheIndex(cluster_id=PEER, cache_id=1, batch_index=0)
+    ext = cpp.KvCacheExtParam(tensor_num_per_layer=value)
+    call = {
+        "PullKvCache": lambda: cpp_dd.PullKvCache(index, cpp_dd.cache, 0, -1, ext),
+        "PullKvBlocks": lambda: cpp_dd.PullKvBlocks(index, cpp_dd.cache, [0], [0], ext),
+        "PushKvCache": lambda: cpp_dd.PushKvCache(cpp_dd.cache, index, 0, -1, ext),
+        "PushKvBlocks": lambda: cpp_dd.PushKvBlocks(cpp_dd.cache, index, [0], [0], ext),
+    }[method]
+    assert call() == cpp.LLM_PARAM_INVALID
