@@ -159,13 +159,14 @@ class CacheManager:
         here; the arguments are checked as CANN checks them."""
         self._check_is_inited()
         raise_if_false(isinstance(mem_infos, (list, MemInfo)),
-                       f"mem_infos must be MemInfo or a list of MemInfo, got {type(mem_infos).__name__}")
+                       f"mem_infos type only support list of MemInfo or MemInfo, but got {type(mem_infos)}.")
         for i, info in enumerate(mem_infos if isinstance(mem_infos, list) else [mem_infos]):
-            raise_if_false(isinstance(info, MemInfo), f"mem_infos[{i}] must be MemInfo")
+            raise_if_false(isinstance(info, MemInfo),
+                           f"mem_infos[{i}] type only support MemInfo, but got {type(info)}.")
             raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE,
-                           f"mem_infos[{i}].mem_type must be MEM_TYPE_DEVICE")
-            raise_if_false(info.addr != 0, f"mem_infos[{i}].addr must not be zero")
-            raise_if_false(info.size > 0, f"mem_infos[{i}].size must be > 0")
+                           f"check mem_info.mem_type failed, only support Memtype.MEM_TYPE_DEVICE, index={i}.")
+            raise_if_false(info.addr != 0, f"check mem_info.addr failed, addr can not be zero, index={i}.")
+            raise_if_false(info.size > 0, f"check mem_info.size failed, size must be > 0, index={i}.")
 
     # -- allocation (deprecated in CANN, still supported) ----------------------------------------
     def allocate_cache(self, cache_desc: CacheDesc,

@@ -402,14 +402,33 @@ class BlocksCacheKey:
 
 
 class MemInfo:
-    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
-        check_isinstance("mem_type", mem_type, Memtype, allow_none=False)
-        self.mem_type = mem_type
-        self.addr = check_uint64("addr", addr)
-        self.size = check_uint64("size", size)
+    """A memory range for ``remap_registered_memory``. The constructor checks types only, as
+    CANN's does; the values are checked by ``remap_registered_memory``."""
 
-    def __repr__(self) -> str:
-        return f"MemInfo(mem_type={self.mem_type}, addr={self.addr:#x}, size={self.size})"
+    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
+        check_isinstance("mem_type", mem_type, Memtype)
+        check_isinstance("addr", addr, int)
+        check_isinstance("size", size, int)
+        self._mem_type = mem_type
+        self._addr = addr
+        self._size = size
+
+    @property
+    def mem_type(self) -> Memtype:
+        return self._mem_type
+
+    @property
+    def addr(self) -> int:
+        return self._addr
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __str__(self) -> str:
+        return f"MemInfo(mem_type={self._mem_type}, addr={self._addr}, size={self._size})"
+
+    __repr__ = __str__
 
 
 class LayerSynchronizer(ABC):

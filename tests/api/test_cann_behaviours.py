@@ -16,7 +16,7 @@ import pytest
 
 from llm_datadist import (
     BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
-    LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement, cpp,
+    LLMDataDist, LLMException, LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, cpp,
 )
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -154,3 +154,27 @@ def test_cpp_bad_tensor_num_per_layer_returns_param_invalid(cpp_dd, method, valu
         "PushKvBlocks": lambda: cpp_dd.PushKvBlocks(cpp_dd.cache, index, [0], [0], ext),
     }[method]
     assert call() == cpp.LLM_PARAM_INVALID
+
+
+# -- MemInfo and remap_registered_memory ------------------------------------------------------------
+
+def test_mem_info_checks_types_only_and_remap_checks_values(accessible):
+    info = MemInfo(Memtype.MEM_TYPE_DEVICE, 0x1000, -1)
+    assert (info.mem_type, info.addr, info.size) == (Memtype.MEM_TYPE_DEVICE, 0x1000, -1)
+    assert str(info) == "MemInfo(mem_type=Memtype.MEM_TYPE_DEVICE, addr=4096, size=-1)"
+    with pytest.raises(AttributeError):
+        info.size = 1  # read-only properties, as in CANN
+    assert raises_llm(accessible.cm.remap_registered_memory, info) == \
+        "check mem_info.size failed, size must be > 0, index=0."
+    good = MemInfo(Memtype.MEM_TYPE_DEVICE, 0x1000, 64)
+    assert raises_llm(accessible.cm.remap_registered_memory, [good, MemInfo(Memtype.MEM_TYPE_DEVICE, 0, 64)]) == \
+        "check mem_info.addr failed, addr can not be zero, index=1."
+    assert raises_llm(accessible.cm.remap_registered_memory, [MemInfo(Memtype.MEM_TYPE_HOST, 1, 1)]) == \
+        "check mem_info.mem_type failed, only support Memtype.MEM_TYPE_DEVICE, index=0."
+    assert raises_llm(accessible.cm.remap_registered_memory, [good, "x"]) == \
+        "mem_infos[1] type only support MemInfo, but got <class 'str'>."
+    assert raises_llm(accessible.cm.remap_registered_memory, (good,)) == \
+        "mem_infos type only support list of MemInfo or MemInfo, but got <class 'tuple'>."
+    accessible.cm.remap_registered_memory([good])
+    with pytest.raises(TypeError):
+        MemInfo(Memtype.MEM_TYPE_DEVICE, "0x1000", 1)
