@@ -265,33 +265,32 @@ class KvCache(Cache):
         return [list(self._tensor_addrs)]
 
 
-def _parse_key_args(cls_name: str, args, kwargs, positional: List[str], aliases: dict, max_params: int):
-    raise_if_false(len(args) + len(kwargs) <= max_params,
-                   f"{cls_name} takes at most {max_params} parameters, got {len(args) + len(kwargs)}")
-    values = dict(zip(positional, args))
-    used_names = {}
-    for name, value in kwargs.items():
-        canonical = aliases.get(name, name)
-        if canonical not in positional:
-            raise param_invalid(f"{cls_name} got an unknown keyword argument {name!r}")
-        if canonical in values:
-            raise param_invalid(f"{cls_name} got {canonical!r} twice")
-        values[canonical] = value
-        used_names[canonical] = name
-    return values, used_names
+def _parse_key_args(args, kwargs, positional: List[str], required: List[str], max_params: int) -> dict:
+    """CANN's key argument parsing: positional arguments fill ``positional`` in order (and win
+    over a keyword of the same name), ``prompt_cluster_id`` stands for ``cluster_id``; the
+    messages are CANN's."""
+    raise_if_false(len(args) + len(kwargs) <= max_params, "Param num is over limit")
+    values = dict(kwargs)
+    values.update(zip(positional, args))
+    raise_if_false("prompt_cluster_id" in values or "cluster_id" in values,
+                   "Param prompt_cluster_id or cluster_id is required")
+    for name in required:
+        raise_if_false(name in values, f"Param {name} is required")
+    for name in values:
+        raise_if_false(name in positional or name == "prompt_cluster_id", f"Unsupported param:{name}")
+    return values
 
 
 class CacheKey:
     """Binds one row of a contiguous cache: ``CacheKey(cluster_id, req_id, model_id=0,
-    prefix_id=2**64-1)``; ``prompt_cluster_id`` is accepted instead of ``cluster_id``."""
+    prefix_id=2**64-1)``; ``prompt_cluster_id`` is accepted instead of ``cluster_id``. Raises
+    ``LLMException(LLM_PARAM_INVALID)`` when ``req_id`` or the cluster id is missing or a
+    keyword is unknown, ``TypeError``/``ValueError`` for values that are not uint64."""
 
     def __init__(self, *args, **kwargs) -> None:
-        values, _ = _parse_key_args("CacheKey", args, kwargs,
-                                    ["cluster_id", "req_id", "model_id", "prefix_id"],
-                                    {"prompt_cluster_id": "cluster_id"}, 4)
-        raise_if_false("cluster_id" in values, "CacheKey needs cluster_id (or prompt_cluster_id)")
-        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
-        self._req_id = check_uint64("req_id", values.get("req_id", INVALID_ID))
+        values = _parse_key_args(args, kwargs, ["cluster_id", "req_id", "model_id", "prefix_id"], ["req_id"], 4)
+        self._cluster_id = check_uint64("cluster_id", values.get("cluster_id", values.get("prompt_cluster_id")))
+        self._req_id = check_uint64("req_id", values["req_id"])
         self._model_id = check_uint64("model_id", values.get("model_id", 0))
         self._prefix_id = check_uint64("prefix_id", values.get("prefix_id", INVALID_ID))
 
@@ -332,7 +331,7 @@ class CacheKey:
 
     def __repr__(self) -> str:
         return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
-                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+                f"prefix_id={self._prefix_id}, model_id={self._model_id})")
 
 
 class CacheKeyByIdAndIndex:
@@ -373,12 +372,13 @@ class BlocksCacheKey:
     or ``prompt_cluster_id``). Its owner knows it by ``model_id`` alone."""
 
     def __init__(self, *args, **kwargs) -> None:
-        values, used = _parse_key_args("BlocksCacheKey", args, kwargs, ["cluster_id", "model_id"],
-                                       {"prompt_cluster_id": "cluster_id"}, 2)
-        raise_if_false("cluster_id" in values, "BlocksCacheKey needs cluster_id (or prompt_cluster_id)")
-        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
-        self._model_id = check_uint64("model_id", values.get("model_id", 0))
-        self._cluster_id_name = used.get("cluster_id", "cluster_id")
+        values = _parse_key_args(args, kwargs, ["cluster_id", "model_id"], [], 2)
+        self._cluster_id_name = "cluster_id" if "cluster_id" in values else "prompt_cluster_id"
+        cluster_id, model_id = values[self._cluster_id_name], values.get("model_id", 0)
+        check_isinstance("cluster_id", cluster_id, int, extra_fmt="The first param ")
+        check_isinstance("model_id", model_id, int, extra_fmt="The second param ")
+        self._cluster_id = check_uint64("cluster_id", cluster_id)
+        self._model_id = check_uint64("model_id", model_id)
 
     @property
     def cluster_id(self) -> int:

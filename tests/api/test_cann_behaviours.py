@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llm_datadist import (
-    BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
+    BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
     LLMDataDist, LLMException, LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, cpp,
 )
 
@@ -178,3 +178,36 @@ def test_mem_info_checks_types_only_and_remap_checks_values(accessible):
     accessible.cm.remap_registered_memory([good])
     with pytest.raises(TypeError):
         MemInfo(Memtype.MEM_TYPE_DEVICE, "0x1000", 1)
+
+
+# -- CacheKey / BlocksCacheKey arguments ------------------------------------------------------------
+
+def test_cache_key_requires_req_id():
+    assert raises_llm(CacheKey, 1) == "Param req_id is required"
+    assert raises_llm(CacheKey, cluster_id=1, model_id=0) == "Param req_id is required"
+    assert CacheKey(1, 0).req_id == 0
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: CacheKey(req_id=1), "Param prompt_cluster_id or cluster_id is required"),
+    (lambda: CacheKey(1, 2, foo=3), "Unsupported param:foo"),
+    (lambda: CacheKey(1, 2, 0, 5, model=1), "Param num is over limit"),
+    (lambda: BlocksCacheKey(model_id=1), "Param prompt_cluster_id or cluster_id is required"),
+    (lambda: BlocksCacheKey(1, foo=3), "Unsupported param:foo"),
+    (lambda: BlocksCacheKey(1, 2, 3), "Param num is over limit"),
+])
+def test_key_argument_messages(make, message):
+    assert raises_llm(make) == message
+
+
+def test_key_arguments_resolve_as_cann_resolves_them():
+    assert CacheKey(prompt_cluster_id=3, req_id=4).cluster_id == 3
+    assert CacheKey(1, 2, cluster_id=9).cluster_id == 1  # the positional value wins
+    assert repr(CacheKey(1, 2)) == f"CacheKey(cluster_id=1, req_id=2, prefix_id={2**64 - 1}, model_id=0)"
+    assert repr(BlocksCacheKey(prompt_cluster_id=3)) == "BlocksCacheKey(prompt_cluster_id=3, model_id=0)"
+    with pytest.raises(TypeError) as info:
+        BlocksCacheKey("1")
+    assert message_of(info) == "The first param cluster_id only support ['int'], but got <class 'str'>."
+    with pytest.raises(TypeError) as info:
+        BlocksCacheKey(1, "0")
+    assert message_of(info) == "The second param model_id only support ['int'], but got <class 'str'>."
