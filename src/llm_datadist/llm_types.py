@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC, abstractmethod
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from llm_datadist import _core
@@ -32,9 +32,12 @@ INVALID_ID = UINT64_MAX
 MAX_SHAPE_DIMS = 31
 
 
-class Placement(Enum):
+class Placement(IntEnum):
     HOST = 0
     DEVICE = 1
+
+    def __str__(self) -> str:  # "Placement.DEVICE" on every Python version, as in CANN
+        return f"{type(self).__name__}.{self.name}"
 
 
 class Memtype(Enum):
@@ -47,9 +50,10 @@ class RegisterMemStatus(Enum):
     PREPARING = 1
     FAILED = 2
 
-    @classmethod
-    def _missing_(cls, value):
-        return cls.FAILED
+
+# query_register_mem_status maps the native status through this table; other values are FAILED
+# (RegisterMemStatus itself refuses unknown values, as CANN's does).
+int_to_mem_status_dict = {0: RegisterMemStatus.OK, 1: RegisterMemStatus.PREPARING, 2: RegisterMemStatus.FAILED}
 
 
 class CacheDesc:

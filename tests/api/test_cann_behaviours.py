@@ -10,10 +10,14 @@ Transfers between two processes (``transfer_cache_async`` from a blocks cache) a
 
 from __future__ import annotations
 
+import enum
+import sys
+import types
 
 import numpy as np
 import pytest
 
+import llm_datadist as ld
 from llm_datadist import (
     BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
     LLMDataDist, LLMException, LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, cpp,
@@ -211,3 +215,36 @@ def test_key_arguments_resolve_as_cann_resolves_them():
     with pytest.raises(TypeError) as info:
         BlocksCacheKey(1, "0")
     assert message_of(info) == "The second param model_id only support ['int'], but got <class 'str'>."
+
+
+# -- the v1-only names ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["TensorDesc", "Tensor", "KvCacheManager"])
+def test_v1_names_are_imported_lazily_from_llm_datadist_v1(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "llm_datadist_v1", None)  # not installed
+    with pytest.raises(ImportError):
+        getattr(ld, name)
+    fake = types.ModuleType("llm_datadist_v1")
+    setattr(fake, name, object())
+    monkeypatch.setitem(sys.modules, "llm_datadist_v1", fake)
+    assert getattr(ld, name) is getattr(fake, name)
+
+
+def test_other_missing_names_are_attribute_errors():
+    with pytest.raises(AttributeError) as info:
+        ld.NoSuchName  # noqa: B018
+    assert message_of(info) == "Module 'llm_datadist' has no attribute 'NoSuchName'"
+    assert not hasattr(ld, "NoSuchName")
+
+
+# -- enum base classes ------------------------------------------------------------------------------
+
+def test_enum_base_classes_are_cann_s():
+    int_enums = [Placement, LLMRole, LLMStatusCode]
+    plain_enums = [ld.Memtype, ld.RegisterMemStatus, DataType]
+    assert all(issubclass(e, enum.IntEnum) for e in int_enums)
+    assert not any(issubclass(e, int) for e in plain_enums) and all(issubclass(e, enum.Enum) for e in plain_enums)
+    assert Placement.DEVICE == 1 and Placement(0) is Placement.HOST
+    assert str(Placement.DEVICE) == "Placement.DEVICE"
+    with pytest.raises(TypeError):  # still only a Placement is a placement
+        CacheDesc(1, [1], DataType.DT_INT32, 1)
