@@ -443,48 +443,145 @@ class LayerSynchronizer(ABC):
         """Wait until layer ``layer_index`` is computed; False aborts the transfer."""
 
 
-def _check_range(name: str, value, allow_none: bool) -> None:
+def _check_range(name: str, value, allow_none: bool = True) -> None:
+    """CANN's ``check_layer_range``: a ``range`` with step 1 and ``0 <= start < stop``."""
+    if value is None and allow_none:
+        return
     check_isinstance(name, value, range, allow_none=allow_none)
-    if value is not None:
-        raise_if_false(value.step == 1, f"{name} {value} must have step 1")
-        raise_if_false(0 <= value.start < value.stop, f"{name} {value} must satisfy 0 <= start < stop")
+    raise_if_false(value.step == 1, f"check {name}.step == 1 failed")
+    raise_if_false(0 <= value.start < value.stop, f"check 0 <= range.start < range.stop failed, {name} = {value}")
 
 
 class TransferConfig:
-    """Layer-wise transfer to raw destination addresses (K, V per layer, in order)."""
+    """Layer-wise transfer to raw destination addresses (K, V per layer, in order).
+
+    Every setter checks its value as the constructor does (``TypeError``/``ValueError``, or
+    ``LLMException(LLM_PARAM_INVALID)`` for a bad range); that ``dst_addrs`` holds two
+    addresses per layer is checked by ``transfer_cache_async``."""
 
     def __init__(self, dst_cluster_id: int, dst_addrs: List[int], src_layer_range: Optional[range] = None,
                  src_batch_index: int = 0) -> None:
-        self.dst_cluster_id = check_uint64("dst_cluster_id", dst_cluster_id)
-        check_isinstance("dst_addrs", dst_addrs, list, int, allow_none=False)
-        _check_range("src_layer_range", src_layer_range, True)
-        if src_layer_range is not None:
-            raise_if_false(len(dst_addrs) == 2 * len(src_layer_range),
-                           f"dst_addrs needs {2 * len(src_layer_range)} addresses for "
-                           f"{src_layer_range}, got {len(dst_addrs)}")
-        self.dst_addrs = dst_addrs
-        self.src_layer_range = src_layer_range
-        self.src_batch_index = check_uint32("src_batch_index", src_batch_index)
+        check_uint64("dst_cluster_id", dst_cluster_id)
+        self._check_dst_addrs(dst_addrs)
+        _check_range("src_layer_range", src_layer_range)
+        check_uint32("src_batch_index", src_batch_index)
+        self._dst_cluster_id = dst_cluster_id
+        self._dst_addrs = dst_addrs
+        self._src_layer_range = src_layer_range
+        self._src_batch_index = src_batch_index
+        self.dst_layer_range = None
+
+    @staticmethod
+    def _check_dst_addrs(dst_addrs) -> None:
+        check_isinstance("dst_addrs", dst_addrs, [list, tuple], int, allow_none=False)
+        for addr in dst_addrs:
+            check_uint64("dst_addrs", addr)
+
+    @property
+    def dst_cluster_id(self) -> int:
+        return self._dst_cluster_id
+
+    @dst_cluster_id.setter
+    def dst_cluster_id(self, cluster_id: int) -> None:
+        check_uint64("dst_cluster_id", cluster_id)
+        self._dst_cluster_id = cluster_id
+
+    @property
+    def dst_addrs(self) -> List[int]:
+        return self._dst_addrs
+
+    @dst_addrs.setter
+    def dst_addrs(self, dst_addrs: List[int]) -> None:
+        self._check_dst_addrs(dst_addrs)
+        self._dst_addrs = dst_addrs
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("src_layer_range", layer_range)
+        self._src_layer_range = layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+    @src_batch_index.setter
+    def src_batch_index(self, batch_index: int) -> None:
+        check_uint32("src_batch_index", batch_index)
+        self._src_batch_index = batch_index
+
+    def __repr__(self) -> str:
+        return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id}, dst_addrs={self._dst_addrs}, "
+                f"src_layer_range={self._src_layer_range}, src_batch_index={self._src_batch_index})")
 
 
 class TransferWithCacheKeyConfig:
-    """Layer-wise transfer into a peer cache named by a key."""
+    """Layer-wise transfer into a peer cache named by a key.
 
-    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
-                 dst_layer_range: range, src_batch_index: int = 0) -> None:
+    The constructor needs both ranges, of equal span; the setters check as CANN's do (a range
+    may then be set to None: all source layers, each into the same destination layer).
+    ``dst_cluster_id`` is the key's cluster id at construction."""
+
+    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range = None,
+                 dst_layer_range: range = None, src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex], allow_none=False)
-        _check_range("src_layer_range", src_layer_range, False)
-        _check_range("dst_layer_range", dst_layer_range, False)
+        self._cache_key = cache_key
+        _check_range("src_layer_range", src_layer_range, allow_none=False)
+        self._src_layer_range = src_layer_range
+        _check_range("dst_layer_range", dst_layer_range, allow_none=False)
+        self._dst_layer_range = dst_layer_range
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
-                       f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
-                       f"must span the same number of layers")
+                       "src_layer_range size should be equal to dst_layer_range size")
         check_uint32("src_batch_index", src_batch_index)
         raise_if_false(not isinstance(cache_key, BlocksCacheKey) or src_batch_index == 0,
-                       "src_batch_index must be 0 with a BlocksCacheKey")
-        self.cache_key = cache_key
-        self.src_layer_range = src_layer_range
-        self.dst_layer_range = dst_layer_range
-        self.src_batch_index = src_batch_index
+                       "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+        self._src_batch_index = src_batch_index
+        self.dst_cluster_id = cache_key.cluster_id
+
+    @property
+    def cache_key(self) -> Union[BlocksCacheKey, CacheKeyByIdAndIndex]:
+        return self._cache_key
+
+    @cache_key.setter
+    def cache_key(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex]) -> None:
+        check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex])
+        self._cache_key = cache_key
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("src_layer_range", layer_range)
+        self._src_layer_range = layer_range
+
+    @property
+    def dst_layer_range(self) -> Optional[range]:
+        return self._dst_layer_range
+
+    @dst_layer_range.setter
+    def dst_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("dst_layer_range", layer_range)
+        self._dst_layer_range = layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+    @src_batch_index.setter
+    def src_batch_index(self, src_batch_index: int) -> None:
+        raise_if_false(not isinstance(self._cache_key, BlocksCacheKey) or src_batch_index == 0,
+                       "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+        check_uint32("src_batch_index", src_batch_index)
+        self._src_batch_index = src_batch_index
+
+    def __repr__(self) -> str:
+        return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key}, src_layer_range={self._src_layer_range}, "
+                f"dst_layer_range={self._dst_layer_range}, src_batch_index={self._src_batch_index})")
 
 
 class CacheTask:

@@ -20,7 +20,8 @@ import pytest
 import llm_datadist as ld
 from llm_datadist import (
     BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LayerSynchronizer, LLMConfig,
-    LLMDataDist, LLMException, LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, cpp,
+    LLMDataDist, LLMException, LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, TransferConfig,
+    TransferWithCacheKeyConfig, cpp,
 )
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -248,3 +249,62 @@ def test_enum_base_classes_are_cann_s():
     assert str(Placement.DEVICE) == "Placement.DEVICE"
     with pytest.raises(TypeError):  # still only a Placement is a placement
         CacheDesc(1, [1], DataType.DT_INT32, 1)
+
+
+# -- TransferConfig / TransferWithCacheKeyConfig setters --------------------------------------------
+
+def test_transfer_config_setters_validate():
+    cfg = TransferConfig(1, (0x1000, 0x2000))  # a tuple is accepted; the count is checked at transfer
+    assert cfg.dst_layer_range is None and cfg.src_layer_range is None
+    cfg.dst_addrs = [1, 2, 3]
+    assert cfg.dst_addrs == [1, 2, 3]
+    for attr, value, error in [("dst_cluster_id", -1, ValueError), ("dst_cluster_id", "1", TypeError),
+                               ("dst_addrs", [-1], ValueError), ("dst_addrs", None, TypeError),
+                               ("dst_addrs", ["1"], TypeError), ("src_batch_index", -1, ValueError),
+                               ("src_layer_range", [0, 1], TypeError)]:
+        with pytest.raises(error):
+            setattr(cfg, attr, value)
+    assert raises_llm(setattr, cfg, "src_layer_range", range(0, 4, 2)) == "check src_layer_range.step == 1 failed"
+    assert raises_llm(setattr, cfg, "src_layer_range", range(2, 1)) == \
+        "check 0 <= range.start < range.stop failed, src_layer_range = range(2, 1)"
+    cfg.src_layer_range = None
+    cfg.src_layer_range = range(1, 2)
+    cfg.dst_cluster_id, cfg.src_batch_index = 5, 3
+    assert (cfg.dst_cluster_id, cfg.src_layer_range, cfg.src_batch_index) == (5, range(1, 2), 3)
+
+
+def test_transfer_config_address_count_is_checked_by_transfer_cache_async():
+    cluster = Local(False)
+    try:
+        cfg = TransferConfig(PEER, [0x1000], range(0, 1))
+        assert raises_llm(cluster.cm.transfer_cache_async, cluster.rows, Ready(), [cfg])
+    finally:
+        cluster.dd.finalize()
+
+
+def test_transfer_with_cache_key_config_setters_validate():
+    key = CacheKeyByIdAndIndex(PEER, 1)
+    cfg = TransferWithCacheKeyConfig(key, range(0, 1), range(1, 2), 2)
+    assert cfg.dst_cluster_id == PEER
+    with pytest.raises(TypeError):
+        cfg.cache_key = "key"
+    with pytest.raises(ValueError):
+        cfg.src_batch_index = -1
+    assert raises_llm(setattr, cfg, "dst_layer_range", range(0, 2, 2)) == "check dst_layer_range.step == 1 failed"
+    cfg.src_layer_range, cfg.dst_layer_range = None, None  # the setters allow None, as CANN's do
+    cfg.cache_key = BlocksCacheKey(PEER)
+    assert raises_llm(setattr, cfg, "src_batch_index", 1) == \
+        "src_batch_index should be 0 when cache_key is BlocksCacheKey."
+    cfg.src_batch_index = 0
+    assert (cfg.src_layer_range, cfg.dst_layer_range, cfg.src_batch_index) == (None, None, 0)
+
+
+def test_transfer_with_cache_key_config_constructor_messages():
+    key = BlocksCacheKey(PEER)
+    with pytest.raises(TypeError) as info:
+        TransferWithCacheKeyConfig(key, range(0, 1))
+    assert message_of(info) == "dst_layer_range only support ['range'], but got <class 'NoneType'>."
+    assert raises_llm(TransferWithCacheKeyConfig, key, range(0, 1), range(0, 2)) == \
+        "src_layer_range size should be equal to dst_layer_range size"
+    assert raises_llm(TransferWithCacheKeyConfig, key, range(0, 1), range(0, 1), 1) == \
+        "src_batch_index should be 0 when cache_key is BlocksCacheKey."
