@@ -484,40 +484,56 @@ class CacheManager:
         """Layer by layer, wait for ``layer_synchronizer.synchronize_layer(L, None)`` and push
         layer ``L`` to every config that covers it, in a background thread. Returns a
         ``CacheTask``; results are per config (``None`` for a config whose last layer was never
-        reached). See the README for how this differs from CANN's shipped quirks."""
+        reached). See the README for how this differs from CANN's shipped quirks.
+
+        As in CANN, non-empty ``src_block_indices`` move blocks to the ``dst_block_indices``;
+        without them the source is read as rows: of a blocks cache, whose one row is its block 0
+        (``src_batch_index`` must be 0), the layer's block 0 goes to the destination row, or with
+        ``dst_block_indices`` its tensors are cut into ``dst_block_memory_size`` chunks.
+        ``TypeError`` for a ``src_cache`` that is not a ``Cache`` (``None`` included).
+        """
         self._check_is_inited()
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         src = self._local(src_cache, "src_cache")
-        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
-        check_isinstance("transfer_configs", transfer_configs, [list, tuple], allow_none=False)
-        wanted = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
-        for i, cfg in enumerate(transfer_configs):
-            if not isinstance(cfg, wanted):
-                raise TypeError(f"transfer_configs[{i}] must be a {wanted.__name__} when "
-                                f"enable_remote_cache_accessible is "
-                                f"{'on' if self._enable_remote_cache_accessible else 'off'}")
-        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
-        raise_if_false(src.placement == _engine.DEVICE, "transfer_cache_async: a HOST source is not supported")
-        raise_if_false(src.num_tensors % 2 == 0, "transfer_cache_async: num_tensors must be even")
-        for name, value in (("src_block_indices", src_block_indices), ("dst_block_indices", dst_block_indices)):
-            check_isinstance(name, value, [list, tuple], int)
-        check_isinstance("dst_block_memory_size", dst_block_memory_size, int)
-        blocks = None
-        if src_block_indices is not None:
-            raise_if_false(dst_block_indices is not None, "dst_block_indices is required with src_block_indices")
+        raise_if_false(src.placement != _engine.HOST, "src cache not support placement HOST")
+        for name, value in (("dst_block_indices", dst_block_indices), ("src_block_indices", src_block_indices)):
+            if value is not None:
+                self._block_list(name, value)
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        if src_block_indices:
+            raise_if_false(bool(dst_block_indices), "transfer from blocks to cache is not supported")
             raise_if_false(len(src_block_indices) == len(dst_block_indices),
-                           "src_block_indices and dst_block_indices must have the same length")
+                           f"num_block_indices mismatches, src_num = {len(src_block_indices)}, "
+                           f"dst_num = {len(dst_block_indices)}")
+        elif dst_block_indices:
+            raise_if_false(dst_block_memory_size is not None,
+                           "dst_block_memory_size must be set when transfer from cache to blocks")
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
+        wanted = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
+        check_isinstance("transfer_configs", transfer_configs, [list, tuple], wanted, allow_none=False,
+                         extra_fmt="While enable_remote_cache_accessible is True, "
+                         if self._enable_remote_cache_accessible else "")
+        raise_if_false(bool(dst_block_indices) or dst_block_memory_size in (None, 0),
+                       f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 while "
+                       f"dst is not blocks")
+        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        raise_if_false(src.num_tensors % 2 == 0, f"cache_desc.num_tensors ({src.num_tensors}) is not even")
+        for cfg in transfer_configs:
+            if cfg.src_layer_range is None:  # CANN fills in the default on the config itself
+                cfg.src_layer_range = range(0, src.num_tensors // 2)
+            if src_block_indices:
+                raise_if_false(cfg.src_batch_index == 0, f"Invalid TransferConfig, src_batch_index "
+                               f"({cfg.src_batch_index}) != 0 while src is blocks")
+        blocks = None
+        if src_block_indices:
             raise_if_false(self._is_kind(src_cache, src, True), "src_block_indices needs a blocks source cache")
             size = dst_block_memory_size or src.row_bytes
-            raise_if_false(size > 0, "dst_block_memory_size must be > 0")
             blocks = ("blocks", list(src_block_indices), list(dst_block_indices), size)
-        elif dst_block_indices is not None:
-            raise_if_false(self._is_kind(src_cache, src, False), "blocks -> cache transfers are not supported")
-            raise_if_false(dst_block_memory_size is not None and 0 < dst_block_memory_size < src.tensor_bytes,
-                           "dst_block_memory_size is required for cache -> blocks, in (0, tensor size)")
+        elif dst_block_indices:
+            raise_if_false(0 < dst_block_memory_size < src.tensor_bytes,
+                           f"dst_block_memory_size ({dst_block_memory_size}) must be > 0 and < the tensor "
+                           f"size ({src.tensor_bytes}) when transferring from a contiguous cache to blocks")
             blocks = ("row_to_blocks", None, list(dst_block_indices), dst_block_memory_size)
-        else:
-            raise_if_false(not dst_block_memory_size, "dst_block_memory_size must be None or 0 "
-                           "when the destination is not a blocks cache")
-            raise_if_false(self._is_kind(src_cache, src, False), "a blocks source needs src_block_indices")
         jobs = self._engine.layer_jobs(src, list(transfer_configs), blocks)
         return self._engine.start_layer_transfer(src, layer_synchronizer, jobs)

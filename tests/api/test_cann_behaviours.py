@@ -90,6 +90,40 @@ def cpp_dd():
     dd.Finalize()
 
 
+# -- transfer_cache_async with a blocks source and no src_block_indices ----------------------------
+
+def test_transfer_cache_async_from_blocks_without_indices_takes_the_cache_path(accessible):
+    """Not refused (CANN's sample does this): the task runs and fails only for want of a link."""
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(PEER, 0), range(0, 1), range(0, 1))
+    task = accessible.cm.transfer_cache_async(accessible.blocks, Ready(), [cfg])
+    assert task.get_results(5000) == [LLMStatusCode.LLM_NOT_YET_LINK]
+
+
+def test_transfer_cache_async_empty_src_block_indices_mean_none(accessible):
+    """CANN tests the index lists for truth: [] is "no indices", not an empty block transfer."""
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(PEER, 1), range(0, 1), range(0, 1))
+    task = accessible.cm.transfer_cache_async(accessible.rows, Ready(), [cfg], src_block_indices=[],
+                                              dst_block_indices=[])
+    assert task.get_results(5000) == [LLMStatusCode.LLM_NOT_YET_LINK]
+
+
+def test_transfer_with_cache_key_config_without_ranges_sends_every_layer(accessible):
+    """Ranges set to None through the setters: every source layer, into the same layer (CANN
+    also writes the default range back into the config)."""
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(PEER, 1), range(0, 1), range(0, 1))
+    cfg.src_layer_range, cfg.dst_layer_range = None, None
+    task = accessible.cm.transfer_cache_async(accessible.rows, Ready(), [cfg])
+    assert task.get_results(5000) == [LLMStatusCode.LLM_NOT_YET_LINK]
+    assert cfg.src_layer_range == range(0, 1)
+
+
+def test_transfer_cache_async_none_source_is_a_type_error(local):
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(PEER, 0), range(0, 1), range(0, 1))
+    with pytest.raises(TypeError) as info:
+        local.cm.transfer_cache_async(None, Ready(), [cfg])
+    assert message_of(info) == "src_cache only support ['Cache'], but got <class 'NoneType'>."
+
+
 # -- None where CANN's check refuses None: TypeError -------------------------------------------------
 
 def test_push_cache_none_source_is_a_type_error(accessible):
