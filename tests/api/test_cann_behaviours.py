@@ -342,3 +342,58 @@ def test_transfer_with_cache_key_config_constructor_messages():
         "src_layer_range size should be equal to dst_layer_range size"
     assert raises_llm(TransferWithCacheKeyConfig, key, range(0, 1), range(0, 1), 1) == \
         "src_batch_index should be 0 when cache_key is BlocksCacheKey."
+
+
+# -- messages naming the option keys ----------------------------------------------------------------
+
+def _init(options, role=LLMRole.PROMPT):
+    dd = LLMDataDist(role, 7)
+    try:
+        dd.init(dict({"ge.exec.deviceId": "0"}, **options))
+    finally:
+        dd.finalize()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"llm.LocalCommRes": "", "llm.EnableCacheManager": "0"},
+     "llm.LocalCommRes is not supported when llm.EnableCacheManager is not configured."),
+    ({"llm.TransferBackend": "hixl"},
+     "llm.TransferBackend is not supported when llm.EnableCacheManager is not configured."),
+    ({"llm.TransferBackend": "hixl", "llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "0"},
+     "llm.TransferBackend is not supported when llm.EnableRemoteCacheAccessible is not enable."),
+    ({"llm.TransferBackend": "hixl", "llm.EnableCacheManager": "1"},
+     "llm.TransferBackend is not supported when llm.listenIpInfo is not configured."),
+    ({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1"},
+     'llm.listenIpInfo "127.0.0.1" is invalid, format should be "ip:port"'),
+    ({"ge.flowGraphMemMaxSize": "1,2"}, "ge.flowGraphMemMaxSize only support one mem pool in llm datadist"),
+    ({"ge.flowGraphMemMaxSize": "1g"}, "ge.flowGraphMemMaxSize must be digit, config value=1g"),
+])
+def test_init_messages_name_the_option_keys(options, message):
+    assert raises_llm(_init, options) == message
+
+
+def test_listen_port_that_is_not_a_number_is_a_value_error():
+    with pytest.raises(ValueError):
+        _init({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:http"})
+
+
+def test_mode_messages_name_llm_enable_cache_manager():
+    v1 = LLMDataDist(LLMRole.PROMPT, 7)
+    v1.init({"ge.exec.deviceId": "0"})
+    try:
+        assert raises_llm(getattr, v1, "cache_manager") == \
+            "cache_manager is not supported when llm.EnableCacheManager is not configured."
+    finally:
+        v1.finalize()
+    cluster = Local(False)
+    try:
+        assert raises_llm(getattr, cluster.dd, "kv_cache_manager") == \
+            "kv_cache_manager is not supported when llm.EnableCacheManager is configured."
+        assert raises_llm(cluster.dd.check_link_status, 1) == \
+            "check_link_status is not supported when llm.EnableCacheManager is configured."
+        second = LLMDataDist(LLMRole.DECODER, 8)
+        assert raises_llm(second.init, {}, status=LLMStatusCode.LLM_FAILED) == "Cannot init multiple LLMDataDists"
+        assert raises_llm(cluster.dd.switch_role, LLMRole.DECODER, {"llm.listenIpInfo": "a:b:c"}) == \
+            'llm.listenIpInfo "a:b:c" is invalid, format should be "ip:port"'
+    finally:
+        cluster.dd.finalize()
