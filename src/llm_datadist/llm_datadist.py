@@ -154,7 +154,7 @@ class LLMDataDist:
     @property
     def cache_manager(self) -> CacheManager:
         self._check_init()
-        raise_if_false(self._is_v2, _not_in_mode("cache_manager", cache_manager=False))
+        self._check_cache_manager_mode("cache_manager")
         return self._cache_manager
 
     @property
