@@ -48,3 +48,17 @@ __all__ = [
     "CacheKeyByIdAndIndex", "BlocksCacheKey", "Placement", "RegisterMemStatus", "LayerSynchronizer",
     "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask", "Memtype", "MemInfo",
 ]
+
+# CANN lists these in __all__ too; they are left out here because the v1 package they come from
+# is not part of this library, and ``from llm_datadist import *`` must keep working.
+_V1_NAMES = ("TensorDesc", "Tensor", "KvCacheManager")
+
+
+def __getattr__(name: str):
+    """CANN's lazy import of the v1-only classes from ``llm_datadist_v1``: without that package
+    the import fails (``ModuleNotFoundError``, an ``ImportError``), as it does in CANN."""
+    if name not in _V1_NAMES:
+        raise AttributeError(f"Module 'llm_datadist' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module("llm_datadist_v1"), name)

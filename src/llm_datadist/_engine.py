@@ -686,6 +686,12 @@ class Engine:
         None, ``("blocks", src_blocks, dst_blocks, size)`` or ``("row_to_blocks", None,
         dst_blocks, size)``."""
         num_layers = src.num_tensors // 2
+        if src.kind == BLOCKS and (blocks is None or blocks[0] == "row_to_blocks"):
+            # A blocks source read as rows, as CANN reads it: one row (batch size 1) of one block
+            # for a row transfer (block 0 goes), of the whole tensor when cut into blocks.
+            from dataclasses import replace
+            row_bytes = src.row_bytes if blocks is None else src.tensor_bytes
+            src = replace(src, layout=_core.CacheLayout(list(src.addrs), 1, row_bytes))
         jobs = []
         for cfg in configs:
             src_range = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
@@ -702,8 +708,9 @@ class Engine:
                 remote = key.cluster_id
                 ref = (("model", key.model_id) if isinstance(key, BlocksCacheKey)
                        else ("id", key.cache_id, key.batch_index))
-                makers = {layer: self._keyed_layer_maker(src, cfg, ref, layer,
-                                                         cfg.dst_layer_range.start + k, blocks, remote)
+                # No dst_layer_range (a setter allows None): each layer into the same layer, as in CANN.
+                dst_start = src_range.start if cfg.dst_layer_range is None else cfg.dst_layer_range.start
+                makers = {layer: self._keyed_layer_maker(src, cfg, ref, layer, dst_start + k, blocks, remote)
                           for k, layer in enumerate(src_range)}
             if remote == self.cluster_id:
                 raise param_invalid(f"transfer config names this cluster ({remote}) as its destination")

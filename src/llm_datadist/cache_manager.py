@@ -159,13 +159,14 @@ class CacheManager:
         here; the arguments are checked as CANN checks them."""
         self._check_is_inited()
         raise_if_false(isinstance(mem_infos, (list, MemInfo)),
-                       f"mem_infos must be MemInfo or a list of MemInfo, got {type(mem_infos).__name__}")
+                       f"mem_infos type only support list of MemInfo or MemInfo, but got {type(mem_infos)}.")
         for i, info in enumerate(mem_infos if isinstance(mem_infos, list) else [mem_infos]):
-            raise_if_false(isinstance(info, MemInfo), f"mem_infos[{i}] must be MemInfo")
+            raise_if_false(isinstance(info, MemInfo),
+                           f"mem_infos[{i}] type only support MemInfo, but got {type(info)}.")
             raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE,
-                           f"mem_infos[{i}].mem_type must be MEM_TYPE_DEVICE")
-            raise_if_false(info.addr != 0, f"mem_infos[{i}].addr must not be zero")
-            raise_if_false(info.size > 0, f"mem_infos[{i}].size must be > 0")
+                           f"check mem_info.mem_type failed, only support Memtype.MEM_TYPE_DEVICE, index={i}.")
+            raise_if_false(info.addr != 0, f"check mem_info.addr failed, addr can not be zero, index={i}.")
+            raise_if_false(info.size > 0, f"check mem_info.size failed, size must be > 0, index={i}.")
 
     # -- allocation (deprecated in CANN, still supported) ----------------------------------------
     def allocate_cache(self, cache_desc: CacheDesc,
@@ -290,6 +291,13 @@ class CacheManager:
                 kwargs.get("tensor_num_per_layer", 2), rest)
 
     @staticmethod
+    def _check_tensor_num_per_layer(method: str, tensor_num_per_layer, num_tensors: int) -> None:
+        """CANN's check: a uint32 (ValueError for -1), then > 0 (LLM_PARAM_INVALID)."""
+        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+        raise_if_false(tensor_num_per_layer > 0, f"[{method}] param check failed, tensor_num_per_layer "
+                       f"({tensor_num_per_layer}) is invalid, should [1, {num_tensors}]")
+
+    @staticmethod
     def _tensors(src_layer_range, dst_layer_range, tensor_num_per_layer):
         """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
@@ -366,6 +374,7 @@ class CacheManager:
             raise_if_false(value >= -1, f"{name} must be -1 (unset) or >= 0, got {value}")
         raise_if_false(self._is_kind(cache, dst, False), "pull_cache: the destination must not be a blocks cache")
         raise_if_false(size == -1 or size > 0, f"pull_cache: size ({size}) must be -1 or > 0")
+        self._check_tensor_num_per_layer("pull_cache", n, dst.num_tensors)
         raise_if_false(batch_index < dst.num_rows,
                        f"batch_index {batch_index} is out of range for a batch of {dst.num_rows}")
         raise_if_false(size <= dst.row_bytes, f"size {size} exceeds the row of {dst.row_bytes} bytes")
@@ -398,6 +407,7 @@ class CacheManager:
             raise TypeError(f"pull_blocks() got unexpected keyword arguments {sorted(rest)}")
         raise_if_false(self._is_kind(dst_cache, dst, True), "pull_blocks: dst_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "pull_blocks: dst_blocks must not be empty")
+        self._check_tensor_num_per_layer("pull_blocks", n, dst.num_tensors)
         tensors = self._tensors(src_range, dst_range, n)
         remote = self._remote_id(src_cache_key.cluster_id)
         if isinstance(src_cache_key, BlocksCacheKey):
@@ -413,8 +423,7 @@ class CacheManager:
 
     def _check_push_mode(self, method: str) -> None:
         if not self._enable_remote_cache_accessible:
-            raise param_invalid(f"{method} needs enable_remote_cache_accessible=True "
-                                f"(llm.EnableRemoteCacheAccessible=1)")
+            raise param_invalid(f"{method} is only supported while enable_remote_cache_accessible is True")
 
     def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
                    src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
@@ -426,19 +435,21 @@ class CacheManager:
         Raises like ``pull_cache``.
         """
         self._check_is_inited()
+        self._check_push_mode("push_cache")
         check_isinstance("dst_cache_key", dst_cache_key, [CacheKeyByIdAndIndex, CacheKey], allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         src = self._local(src_cache, "src_cache")
         check_uint32("src_batch_index", src_batch_index)
-        check_int64("size", size)
-        self._check_push_mode("push_cache")
         raise_if_false(self._is_kind(src_cache, src, False), "push_cache: src_cache must not be a blocks cache")
-        raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
-        raise_if_false(src_batch_index < src.num_rows,
-                       f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
+        self._check_tensor_num_per_layer("push_cache", tensor_num_per_layer, src.num_tensors)
         if src_layer_range is not None and dst_layer_range is not None:
             raise_if_false(len(src_layer_range) == len(dst_layer_range),
                            f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
                            f"must span the same number of layers")
+        check_int64("size", size)
+        raise_if_false(size == -1, f"push_cache: size must be -1 (one row), got {size}")
+        raise_if_false(src_batch_index < src.num_rows,
+                       f"src_batch_index {src_batch_index} is out of range for a batch of {src.num_rows}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._engine.push_rows(self._remote_id(dst_cache_key.cluster_id), self._row_ref(dst_cache_key),
                                src, src_batch_index, tensors)
@@ -452,14 +463,15 @@ class CacheManager:
         Layer ranges select the tensors (default all). Needs remote-cache-accessible mode.
         Raises like ``pull_cache``."""
         self._check_is_inited()
+        self._check_push_mode("push_blocks")
         if type(dst_cache_key) is not BlocksCacheKey:
             check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         src = self._local(src_cache, "src_cache")
         src_list = self._block_list("src_blocks", src_blocks)
         dst_list = self._block_list("dst_blocks", dst_blocks)
-        self._check_push_mode("push_blocks")
         raise_if_false(self._is_kind(src_cache, src, True), "push_blocks: src_cache must be a blocks cache")
         raise_if_false(len(dst_list) > 0, "push_blocks: dst_blocks must not be empty")
+        self._check_tensor_num_per_layer("push_blocks", tensor_num_per_layer, src.num_tensors)
         if len(src_list) != len(dst_list):
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
@@ -472,40 +484,56 @@ class CacheManager:
         """Layer by layer, wait for ``layer_synchronizer.synchronize_layer(L, None)`` and push
         layer ``L`` to every config that covers it, in a background thread. Returns a
         ``CacheTask``; results are per config (``None`` for a config whose last layer was never
-        reached). See the README for how this differs from CANN's shipped quirks."""
+        reached). See the README for how this differs from CANN's shipped quirks.
+
+        As in CANN, non-empty ``src_block_indices`` move blocks to the ``dst_block_indices``;
+        without them the source is read as rows: of a blocks cache, whose one row is its block 0
+        (``src_batch_index`` must be 0), the layer's block 0 goes to the destination row, or with
+        ``dst_block_indices`` its tensors are cut into ``dst_block_memory_size`` chunks.
+        ``TypeError`` for a ``src_cache`` that is not a ``Cache`` (``None`` included).
+        """
         self._check_is_inited()
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         src = self._local(src_cache, "src_cache")
-        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
-        check_isinstance("transfer_configs", transfer_configs, [list, tuple], allow_none=False)
-        wanted = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
-        for i, cfg in enumerate(transfer_configs):
-            if not isinstance(cfg, wanted):
-                raise TypeError(f"transfer_configs[{i}] must be a {wanted.__name__} when "
-                                f"enable_remote_cache_accessible is "
-                                f"{'on' if self._enable_remote_cache_accessible else 'off'}")
-        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
-        raise_if_false(src.placement == _engine.DEVICE, "transfer_cache_async: a HOST source is not supported")
-        raise_if_false(src.num_tensors % 2 == 0, "transfer_cache_async: num_tensors must be even")
-        for name, value in (("src_block_indices", src_block_indices), ("dst_block_indices", dst_block_indices)):
-            check_isinstance(name, value, [list, tuple], int)
-        check_isinstance("dst_block_memory_size", dst_block_memory_size, int)
-        blocks = None
-        if src_block_indices is not None:
-            raise_if_false(dst_block_indices is not None, "dst_block_indices is required with src_block_indices")
+        raise_if_false(src.placement != _engine.HOST, "src cache not support placement HOST")
+        for name, value in (("dst_block_indices", dst_block_indices), ("src_block_indices", src_block_indices)):
+            if value is not None:
+                self._block_list(name, value)
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        if src_block_indices:
+            raise_if_false(bool(dst_block_indices), "transfer from blocks to cache is not supported")
             raise_if_false(len(src_block_indices) == len(dst_block_indices),
-                           "src_block_indices and dst_block_indices must have the same length")
+                           f"num_block_indices mismatches, src_num = {len(src_block_indices)}, "
+                           f"dst_num = {len(dst_block_indices)}")
+        elif dst_block_indices:
+            raise_if_false(dst_block_memory_size is not None,
+                           "dst_block_memory_size must be set when transfer from cache to blocks")
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
+        wanted = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
+        check_isinstance("transfer_configs", transfer_configs, [list, tuple], wanted, allow_none=False,
+                         extra_fmt="While enable_remote_cache_accessible is True, "
+                         if self._enable_remote_cache_accessible else "")
+        raise_if_false(bool(dst_block_indices) or dst_block_memory_size in (None, 0),
+                       f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 while "
+                       f"dst is not blocks")
+        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        raise_if_false(src.num_tensors % 2 == 0, f"cache_desc.num_tensors ({src.num_tensors}) is not even")
+        for cfg in transfer_configs:
+            if cfg.src_layer_range is None:  # CANN fills in the default on the config itself
+                cfg.src_layer_range = range(0, src.num_tensors // 2)
+            if src_block_indices:
+                raise_if_false(cfg.src_batch_index == 0, f"Invalid TransferConfig, src_batch_index "
+                               f"({cfg.src_batch_index}) != 0 while src is blocks")
+        blocks = None
+        if src_block_indices:
             raise_if_false(self._is_kind(src_cache, src, True), "src_block_indices needs a blocks source cache")
             size = dst_block_memory_size or src.row_bytes
-            raise_if_false(size > 0, "dst_block_memory_size must be > 0")
             blocks = ("blocks", list(src_block_indices), list(dst_block_indices), size)
-        elif dst_block_indices is not None:
-            raise_if_false(self._is_kind(src_cache, src, False), "blocks -> cache transfers are not supported")
-            raise_if_false(dst_block_memory_size is not None and 0 < dst_block_memory_size < src.tensor_bytes,
-                           "dst_block_memory_size is required for cache -> blocks, in (0, tensor size)")
+        elif dst_block_indices:
+            raise_if_false(0 < dst_block_memory_size < src.tensor_bytes,
+                           f"dst_block_memory_size ({dst_block_memory_size}) must be > 0 and < the tensor "
+                           f"size ({src.tensor_bytes}) when transferring from a contiguous cache to blocks")
             blocks = ("row_to_blocks", None, list(dst_block_indices), dst_block_memory_size)
-        else:
-            raise_if_false(not dst_block_memory_size, "dst_block_memory_size must be None or 0 "
-                           "when the destination is not a blocks cache")
-            raise_if_false(self._is_kind(src_cache, src, False), "a blocks source needs src_block_indices")
         jobs = self._engine.layer_jobs(src, list(transfer_configs), blocks)
         return self._engine.start_layer_transfer(src, layer_synchronizer, jobs)

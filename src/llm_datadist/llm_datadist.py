@@ -35,6 +35,27 @@ _MAX_COMM_MEMBERS = 4
 _MAX_COMMS = 512
 
 
+def _not_in_mode(what: str, cache_manager: bool) -> str:
+    """CANN's message for an API or option of the other mode (v1 vs. cache manager)."""
+    state = "configured" if cache_manager else "not configured"
+    return f"{what} is not supported when llm.EnableCacheManager is {state}."
+
+
+def _parse_listen_ip_info(text: str) -> Tuple[str, int]:
+    """``llm.listenIpInfo`` as (ip, port). A value that is not ``ip:port`` (or ``[ipv6]:port``)
+    is refused with CANN's message; a port that is not a number raises ``ValueError``, as
+    CANN's ``int(port)`` does."""
+    host, _, port = text.rpartition(":")
+    if not (text.count(":") == 1 or (host.startswith("[") and host.endswith("]"))):
+        raise_if_false(False, f'llm.listenIpInfo "{text}" is invalid, format should be "ip:port"')
+    int(port)
+    try:
+        return _engine.parse_listen_ip_info(text)
+    except LLMException as exc:
+        raise LLMException(f'llm.listenIpInfo "{text}" is invalid, format should be "ip:port" '
+                           f"({exc.args[0] if exc.args else exc})", status_code=exc.status_code) from None
+
+
 def _overall(rets: List[LLMStatusCode]) -> LLMStatusCode:
     failed = [r for r in rets if r != LLMStatusCode.LLM_SUCCESS]
     return failed[0] if failed else LLMStatusCode.LLM_SUCCESS
@@ -73,10 +94,9 @@ class LLMDataDist:
         global _atexit_registered
         if self._is_initialized():
             return
-        check_isinstance("options", options, dict, str, allow_none=False)
         if LLMDataDist._initialized_instance is not None:
-            raise LLMException("another LLMDataDist is already initialized in this process",
-                               status_code=LLMStatusCode.LLM_FAILED)
+            raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
+        check_isinstance("options", options, dict, str, allow_none=False)
         opts = dict(options)
         opts["llm.Role"] = ROLE_NAMES[self._role]
         if "llm.LocalCommRes" in opts:
@@ -84,19 +104,22 @@ class LLMDataDist:
             opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
         is_v2 = opts.get("llm.EnableCacheManager") == "1"
         raise_if_false(not ("llm.LocalCommRes" in opts and not is_v2),
-                       "llm.LocalCommRes needs the cache manager (llm.EnableCacheManager=1)")
+                       _not_in_mode("llm.LocalCommRes", cache_manager=False))
         if "llm.TransferBackend" in opts:
-            raise_if_false(is_v2, "llm.TransferBackend needs the cache manager")
+            raise_if_false(is_v2, _not_in_mode("llm.TransferBackend", cache_manager=False))
             opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
             raise_if_false(opts["llm.EnableRemoteCacheAccessible"] == "1",
-                           "llm.TransferBackend needs llm.EnableRemoteCacheAccessible=1")
-            raise_if_false(bool(opts.get("llm.listenIpInfo")), "llm.TransferBackend needs listen_ip_info")
+                           "llm.TransferBackend is not supported when llm.EnableRemoteCacheAccessible is not enable.")
+            raise_if_false(bool(opts.get("llm.listenIpInfo")),
+                           "llm.TransferBackend is not supported when llm.listenIpInfo is not configured.")
         flow_mem = opts.get("ge.flowGraphMemMaxSize")
         if flow_mem is not None:
-            raise_if_false(flow_mem.isdigit(), f"ge.flowGraphMemMaxSize must be one decimal number, got {flow_mem!r}")
+            raise_if_false(len(flow_mem.split(",")) == 1,
+                           "ge.flowGraphMemMaxSize only support one mem pool in llm datadist")
+            raise_if_false(flow_mem.isdigit(), f"ge.flowGraphMemMaxSize must be digit, config value={flow_mem}")
         listen = None
         if opts.get("llm.listenIpInfo"):
-            listen = _engine.parse_listen_ip_info(opts["llm.listenIpInfo"])
+            listen = _parse_listen_ip_info(opts["llm.listenIpInfo"])
             if is_v2:
                 opts["llm.ListenIp"], opts["llm.ListenPort"] = listen[0], str(listen[1])
         device_id = _engine.check_device_id(opts.get("ge.exec.deviceId", "0"))
@@ -131,15 +154,13 @@ class LLMDataDist:
     @property
     def cache_manager(self) -> CacheManager:
         self._check_init()
-        raise_if_false(self._is_v2, "cache_manager needs enable_cache_manager=True "
-                       "(llm.EnableCacheManager=1); use kv_cache_manager in v1 mode")
+        self._check_cache_manager_mode("cache_manager")
         return self._cache_manager
 
     @property
     def kv_cache_manager(self):
         self._check_init()
-        raise_if_false(not self._is_v2, "kv_cache_manager is the v1 API; this instance runs in "
-                       "cache manager (v2) mode, use cache_manager")
+        raise_if_false(not self._is_v2, _not_in_mode("kv_cache_manager", cache_manager=True))
         raise LLMException("the v1 KvCacheManager mode is not implemented by this library; enable the "
                            "cache manager (LLMConfig.enable_cache_manager = True) and use cache_manager",
                            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
@@ -229,7 +250,7 @@ class LLMDataDist:
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict, str)
         listen_text = (switch_options or {}).get("llm.listenIpInfo", "")
-        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        listen = _parse_listen_ip_info(listen_text) if listen_text else None
         self._engine.switch_role(ROLE_NAMES[role], listen)
         self._role = role
 
@@ -294,6 +315,6 @@ class LLMDataDist:
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()
-        raise_if_false(not self._is_v2, "check_link_status is a v1 API")
+        raise_if_false(not self._is_v2, _not_in_mode("check_link_status", cache_manager=True))
         raise LLMException("check_link_status belongs to the v1 KvCacheManager mode, which is not "
                            "implemented", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)

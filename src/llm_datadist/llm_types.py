@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC, abstractmethod
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from llm_datadist import _core
@@ -32,9 +32,12 @@ INVALID_ID = UINT64_MAX
 MAX_SHAPE_DIMS = 31
 
 
-class Placement(Enum):
+class Placement(IntEnum):
     HOST = 0
     DEVICE = 1
+
+    def __str__(self) -> str:  # "Placement.DEVICE" on every Python version, as in CANN
+        return f"{type(self).__name__}.{self.name}"
 
 
 class Memtype(Enum):
@@ -47,9 +50,10 @@ class RegisterMemStatus(Enum):
     PREPARING = 1
     FAILED = 2
 
-    @classmethod
-    def _missing_(cls, value):
-        return cls.FAILED
+
+# query_register_mem_status maps the native status through this table; other values are FAILED
+# (RegisterMemStatus itself refuses unknown values, as CANN's does).
+int_to_mem_status_dict = {0: RegisterMemStatus.OK, 1: RegisterMemStatus.PREPARING, 2: RegisterMemStatus.FAILED}
 
 
 class CacheDesc:
@@ -265,33 +269,32 @@ class KvCache(Cache):
         return [list(self._tensor_addrs)]
 
 
-def _parse_key_args(cls_name: str, args, kwargs, positional: List[str], aliases: dict, max_params: int):
-    raise_if_false(len(args) + len(kwargs) <= max_params,
-                   f"{cls_name} takes at most {max_params} parameters, got {len(args) + len(kwargs)}")
-    values = dict(zip(positional, args))
-    used_names = {}
-    for name, value in kwargs.items():
-        canonical = aliases.get(name, name)
-        if canonical not in positional:
-            raise param_invalid(f"{cls_name} got an unknown keyword argument {name!r}")
-        if canonical in values:
-            raise param_invalid(f"{cls_name} got {canonical!r} twice")
-        values[canonical] = value
-        used_names[canonical] = name
-    return values, used_names
+def _parse_key_args(args, kwargs, positional: List[str], required: List[str], max_params: int) -> dict:
+    """CANN's key argument parsing: positional arguments fill ``positional`` in order (and win
+    over a keyword of the same name), ``prompt_cluster_id`` stands for ``cluster_id``; the
+    messages are CANN's."""
+    raise_if_false(len(args) + len(kwargs) <= max_params, "Param num is over limit")
+    values = dict(kwargs)
+    values.update(zip(positional, args))
+    raise_if_false("prompt_cluster_id" in values or "cluster_id" in values,
+                   "Param prompt_cluster_id or cluster_id is required")
+    for name in required:
+        raise_if_false(name in values, f"Param {name} is required")
+    for name in values:
+        raise_if_false(name in positional or name == "prompt_cluster_id", f"Unsupported param:{name}")
+    return values
 
 
 class CacheKey:
     """Binds one row of a contiguous cache: ``CacheKey(cluster_id, req_id, model_id=0,
-    prefix_id=2**64-1)``; ``prompt_cluster_id`` is accepted instead of ``cluster_id``."""
+    prefix_id=2**64-1)``; ``prompt_cluster_id`` is accepted instead of ``cluster_id``. Raises
+    ``LLMException(LLM_PARAM_INVALID)`` when ``req_id`` or the cluster id is missing or a
+    keyword is unknown, ``TypeError``/``ValueError`` for values that are not uint64."""
 
     def __init__(self, *args, **kwargs) -> None:
-        values, _ = _parse_key_args("CacheKey", args, kwargs,
-                                    ["cluster_id", "req_id", "model_id", "prefix_id"],
-                                    {"prompt_cluster_id": "cluster_id"}, 4)
-        raise_if_false("cluster_id" in values, "CacheKey needs cluster_id (or prompt_cluster_id)")
-        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
-        self._req_id = check_uint64("req_id", values.get("req_id", INVALID_ID))
+        values = _parse_key_args(args, kwargs, ["cluster_id", "req_id", "model_id", "prefix_id"], ["req_id"], 4)
+        self._cluster_id = check_uint64("cluster_id", values.get("cluster_id", values.get("prompt_cluster_id")))
+        self._req_id = check_uint64("req_id", values["req_id"])
         self._model_id = check_uint64("model_id", values.get("model_id", 0))
         self._prefix_id = check_uint64("prefix_id", values.get("prefix_id", INVALID_ID))
 
@@ -332,7 +335,7 @@ class CacheKey:
 
     def __repr__(self) -> str:
         return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
-                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+                f"prefix_id={self._prefix_id}, model_id={self._model_id})")
 
 
 class CacheKeyByIdAndIndex:
@@ -373,12 +376,13 @@ class BlocksCacheKey:
     or ``prompt_cluster_id``). Its owner knows it by ``model_id`` alone."""
 
     def __init__(self, *args, **kwargs) -> None:
-        values, used = _parse_key_args("BlocksCacheKey", args, kwargs, ["cluster_id", "model_id"],
-                                       {"prompt_cluster_id": "cluster_id"}, 2)
-        raise_if_false("cluster_id" in values, "BlocksCacheKey needs cluster_id (or prompt_cluster_id)")
-        self._cluster_id = check_uint64("cluster_id", values["cluster_id"])
-        self._model_id = check_uint64("model_id", values.get("model_id", 0))
-        self._cluster_id_name = used.get("cluster_id", "cluster_id")
+        values = _parse_key_args(args, kwargs, ["cluster_id", "model_id"], [], 2)
+        self._cluster_id_name = "cluster_id" if "cluster_id" in values else "prompt_cluster_id"
+        cluster_id, model_id = values[self._cluster_id_name], values.get("model_id", 0)
+        check_isinstance("cluster_id", cluster_id, int, extra_fmt="The first param ")
+        check_isinstance("model_id", model_id, int, extra_fmt="The second param ")
+        self._cluster_id = check_uint64("cluster_id", cluster_id)
+        self._model_id = check_uint64("model_id", model_id)
 
     @property
     def cluster_id(self) -> int:
@@ -402,14 +406,33 @@ class BlocksCacheKey:
 
 
 class MemInfo:
-    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
-        check_isinstance("mem_type", mem_type, Memtype, allow_none=False)
-        self.mem_type = mem_type
-        self.addr = check_uint64("addr", addr)
-        self.size = check_uint64("size", size)
+    """A memory range for ``remap_registered_memory``. The constructor checks types only, as
+    CANN's does; the values are checked by ``remap_registered_memory``."""
 
-    def __repr__(self) -> str:
-        return f"MemInfo(mem_type={self.mem_type}, addr={self.addr:#x}, size={self.size})"
+    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
+        check_isinstance("mem_type", mem_type, Memtype)
+        check_isinstance("addr", addr, int)
+        check_isinstance("size", size, int)
+        self._mem_type = mem_type
+        self._addr = addr
+        self._size = size
+
+    @property
+    def mem_type(self) -> Memtype:
+        return self._mem_type
+
+    @property
+    def addr(self) -> int:
+        return self._addr
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __str__(self) -> str:
+        return f"MemInfo(mem_type={self._mem_type}, addr={self._addr}, size={self._size})"
+
+    __repr__ = __str__
 
 
 class LayerSynchronizer(ABC):
@@ -420,48 +443,145 @@ class LayerSynchronizer(ABC):
         """Wait until layer ``layer_index`` is computed; False aborts the transfer."""
 
 
-def _check_range(name: str, value, allow_none: bool) -> None:
+def _check_range(name: str, value, allow_none: bool = True) -> None:
+    """CANN's ``check_layer_range``: a ``range`` with step 1 and ``0 <= start < stop``."""
+    if value is None and allow_none:
+        return
     check_isinstance(name, value, range, allow_none=allow_none)
-    if value is not None:
-        raise_if_false(value.step == 1, f"{name} {value} must have step 1")
-        raise_if_false(0 <= value.start < value.stop, f"{name} {value} must satisfy 0 <= start < stop")
+    raise_if_false(value.step == 1, f"check {name}.step == 1 failed")
+    raise_if_false(0 <= value.start < value.stop, f"check 0 <= range.start < range.stop failed, {name} = {value}")
 
 
 class TransferConfig:
-    """Layer-wise transfer to raw destination addresses (K, V per layer, in order)."""
+    """Layer-wise transfer to raw destination addresses (K, V per layer, in order).
+
+    Every setter checks its value as the constructor does (``TypeError``/``ValueError``, or
+    ``LLMException(LLM_PARAM_INVALID)`` for a bad range); that ``dst_addrs`` holds two
+    addresses per layer is checked by ``transfer_cache_async``."""
 
     def __init__(self, dst_cluster_id: int, dst_addrs: List[int], src_layer_range: Optional[range] = None,
                  src_batch_index: int = 0) -> None:
-        self.dst_cluster_id = check_uint64("dst_cluster_id", dst_cluster_id)
-        check_isinstance("dst_addrs", dst_addrs, list, int, allow_none=False)
-        _check_range("src_layer_range", src_layer_range, True)
-        if src_layer_range is not None:
-            raise_if_false(len(dst_addrs) == 2 * len(src_layer_range),
-                           f"dst_addrs needs {2 * len(src_layer_range)} addresses for "
-                           f"{src_layer_range}, got {len(dst_addrs)}")
-        self.dst_addrs = dst_addrs
-        self.src_layer_range = src_layer_range
-        self.src_batch_index = check_uint32("src_batch_index", src_batch_index)
+        check_uint64("dst_cluster_id", dst_cluster_id)
+        self._check_dst_addrs(dst_addrs)
+        _check_range("src_layer_range", src_layer_range)
+        check_uint32("src_batch_index", src_batch_index)
+        self._dst_cluster_id = dst_cluster_id
+        self._dst_addrs = dst_addrs
+        self._src_layer_range = src_layer_range
+        self._src_batch_index = src_batch_index
+        self.dst_layer_range = None
+
+    @staticmethod
+    def _check_dst_addrs(dst_addrs) -> None:
+        check_isinstance("dst_addrs", dst_addrs, [list, tuple], int, allow_none=False)
+        for addr in dst_addrs:
+            check_uint64("dst_addrs", addr)
+
+    @property
+    def dst_cluster_id(self) -> int:
+        return self._dst_cluster_id
+
+    @dst_cluster_id.setter
+    def dst_cluster_id(self, cluster_id: int) -> None:
+        check_uint64("dst_cluster_id", cluster_id)
+        self._dst_cluster_id = cluster_id
+
+    @property
+    def dst_addrs(self) -> List[int]:
+        return self._dst_addrs
+
+    @dst_addrs.setter
+    def dst_addrs(self, dst_addrs: List[int]) -> None:
+        self._check_dst_addrs(dst_addrs)
+        self._dst_addrs = dst_addrs
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("src_layer_range", layer_range)
+        self._src_layer_range = layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+    @src_batch_index.setter
+    def src_batch_index(self, batch_index: int) -> None:
+        check_uint32("src_batch_index", batch_index)
+        self._src_batch_index = batch_index
+
+    def __repr__(self) -> str:
+        return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id}, dst_addrs={self._dst_addrs}, "
+                f"src_layer_range={self._src_layer_range}, src_batch_index={self._src_batch_index})")
 
 
 class TransferWithCacheKeyConfig:
-    """Layer-wise transfer into a peer cache named by a key."""
+    """Layer-wise transfer into a peer cache named by a key.
 
-    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
-                 dst_layer_range: range, src_batch_index: int = 0) -> None:
+    The constructor needs both ranges, of equal span; the setters check as CANN's do (a range
+    may then be set to None: all source layers, each into the same destination layer).
+    ``dst_cluster_id`` is the key's cluster id at construction."""
+
+    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range = None,
+                 dst_layer_range: range = None, src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex], allow_none=False)
-        _check_range("src_layer_range", src_layer_range, False)
-        _check_range("dst_layer_range", dst_layer_range, False)
+        self._cache_key = cache_key
+        _check_range("src_layer_range", src_layer_range, allow_none=False)
+        self._src_layer_range = src_layer_range
+        _check_range("dst_layer_range", dst_layer_range, allow_none=False)
+        self._dst_layer_range = dst_layer_range
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
-                       f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
-                       f"must span the same number of layers")
+                       "src_layer_range size should be equal to dst_layer_range size")
         check_uint32("src_batch_index", src_batch_index)
         raise_if_false(not isinstance(cache_key, BlocksCacheKey) or src_batch_index == 0,
-                       "src_batch_index must be 0 with a BlocksCacheKey")
-        self.cache_key = cache_key
-        self.src_layer_range = src_layer_range
-        self.dst_layer_range = dst_layer_range
-        self.src_batch_index = src_batch_index
+                       "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+        self._src_batch_index = src_batch_index
+        self.dst_cluster_id = cache_key.cluster_id
+
+    @property
+    def cache_key(self) -> Union[BlocksCacheKey, CacheKeyByIdAndIndex]:
+        return self._cache_key
+
+    @cache_key.setter
+    def cache_key(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex]) -> None:
+        check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex])
+        self._cache_key = cache_key
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("src_layer_range", layer_range)
+        self._src_layer_range = layer_range
+
+    @property
+    def dst_layer_range(self) -> Optional[range]:
+        return self._dst_layer_range
+
+    @dst_layer_range.setter
+    def dst_layer_range(self, layer_range: Optional[range]) -> None:
+        _check_range("dst_layer_range", layer_range)
+        self._dst_layer_range = layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+    @src_batch_index.setter
+    def src_batch_index(self, src_batch_index: int) -> None:
+        raise_if_false(not isinstance(self._cache_key, BlocksCacheKey) or src_batch_index == 0,
+                       "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+        check_uint32("src_batch_index", src_batch_index)
+        self._src_batch_index = src_batch_index
+
+    def __repr__(self) -> str:
+        return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key}, src_layer_range={self._src_layer_range}, "
+                f"dst_layer_range={self._dst_layer_range}, src_batch_index={self._src_batch_index})")
 
 
 class CacheTask:

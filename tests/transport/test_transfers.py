@@ -549,7 +549,7 @@ LAYER_ERRORS = [
     ("n5-above-tensor-count", dict(src_layer_range=range(0, 1), dst_layer_range=range(0, 1),
                                    tensor_num_per_layer=5), PI),
     ("n0", dict(tensor_num_per_layer=0), PI),
-    ("n-negative", dict(tensor_num_per_layer=-2), PI),
+    ("n-negative", dict(tensor_num_per_layer=-2), VALUE),  # not a uint32: CANN's check_uint32
     ("n-str", dict(tensor_num_per_layer="2"), TYPE),
     ("n-bool", dict(tensor_num_per_layer=True), TYPE),
 ]
