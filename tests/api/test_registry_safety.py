@@ -421,7 +421,7 @@ class Runner:
         elif fault == "bound_key":
             bound = sorted(k[1] for k in self.model.keys())
             if self.style != "python" or not bound:
-                addrs[0] = TOP - 1  # the same refusal, by another way
+                addrs[0] = 0  # the same refusal, by another way (a 1-byte tensor at TOP - 1 is valid)
             else:
                 keys = [bound[op["pick"] % len(bound)]]
         for addr in addrs:
