@@ -1100,7 +1100,8 @@ class LinkManager:
             return "tcp"  # a link to this very process: frames, checked by the owner (ourselves)
         reason = None
         if not peer.unix:
-            reason = "the peer is not on this host (or not in this network namespace)"
+            reason = ("the link's connections are TCP: the peer is on another host or in another network "
+                      "namespace, or it uses tcp only")
         elif "cma" not in peer.planes:
             reason = "the peer does not offer it"
         elif peer.pid <= 0 or peer.pid == os.getpid():
