@@ -6,6 +6,7 @@ empty (the cluster processes a command starts end with it).
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import math
@@ -69,8 +70,16 @@ def assert_clean_failure(out: subprocess.CompletedProcess, *words: str) -> None:
 def test_help_lists_commands():
     out = run("--help")
     assert out.returncode == 0
-    for command in ("demo", "info", "bench"):
+    for command in ("demo", "info", "bench", "--version"):
         assert command in out.stdout
+
+
+def test_version_is_the_installed_distribution_version():
+    import llm_datadist
+    out = run("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"llm_datadist {importlib.metadata.version('llm_datadist')}\n"
+    assert out.stdout == f"llm_datadist {llm_datadist.__version__}\n"
 
 
 # -- demo -------------------------------------------------------------------------------------------
@@ -166,6 +175,22 @@ def test_bench_subset_of_planes_and_directions(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = json.loads(path.read_text())["results"]
     assert [(row["plane"], row["direction"]) for row in rows] == [("memcpy", "baseline"), ("tcp", "pull")]
+
+
+def test_bench_accepts_every_direction_its_help_offers(tmp_path):
+    from llm_datadist.__main__ import build_parser
+    help_text = run("bench", "--help").stdout
+    assert "push, pull or both" in help_text
+    parser = build_parser()
+    assert [parser.parse_args(["bench", "--directions", d]).directions for d in ("push", "pull", "both")] == \
+        [["push"], ["pull"], ["push", "pull"]]
+    path = tmp_path / "sweep.json"
+    out = run("bench", "--sizes", "16K", "--total", "64K", "--min-time", "0", "--planes", "tcp",
+              "--directions", "both", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(path.read_text())["results"]
+    assert [(row["plane"], row["direction"]) for row in rows] == [("memcpy", "baseline"), ("tcp", "push"),
+                                                                   ("tcp", "pull")]
 
 
 def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):

@@ -56,13 +56,19 @@ def _size(text: str) -> int:
 
 
 def _list_of(choices: dict, what: str):
+    """An argparse type: a comma-separated list of the keys of ``choices``, each standing for its
+    value (a name, or a tuple of names: ``both`` -> ``("push", "pull")``); duplicates dropped."""
     def parse(text: str) -> list:
         items = [item.strip().lower() for item in text.split(",") if item.strip()]
         unknown = [item for item in items if item not in choices]
         if not items or unknown:
             raise argparse.ArgumentTypeError(f"{what}: {', '.join(unknown) or 'none given'}; "
                                              f"choose from {', '.join(sorted(set(choices)))}")
-        return list(dict.fromkeys(choices[item] for item in items))
+        names = []
+        for item in items:
+            value = choices[item]
+            names += value if isinstance(value, tuple) else [value]
+        return list(dict.fromkeys(names))
     return parse
 
 
@@ -117,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_datadist._bench import ALL_PLANES, DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, \
         PLANE_ALIASES
     from llm_datadist._console import short_size
+    from llm_datadist import __version__
     parser = argparse.ArgumentParser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"llm_datadist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
 
     demo = sub.add_parser(
@@ -170,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--planes", type=_list_of(PLANE_ALIASES, "unknown data plane"), default=None,
                        help=f"data planes, comma-separated: {', '.join(ALL_PLANES)} (cma = same-host "
                             f"process_vm_writev/readv); default: all that this host permits")
-    bench.add_argument("--directions", type=_list_of({d: d for d in DIRECTIONS}, "unknown direction"),
+    bench.add_argument("--directions", type=_list_of({"push": "push", "pull": "pull", "both": tuple(DIRECTIONS)},
+                                                     "unknown direction"),
                        default=list(DIRECTIONS), help="push, pull or both (default both; local is a copy)")
     bench.add_argument("--total", type=_size, default=DEFAULT_TOTAL,
                        help=f"bytes moved per call (default {short_size(DEFAULT_TOTAL)}; at least one block)")
