@@ -40,11 +40,11 @@ def _group_gone(pgid: int, wait: float = 10.0) -> bool:
     return False
 
 
-def run_python(args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+def run_python(args, timeout: float = 90.0, env=None) -> subprocess.CompletedProcess:
     """``python *args`` from the repository root in a new process group; kills the group on timeout
-    and checks that nothing of it outlives the command."""
+    and checks that nothing of it outlives the command. ``env``: variables added to ours."""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env=None if env is None else {**os.environ, **env})
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -55,8 +55,22 @@ def run_python(args, timeout: float = 90.0) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def run(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
-    return run_python(["-m", "llm_datadist", *args], timeout)
+def run(*args, timeout: float = 90.0, env=None) -> subprocess.CompletedProcess:
+    return run_python(["-m", "llm_datadist", *args], timeout, env)
+
+
+#: Runs the command line in this interpreter, then prints its peak resident memory (KiB) to stderr.
+_MEASURED_MAIN = ("import resource, sys; from llm_datadist.__main__ import main; status = main(sys.argv[1:]); "
+                  "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+                  "sys.exit(status)")
+#: Runs the command line with ``llm_datadist.testing.Cluster`` replaced by a class that fails: a
+#: command that starts a cluster process would end with that traceback.
+_NO_CLUSTERS_MAIN = ("import sys; import llm_datadist.testing as testing\n"
+                     "class NoCluster:\n"
+                     "    def __init__(self, *args, **kwargs):\n"
+                     "        raise AssertionError('a cluster process was started')\n"
+                     "testing.Cluster = NoCluster\n"
+                     "from llm_datadist.__main__ import main; sys.exit(main(sys.argv[1:]))")
 
 
 def assert_clean_failure(out: subprocess.CompletedProcess, *words: str) -> None:
@@ -99,7 +113,8 @@ def test_demo_report_says_what_moved_and_that_it_was_verified():
     assert "geometry:  2 layers x K/V = 4 tensors" in text and "16 tokens x 4 KV heads x 32 head dim" in text
     assert "3 requests x 40 tokens = 3 blocks each, 9 blocks" in text
     assert "push_blocks" in text and "data plane" in text and "GB/s" in text
-    assert "median" in text and "p99" in text
+    # 3 requests: a nearest-rank p99 would be the maximum, so the report says max and no p99.
+    assert "median" in text and "max" in text and "over 3 requests (too few for a p99)" in text
     assert "verified:  every byte of 9 blocks x 4 tensors matches" in text
     assert "\r" not in out.stderr and "[#" not in out.stderr  # no progress bar without a terminal
 
@@ -117,8 +132,36 @@ def test_demo_moves_and_verifies_on_each_plane(plane, pull):
     assert report["bytes"] == 9 * 4 * 16 * 4 * 32 * 2
     assert report["prefill_pid"] != report["decode_pid"]
     latency = report["latency_ms"]
-    assert len(latency["per_request"]) == 3 and 0 < latency["median"] <= latency["p99"] == max(latency["per_request"])
+    assert len(latency["per_request"]) == 3 and 0 < latency["median"] <= latency["max"] == max(latency["per_request"])
+    assert latency["p99"] is None  # too few requests for one
     assert report["gbps"] > 0
+
+
+def test_demo_counts_in_the_singular_where_there_is_one():
+    out = run("demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--block-size", "1", "--requests", "1",
+              "--tokens", "1")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "geometry:  1 layer x K/V = 2 tensors; a block is 1 token x 1 KV head x 8 head dim" in text
+    assert "batch:     1 request x 1 token = 1 block each, 1 block\n" in text
+    assert "caches:    prefill 1 block (32 B), decode 2 blocks (64 B)" in text
+    assert "moved:     1 request, 1 block x 2 tensors = 2 block copies" in text
+    assert "push_blocks of 1 block x 2 tensors" in text and "over 1 request (too few for a p99)" in text
+    assert "every byte of 1 block x 2 tensors matches; 1 spare decode block untouched" in text
+    for wrong in ("1 layers", "1 tokens", "1 requests", "1 blocks", "1 KV heads", "1 spare decode blocks"):
+        assert wrong not in text
+
+
+def test_demo_reports_a_p99_from_100_requests_on():
+    out = run("demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--block-size", "1", "--requests", "100",
+              "--tokens", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    latency = json.loads(out.stdout)["latency_ms"]
+    ordered = sorted(latency["per_request"])
+    assert len(ordered) == 100 and latency["p99"] == ordered[98] and latency["max"] == ordered[99]
+    text = run("demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--block-size", "1", "--requests",
+               "100", "--tokens", "1").stdout
+    assert ", p99 " in text and "over 100 requests\n" in text and "too few" not in text
 
 
 def test_demo_reports_a_corrupted_block_and_fails():
@@ -135,7 +178,6 @@ def test_demo_refuses_bad_input_without_a_traceback():
     assert_clean_failure(run("demo", "--plane", "rdma"), "--plane", "invalid choice")
     assert_clean_failure(run("demo", "--requests", "many"), "not an integer")
     assert_clean_failure(run("demo", *SMALL_DEMO, "--corrupt-block", "9"), "blocks 0..8")
-    assert_clean_failure(run("demo", "--layers", "1000000"), "available", "--layers")
 
 
 def test_demo_refuses_a_runtime_it_cannot_use():
@@ -275,8 +317,64 @@ def test_parse_size():
 
 
 
-def test_demo_refuses_caches_larger_than_the_machine():
-    """The demo checks its caches against the available memory before starting any process (the
-    bench's own limits on --total and --sizes keep its sweep under that share on this machine)."""
-    assert_clean_failure(run("demo", "--requests", "100000", "--tokens", "4096"),
-                         "the two caches would take", "available; use fewer --requests")
+@pytest.mark.parametrize("args, words", [
+    (["--requests", "100000000"], ["--requests 100000000 is more than", "use fewer --requests"]),
+    (["--requests", "10000000", "--tokens", "1000000"], ["use fewer --requests"]),
+    (["--requests", "1000", "--tokens", "1000000"],
+     ["4,000,000,000 block copies", "--tokens", "--block-size"]),
+    (["--layers", "1000000"], ["block copies", "--layers"]),
+    # One block of a tensor is 1600 TB: within the block-copy limit, beyond any machine's memory.
+    (["--requests", "1", "--layers", "1", "--block-size", "100000", "--head-dim", "250000000"],
+     ["would take", "available", "--block-size", "--head-dim", "--kv-heads"]),
+    (["--requests", "1", "--kv-heads", "1000000"], ["would take", "available", "--kv-heads"]),
+], ids=["requests", "requests-and-tokens", "tokens", "layers", "block-bytes", "kv-heads"])
+def test_demo_refuses_a_huge_batch_from_its_arguments_alone(args, words):
+    """Sizes beyond the demo's limits or the memory available are refused before anything is
+    allocated: exit 2, one line naming the flags, and the process never grows."""
+    out = run_python(["-c", _MEASURED_MAIN, "demo", *args], timeout=60)
+    assert_clean_failure(out, "demo: ", *words)
+    message, measured = out.stderr.strip().splitlines()
+    assert message.startswith("demo: ")
+    peak_mib = int(measured.split()[1]) / 1024
+    assert peak_mib < 150, f"peak RSS {peak_mib:.0f} MiB: allocated before refusing"
+
+
+def test_demo_refuses_a_bad_data_plane_variable_before_starting_processes():
+    out = run_python(["-c", _NO_CLUSTERS_MAIN, "demo", *SMALL_DEMO], env={"LLM_DATADIST_DATA_PLANE": "rdma"})
+    assert_clean_failure(out, "LLM_DATADIST_DATA_PLANE='rdma' is not a data plane", "--plane")
+    assert len(out.stderr.strip().splitlines()) == 1
+    # --plane overrides the variable, as its help says.
+    out = run("demo", *SMALL_DEMO, "--plane", "tcp", "--json", env={"LLM_DATADIST_DATA_PLANE": "rdma"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["data_plane"] == "tcp"
+
+
+@pytest.mark.parametrize("after", ["caches:", "transfer:"], ids=["while-starting", "while-moving"])
+def test_demo_ctrl_c_stops_everything_quietly_with_130(after):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: while the cluster
+    processes start (after the 'caches:' line) or while requests move (after 'transfer:'). The
+    demo exits with 130 and one line, no traceback from it or its children, nothing left behind."""
+    # 4000 requests: several seconds of calls, long enough to be interrupted.
+    args = ["-m", "llm_datadist", "demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--requests", "4000",
+            "--tokens", "16"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(after):
+                break
+        assert seen and seen[-1].startswith(after), seen
+        if after == "transfer:":
+            time.sleep(0.3)  # into the requests
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr == "demo: interrupted\n", stderr
+    assert "verified:" not in stdout
+    assert _group_gone(proc.pid), "processes of the demo outlived it"
