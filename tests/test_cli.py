@@ -206,8 +206,10 @@ def test_bench_tiny_sweep_prints_a_table_and_writes_json(tmp_path):
         assert len(row["durations_ns"]) == row["repetitions"] >= 5
         for field in ("ratio", "gbps", "baseline_gbps", "us_per_block"):
             assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row)
-        line = f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['gbps']:7.2f}"
+        assert row["threads"] == 1  # 256 KiB a call: below every plane's split
+        line = f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['threads']:7d} {row['gbps']:7.2f}"
         assert row["plane"] == "memcpy" or line in out.stdout
+    assert "threads:" not in out.stdout
 
 
 def test_bench_subset_of_planes_and_directions(tmp_path):
@@ -233,6 +235,46 @@ def test_bench_accepts_every_direction_its_help_offers(tmp_path):
     rows = json.loads(path.read_text())["results"]
     assert [(row["plane"], row["direction"]) for row in rows] == [("memcpy", "baseline"), ("tcp", "push"),
                                                                    ("tcp", "pull")]
+
+
+def test_bench_says_which_transfers_ran_on_two_threads(tmp_path):
+    """8 MiB a call: the same-host and TCP planes split it over two threads, the baseline is one;
+    the JSON rows, the table and the plot's legend say so."""
+    from llm_datadist._bench import series_label
+    path = tmp_path / "sweep.json"
+    out = run("bench", "--sizes", "1MiB", "--total", "8MiB", "--min-time", "0", "--planes", "local,cma,tcp",
+              "--directions", "push", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    threads = {row["plane"]: row["threads"] for row in json.loads(path.read_text())["results"]}
+    assert threads == {"memcpy": 1, "local": 1, "cma": 2, "tcp": 2}
+    assert "threads: the memcpy baseline is one thread; cma transfers of 8 MiB or more" in out.stdout
+    assert series_label("memcpy", "baseline", [1, 1]) == "memcpy (baseline, 1 thread)"
+    assert series_label("cma", "push", [2, 2]) == "cma push (2 threads)"
+    assert series_label("tcp", "pull", [1, 2]) == "tcp pull (2 threads from 8 MiB a call)"
+    assert series_label("local", "copy", [1]) == "local copy (1 thread)"
+
+
+def test_bench_ctrl_c_stops_everything_quietly_with_130(tmp_path):
+    path = tmp_path / "sweep.json"
+    args = ["-m", "llm_datadist", "bench", "--sizes", "4KiB", "--total", "1MiB", "--min-time", "60", "--planes",
+            "cma,tcp", "--json", str(path)]
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("sweep:"):
+                break
+        time.sleep(3)  # the rig starts, then measures for a minute
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr == "bench: interrupted\n", stderr
+    assert not path.exists()
+    assert _group_gone(proc.pid), "processes of the bench outlived it"
 
 
 def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
