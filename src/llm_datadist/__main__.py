@@ -120,13 +120,21 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (the usage is one ``--help`` away), exit 2.
+    Subcommand parsers are of the same class (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from llm_datadist._bench import ALL_PLANES, DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, \
         PLANE_ALIASES
     from llm_datadist import __version__
     from llm_datadist._console import short_size
     from llm_datadist._demo import MAX_REQUESTS
-    parser = argparse.ArgumentParser(prog="python -m llm_datadist",
+    parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"llm_datadist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
