@@ -84,6 +84,16 @@ def assert_clean_failure(out: subprocess.CompletedProcess, *words: str) -> None:
         assert word in out.stderr, out.stderr
 
 
+def assert_interrupted(returncode: int, stderr: str, command: str) -> None:
+    """Exit 130 and ``<command>: interrupted`` last; before it, at most the clusters' own log
+    lines (``cluster N: ...``: a link that ended under a transfer), never a traceback."""
+    assert returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert lines and lines[-1] == f"{command}: interrupted", stderr
+    assert all(line.startswith("cluster ") for line in lines[:-1]), stderr
+
+
 def test_help_lists_commands():
     out = run("--help")
     assert out.returncode == 0
@@ -119,7 +129,9 @@ def test_demo_report_says_what_moved_and_that_it_was_verified():
     # 3 requests: a nearest-rank p99 would be the maximum, so the report says max and no p99.
     assert "median" in text and "max" in text and "over 3 requests (too few for a p99)" in text
     assert "verified:  every byte of 9 blocks x 4 tensors matches" in text
-    assert "\r" not in out.stderr and "[#" not in out.stderr  # no progress bar without a terminal
+    # No progress bar without a terminal, and nothing else: the clusters unlink before they close,
+    # so neither reports a lost link.
+    assert out.stderr == ""
 
 
 @pytest.mark.parametrize("plane", ["cma", "tcp"])
@@ -274,8 +286,7 @@ def test_bench_ctrl_c_stops_everything_quietly_with_130(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    assert proc.returncode == 130, (stdout, stderr)
-    assert stderr == "bench: interrupted\n", stderr
+    assert_interrupted(proc.returncode, stderr, "bench")
     assert not path.exists()
     assert _group_gone(proc.pid), "processes of the bench outlived it"
 
@@ -396,7 +407,9 @@ def test_demo_refuses_a_bad_data_plane_variable_before_starting_processes():
 def test_demo_ctrl_c_stops_everything_quietly_with_130(after):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: while the cluster
     processes start (after the 'caches:' line) or while requests move (after 'transfer:'). The
-    demo exits with 130 and one line, no traceback from it or its children, nothing left behind."""
+    demo exits with 130 and 'demo: interrupted', no traceback from it or its children, nothing
+    left behind. (A cluster closed mid-transfer may log that its link went away: see
+    ``assert_interrupted``.)"""
     # 4000 requests: several seconds of calls, long enough to be interrupted.
     args = ["-m", "llm_datadist", "demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--requests", "4000",
             "--tokens", "16"]
@@ -417,7 +430,6 @@ def test_demo_ctrl_c_stops_everything_quietly_with_130(after):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    assert proc.returncode == 130, (stdout, stderr)
-    assert stderr == "demo: interrupted\n", stderr
+    assert_interrupted(proc.returncode, stderr, "demo")
     assert "verified:" not in stdout
     assert _group_gone(proc.pid), "processes of the demo outlived it"

@@ -323,6 +323,7 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         device: Optional[str], seed: int, corrupt_block: Optional[int] = None, out=None) -> dict:
     """Run the demo and return its report (``report["verified"]`` says whether every byte
     arrived). Raises ``DemoError`` when it cannot run as asked."""
+    from llm_datadist._workload import unlink_peer
     from llm_datadist.testing import ChildError, Cluster, link
 
     out = out or (lambda line: None)
@@ -392,6 +393,8 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
                 progress.step(f"verify {request + 1}/{requests}")
             spare = batch.spare_decode_blocks()
             untouched_failures = decode.call(verify_untouched, spare)
+            # Unlink (telling the peer) before closing: a link that merely ends is reported as lost.
+            issuer.call(unlink_peer, target.cluster_id, *target.address)
     except ChildError as exc:
         raise DemoError(f"{exc.kind} in a cluster process: {exc.message}") from None
     except TimeoutError as exc:
