@@ -12,8 +12,8 @@ test:         ## the test suite (same command as the README and CI)
 bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only
 
-lint:
-	ruff check src tests bench
+lint:         ## ruff and cython-lint (pip install ruff cython-lint); .ci/run runs this target
+	ruff check setup.py src tests bench
 	cython-lint src/llm_datadist/*.pyx src/llm_datadist/*.pxd
 
 clean:

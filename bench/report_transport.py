@@ -7,7 +7,7 @@
     python bench/report_transport.py --profile        # plus cProfile of the 4 KiB cma push
 
 Same workload, processes and timing as ``test_bench_transport.py`` (see
-``llm_datadist/_workload.py``). Per case, the measurements are interleaved: every kind (memcpy
+``src/llm_datadist/_workload.py``). Per case, the measurements are interleaved: every kind (memcpy
 baseline, cma push/pull, tcp push/pull) runs one batch in turn until each has its repetitions, so
 the baseline and the transfers share the same stretches of a noisy machine.
 

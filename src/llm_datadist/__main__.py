@@ -5,7 +5,8 @@
 * ``bench``: block size x data plane x direction against an in-run memcpy (``_bench.py``);
 * ``info``: version, build, device runtimes, data planes of this host (``_sysinfo.py``).
 
-Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run.
+Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run;
+130 interrupted (Ctrl-C), after the command's processes were stopped.
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ def _size(text: str) -> int:
 
 
 def _list_of(choices: dict, what: str):
+    """An argparse type: a comma-separated list of the keys of ``choices``, each standing for its
+    value (a name, or a tuple of names: ``both`` -> ``("push", "pull")``); duplicates dropped."""
     def parse(text: str) -> list:
         items = [item.strip().lower() for item in text.split(",") if item.strip()]
         unknown = [item for item in items if item not in choices]
         if not items or unknown:
             raise argparse.ArgumentTypeError(f"{what}: {', '.join(unknown) or 'none given'}; "
                                              f"choose from {', '.join(sorted(set(choices)))}")
-        return list(dict.fromkeys(choices[item] for item in items))
+        names = []
+        for item in items:
+            value = choices[item]
+            names += value if isinstance(value, tuple) else [value]
+        return list(dict.fromkeys(names))
     return parse
 
 
@@ -113,12 +120,23 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (the usage is one ``--help`` away), exit 2.
+    Subcommand parsers are of the same class (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from llm_datadist._bench import ALL_PLANES, DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, \
         PLANE_ALIASES
+    from llm_datadist import __version__
     from llm_datadist._console import short_size
-    parser = argparse.ArgumentParser(prog="python -m llm_datadist",
+    from llm_datadist._demo import MAX_REQUESTS
+    parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"llm_datadist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
 
     demo = sub.add_parser(
@@ -127,15 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the per-layer geometry of a 7B model, Llama-2-7B: 32 layers, 32 KV heads, "
                     "head dim 128, fp16, 16-token blocks), fill the blocks of a batch of requests with "
                     "known data on the prefill side, move them to the decode side (push, or pull), "
-                    "check every byte there and report throughput and per-request latency. Exit "
-                    "status 0: verified; 1: verification failed; 2: could not run.")
+                    "check every byte there and report throughput and per-request latency. The sizes "
+                    "are checked against the memory available before anything starts. Exit status 0: "
+                    "verified; 1: verification failed; 2: could not run; 130: interrupted.")
     model = demo.add_argument_group("model and batch")
     model.add_argument("--layers", type=_positive, default=32, help="model layers, each a K and a V tensor "
                        "(default 32)")
     model.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
     model.add_argument("--kv-heads", type=_positive, default=32, help="KV heads (default 32)")
     model.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
-    model.add_argument("--requests", type=_positive, default=8, help="requests in the batch (default 8)")
+    model.add_argument("--requests", type=_positive, default=8,
+                       help=f"requests in the batch (default 8, at most {MAX_REQUESTS:,})")
     model.add_argument("--tokens", type=_positive, default=64,
                        help="prompt tokens per request; a request owns ceil(tokens / block size) blocks "
                             "(default 64)")
@@ -170,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--planes", type=_list_of(PLANE_ALIASES, "unknown data plane"), default=None,
                        help=f"data planes, comma-separated: {', '.join(ALL_PLANES)} (cma = same-host "
                             f"process_vm_writev/readv); default: all that this host permits")
-    bench.add_argument("--directions", type=_list_of({d: d for d in DIRECTIONS}, "unknown direction"),
+    bench.add_argument("--directions", type=_list_of({"push": "push", "pull": "pull", "both": tuple(DIRECTIONS)},
+                                                     "unknown direction"),
                        default=list(DIRECTIONS), help="push, pull or both (default both; local is a copy)")
     bench.add_argument("--total", type=_size, default=DEFAULT_TOTAL,
                        help=f"bytes moved per call (default {short_size(DEFAULT_TOTAL)}; at least one block)")
@@ -189,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after Ctrl-C, as a shell reports a process killed by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -196,6 +221,11 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        # The command's cluster processes were closed on the way here (they ignore Ctrl-C
+        # themselves: _console.sigint_for_parent_only); one line instead of a traceback.
+        print(f"{args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

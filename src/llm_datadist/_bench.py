@@ -13,7 +13,11 @@ ids, so every block is one descriptor. For each block size:
 * ``<plane> push`` / ``<plane> pull``: ``push_blocks`` (client -> server) and ``pull_blocks``
   (server -> client), completion included.
 
-Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). Durations are
+Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). The baseline is
+one thread; a same-host transfer of 8 MiB or more a call is split over two threads, and a TCP one
+over the link's two connections, each on a thread (``PARALLEL_CMA_BYTES`` / ``PARALLEL_TCP_BYTES``
+in ``transport/links.py``), so on a machine with two free cores these can beat the baseline: every
+row, the table and the plot say how many threads moved the bytes. Durations are
 taken inside the process that makes the call, around the call alone. The kinds of one block size
 are measured interleaved, a batch of calls each in turn, until each has run ``min_time`` seconds
 and ``min_repetitions`` times, so that the baseline and the transfers share the same stretches of
@@ -23,6 +27,7 @@ median of the kind (1.0x = as fast as one memcpy loop).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -30,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from llm_datadist._console import Progress, format_size, short_size
+from llm_datadist._console import Progress, format_size, short_size, sigint_for_parent_only
 from llm_datadist._sysinfo import build_facts, host_facts, memory_shortfall
 
 LOCAL, CMA, TCP = "local", "cma", "tcp"
@@ -114,6 +119,18 @@ def _measure_case(rig, case, kinds: List[tuple], config: SweepConfig,
     return durations
 
 
+def threads_of(plane: str, case) -> int:
+    """Threads that move the bytes of one call of ``plane`` (as reported) in ``case``."""
+    from llm_datadist.transport.links import CONNECTIONS_PER_DIRECTION, PARALLEL_CMA_BYTES, PARALLEL_TCP_BYTES
+    if case.moved < 2:
+        return 1
+    if plane == CMA and case.bytes_per_transfer >= PARALLEL_CMA_BYTES:
+        return 2
+    if plane == TCP and case.bytes_per_transfer >= PARALLEL_TCP_BYTES:
+        return CONNECTIONS_PER_DIRECTION
+    return 1
+
+
 def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
     from llm_datadist._workload import MEMCPY
     base = durations[(None, MEMCPY)]
@@ -122,7 +139,7 @@ def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
     for (plane, op), values in durations.items():
         median = max(1, statistics.median(values))
         name, direction = _kind_name(plane, op)
-        rows.append(dict(plane=name, direction=direction, block_bytes=case.block_bytes,
+        rows.append(dict(plane=name, direction=direction, threads=threads_of(name, case), block_bytes=case.block_bytes,
                          block=short_size(case.block_bytes), blocks_per_call=case.moved,
                          bytes_per_call=case.bytes_per_transfer, repetitions=len(values),
                          median_ns=median, min_ns=min(values), max_ns=max(values),
@@ -139,7 +156,9 @@ def sweep(config: SweepConfig, progress: Optional[Progress] = None) -> List[dict
     remote = tuple(p for p in (CMA, TCP) if p in config.planes)
     rows: List[dict] = []
     progress = progress or Progress(0)
-    with TransportRig(remote) as rig:
+    with contextlib.ExitStack() as stack:
+        with sigint_for_parent_only():  # Ctrl-C is this process's to handle: it closes the rig
+            rig = stack.enter_context(TransportRig(remote))
         for block_bytes in config.sizes:
             case = Case(short_size(block_bytes), block_bytes, moved=_moved(block_bytes, config.total),
                         rounds=0, batch=MAX_REPETITIONS)
@@ -156,14 +175,27 @@ def sweep(config: SweepConfig, progress: Optional[Progress] = None) -> List[dict
 
 
 def print_table(rows: List[dict], out: Callable[[str], None] = print) -> None:
-    out(f"{'block':>7} {'plane':6} {'direction':9} {'GB/s':>7} {'us/block':>9} {'memcpy GB/s':>11} "
+    out(f"{'block':>7} {'plane':6} {'direction':9} {'threads':>7} {'GB/s':>7} {'us/block':>9} {'memcpy GB/s':>11} "
         f"{'ratio':>6} {'calls':>6}")
     for row in rows:
         if row["plane"] == "memcpy":
             continue
-        out(f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['gbps']:7.2f} "
+        out(f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['threads']:7d} {row['gbps']:7.2f} "
             f"{row['us_per_block']:9.2f} {row['baseline_gbps']:11.2f} {row['ratio']:5.2f}x "
             f"{row['repetitions']:6d}")
+    if any(row["threads"] > 1 for row in rows):
+        out("threads: the memcpy baseline is one thread; cma transfers of 8 MiB or more a call run on two "
+            "threads and tcp ones on two connections, so their ratio can exceed 1.0x")
+
+
+def series_label(plane: str, direction: str, threads: Sequence[int]) -> str:
+    """The plot's legend entry of one series (its rows' thread counts)."""
+    if plane == "memcpy":
+        return "memcpy (baseline, 1 thread)"
+    most = max(threads)
+    if most == 1:
+        return f"{plane} {direction} (1 thread)"
+    return f"{plane} {direction} ({most} threads{'' if min(threads) == most else ' from 8 MiB a call'})"
 
 
 def plot(rows: List[dict], path: str, title: str) -> None:
@@ -171,10 +203,11 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     figure, axes = plt.subplots(figsize=(8, 5))
     series: Dict[tuple, List[tuple]] = {}
     for row in rows:
-        series.setdefault((row["plane"], row["direction"]), []).append((row["block_bytes"], row["gbps"]))
+        series.setdefault((row["plane"], row["direction"]), []).append((row["block_bytes"], row["gbps"],
+                                                                        row["threads"]))
     for (plane, direction), points in series.items():
         points.sort()
-        label = "memcpy (baseline)" if plane == "memcpy" else f"{plane} {direction}"
+        label = series_label(plane, direction, [p[2] for p in points])
         axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
                   linestyle="--" if plane == "memcpy" else "-", color="black" if plane == "memcpy" else None)
     axes.set_xscale("log", base=2)
@@ -184,6 +217,8 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     axes.set_xlabel("block size")
     axes.set_ylabel("GB/s (median)")
     axes.set_ylim(bottom=0)
+    if any(row["threads"] > 1 for row in rows):
+        title += "\nthe baseline is one memcpy thread; cma and tcp calls of 8 MiB or more run on two threads"
     axes.set_title(title, fontsize=9)
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)

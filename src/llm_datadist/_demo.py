@@ -23,10 +23,16 @@ the first touch of their pages.
 ``--corrupt-block N`` is a self-test of step 3: between steps 2 and 3 it flips one byte of block N
 of the batch (counted over the requests in order) in layer 0's K tensor on the decode side; the
 demo must then report that block and exit with status 1.
+
+Before anything is allocated or started, the arguments alone are checked against the demo's
+limits (requests, block copies) and the memory it would take (both caches and the block
+tables) against the memory available; a refusal is one line naming the flags to change, exit
+status 2. Ctrl-C stops the cluster processes and exits with 130.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,7 +44,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from llm_datadist._console import Progress, format_size
+from llm_datadist._console import Progress, count, format_size, sigint_for_parent_only
 from llm_datadist._sysinfo import memory_shortfall
 
 PREFILL_ID, DECODE_ID = 1, 2
@@ -52,6 +58,19 @@ CALL_TIMEOUT_S = 300.0
 FP16_BYTES = 2
 #: How many failing blocks the report lists.
 REPORTED_FAILURES = 10
+#: Limits of the work (each request costs three calls into the cluster processes, and each block
+#: of each tensor is written and checked by numpy calls of its own: about a millisecond a request
+#: and a tenth of one a block copy on the 2-core development VM, so a few minutes at most).
+MAX_REQUESTS = 10_000
+MAX_BLOCK_COPIES = 1_000_000
+#: Estimated bookkeeping per block (block tables in the coordinator and the clusters) and per
+#: block copy (the transfer plan's descriptors), counted with the caches against the memory.
+TABLE_BYTES_PER_BLOCK = 256
+PLAN_BYTES_PER_BLOCK_COPY = 64
+#: The flags that make the caches smaller, named by every refusal of their size.
+SIZE_FLAGS = "use fewer --requests or --tokens, or a smaller --layers, --kv-heads, --head-dim or --block-size"
+#: A p99 differs from the maximum only from this many samples on.
+P99_MIN_SAMPLES = 100
 
 
 class DemoError(Exception):
@@ -75,10 +94,68 @@ class Geometry:
         return self.block_tokens * self.kv_heads * self.head_dim * FP16_BYTES
 
     def describe(self) -> str:
-        return (f"{self.layers} layers x K/V = {self.num_tensors} tensors; a block is {self.block_tokens} "
-                f"tokens x {self.kv_heads} KV heads x {self.head_dim} head dim x fp16 = "
+        return (f"{count(self.layers, 'layer')} x K/V = {self.num_tensors} tensors; a block is "
+                f"{count(self.block_tokens, 'token')} x {count(self.kv_heads, 'KV head')} x "
+                f"{self.head_dim} head dim x fp16 = "
                 f"{format_size(self.block_bytes)} per tensor, {format_size(self.block_bytes * self.num_tensors)} "
                 f"over all layers")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The sizes of a batch, from the arguments alone (nothing allocated)."""
+
+    requests: int
+    blocks_per_request: int
+    spare_blocks: int
+
+    @property
+    def total_blocks(self) -> int:
+        return self.requests * self.blocks_per_request
+
+    @property
+    def prefill_cache_blocks(self) -> int:
+        return self.total_blocks
+
+    @property
+    def decode_cache_blocks(self) -> int:
+        return self.total_blocks + self.spare_blocks
+
+
+def batch_shape(requests: int, tokens: int, block_tokens: int) -> BatchShape:
+    per_request = -(-tokens // block_tokens)  # ceil, in integers however large
+    return BatchShape(requests, per_request, max(1, int(requests * per_request * SPARE_FRACTION)))
+
+
+def check_budget(geometry: Geometry, shape: BatchShape) -> None:
+    """Refuse (``DemoError``, naming the flags to change) a batch beyond the demo's limits or the
+    memory available, from the sizes alone: before anything is allocated or started."""
+    if shape.requests > MAX_REQUESTS:
+        raise DemoError(f"--requests {shape.requests} is more than the demo's {MAX_REQUESTS:,} (each request is "
+                        f"a call into the cluster processes); use fewer --requests")
+    copies = shape.total_blocks * geometry.num_tensors
+    if copies > MAX_BLOCK_COPIES:
+        raise DemoError(f"the batch has {copies:,} block copies ({shape.total_blocks:,} blocks x "
+                        f"{geometry.num_tensors} tensors), more than the {MAX_BLOCK_COPIES:,} the demo writes and "
+                        f"checks one by one; use fewer --requests, --tokens or --layers, or a larger --block-size")
+    per_block = geometry.block_bytes * geometry.num_tensors
+    cache_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * per_block
+    table_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * TABLE_BYTES_PER_BLOCK \
+        + copies * PLAN_BYTES_PER_BLOCK_COPY
+    shortfall = memory_shortfall(cache_bytes + table_bytes)
+    if shortfall:
+        raise DemoError(f"the two caches and their block tables would take {shortfall}; {SIZE_FLAGS}")
+
+
+def check_data_plane() -> str:
+    """The data plane asked for by ``LLM_DATADIST_DATA_PLANE`` (``auto`` if unset), refused before
+    any cluster process starts if the engine would refuse it."""
+    from llm_datadist.transport.links import DATA_PLANE_ENV, PLANES
+    value = os.environ.get(DATA_PLANE_ENV) or "auto"
+    if value.strip().lower() not in PLANES:
+        raise DemoError(f"{DATA_PLANE_ENV}={value!r} is not a data plane ({', '.join(PLANES)}); "
+                        f"set it to one, unset it, or pass --plane")
+    return value.strip().lower()
 
 
 @dataclass(frozen=True)
@@ -107,15 +184,14 @@ class Batch:
         raise IndexError(index)
 
 
-def make_batch(requests: int, tokens: int, block_tokens: int, seed: int) -> Batch:
-    per_request = math.ceil(tokens / block_tokens)
-    total = requests * per_request
-    spare = max(1, int(total * SPARE_FRACTION))
+def make_batch(shape: BatchShape, seed: int) -> Batch:
+    total, per_request = shape.total_blocks, shape.blocks_per_request
     rng = np.random.default_rng([seed, 0xB10C])
     prefill = rng.permutation(total).tolist()
-    decode = rng.permutation(total + spare)[:total].tolist()
-    cut = [slice(r * per_request, (r + 1) * per_request) for r in range(requests)]
-    return Batch([prefill[c] for c in cut], [decode[c] for c in cut], total, total + spare)
+    decode = rng.permutation(shape.decode_cache_blocks)[:total].tolist()
+    cut = [slice(r * per_request, (r + 1) * per_request) for r in range(shape.requests)]
+    return Batch([prefill[c] for c in cut], [decode[c] for c in cut], shape.prefill_cache_blocks,
+                 shape.decode_cache_blocks)
 
 
 def expected_block(seed: int, request: int, layer: int, kv: int, block: int, nbytes: int) -> np.ndarray:
@@ -131,6 +207,14 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile (``fraction`` in (0, 1])."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def latency_summary(per_request: Sequence[float]) -> dict:
+    """Median, minimum and maximum, and the p99 where the sample has one: below
+    ``P99_MIN_SAMPLES`` values the nearest-rank p99 is the maximum, so it is None."""
+    return dict(median=statistics.median(per_request), min=min(per_request), max=max(per_request),
+                p99=percentile(per_request, 0.99) if len(per_request) >= P99_MIN_SAMPLES else None,
+                per_request=list(per_request))
 
 
 # -- functions run in the cluster processes (``fn(state, *args)``) ----------------------------------
@@ -239,29 +323,28 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         device: Optional[str], seed: int, corrupt_block: Optional[int] = None, out=None) -> dict:
     """Run the demo and return its report (``report["verified"]`` says whether every byte
     arrived). Raises ``DemoError`` when it cannot run as asked."""
+    from llm_datadist._workload import unlink_peer
     from llm_datadist.testing import ChildError, Cluster, link
 
     out = out or (lambda line: None)
-    batch = make_batch(requests, tokens, geometry.block_tokens, seed)
-    if corrupt_block is not None and not 0 <= corrupt_block < batch.total_blocks:
-        raise DemoError(f"--corrupt-block {corrupt_block}: the batch has blocks 0..{batch.total_blocks - 1}")
+    shape = batch_shape(requests, tokens, geometry.block_tokens)
+    if corrupt_block is not None and not 0 <= corrupt_block < shape.total_blocks:
+        raise DemoError(f"--corrupt-block {corrupt_block}: the batch has blocks 0..{shape.total_blocks - 1}")
+    check_budget(geometry, shape)
     per_block = geometry.block_bytes * geometry.num_tensors
-    cache_bytes = (batch.prefill_cache_blocks + batch.decode_cache_blocks) * per_block
-    shortfall = memory_shortfall(cache_bytes)
-    if shortfall:
-        raise DemoError(f"the two caches would take {shortfall}; use fewer --requests, --tokens or --layers")
-    runtime, runtime_why = choose_device(device)
     if plane is not None:
         os.environ["LLM_DATADIST_DATA_PLANE"] = plane
-    asked_plane = os.environ.get("LLM_DATADIST_DATA_PLANE") or "auto"
+    asked_plane = check_data_plane()
+    runtime, runtime_why = choose_device(device)
+    batch = make_batch(shape, seed)
 
     op = "pull_blocks" if pull else "push_blocks"
     out(f"geometry:  {geometry.describe()}")
-    out(f"batch:     {requests} requests x {tokens} tokens = {len(batch.prefill_blocks[0])} blocks each, "
-        f"{batch.total_blocks} blocks")
+    out(f"batch:     {count(requests, 'request')} x {count(tokens, 'token')} = "
+        f"{count(shape.blocks_per_request, 'block')} each, {count(batch.total_blocks, 'block')}")
     sizes = [format_size(blocks * per_block) for blocks in (batch.prefill_cache_blocks, batch.decode_cache_blocks)]
-    out(f"caches:    prefill {batch.prefill_cache_blocks} blocks ({sizes[0]}), "
-        f"decode {batch.decode_cache_blocks} blocks ({sizes[1]}), "
+    out(f"caches:    prefill {count(batch.prefill_cache_blocks, 'block')} ({sizes[0]}), "
+        f"decode {count(batch.decode_cache_blocks, 'block')} ({sizes[1]}), "
         f"DEVICE memory of the {runtime} runtime ({runtime_why})")
 
     def options(cache_blocks: int) -> dict:
@@ -271,10 +354,14 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
     progress = Progress(3 * requests)
     progress.step("starting prefill and decode", 0)
     try:
-        with Cluster(PREFILL_ID, role="PROMPT", listen=pull, timeout=CALL_TIMEOUT_S,
-                     options=options(batch.prefill_cache_blocks)) as prefill, \
-             Cluster(DECODE_ID, role="DECODER", listen=not pull, timeout=CALL_TIMEOUT_S,
-                     options=options(batch.decode_cache_blocks)) as decode:
+        with contextlib.ExitStack() as clusters:
+            with sigint_for_parent_only():  # Ctrl-C is this process's to handle: it closes them
+                prefill = clusters.enter_context(Cluster(PREFILL_ID, role="PROMPT", listen=pull,
+                                                         timeout=CALL_TIMEOUT_S,
+                                                         options=options(batch.prefill_cache_blocks)))
+                decode = clusters.enter_context(Cluster(DECODE_ID, role="DECODER", listen=not pull,
+                                                        timeout=CALL_TIMEOUT_S,
+                                                        options=options(batch.decode_cache_blocks)))
             issuer, target = (decode, prefill) if pull else (prefill, decode)
             status, per_cluster = link(issuer, target, timeout_ms=10000)
             if status != 0:
@@ -306,6 +393,8 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
                 progress.step(f"verify {request + 1}/{requests}")
             spare = batch.spare_decode_blocks()
             untouched_failures = decode.call(verify_untouched, spare)
+            # Unlink (telling the peer) before closing: a link that merely ends is reported as lost.
+            issuer.call(unlink_peer, target.cluster_id, *target.address)
     except ChildError as exc:
         raise DemoError(f"{exc.kind} in a cluster process: {exc.message}") from None
     except TimeoutError as exc:
@@ -325,8 +414,7 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         device_runtime=runtime, device_runtime_reason=runtime_why,
         prefill_pid=prefill_info["pid"], decode_pid=decode_info["pid"],
         transfer_seconds=busy_s, gbps=moved / busy_s / 1e9 if busy_s else 0.0,
-        latency_ms=dict(median=statistics.median(per_request), p99=percentile(per_request, 0.99),
-                        min=min(per_request), max=max(per_request), per_request=per_request),
+        latency_ms=latency_summary(per_request),
         spare_decode_blocks=len(spare), corrupted_block=corrupt_block,
         failures=failures, untouched_failures=untouched_failures,
         verified=not failures and not untouched_failures)
@@ -335,16 +423,19 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
 def print_report(report: dict, out) -> None:
     """The report's lines after the run (``out(line)``)."""
     lat = report["latency_ms"]
-    out(f"moved:     {report['requests']} requests, {report['blocks']} blocks x {report['tensors']} tensors = "
-        f"{report['descriptors']} block copies, {format_size(report['bytes'])} in "
+    out(f"moved:     {count(report['requests'], 'request')}, {count(report['blocks'], 'block')} x "
+        f"{report['tensors']} tensors = {count(report['descriptors'], 'block copy', 'block copies')}, "
+        f"{format_size(report['bytes'])} in "
         f"{report['transfer_seconds'] * 1e3:.1f} ms inside {report['operation']}: "
         f"{report['gbps']:.2f} GB/s over {report['data_plane']}")
-    out(f"latency:   per request ({report['operation']} of {report['blocks_per_request']} blocks x "
+    p99 = "" if lat["p99"] is None else f", p99 {lat['p99']:.2f} ms"
+    out(f"latency:   per request ({report['operation']} of {count(report['blocks_per_request'], 'block')} x "
         f"{report['tensors']} tensors, {format_size(report['bytes_per_request'])}, completion included): "
-        f"median {lat['median']:.2f} ms, p99 {lat['p99']:.2f} ms (n={report['requests']})")
+        f"median {lat['median']:.2f} ms{p99}, max {lat['max']:.2f} ms over {count(report['requests'], 'request')}"
+        + ("" if p99 else " (too few for a p99)"))
     if report["verified"]:
-        out(f"verified:  every byte of {report['blocks']} blocks x {report['tensors']} tensors matches; "
-            f"{report['spare_decode_blocks']} spare decode blocks untouched")
+        out(f"verified:  every byte of {count(report['blocks'], 'block')} x {report['tensors']} tensors matches; "
+            f"{count(report['spare_decode_blocks'], 'spare decode block')} untouched")
         return
     failures, untouched = report["failures"], report["untouched_failures"]
     out(f"VERIFICATION FAILED: {len(failures)} of {report['descriptors']} block tensors differ, "
@@ -363,7 +454,7 @@ def print_report(report: dict, out) -> None:
 
 def main(args) -> int:
     """The ``demo`` command (``args`` from ``__main__``'s parser): 0 verified, 1 verification
-    failed, 2 could not run."""
+    failed, 2 could not run (130 on Ctrl-C: ``__main__`` turns the interrupt into it)."""
     geometry = Geometry(args.layers, args.block_size, args.kv_heads, args.head_dim)
     out = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     started = time.perf_counter()
@@ -372,6 +463,9 @@ def main(args) -> int:
                      args.corrupt_block, out)
     except DemoError as exc:
         print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:  # the budget is an estimate; never a traceback and exit 1 ("failed")
+        print(f"demo: out of memory; {SIZE_FLAGS}", file=sys.stderr)
         return 2
     report["wall_seconds"] = time.perf_counter() - started
     if args.json:

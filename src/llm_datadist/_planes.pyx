@@ -21,7 +21,7 @@ from llm_datadist._os cimport (
     CLOCK_MONOTONIC, EAGAIN, ECONNRESET, EFAULT, EINTR, ENOSYS, EPERM, EPIPE, ESRCH,
     EWOULDBLOCK, IOV_MAX, MSG_NOSIGNAL, POLLIN, POLLOUT, clock_gettime, errno, msghdr, poll,
     pollfd, process_vm_readv, process_vm_writev, recvmsg, sendmsg, setsockopt, SO_RCVLOWAT,
-    SOL_SOCKET, socklen_t, timespec,
+    SOL_SOCKET, timespec,
 )
 from llm_datadist._runtime cimport dd_copy_desc
 

@@ -74,6 +74,7 @@ SEED = 0x7A5F
 TRANSFER_TIMEOUT_MS = 60000
 #: Harness timeout for one batch of timed repetitions.
 CALL_TIMEOUT_S = 600.0
+UNLINK_TIMEOUT_S = 30.0
 SETTLE_RUNS = 3
 
 #: What a measurement can time, and in which process: ``(plane, op)``; plane None = the local
@@ -189,6 +190,18 @@ def client_case(state, case: Case, model_id: Optional[int], with_baselines: bool
         # destinations odd, so no copy reads a block that another one writes.
         ops[COPY_BLOCKS] = (state.cm.copy_blocks, (cache, {s: [d] for s, d in zip(*ids[PUSH])}))
     state.scratch["ops"] = ops
+
+
+def unlink_peer(state, peer_id: int, ip: str, port: int) -> int:
+    """Unlink from ``peer_id``, telling it (a link that merely ends is reported as lost by the
+    side left behind); the status. Also the demo's."""
+    from llm_datadist import LLMClusterInfo
+    info = LLMClusterInfo()
+    info.remote_cluster_id = peer_id
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info(ip, port)
+    status, _ = state.dd.unlink_clusters([info])
+    return int(status)
 
 
 def sample(state, name: str, ids: Sequence[int]) -> np.ndarray:
@@ -366,7 +379,14 @@ class TransportRig:
             if cluster.process.is_alive():
                 cluster.call(drop_case, timeout=CALL_TIMEOUT_S)
 
-    def close(self) -> None:
+    def close(self, unlink: bool = True) -> None:
+        """Stop every process; with ``unlink``, each client first unlinks from the server (telling
+        it), so that no side reports a lost link. Leaving a ``with`` block on an exception skips
+        that: a call may still be under way in a client."""
+        if unlink and self.server is not None:
+            for client in self.clients.values():
+                if client.process.is_alive():
+                    client.call(unlink_peer, SERVER_ID, *self.server.address, timeout=UNLINK_TIMEOUT_S)
         for cluster in reversed(self.clusters):
             cluster.close()
         self.clusters = []
@@ -374,5 +394,5 @@ class TransportRig:
     def __enter__(self) -> "TransportRig":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(unlink=exc_type is None)

@@ -1,0 +1,261 @@
+"""README.md cannot rot: every ```python block runs as written, every command of a ```bash block is
+checked against the code it names (the command line's parser, pytest's options, the extras in
+pyproject.toml, the Makefile's targets), the paths it mentions exist, and ``.ci/run`` runs the
+"Run it" and "Test it" commands verbatim.
+
+A shell command this file does not know how to check fails the test: teach ``check_command`` about
+it rather than leave it unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
+#: The README's run command, exactly as a user types it at the root of a clone (issue 11).
+RUN_COMMAND = "pip install . && python -m llm_datadist demo"
+TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
+BLOCK_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Block:
+    language: str
+    line: int  # of the opening fence, 1-based
+    section: str
+    text: str
+
+
+def readme_blocks(text: str) -> List[Block]:
+    """The fenced code blocks of ``text`` with their language, line and section heading."""
+    blocks, section, fence = [], "", None
+    body: List[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if fence is not None:
+            if line.startswith("```"):
+                blocks.append(Block(fence[0], fence[1], section, "\n".join(body) + "\n"))
+                fence, body = None, []
+            else:
+                body.append(line)
+        elif line.startswith("```"):
+            fence = (line[3:].strip(), number)
+        elif line.startswith("## "):
+            section = line[3:].strip()
+    assert fence is None, f"README.md: the block opened at line {fence[1]} is never closed"
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+PYTHON_BLOCKS = [b for b in BLOCKS if b.language == "python"]
+SHELL_BLOCKS = [b for b in BLOCKS if b.language == "bash"]
+
+
+def _block_id(block: Block) -> str:
+    return f"line{block.line}-{re.sub(r'[^a-z0-9]+', '-', block.section.lower()).strip('-')}"
+
+
+def test_the_readme_has_the_blocks_this_file_checks():
+    """Guards the extraction itself: a parser that found nothing would pass every test below."""
+    assert {b.section for b in PYTHON_BLOCKS} >= {"Python API (CANN style)", "C++ API (as Python wrappers)",
+                                                  "Linking two clusters and moving blocks"}
+    assert {b.section for b in SHELL_BLOCKS} >= {"Run it", "Test it", "Benchmarks"}
+    assert all(b.language in ("python", "bash", "") for b in BLOCKS), [b.language for b in BLOCKS]
+
+
+def test_run_and_test_commands_are_the_ones_ci_runs():
+    run_it = next(b for b in SHELL_BLOCKS if b.section == "Run it")
+    assert run_it.text.splitlines()[0] == RUN_COMMAND
+    test_it = next(b for b in SHELL_BLOCKS if b.section == "Test it")
+    assert test_it.text.splitlines()[0] == TEST_COMMAND
+    ci_lines = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert RUN_COMMAND in ci_lines, ".ci/run must run the README's run command verbatim"
+    assert TEST_COMMAND in ci_lines, ".ci/run must run the README's test command verbatim"
+
+
+# -- Python blocks ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=_block_id)
+def test_python_block_runs_as_written(block, tmp_path):
+    """The block as a script of its own, in an empty directory, in a process group of its own: it
+    must exit 0 without a word on stderr and leave no process behind."""
+    script = tmp_path / "readme_block.py"
+    script.write_text(block.text)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"README.md line {block.line}: the block did not finish within {BLOCK_TIMEOUT_S} s")
+    assert proc.returncode == 0 and not stderr.strip(), (
+        f"README.md line {block.line} ({block.section}) fails as written:\n{stderr}")
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"README.md line {block.line}: the block left processes behind")
+
+
+# -- shell blocks -------------------------------------------------------------------------------------
+
+def shell_commands(text: str) -> List[List[str]]:
+    """The simple commands of a shell block: logical lines (a quoted string may span lines),
+    comments dropped, split at ``&&``."""
+    commands, pending = [], ""
+    for line in text.splitlines():
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # an open quote: the command goes on on the next line
+            continue
+        pending = ""
+        command: List[str] = []
+        for word in words + ["&&"]:
+            if word == "&&":
+                if command:
+                    commands.append(command)
+                command = []
+            else:
+                command.append(word)
+    assert not pending.strip(), f"unterminated command: {pending!r}"
+    return commands
+
+
+def _extras() -> set:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        return set(tomllib.load(f)["project"]["optional-dependencies"])
+
+
+_EXTRA = re.compile(r"^(?:\.|llm_datadist)\[([\w,-]+)\]$")
+
+
+def _check_pip(words: List[str]) -> None:
+    assert words[1] in ("install", "uninstall"), words
+    for word in words[2:]:
+        match = _EXTRA.match(word)
+        if match:
+            unknown = set(match.group(1).split(",")) - _extras()
+            assert not unknown, f"pip {' '.join(words[1:])}: no such extra {sorted(unknown)} in pyproject.toml"
+
+
+def _check_llm_datadist(args: List[str]) -> None:
+    """Parse the arguments with the command line's own parser: every command, flag and value."""
+    from llm_datadist.__main__ import build_parser
+    try:
+        build_parser().parse_args(args)
+    except SystemExit as exc:  # --help / --version exit 0 after printing; errors exit 2
+        assert exc.code == 0 and args[-1] in ("--help", "--version"), f"python -m llm_datadist {shlex.join(args)}"
+
+
+_pytest_help: List[str] = []
+
+
+def _check_pytest(args: List[str]) -> None:
+    if not _pytest_help:
+        _pytest_help.append(subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=REPO_ROOT,
+                                           capture_output=True, text=True, timeout=120).stdout)
+    for arg in args:
+        if arg.startswith("-"):
+            option = arg.split("=", 1)[0]
+            assert re.search(rf"(^|[\s,]){re.escape(option)}([\s=,]|$)", _pytest_help[0], re.M), \
+                f"pytest has no option {option}"
+        else:
+            assert (REPO_ROOT / arg).exists(), f"python -m pytest {arg}: no such path"
+
+
+def _check_pytest_benchmark(args: List[str]) -> None:
+    executable = shutil.which("pytest-benchmark") or shutil.which("pytest-benchmark",
+                                                                 path=os.path.dirname(sys.executable))
+    assert executable, "pytest-benchmark is not installed (the test extra installs it)"
+    assert args[0] == "compare", args
+    help_text = subprocess.run([executable, "compare", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    for arg in args[1:]:
+        if arg.startswith("-"):
+            assert arg.split("=", 1)[0] in help_text, f"pytest-benchmark compare has no option {arg}"
+
+
+def _check_vllm_serve(args: List[str]) -> None:
+    """vLLM itself may be absent: check what is ours, the connector named by the JSON config."""
+    import importlib.util
+    assert args[0] == "serve", args
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    spec = importlib.util.find_spec(config["kv_connector_module_path"])
+    assert spec is not None and spec.origin, config["kv_connector_module_path"]
+    assert f"class {config['kv_connector']}" in Path(spec.origin).read_text() or \
+        f"{config['kv_connector']} = " in Path(spec.origin).read_text(), config["kv_connector"]
+    assert config["kv_role"] in ("kv_producer", "kv_consumer", "kv_both")
+
+
+def check_command(words: List[str]) -> None:
+    if words[0] == "pip":
+        _check_pip(words)
+    elif words[:3] == ["python", "-m", "llm_datadist"]:
+        _check_llm_datadist(words[3:])
+    elif words[:3] == ["python", "-m", "pytest"]:
+        _check_pytest(words[3:])
+    elif words[0] == "pytest-benchmark":
+        _check_pytest_benchmark(words[1:])
+    elif words[0] == "vllm":
+        _check_vllm_serve(words[1:])
+    else:
+        pytest.fail(f"README.md runs {words[0]!r}, which tests/test_readme.py does not know how to check")
+
+
+@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=_block_id)
+def test_shell_block_commands_exist(block):
+    commands = shell_commands(block.text)
+    assert commands, f"README.md line {block.line}: no command found"
+    for words in commands:
+        check_command(words)
+
+
+def test_the_checks_catch_what_they_are_for():
+    """Each check refuses the kind of mistake it exists for."""
+    with pytest.raises(AssertionError):
+        _check_llm_datadist(["bench", "--no-such-flag"])
+    with pytest.raises(AssertionError):
+        _check_pip(["pip", "install", ".[no_such_extra]"])
+    with pytest.raises(AssertionError):
+        _check_pytest(["no_such_dir/"])
+    with pytest.raises(pytest.fail.Exception):
+        check_command(["curl", "http://example.invalid"])
+    assert shell_commands('a b && c "d\ne" # note\nf\n') == [["a", "b"], ["c", "d\ne"], ["f"]]
+
+
+# -- prose ---------------------------------------------------------------------------------------------
+
+def test_make_targets_the_readme_names_exist():
+    targets = set(re.findall(r"^([\w-]+):", (REPO_ROOT / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"`make ([\w-]+)", README.read_text()))
+    assert named and named <= targets, named - targets
+
+
+def test_paths_the_readme_names_exist():
+    """Every repository path in backquotes or a link: at the root, or a package path under src/."""
+    text = README.read_text()
+    candidates = set(re.findall(r"`([\w.][\w./-]*/[\w./-]*)`", text)) | set(re.findall(r"\]\(([^)#:]+)\)", text))
+    assert "docs/design.md" in candidates
+    missing = [path for path in sorted(candidates)
+               if not ((REPO_ROOT / path).exists() or (REPO_ROOT / "src" / path).exists())]
+    assert not missing, f"README.md names paths that do not exist: {missing}"
