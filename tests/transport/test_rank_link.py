@@ -212,7 +212,9 @@ def test_a_member_that_never_arrives_fails_the_link_in_time():
 
 # -- the vllm-ascend connector's calls (spec §14.2-§14.5), in their order and argument forms --------
 
-def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: str, kv_seed: int, conn) -> None:
+def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: str, kv_seed: int, plane_name: str,
+                        conn) -> None:
+    os.environ["LLM_DATADIST_DATA_PLANE"] = plane_name
     try:
         from llm_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: F401
         import llm_datadist
@@ -243,6 +245,7 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
         if role_name == "kv_consumer":
             remote_ids, local_ids = [3, 4, 5], [0, 6, 7]
             cm.pull_blocks(BlocksCacheKey(cluster_id=peer_id), cache, remote_ids, local_ids)
+            conn.send(("plane", dd._engine.links.data_plane(peer_id)))
             conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in local_ids]))
         else:
             conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in (3, 4, 5)]))
@@ -253,18 +256,22 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
 
 
 @pytest.mark.parametrize("shape", ["one", "two"])
-def test_vllm_ascend_call_sequence(shape):
+@pytest.mark.parametrize("plane_name", ["cma", "tcp"])
+def test_vllm_ascend_call_sequence(plane_name, shape):
     ctx = multiprocessing.get_context("spawn")
     table = rank_table(shape)
     procs, conns = [], []
     try:
         for role, cid, peer, seed in (("kv_producer", P_ID, D_ID, 5), ("kv_consumer", D_ID, P_ID, 6)):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_vllm_ascend_worker, args=(role, cid, peer, table, seed, child), daemon=True)
+            proc = ctx.Process(target=_vllm_ascend_worker, args=(role, cid, peer, table, seed, plane_name, child),
+                               daemon=True)
             proc.start()
             procs.append(proc)
             conns.append(parent)
         results = []
+        assert conns[1].poll(LINK_TIMEOUT_S), "the decoder did not answer"
+        assert conns[1].recv() == ("plane", plane_name)
         for conn in conns:
             assert conn.poll(LINK_TIMEOUT_S), "a worker did not answer"
             kind, value = conn.recv()
