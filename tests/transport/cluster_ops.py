@@ -7,6 +7,7 @@ functions use ``state.cm``, the C++-style ones ``state.cpp``.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -335,3 +336,31 @@ def notes(state) -> list:
 def lost_links(state) -> Dict[int, str]:
     """The clusters whose link ended without an unlink, and why."""
     return (state.dd or state.cpp).lost_links()
+
+
+# -- resources of a cluster process (leak checks) ----------------------------------------------------
+
+def resources(state) -> Dict[str, int]:
+    """Open descriptors and live llm_datadist threads of this process."""
+    return {"fds": len(os.listdir("/proc/self/fd")),
+            "threads": sum(t.name.startswith("llm_datadist") for t in threading.enumerate())}
+
+
+def settle_to(state, baseline: Dict[str, int], timeout: float = 10.0) -> Dict[str, int]:
+    """``resources`` once they are back at ``baseline`` (or after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    now = resources(state)
+    while now != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = resources(state)
+    return now
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    """Poll ``condition`` (in the test process) until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

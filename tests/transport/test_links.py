@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-import time
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -101,16 +100,6 @@ def role_status(cluster: Cluster, api: str, role: str, listen: Optional[str] = N
         assert exc.kind == "LLMException", exc
         return exc.status_code
     return 0
-
-
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def free_port() -> int:
@@ -263,7 +252,7 @@ def test_forced_unlink_drops_only_local_state(clusters, api):
     assert transfer_status(client, server.cluster_id, api) == S.LLM_NOT_YET_LINK
     # A forced unlink sends nothing, but its connections close: the peer notices and drops the
     # link as lost (it does not stay linked to a cluster that is gone).
-    assert wait_for(lambda: server.call(ops.lost_links) == {client.cluster_id: "the connection was closed"})
+    assert ops.wait_for(lambda: server.call(ops.lost_links) == {client.cluster_id: "the connection was closed"})
     assert transfer_status(server, client.cluster_id, api) == S.LLM_LINK_FAILED
 
     assert link_to(client, [target(server)], api) == (0, [0]), "relinking replaces the peer's stale link"

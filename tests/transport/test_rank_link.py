@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import threading
 import time
 import traceback
 from contextlib import ExitStack
@@ -19,6 +18,8 @@ import pytest
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, Placement, RegisterMemStatus
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import ChildError, Cluster
+
+from cluster_ops import resources, settle_to
 
 S = LLMStatusCode
 P_ID, D_ID = 1, 2
@@ -116,20 +117,6 @@ def register_remote_accessible_after_link(state) -> str:
     except Exception as exc:  # the type and status are what the test checks
         return f"{type(exc).__name__}:{int(getattr(exc, 'status_code', -1))}"
     return "registered"
-
-
-def resources(state) -> Dict[str, int]:
-    return {"fds": len(os.listdir("/proc/self/fd")),
-            "threads": sum(t.name.startswith("llm_datadist") for t in threading.enumerate())}
-
-
-def settle_to(state, baseline: Dict[str, int], timeout: float = 10.0) -> Dict[str, int]:
-    deadline = time.monotonic() + timeout
-    now = resources(state)
-    while now != baseline and time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = resources(state)
-    return now
 
 
 def start(stack: ExitStack, cluster_id: int, plane_name=None, options=None) -> Cluster:

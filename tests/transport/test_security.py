@@ -26,6 +26,7 @@ from llm_datadist.testing import Cluster, link
 from llm_datadist.transport import auth, wire
 
 import rawpeer
+from cluster_ops import resources, settle_to, wait_for
 
 S = LLMStatusCode
 SECRET = "correct horse battery staple"
@@ -109,35 +110,12 @@ def stats(state) -> Dict[str, int]:
     return dict(state.dd._engine.links.stats)
 
 
-def resources(state) -> Dict[str, int]:
-    return {"fds": len(os.listdir("/proc/self/fd")),
-            "threads": sum(t.name.startswith("llm_datadist") for t in threading.enumerate())}
-
-
-def settle_to(state, baseline: Dict[str, int], timeout: float = 10.0) -> Dict[str, int]:
-    deadline = time.monotonic() + timeout
-    now = resources(state)
-    while now != baseline and time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = resources(state)
-    return now
-
-
 def limit_descriptors(state, headroom: int) -> int:
     """Lower this process's descriptor limit to what it uses now plus ``headroom``."""
     used = len(os.listdir("/proc/self/fd"))
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + headroom, hard))
     return used + headroom
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def start(stack: ExitStack, cluster_id: int, listen: bool = False, secret=None, plane=None) -> Cluster:

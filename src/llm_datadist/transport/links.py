@@ -408,14 +408,9 @@ class LinkManager:
         """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``), and on a Unix
         socket of a random abstract name that same-host peers learn after authenticating."""
         self.stop_listener()
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((ip, port))
-            sock.listen(128)
+            sock = _tcp_listener(ip, port)
         except OSError as exc:
-            sock.close()
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
         listeners = [sock]
         local, unix_name = _unix_listener()
@@ -1479,14 +1474,9 @@ class LinkManager:
             if entry is not None:
                 entry[1] += 1
                 return
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((ip, port))
-            sock.listen(128)
+            sock = _tcp_listener(ip, port)
         except OSError as exc:
-            sock.close()
             raise _fail(S.LLM_LINK_FAILED, f"cannot listen on {ip}:{port}, this member's rank-table address "
                                            f"(device_ip, port base + 16 x device_id + rank_id): {exc}") from None
         sock.settimeout(0.2)
@@ -1577,6 +1567,19 @@ class LinkManager:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+
+
+def _tcp_listener(ip: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``ip:port``; OSError if it cannot be had."""
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _unix_listener() -> Tuple[Optional[socket.socket], Optional[str]]:
