@@ -293,6 +293,8 @@ class CacheManager:
     @staticmethod
     def _check_tensor_num_per_layer(method: str, tensor_num_per_layer, num_tensors: int) -> None:
         """CANN's check: a uint32 (ValueError for -1), then > 0 (LLM_PARAM_INVALID)."""
+        if type(tensor_num_per_layer) is int and 0 < tensor_num_per_layer <= 0xFFFFFFFF:
+            return  # the common case, checked without the generic helpers (hot path)
         check_uint32("tensor_num_per_layer", tensor_num_per_layer)
         raise_if_false(tensor_num_per_layer > 0, f"[{method}] param check failed, tensor_num_per_layer "
                        f"({tensor_num_per_layer}) is invalid, should [1, {num_tensors}]")

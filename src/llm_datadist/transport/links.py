@@ -1261,13 +1261,15 @@ class LinkManager:
         deadline = time.monotonic() + timeout_ms / 1000
         try:
             return self._transfer(peer, make_plan, write, deadline)
-        finally:
+        except BaseException:
             why = peer.broken()
             if why is not None:  # out of step: the link cannot carry another request
                 self._lose(peer, why)
+            raise
 
     def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float):
-        self._settle(peer, deadline)
+        if peer.plane is None:
+            self._settle(peer, deadline)
         refreshed = False
         while True:
             try:
