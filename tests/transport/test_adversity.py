@@ -460,10 +460,7 @@ SERVER_SEED, CLIENT_SEED, GUARDED_SEED = 5, 6, 7
 EOF_WAIT_S = 5.0  # well under the server's 10 s handshake timeout: a close must come from the error
 
 
-def frame(op: int, payload: bytes = b"", length: Optional[int] = None, magic: bytes = wire.MAGIC,
-          version: int = wire.PROTOCOL_VERSION, req_id: int = 1) -> bytes:
-    """A frame as the wire module would pack it, with any field overridable."""
-    return wire.HEADER.pack(magic, version, op, 0, req_id, len(payload) if length is None else length) + payload
+frame = rawpeer.frame  # a frame as the wire module would pack it, with any field overridable
 
 
 def raw_connect(address) -> socket.socket:
@@ -493,20 +490,7 @@ def read_until_closed(sock: socket.socket, timeout: float = EOF_WAIT_S) -> bytes
 
 def read_frame(sock: socket.socket, timeout: float = EOF_WAIT_S):
     """One reply frame: ``(op, status, req_id, payload)``."""
-    sock.settimeout(timeout)
-    head = _read_exact(sock, wire.HEADER_BYTES)
-    op, status, req_id, length = wire.unpack_header(head)
-    return op, status, req_id, _read_exact(sock, length)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError(f"connection closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
+    return rawpeer.read_frame(sock, timeout)
 
 
 GOOD_HELLO_BODY = b'{"purpose":"link"}'
