@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from llm_datadist.transport import auth, wire
@@ -143,8 +144,6 @@ class RawServer:
         self.requests: List[Tuple[int, bytes]] = []
         self._socks: List[socket.socket] = []
         self._stop = False
-        import threading
-        self._threading = threading
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -154,7 +153,7 @@ class RawServer:
             except OSError:
                 return
             self._socks.append(conn)
-            self._threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
         try:

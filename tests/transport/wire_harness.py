@@ -231,7 +231,6 @@ class FuzzServer:
                     peer.unix = True
                     peer.pid, peer.uid = links_module._peer_credentials(conn)
                 peer.incoming.append(conn)
-                peer.forward_count = 1
                 peer.ready = True
                 with links._lock:
                     links._peers[case.peer_id] = peer

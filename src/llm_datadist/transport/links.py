@@ -278,7 +278,6 @@ class Peer:
     table: Optional[RemoteTable] = None
     channels: List[Channel] = field(default_factory=list)        # this side's requests
     incoming: List[socket.socket] = field(default_factory=list)  # the peer's requests
-    forward_count: int = 0
     generation: Optional[PeerCounter] = None
     generation_addr: int = 0
     pidfd: int = -1
@@ -696,17 +695,15 @@ class LinkManager:
             elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
                 # Every connection of a link comes from one process, over one kind of socket.
                 return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer
-            forward_count, reverse_count = peer.forward_count, len(peer.channels)
             if purpose == "forward":
-                if forward_count >= peer.want[0]:
+                if len(peer.incoming) >= peer.want[0]:
                     return refused
-                peer.forward_count += 1
                 peer.incoming.append(conn)
             else:
-                if reverse_count >= peer.want[1]:
+                if len(peer.channels) >= peer.want[1]:
                     return refused
                 peer.channels.append(Channel(conn, f"cluster {peer_id} ({peer.address[0]})"))
-            if peer.forward_count == peer.want[0] and len(peer.channels) == peer.want[1]:
+            if len(peer.incoming) == peer.want[0] and len(peer.channels) == peer.want[1]:
                 peer.ready = True
                 del self._pending[token]
                 logger.info("cluster %d: cluster %d linked from %s", self.engine.cluster_id, peer_id,
