@@ -16,7 +16,7 @@ from libc.stdlib cimport free, malloc
 from posix.uio cimport iovec
 
 from llm_datadist cimport _status
-from llm_datadist._core cimport CopyPlan
+from llm_datadist._core cimport CacheLayout, CopyPlan
 from llm_datadist._os cimport (
     CLOCK_MONOTONIC, EAGAIN, ECONNRESET, EFAULT, EINTR, ENOSYS, EPERM, EPIPE, ESRCH,
     EWOULDBLOCK, IOV_MAX, MSG_NOSIGNAL, POLLIN, POLLOUT, clock_gettime, errno, msghdr, poll,
@@ -26,6 +26,14 @@ from llm_datadist._os cimport (
 from llm_datadist._runtime cimport dd_copy_desc
 
 import operator
+
+cdef extern from *:
+    """
+    static inline uint64_t dd_load_acquire_u64(const void *p) {
+        return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE);
+    }
+    """
+    uint64_t dd_load_acquire_u64(const void *p) noexcept nogil
 
 #: Status codes returned by the executors (values from dd_status.h).
 SUCCESS = _status.DD_LLM_SUCCESS
@@ -251,6 +259,193 @@ cdef class Word:
     @value.setter
     def value(self, uint64_t v):
         self.ptr[0] = v
+
+
+# ------------------------------------------------------------------------------------------------
+# Same host: block routes (the latency path)
+# ------------------------------------------------------------------------------------------------
+
+cdef enum:
+    _ROUTE_SLOTS = 1024  # descriptors planned on the stack (IOV_MAX is 1024 on Linux)
+
+#: Most descriptors one route call plans; a larger call takes the checked path.
+ROUTE_MAX_DESCRIPTORS = _ROUTE_SLOTS if _ROUTE_SLOTS < IOV_MAX else IOV_MAX
+cdef size_t _route_max = ROUTE_MAX_DESCRIPTORS
+
+
+cdef class _Selection:
+    # The tensor pairs of one learnt selection, as base addresses: local and remote tensor t.
+    cdef uint64_t *local_base
+    cdef uint64_t *remote_base
+    cdef size_t count
+
+    def __dealloc__(self):
+        free(self.local_base)
+
+
+cdef class BlockRoute:
+    """Repeated block transfers between one local blocks cache and one blocks cache of a
+    same-host peer, with what holds between calls established once.
+
+    The same-host plane builds a route after a transfer that went through every check (the
+    link, the peer's table, the cache geometry, the layer arguments). ``run`` then re-checks only
+    what can change between calls: the link is still open, the peer's registry generation is
+    still the one the remote geometry came from, the peer process is alive, every block id is an
+    exact int inside its cache, and the tensor selection is one the route has learnt (``learn``)
+    from a checked call. It plans on the stack and moves the bytes with one
+    ``process_vm_writev``/``readv`` call. Whatever it cannot take (another argument shape, more
+    than ``ROUTE_MAX_DESCRIPTORS`` descriptors, any failure) returns False before or instead of
+    reporting, and the caller takes the checked path, which reports errors as usual.
+    """
+
+    cdef CacheLayout local
+    cdef CacheLayout remote
+    cdef readonly bint write
+    cdef readonly int pid
+    cdef int pidfd
+    cdef const void *word
+    cdef object word_keep
+    cdef readonly uint64_t generation
+    cdef readonly object owner
+    cdef readonly uint64_t block_bytes
+    cdef dict selections
+    cdef _Selection whole
+
+    def __cinit__(self, owner, int pid, int pidfd, generation_word, uint64_t generation,
+                  CacheLayout local not None, CacheLayout remote not None, bint write):
+        """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``/``pidfd``:
+        the proven peer process; ``generation_word``: a C-contiguous uint64 array mapping the
+        peer's registry generation (kept referenced, so the page stays mapped while the route
+        lives); ``generation``: the generation of the table ``remote`` came from; ``write``:
+        push (local -> remote) or pull (remote -> local). The block size is the local one and
+        must fit the remote blocks (a pull needs equal sizes)."""
+        cdef const uint64_t[::1] view = generation_word
+        if view.shape[0] < 1:
+            raise ValueError("the generation word is empty")
+        if local.row_bytes == 0 or local.row_bytes > remote.row_bytes or (
+                not write and local.row_bytes != remote.row_bytes):
+            raise ValueError(f"local blocks of {local.row_bytes} bytes do not fit remote blocks of "
+                             f"{remote.row_bytes} bytes")
+        self.owner = owner
+        self.pid = pid
+        self.pidfd = pidfd
+        self.word = &view[0]
+        self.word_keep = generation_word
+        self.generation = generation
+        self.local = local
+        self.remote = remote
+        self.write = write
+        self.block_bytes = local.row_bytes
+        self.selections = {}
+        self.whole = None
+
+    def learn(self, key, src_tensors, dst_tensors):
+        """Remember the tensor selection of ``key`` = ``(src_layer_range, dst_layer_range,
+        tensor_num_per_layer)``: the source and destination tensor indices (None = all) that a
+        checked call resolved it to."""
+        local_t, remote_t = (src_tensors, dst_tensors) if self.write else (dst_tensors, src_tensors)
+        local_i = range(self.local.num_tensors) if local_t is None else list(local_t)
+        remote_i = range(self.remote.num_tensors) if remote_t is None else list(remote_t)
+        if len(local_i) != len(remote_i) or len(local_i) == 0:
+            raise ValueError(f"a selection pairs {len(local_i)} local with {len(remote_i)} remote tensors")
+        cdef _Selection sel = _Selection()
+        cdef size_t n = len(local_i), i
+        sel.local_base = <uint64_t *>malloc(2 * n * sizeof(uint64_t))
+        if sel.local_base == NULL:
+            raise MemoryError()
+        sel.remote_base = sel.local_base + n
+        sel.count = n
+        for i in range(n):
+            if not 0 <= local_i[i] < self.local.num_tensors or not 0 <= remote_i[i] < self.remote.num_tensors:
+                raise ValueError(f"tensor pair ({local_i[i]}, {remote_i[i]}) is outside the caches")
+            sel.local_base[i] = self.local.addrs[local_i[i]]
+            sel.remote_base[i] = self.remote.addrs[remote_i[i]]
+        if key == (None, None, 2) and type(key[2]) is int:
+            self.whole = sel
+        self.selections[key] = sel
+
+    @property
+    def current(self):
+        """Whether the route may still be used: the link is open and the peer's registry has not
+        changed since the route's table was fetched."""
+        return not self.owner.closed and dd_load_acquire_u64(self.word) == self.generation
+
+    def run(self, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
+        """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
+        True when done, False when the caller must take the checked path (nothing was written
+        unless a system call failed part-way, which the checked path then repeats)."""
+        cdef _Selection sel
+        cdef Py_ssize_t n, k
+        cdef size_t t, count = 0, nt
+        cdef uint64_t lrows = self.local.num_rows, rrows = self.remote.num_rows
+        cdef uint64_t lstride = self.local.row_bytes, rstride = self.remote.row_bytes
+        cdef uint64_t nbytes = self.block_bytes, laddr, raddr
+        cdef uint64_t lblock[_ROUTE_SLOTS]
+        cdef uint64_t rblock[_ROUTE_SLOTS]
+        cdef iovec liov[_ROUTE_SLOTS]
+        cdef iovec riov[_ROUTE_SLOTS]
+        cdef unsigned int status
+        cdef int err = 0
+        cdef pollfd exited
+        if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
+                and tensor_num_per_layer == 2:
+            sel = self.whole
+        elif ((src_layer_range is None or type(src_layer_range) is range)
+              and (dst_layer_range is None or type(dst_layer_range) is range)
+              and type(tensor_num_per_layer) is int):
+            sel = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
+        else:
+            return False
+        if sel is None:
+            return False
+        if (type(src_blocks) is not list and type(src_blocks) is not tuple) or \
+                (type(dst_blocks) is not list and type(dst_blocks) is not tuple):
+            return False
+        n = len(src_blocks)
+        nt = sel.count
+        if n == 0 or n != len(dst_blocks) or <size_t>n > _route_max // nt:
+            return False
+        local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
+        for k in range(n):
+            value = local_blocks[k]
+            if type(value) is not int or not 0 <= value < lrows:
+                return False
+            lblock[k] = value
+            value = remote_blocks[k]
+            if type(value) is not int or not 0 <= value < rrows:
+                return False
+            rblock[k] = value
+        if self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
+            return False
+        with nogil:
+            for t in range(nt):
+                for k in range(n):
+                    laddr = sel.local_base[t] + lblock[k] * lstride
+                    raddr = sel.remote_base[t] + rblock[k] * rstride
+                    if (count > 0 and <uint64_t>liov[count - 1].iov_base + liov[count - 1].iov_len == laddr
+                            and <uint64_t>riov[count - 1].iov_base + riov[count - 1].iov_len == raddr):
+                        liov[count - 1].iov_len += nbytes
+                        riov[count - 1].iov_len += nbytes
+                    else:
+                        liov[count].iov_base = <void *>laddr
+                        liov[count].iov_len = nbytes
+                        riov[count].iov_base = <void *>raddr
+                        riov[count].iov_len = nbytes
+                        count += 1
+            status = _status.DD_LLM_SUCCESS
+            if self.pidfd >= 0:
+                exited.fd = self.pidfd
+                exited.events = POLLIN
+                exited.revents = 0
+                if poll(&exited, 1, 0) != 0:  # the peer has exited (or the pidfd failed)
+                    status = _status.DD_LLM_LINK_FAILED
+            if status == _status.DD_LLM_SUCCESS:
+                status = _cma_batch(self.pid, liov, riov, count, self.write, &err)
+        return status == _status.DD_LLM_SUCCESS
+
+    def __repr__(self):
+        return (f"<BlockRoute {'push to' if self.write else 'pull from'} pid {self.pid}, "
+                f"{len(self.selections)} selections>")
 
 
 # ------------------------------------------------------------------------------------------------
