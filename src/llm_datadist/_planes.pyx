@@ -14,6 +14,7 @@ names must lie inside memory this process registered.
 from libc.stdint cimport int64_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
 from posix.uio cimport iovec
+from posix.unistd cimport close
 
 from llm_datadist cimport _status
 from llm_datadist._core cimport CacheLayout, CopyPlan
@@ -313,12 +314,14 @@ cdef class BlockRoute:
 
     def __cinit__(self, owner, int pid, int pidfd, generation_word, uint64_t generation,
                   CacheLayout local not None, CacheLayout remote not None, bint write):
-        """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``/``pidfd``:
-        the proven peer process; ``generation_word``: a C-contiguous uint64 array mapping the
+        """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``: the proven
+        peer process; ``pidfd``: a pidfd of it that the route takes over (closed with the route)
+        or -1; ``generation_word``: a C-contiguous uint64 array mapping the
         peer's registry generation (kept referenced, so the page stays mapped while the route
         lives); ``generation``: the generation of the table ``remote`` came from; ``write``:
         push (local -> remote) or pull (remote -> local). The block size is the local one and
         must fit the remote blocks (a pull needs equal sizes)."""
+        self.pidfd = pidfd  # taken over first: closed with the route even if this raises
         cdef const uint64_t[::1] view = generation_word
         if view.shape[0] < 1:
             raise ValueError("the generation word is empty")
@@ -328,7 +331,6 @@ cdef class BlockRoute:
                              f"{remote.row_bytes} bytes")
         self.owner = owner
         self.pid = pid
-        self.pidfd = pidfd
         self.word = &view[0]
         self.word_keep = generation_word
         self.generation = generation
@@ -338,6 +340,10 @@ cdef class BlockRoute:
         self.block_bytes = local.row_bytes
         self.selections = {}
         self.whole = None
+
+    def __dealloc__(self):
+        if self.pidfd >= 0:
+            close(self.pidfd)
 
     def learn(self, key, src_tensors, dst_tensors):
         """Remember the tensor selection of ``key`` = ``(src_layer_range, dst_layer_range,
