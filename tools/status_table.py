@@ -55,9 +55,9 @@ def read_header(header: Path = HEADER) -> List[Tuple[str, int, str]]:
         name, literal = match.group(1), match.group(2)
         value = int(literal, 0)
         if name in names or value in values:
-            raise ValueError(f"{header}:{number}: {name} = {literal} repeats a name or a value")
+            raise ValueError(f"{header}:{number}: DD_{name} = {literal} repeats a name or a value")
         if value > 0xFFFFFFFF:
-            raise ValueError(f"{header}:{number}: {name} = {literal} does not fit dd_status (uint32)")
+            raise ValueError(f"{header}:{number}: DD_{name} = {literal} does not fit dd_status (uint32)")
         names.add(name)
         values.add(value)
         entries.append((name, value, literal))
