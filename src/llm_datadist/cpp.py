@@ -63,10 +63,11 @@ _STATUS_NAMES = {value: name for name, value in CPP_STATUS_CODES.items()}
 
 # Every code of dd_status.h as a constant of this module (cpp.LLM_TIMEOUT, ...), from the
 # generated status table; the three this module returns itself are also bound by name.
-globals().update({name: Status(value) for name, value in CPP_STATUS_CODES.items()})
-LLM_SUCCESS = Status(CPP_STATUS_CODES["LLM_SUCCESS"])
-LLM_FAILED = Status(CPP_STATUS_CODES["LLM_FAILED"])
-LLM_PARAM_INVALID = Status(CPP_STATUS_CODES["LLM_PARAM_INVALID"])
+_STATUS_CONSTANTS = {name: Status(value) for name, value in CPP_STATUS_CODES.items()}
+globals().update(_STATUS_CONSTANTS)
+LLM_SUCCESS = _STATUS_CONSTANTS["LLM_SUCCESS"]
+LLM_FAILED = _STATUS_CONSTANTS["LLM_FAILED"]
+LLM_PARAM_INVALID = _STATUS_CONSTANTS["LLM_PARAM_INVALID"]
 SUCCESS = LLM_SUCCESS
 FAILED = LLM_FAILED
 
