@@ -1,10 +1,13 @@
-.PHONY: build debug test bench lint clean
+.PHONY: build debug status test bench lint clean
 
 build:        ## compile the Cython core in place
 	python setup.py build_ext --inplace
 
 debug:        ## build with bounds checks and line tracing (LLM_DATADIST_DEBUG=1)
 	LLM_DATADIST_DEBUG=1 python setup.py build_ext --inplace --force
+
+status:       ## regenerate the status table mirrors (_status_codes.py, _status.pxd) from dd_status.h
+	python tools/status_table.py
 
 test:         ## the test suite (same command as the README and CI)
 	python -m pytest
@@ -13,7 +16,7 @@ bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only
 
 lint:         ## ruff and cython-lint (pip install ruff cython-lint); .ci/run runs this target
-	ruff check setup.py src tests bench
+	ruff check setup.py tools src tests bench
 	cython-lint src/llm_datadist/*.pyx src/llm_datadist/*.pxd
 
 clean:

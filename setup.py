@@ -6,8 +6,14 @@ Set LLM_DATADIST_DEBUG=1 to build with bounds checks, wraparound checks and line
 ``build_ext`` also writes ``llm_datadist/_build_info.py`` next to the extensions: the compiler
 command line the extensions were compiled with, their extra arguments, macros and Cython
 directives (shown by ``python -m llm_datadist info``). It is a build product, not in git.
+
+Every build first checks the status table: the mirrors generated from
+``include/llm_datadist/dd_status.h`` (``_status_codes.py``, ``_status.pxd``) must match it, and
+``status.py`` must name only codes it defines; otherwise the build stops and says to run
+``python tools/status_table.py`` (``make status``).
 """
 
+import importlib.util
 import os
 import sys
 
@@ -16,6 +22,23 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_status_table():
+    """tools/status_table.py, loaded by path (it is no package and not installed)."""
+    spec = importlib.util.spec_from_file_location("llm_datadist_status_table",
+                                                  os.path.join(HERE, "tools", "status_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_status_problems = load_status_table().check()
+if _status_problems:
+    sys.exit("llm_datadist: the status table mirrors disagree with include/llm_datadist/dd_status.h:\n  "
+             + "\n  ".join(_status_problems))
 
 DEBUG = os.environ.get("LLM_DATADIST_DEBUG", "0") not in ("", "0")
 
@@ -91,7 +114,7 @@ class build_ext_recording(build_ext):
         text += [f"{name} = {value!r}\n" for name, value in info.items()]
         targets = [os.path.join(self.build_lib, "llm_datadist", BUILD_INFO)]
         if self.inplace:
-            targets.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "llm_datadist", BUILD_INFO))
+            targets.append(os.path.join(HERE, "src", "llm_datadist", BUILD_INFO))
         for target in targets:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w") as f:

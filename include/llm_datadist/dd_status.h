@@ -1,9 +1,10 @@
 /*
  * llm_datadist status codes: the single source of truth.
  *
- * Values follow CANN LLM-DataDist (base 0x5010B000). Python mirrors this file in
- * llm_datadist/status.py and llm_datadist/_status.pxd; tests/core/test_status_table.py parses
- * this header and checks that every code has the same value in both mirrors.
+ * Values follow CANN LLM-DataDist (base 0x5010B000). tools/status_table.py generates the mirrors
+ * src/llm_datadist/_status_codes.py (read by status.py and cpp.py) and _status.pxd from the
+ * `#define DD_LLM_<name> <value>u` lines below; setup.py refuses to build while a mirror differs
+ * from this file (`make status` regenerates them) and tests/api/test_status_table.py checks them.
  */
 #ifndef LLM_DATADIST_DD_STATUS_H
 #define LLM_DATADIST_DD_STATUS_H

@@ -61,41 +61,9 @@ DEBUG_BUILD = bool(LLM_DATADIST_DEBUG)
 #: The Cython version that generated this extension.
 CYTHON_VERSION = LLM_DATADIST_CYTHON_VERSION.decode()
 
-# The status codes as compiled from dd_status.h (tests compare them with llm_datadist.status).
-C_STATUS_CODES = {
-    "LLM_SUCCESS": _status.DD_LLM_SUCCESS,
-    "LLM_FAILED": _status.DD_LLM_FAILED,
-    "LLM_WAIT_PROC_TIMEOUT": _status.DD_LLM_WAIT_PROC_TIMEOUT,
-    "LLM_KV_CACHE_NOT_EXIST": _status.DD_LLM_KV_CACHE_NOT_EXIST,
-    "LLM_REPEAT_REQUEST": _status.DD_LLM_REPEAT_REQUEST,
-    "LLM_REQUEST_ALREADY_COMPLETED": _status.DD_LLM_REQUEST_ALREADY_COMPLETED,
-    "LLM_PARAM_INVALID": _status.DD_LLM_PARAM_INVALID,
-    "LLM_ENGINE_FINALIZED": _status.DD_LLM_ENGINE_FINALIZED,
-    "LLM_NOT_YET_LINK": _status.DD_LLM_NOT_YET_LINK,
-    "LLM_ALREADY_LINK": _status.DD_LLM_ALREADY_LINK,
-    "LLM_LINK_FAILED": _status.DD_LLM_LINK_FAILED,
-    "LLM_UNLINK_FAILED": _status.DD_LLM_UNLINK_FAILED,
-    "LLM_NOTIFY_PROMPT_UNLINK_FAILED": _status.DD_LLM_NOTIFY_PROMPT_UNLINK_FAILED,
-    "LLM_CLUSTER_NUM_EXCEED_LIMIT": _status.DD_LLM_CLUSTER_NUM_EXCEED_LIMIT,
-    "LLM_PROCESSING_LINK": _status.DD_LLM_PROCESSING_LINK,
-    "LLM_DEVICE_OUT_OF_MEMORY": _status.DD_LLM_DEVICE_OUT_OF_MEMORY,
-    "LLM_PREFIX_ALREADY_EXIST": _status.DD_LLM_PREFIX_ALREADY_EXIST,
-    "LLM_PREFIX_NOT_EXIST": _status.DD_LLM_PREFIX_NOT_EXIST,
-    "LLM_SEQ_LEN_OVER_LIMIT": _status.DD_LLM_SEQ_LEN_OVER_LIMIT,
-    "LLM_NO_FREE_BLOCK": _status.DD_LLM_NO_FREE_BLOCK,
-    "LLM_BLOCKS_OUT_OF_MEMORY": _status.DD_LLM_BLOCKS_OUT_OF_MEMORY,
-    "LLM_CACHE_INCOMPATIBLE": _status.DD_LLM_CACHE_INCOMPATIBLE,
-    "LLM_CACHE_KEY_ALREADY_EXIST": _status.DD_LLM_CACHE_KEY_ALREADY_EXIST,
-    "LLM_COPY_CACHE_FAILED": _status.DD_LLM_COPY_CACHE_FAILED,
-    "LLM_CACHE_ID_ALREADY_EXIST": _status.DD_LLM_CACHE_ID_ALREADY_EXIST,
-    "LLM_EXIST_LINK": _status.DD_LLM_EXIST_LINK,
-    "LLM_FEATURE_NOT_ENABLED": _status.DD_LLM_FEATURE_NOT_ENABLED,
-    "LLM_TIMEOUT": _status.DD_LLM_TIMEOUT,
-    "LLM_LINK_BUSY": _status.DD_LLM_LINK_BUSY,
-    "LLM_OUT_OF_MEMORY": _status.DD_LLM_OUT_OF_MEMORY,
-    "LLM_DEVICE_MEM_ERROR": _status.DD_LLM_DEVICE_MEM_ERROR,
-    "LLM_SUSPECT_REMOTE_ERROR": _status.DD_LLM_SUSPECT_REMOTE_ERROR,
-}
+# The status codes as compiled from dd_status.h (tests compare them with llm_datadist.status); the
+# table is generated into _status.pxd from the header by tools/status_table.py.
+C_STATUS_CODES = _status.compiled_status_codes()
 
 cdef uint64_t _ALIGNMENT = 64
 # ACL answers aclInit on an already initialised process with ACL_ERROR_REPEAT_INITIALIZE.

@@ -1,4 +1,5 @@
-# Mirror of include/llm_datadist/dd_status.h.
+# Generated from include/llm_datadist/dd_status.h by tools/status_table.py: do not edit.
+# setup.py and tests/api/test_status_table.py check it against the header.
 from libc.stdint cimport uint32_t
 
 cdef extern from "llm_datadist/dd_status.h" nogil:
@@ -35,3 +36,41 @@ cdef extern from "llm_datadist/dd_status.h" nogil:
     uint32_t DD_LLM_OUT_OF_MEMORY
     uint32_t DD_LLM_DEVICE_MEM_ERROR
     uint32_t DD_LLM_SUSPECT_REMOTE_ERROR
+
+
+cdef inline dict compiled_status_codes():
+    """The codes as the C compiler read them from dd_status.h, by C++ name."""
+    return {
+        "LLM_SUCCESS": DD_LLM_SUCCESS,
+        "LLM_FAILED": DD_LLM_FAILED,
+        "LLM_WAIT_PROC_TIMEOUT": DD_LLM_WAIT_PROC_TIMEOUT,
+        "LLM_KV_CACHE_NOT_EXIST": DD_LLM_KV_CACHE_NOT_EXIST,
+        "LLM_REPEAT_REQUEST": DD_LLM_REPEAT_REQUEST,
+        "LLM_REQUEST_ALREADY_COMPLETED": DD_LLM_REQUEST_ALREADY_COMPLETED,
+        "LLM_PARAM_INVALID": DD_LLM_PARAM_INVALID,
+        "LLM_ENGINE_FINALIZED": DD_LLM_ENGINE_FINALIZED,
+        "LLM_NOT_YET_LINK": DD_LLM_NOT_YET_LINK,
+        "LLM_ALREADY_LINK": DD_LLM_ALREADY_LINK,
+        "LLM_LINK_FAILED": DD_LLM_LINK_FAILED,
+        "LLM_UNLINK_FAILED": DD_LLM_UNLINK_FAILED,
+        "LLM_NOTIFY_PROMPT_UNLINK_FAILED": DD_LLM_NOTIFY_PROMPT_UNLINK_FAILED,
+        "LLM_CLUSTER_NUM_EXCEED_LIMIT": DD_LLM_CLUSTER_NUM_EXCEED_LIMIT,
+        "LLM_PROCESSING_LINK": DD_LLM_PROCESSING_LINK,
+        "LLM_DEVICE_OUT_OF_MEMORY": DD_LLM_DEVICE_OUT_OF_MEMORY,
+        "LLM_PREFIX_ALREADY_EXIST": DD_LLM_PREFIX_ALREADY_EXIST,
+        "LLM_PREFIX_NOT_EXIST": DD_LLM_PREFIX_NOT_EXIST,
+        "LLM_SEQ_LEN_OVER_LIMIT": DD_LLM_SEQ_LEN_OVER_LIMIT,
+        "LLM_NO_FREE_BLOCK": DD_LLM_NO_FREE_BLOCK,
+        "LLM_BLOCKS_OUT_OF_MEMORY": DD_LLM_BLOCKS_OUT_OF_MEMORY,
+        "LLM_CACHE_INCOMPATIBLE": DD_LLM_CACHE_INCOMPATIBLE,
+        "LLM_CACHE_KEY_ALREADY_EXIST": DD_LLM_CACHE_KEY_ALREADY_EXIST,
+        "LLM_COPY_CACHE_FAILED": DD_LLM_COPY_CACHE_FAILED,
+        "LLM_CACHE_ID_ALREADY_EXIST": DD_LLM_CACHE_ID_ALREADY_EXIST,
+        "LLM_EXIST_LINK": DD_LLM_EXIST_LINK,
+        "LLM_FEATURE_NOT_ENABLED": DD_LLM_FEATURE_NOT_ENABLED,
+        "LLM_TIMEOUT": DD_LLM_TIMEOUT,
+        "LLM_LINK_BUSY": DD_LLM_LINK_BUSY,
+        "LLM_OUT_OF_MEMORY": DD_LLM_OUT_OF_MEMORY,
+        "LLM_DEVICE_MEM_ERROR": DD_LLM_DEVICE_MEM_ERROR,
+        "LLM_SUSPECT_REMOTE_ERROR": DD_LLM_SUSPECT_REMOTE_ERROR,
+    }

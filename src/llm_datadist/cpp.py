@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
+import sysconfig
 from enum import IntEnum
 from typing import Any, Dict, List, Sequence, Tuple
 
-from llm_datadist import _core, _engine
+from llm_datadist import _core, _engine, _validate, configs
 from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
 from llm_datadist.configs import unpack_ip
 from llm_datadist.data_type import DataType
@@ -58,38 +61,13 @@ class Status(int):
 
 _STATUS_NAMES = {value: name for name, value in CPP_STATUS_CODES.items()}
 
-LLM_SUCCESS = Status(CPP_STATUS_CODES["LLM_SUCCESS"])
-LLM_FAILED = Status(CPP_STATUS_CODES["LLM_FAILED"])
-LLM_WAIT_PROC_TIMEOUT = Status(CPP_STATUS_CODES["LLM_WAIT_PROC_TIMEOUT"])
-LLM_KV_CACHE_NOT_EXIST = Status(CPP_STATUS_CODES["LLM_KV_CACHE_NOT_EXIST"])
-LLM_REPEAT_REQUEST = Status(CPP_STATUS_CODES["LLM_REPEAT_REQUEST"])
-LLM_REQUEST_ALREADY_COMPLETED = Status(CPP_STATUS_CODES["LLM_REQUEST_ALREADY_COMPLETED"])
-LLM_PARAM_INVALID = Status(CPP_STATUS_CODES["LLM_PARAM_INVALID"])
-LLM_ENGINE_FINALIZED = Status(CPP_STATUS_CODES["LLM_ENGINE_FINALIZED"])
-LLM_NOT_YET_LINK = Status(CPP_STATUS_CODES["LLM_NOT_YET_LINK"])
-LLM_ALREADY_LINK = Status(CPP_STATUS_CODES["LLM_ALREADY_LINK"])
-LLM_LINK_FAILED = Status(CPP_STATUS_CODES["LLM_LINK_FAILED"])
-LLM_UNLINK_FAILED = Status(CPP_STATUS_CODES["LLM_UNLINK_FAILED"])
-LLM_NOTIFY_PROMPT_UNLINK_FAILED = Status(CPP_STATUS_CODES["LLM_NOTIFY_PROMPT_UNLINK_FAILED"])
-LLM_CLUSTER_NUM_EXCEED_LIMIT = Status(CPP_STATUS_CODES["LLM_CLUSTER_NUM_EXCEED_LIMIT"])
-LLM_PROCESSING_LINK = Status(CPP_STATUS_CODES["LLM_PROCESSING_LINK"])
-LLM_DEVICE_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_DEVICE_OUT_OF_MEMORY"])
-LLM_PREFIX_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_PREFIX_ALREADY_EXIST"])
-LLM_PREFIX_NOT_EXIST = Status(CPP_STATUS_CODES["LLM_PREFIX_NOT_EXIST"])
-LLM_SEQ_LEN_OVER_LIMIT = Status(CPP_STATUS_CODES["LLM_SEQ_LEN_OVER_LIMIT"])
-LLM_NO_FREE_BLOCK = Status(CPP_STATUS_CODES["LLM_NO_FREE_BLOCK"])
-LLM_BLOCKS_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_BLOCKS_OUT_OF_MEMORY"])
-LLM_CACHE_INCOMPATIBLE = Status(CPP_STATUS_CODES["LLM_CACHE_INCOMPATIBLE"])
-LLM_CACHE_KEY_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_CACHE_KEY_ALREADY_EXIST"])
-LLM_COPY_CACHE_FAILED = Status(CPP_STATUS_CODES["LLM_COPY_CACHE_FAILED"])
-LLM_CACHE_ID_ALREADY_EXIST = Status(CPP_STATUS_CODES["LLM_CACHE_ID_ALREADY_EXIST"])
-LLM_EXIST_LINK = Status(CPP_STATUS_CODES["LLM_EXIST_LINK"])
-LLM_FEATURE_NOT_ENABLED = Status(CPP_STATUS_CODES["LLM_FEATURE_NOT_ENABLED"])
-LLM_TIMEOUT = Status(CPP_STATUS_CODES["LLM_TIMEOUT"])
-LLM_LINK_BUSY = Status(CPP_STATUS_CODES["LLM_LINK_BUSY"])
-LLM_OUT_OF_MEMORY = Status(CPP_STATUS_CODES["LLM_OUT_OF_MEMORY"])
-LLM_DEVICE_MEM_ERROR = Status(CPP_STATUS_CODES["LLM_DEVICE_MEM_ERROR"])
-LLM_SUSPECT_REMOTE_ERROR = Status(CPP_STATUS_CODES["LLM_SUSPECT_REMOTE_ERROR"])
+# Every code of dd_status.h as a constant of this module (cpp.LLM_TIMEOUT, ...), from the
+# generated status table; the three this module returns itself are also bound by name.
+_STATUS_CONSTANTS = {name: Status(value) for name, value in CPP_STATUS_CODES.items()}
+globals().update(_STATUS_CONSTANTS)
+LLM_SUCCESS = _STATUS_CONSTANTS["LLM_SUCCESS"]
+LLM_FAILED = _STATUS_CONSTANTS["LLM_FAILED"]
+LLM_PARAM_INVALID = _STATUS_CONSTANTS["LLM_PARAM_INVALID"]
 SUCCESS = LLM_SUCCESS
 FAILED = LLM_FAILED
 
@@ -217,8 +195,50 @@ def _set_output(holder: Any, value: Any) -> None:
                             f"got {type(holder).__name__}")
 
 
+# Where a bad argument is found. This module reads and converts the caller's arguments (with the
+# checks of _validate and the ip conversions of configs); the engine and the layers under it report
+# a bad argument as LLMException(LLM_PARAM_INVALID). So a TypeError, ValueError, AttributeError or
+# OverflowError is the caller's when it was raised here (directly, or by the standard library
+# called from here, e.g. list(shape) or LlmRole(role)); one that comes up through any other code
+# (engine, transport, core, runtimes) is a bug of this library, reported as LLM_FAILED.
+_ARGUMENT_ERRORS = (TypeError, ValueError, AttributeError, OverflowError)
+_ARGUMENT_FILES = frozenset(os.path.abspath(module.__file__) for module in (sys.modules[__name__], _validate, configs))
+_STDLIB_DIRS = tuple(sorted({os.path.join(os.path.abspath(sysconfig.get_paths()[key]), "")
+                             for key in ("stdlib", "platstdlib")}))
+# site-packages usually lies inside the standard library's directory: installed code is not it.
+_INSTALLED_DIRS = tuple(sorted({os.path.join(os.path.abspath(sysconfig.get_paths()[key]), "")
+                                for key in ("purelib", "platlib")}))
+
+
+def _in_stdlib(filename: str) -> bool:
+    if filename.startswith("<frozen "):
+        return True
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB_DIRS) and not path.startswith(_INSTALLED_DIRS)
+
+
+def _is_argument_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (caught by ``_returns_status``) was raised checking the caller's arguments:
+    an argument error type, and every frame from the wrapper down to the raise is in this module,
+    its argument helpers or the standard library."""
+    if not isinstance(exc, _ARGUMENT_ERRORS):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if os.path.abspath(filename) not in _ARGUMENT_FILES and not _in_stdlib(filename):
+            return False
+        tb = tb.tb_next
+    return True
+
+
 def _returns_status(method):
-    """Run a method, turning every error into its status: C++ methods report, never raise."""
+    """Run a method, turning every error into its status: C++ methods report, never raise.
+
+    ``LLMException`` gives its status; a bad argument found by this module gives
+    ``LLM_PARAM_INVALID``; any other exception is an internal error: ``LLM_FAILED``, with the
+    traceback logged (logger ``llm_datadist``, level ERROR).
+    """
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -230,9 +250,13 @@ def _returns_status(method):
         except LLMException as exc:
             logger.error("%s failed: %s", method.__name__, exc)
             return Status(int(exc.status_code))
-        except (TypeError, ValueError, AttributeError) as exc:
-            logger.error("%s: invalid parameter: %s", method.__name__, exc)
-            return LLM_PARAM_INVALID
+        except Exception as exc:
+            if _is_argument_error(exc):
+                logger.error("%s: invalid parameter: %s", method.__name__, exc)
+                return LLM_PARAM_INVALID
+            logger.exception("%s failed with an internal error (%s), not caused by its arguments",
+                             method.__name__, type(exc).__name__)
+            return LLM_FAILED
         return LLM_SUCCESS if result is None else result
 
     return wrapper

@@ -1,87 +1,44 @@
 """Status codes and the one mapping from codes to exceptions.
 
-The numbers mirror ``include/llm_datadist/dd_status.h`` (a test checks every one of them).
+The codes are those of ``include/llm_datadist/dd_status.h``, the one status table: its generated
+mirror ``_status_codes`` (C++ name -> value) is all this module reads. Only the Python API's
+spelling is written here: two codes have other Python names, four have none (as in CANN).
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
+from llm_datadist._status_codes import STATUS_CODES
+
 __all__ = ["LLMStatusCode", "LLMException", "Status", "raise_on_status", "to_status_code"]
 
+# C++ name -> the name CANN's Python LLMStatusCode gives the same code.
+_PYTHON_NAMES = {"LLM_WAIT_PROC_TIMEOUT": "LLM_WAIT_PROCESS_TIMEOUT", "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT"}
+# C++ codes CANN's Python LLMStatusCode does not name (to_status_code maps them to LLM_FAILED).
+_CPP_ONLY = frozenset({"LLM_CACHE_INCOMPATIBLE", "LLM_CACHE_KEY_ALREADY_EXIST", "LLM_COPY_CACHE_FAILED",
+                       "LLM_CACHE_ID_ALREADY_EXIST"})
 
-class LLMStatusCode(IntEnum):
-    """CANN ``LLMStatusCode``: the Python names of the native status codes."""
 
-    LLM_UNKNOWN_ERROR = -1
-    LLM_SUCCESS = 0x0
-    LLM_FAILED = 0xFFFFFFFF
-    LLM_WAIT_PROCESS_TIMEOUT = 0x5010B001
-    LLM_KV_CACHE_NOT_EXIST = 0x5010B002
-    LLM_REPEAT_REQUEST = 0x5010B003
-    LLM_REQUEST_ALREADY_COMPLETED = 0x5010B004
-    LLM_PARAM_INVALID = 0x5010B005
-    LLM_ENGINE_FINALIZED = 0x5010B006
-    LLM_NOT_YET_LINK = 0x5010B007
-    LLM_ALREADY_LINK = 0x5010B008
-    LLM_LINK_FAILED = 0x5010B009
-    LLM_UNLINK_FAILED = 0x5010B00A
-    LLM_NOTIFY_PROMPT_UNLINK_FAILED = 0x5010B00B
-    LLM_CLUSTER_NUM_EXCEED_LIMIT = 0x5010B00C
-    LLM_PROCESSING_LINK = 0x5010B00D
-    LLM_DEVICE_OUT_OF_MEMORY = 0x5010B00E
-    LLM_PREFIX_ALREADY_EXIST = 0x5010B00F
-    LLM_PREFIX_NOT_EXIST = 0x5010B010
-    LLM_SEQ_LENOVERLIMIT = 0x5010B011
-    LLM_NO_FREE_BLOCK = 0x5010B012
-    LLM_BLOCKS_OUT_OF_MEMORY = 0x5010B013
-    LLM_EXIST_LINK = 0x5010B018
-    LLM_FEATURE_NOT_ENABLED = 0x5010B019
-    LLM_TIMEOUT = 0x5010B01A
-    LLM_LINK_BUSY = 0x5010B01B
-    LLM_OUT_OF_MEMORY = 0x5010B01C
-    LLM_DEVICE_MEM_ERROR = 507053
-    LLM_SUSPECT_REMOTE_ERROR = 507057
+class _StatusCodeEnum(IntEnum):
+    """What LLMStatusCode adds to IntEnum (an enum with members cannot be subclassed, so the
+    methods live in this member-less base)."""
 
     def __str__(self) -> str:  # "LLMStatusCode.LLM_SUCCESS" on every Python version
         return f"{type(self).__name__}.{self.name}"
 
 
-# C++ names (namespace llm_datadist) -> value. Every DD_<name> of dd_status.h appears here.
-CPP_STATUS_CODES: dict[str, int] = {
-    "LLM_SUCCESS": 0x0,
-    "LLM_FAILED": 0xFFFFFFFF,
-    "LLM_WAIT_PROC_TIMEOUT": 0x5010B001,
-    "LLM_KV_CACHE_NOT_EXIST": 0x5010B002,
-    "LLM_REPEAT_REQUEST": 0x5010B003,
-    "LLM_REQUEST_ALREADY_COMPLETED": 0x5010B004,
-    "LLM_PARAM_INVALID": 0x5010B005,
-    "LLM_ENGINE_FINALIZED": 0x5010B006,
-    "LLM_NOT_YET_LINK": 0x5010B007,
-    "LLM_ALREADY_LINK": 0x5010B008,
-    "LLM_LINK_FAILED": 0x5010B009,
-    "LLM_UNLINK_FAILED": 0x5010B00A,
-    "LLM_NOTIFY_PROMPT_UNLINK_FAILED": 0x5010B00B,
-    "LLM_CLUSTER_NUM_EXCEED_LIMIT": 0x5010B00C,
-    "LLM_PROCESSING_LINK": 0x5010B00D,
-    "LLM_DEVICE_OUT_OF_MEMORY": 0x5010B00E,
-    "LLM_PREFIX_ALREADY_EXIST": 0x5010B00F,
-    "LLM_PREFIX_NOT_EXIST": 0x5010B010,
-    "LLM_SEQ_LEN_OVER_LIMIT": 0x5010B011,
-    "LLM_NO_FREE_BLOCK": 0x5010B012,
-    "LLM_BLOCKS_OUT_OF_MEMORY": 0x5010B013,
-    "LLM_CACHE_INCOMPATIBLE": 0x5010B014,
-    "LLM_CACHE_KEY_ALREADY_EXIST": 0x5010B015,
-    "LLM_COPY_CACHE_FAILED": 0x5010B016,
-    "LLM_CACHE_ID_ALREADY_EXIST": 0x5010B017,
-    "LLM_EXIST_LINK": 0x5010B018,
-    "LLM_FEATURE_NOT_ENABLED": 0x5010B019,
-    "LLM_TIMEOUT": 0x5010B01A,
-    "LLM_LINK_BUSY": 0x5010B01B,
-    "LLM_OUT_OF_MEMORY": 0x5010B01C,
-    "LLM_DEVICE_MEM_ERROR": 507053,
-    "LLM_SUSPECT_REMOTE_ERROR": 507057,
-}
+LLMStatusCode = _StatusCodeEnum(
+    "LLMStatusCode",
+    [("LLM_UNKNOWN_ERROR", -1)]
+    + [(_PYTHON_NAMES.get(name, name), value) for name, value in STATUS_CODES.items() if name not in _CPP_ONLY],
+    module=__name__,
+    qualname="LLMStatusCode",
+)
+LLMStatusCode.__doc__ = "CANN ``LLMStatusCode``: the Python names of the native status codes."
+
+# C++ names (namespace llm_datadist) -> value: every DD_<name> of dd_status.h.
+CPP_STATUS_CODES: dict[str, int] = dict(STATUS_CODES)
 
 
 def to_status_code(code: int) -> LLMStatusCode:
