@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import math
+from enum import IntEnum
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from llm_datadist._validate import UINT64_MAX, param_invalid
+from llm_datadist._validate import UINT64_MAX, param_invalid, raise_if_false
+from llm_datadist.data_type import DataType, element_size
 
 
 ADDRESS_SPACE = UINT64_MAX + 1
+#: At most this many dimensions in a cache shape (as in CANN).
+MAX_SHAPE_DIMS = 31
+
+
+class Place(IntEnum):
+    """Where a cache's memory lives: the one spelling of a placement below the API styles (each
+    API converts its own enum, ``Placement`` or ``CachePlacement``, at its boundary)."""
+
+    HOST = 0
+    DEVICE = 1
+
+
+def tensor_bytes(shape: Sequence[int], data_type: DataType) -> int:
+    """prod(shape) * element size, checking what the engine needs (1..31 dims, positive dims)."""
+    size = element_size(data_type)
+    raise_if_false(size is not None, f"data type {data_type} has no fixed element size")
+    raise_if_false(1 <= len(shape) <= MAX_SHAPE_DIMS,
+                   f"shape {list(shape)} must have 1..{MAX_SHAPE_DIMS} dimensions")
+    raise_if_false(all(dim > 0 for dim in shape), f"shape {list(shape)} must have positive dimensions")
+    return math.prod(shape) * size
 
 
 def check_address_range(addr: int, nbytes: int, where: str) -> None:

@@ -7,6 +7,7 @@ import socket
 from enum import IntEnum
 from typing import Dict, List, Optional, Tuple
 
+from llm_datadist._engine import unpack_ip
 from llm_datadist._validate import (
     check_int,
     check_isinstance,
@@ -358,10 +359,6 @@ def pack_ip(ip) -> int:
         return int.from_bytes(socket.inet_aton(ip), "little")
     except OSError:
         raise ValueError(f"ip {ip!r} is not a dotted IPv4 address") from None
-
-
-def unpack_ip(ip: int) -> str:
-    return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
 
 
 def _pack_ips(value):
