@@ -935,6 +935,10 @@ class Engine:
                 covering = [i for i, (_, makers) in enumerate(jobs) if layer in makers and not failed[i]]
                 if not covering:
                     continue
+                if stopping.is_set():
+                    for i in covering:
+                        results[i] = LLMStatusCode.LLM_ENGINE_FINALIZED
+                    return
                 try:
                     ready = bool(synchronizer.synchronize_layer(layer, None))
                 except Exception:  # a synchronizer that raises stops the job like one returning False
