@@ -22,9 +22,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from llm_datadist import _core, _planes
 from llm_datadist._device import select_runtime
-from llm_datadist._memory import ADDRESS_SPACE, Place, check_address_range, resolve_addresses, tensor_bytes
+from llm_datadist._memory import (
+    ADDRESS_SPACE, Place, check_address_range, host_view, resolve_addresses, tensor_bytes,
+)
 from llm_datadist._validate import INT32_MAX, is_instance_strict, param_invalid
-from llm_datadist.data_type import DataType, numpy_dtype
+from llm_datadist.data_type import DataType
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
 from llm_datadist.transport.links import LinkManager
@@ -680,8 +682,7 @@ class Engine:
             raise LLMException(f"device memory of the {self.runtime.name} runtime cannot be viewed "
                                f"from the host", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         owners = record.allocations or record.keepalive or [None] * record.num_tensors
-        dtype = numpy_dtype(record.data_type)
-        return [_core.HostRegion(addr, record.tensor_bytes, owner).as_array(dtype, record.shape)
+        return [host_view(addr, record.tensor_bytes, owner, record.data_type, record.shape)
                 for addr, owner in zip(record.addrs, owners)]
 
     # -- local transfers -------------------------------------------------------------------------

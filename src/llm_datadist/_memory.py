@@ -8,8 +8,9 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
+from llm_datadist import _core
 from llm_datadist._validate import UINT64_MAX, param_invalid, raise_if_false
-from llm_datadist.data_type import DataType, element_size
+from llm_datadist.data_type import DataType, element_size, numpy_dtype
 
 
 ADDRESS_SPACE = UINT64_MAX + 1
@@ -88,3 +89,9 @@ def resolve_addresses(values, needed_bytes: int, runtime_name: str) -> Tuple[Lis
         addrs.append(addr)
         keepalive.append(owner)
     return addrs, keepalive
+
+
+def host_view(addr: int, nbytes: int, owner: Any, data_type: DataType, shape: Sequence[int]) -> np.ndarray:
+    """A zero-copy numpy array of ``data_type``/``shape`` over host memory ``[addr, addr +
+    nbytes)``; it keeps ``owner`` (what holds the memory) alive."""
+    return _core.HostRegion(addr, nbytes, owner).as_array(numpy_dtype(data_type), shape)

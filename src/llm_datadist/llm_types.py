@@ -7,7 +7,6 @@ from abc import ABC, abstractmethod
 from enum import Enum, IntEnum
 from typing import List, NamedTuple, Optional, Tuple, Union
 
-from llm_datadist import _core
 from llm_datadist._validate import (
     UINT64_MAX,
     check_int32,
@@ -18,8 +17,8 @@ from llm_datadist._validate import (
     param_invalid,
     raise_if_false,
 )
-from llm_datadist._memory import MAX_SHAPE_DIMS, resolve_addresses, tensor_bytes  # noqa: F401 (re-exported)
-from llm_datadist.data_type import DataType, numpy_dtype
+from llm_datadist._memory import MAX_SHAPE_DIMS, host_view, resolve_addresses, tensor_bytes  # noqa: F401 (re-exported)
+from llm_datadist.data_type import DataType
 from llm_datadist.status import LLMException, LLMStatusCode
 
 __all__ = [
@@ -238,8 +237,8 @@ class Cache:
             if geometry is None:
                 raise param_invalid("the cache has no CacheDesc to view its tensors with")
             nbytes = tensor_bytes(geometry.shape, geometry.data_type)
-            views = [_core.HostRegion(addr, nbytes, self._keepalive).as_array(
-                numpy_dtype(geometry.data_type), geometry.shape) for addr in self._tensor_addrs]
+            views = [host_view(addr, nbytes, self._keepalive, geometry.data_type, geometry.shape)
+                     for addr in self._tensor_addrs]
         return views if index is None else views[index]
 
     def __repr__(self) -> str:
