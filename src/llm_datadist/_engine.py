@@ -153,7 +153,7 @@ class CacheRecord:
     num_tensors: int
     shape: Tuple[int, ...]
     data_type: DataType
-    placement: int
+    placement: Place
     kind: str
     addrs: List[int]
     tensor_bytes: int
@@ -325,7 +325,7 @@ class Engine:
 
     # -- registry ------------------------------------------------------------------------------
     def _new_record(self, num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type: DataType,
-                    placement: int, kind: str, addrs: List[int], registered: bool,
+                    placement: Place, kind: str, addrs: List[int], registered: bool,
                     cache_id: int, batch_dim: int = 0) -> CacheRecord:
         """A record over ``addrs`` with the geometry of ``cache_geometry`` (checked here: every
         tensor is a valid range of the address space). Every later operation on the cache plans
@@ -337,7 +337,7 @@ class Engine:
         for i, addr in enumerate(addrs):
             check_address_range(addr, nbytes, f"addrs[{i}]")
         layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
-        return CacheRecord(cache_id, num_tensors, shape, data_type, placement, kind,
+        return CacheRecord(cache_id, num_tensors, shape, data_type, Place(placement), kind,
                            list(addrs), nbytes, layout, registered, batch_dim)
 
     def _checked_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]]) -> List[tuple]:
@@ -372,7 +372,7 @@ class Engine:
             self._shared_ranges = ranges
         return record
 
-    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                  addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
                  blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
@@ -386,7 +386,7 @@ class Engine:
         record.keepalive = keepalive
         return self._commit(record, owner_keys, blocks_model_id)
 
-    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
                  blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
@@ -419,7 +419,7 @@ class Engine:
                     pool.used -= total
             raise
 
-    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                   addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
         """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
         shape, nbytes = cache_geometry(shape, data_type)
