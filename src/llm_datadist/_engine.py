@@ -35,8 +35,9 @@ from llm_datadist.transport.shm import SharedCounter
 logger = logging.getLogger("llm_datadist")
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
-#: How long ``finalize`` waits for each ``transfer_cache_async`` thread still running (its
-#: transfers end at the link's frame timeout; a synchronizer that never returns is abandoned).
+#: How long ``finalize`` waits in all for the ``transfer_cache_async`` threads still running (a
+#: transfer in flight ends at the link's timeout; a synchronizer that never returns is abandoned,
+#: and its thread starts no transfer after it returns).
 FINALIZE_JOIN_S = 10.0
 
 # Cache kinds: a contiguous cache (rows = batch), a blocks cache (rows = blocks), or MIX (the
@@ -298,8 +299,9 @@ class Engine:
                     self.role, runtime.name, device_id)
 
     def finalize(self) -> None:
-        """Stop the links, wait (bounded) for the ``transfer_cache_async`` threads and drop every
-        cache (allocated memory is freed once no numpy view holds it)."""
+        """Wait (bounded) for the ``transfer_cache_async`` threads, which start nothing more, then
+        close the links and drop every cache (allocated memory is freed once no numpy view holds
+        it)."""
         global _active_engine
         with _active_lock:
             if not self.initialized:
