@@ -67,3 +67,13 @@ cdef class CopyPlan:
     cdef readonly uint64_t total_bytes
     cdef int reserve(self, size_t extra) except -1
     cdef void add(self, uint64_t src, uint64_t dst, uint64_t nbytes) noexcept nogil
+
+
+# Block lists: how as_block_array reports bad input (see _core.pyx).
+cdef enum:
+    BLOCK_ERRORS_STATUS_C = 0
+    BLOCK_ERRORS_CANN_C = 1
+
+# A block list (list/tuple of ints or numpy integers, or a 1-D integer array) as a new 1-D
+# C-contiguous uint64 numpy array, every element checked; for fast paths that plan themselves.
+cdef object block_array(object values, str name, int errors)

@@ -547,6 +547,176 @@ cdef inline Py_ssize_t _first_out_of_range(cnp.int64_t *values, Py_ssize_t n,
     return -1
 
 
+# ------------------------------------------------------------------------------------------------
+# Block lists
+# ------------------------------------------------------------------------------------------------
+
+#: How :func:`as_block_array` reports a bad block list: every error as LLM_PARAM_INVALID (the
+#: core's own contract, and the C++-style API's), or with the CANN Python API's classes and
+#: wording (TypeError for a wrong container or element type, ValueError for a value outside
+#: uint64), as its ``check_isinstance``/``check_uint64`` word them.
+BLOCK_ERRORS_STATUS = BLOCK_ERRORS_STATUS_C
+BLOCK_ERRORS_CANN = BLOCK_ERRORS_CANN_C
+
+
+cdef inline cnp.uint64_t *_u64(object arr):
+    return <cnp.uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>arr)
+
+
+cdef inline bint _is_block_array(object values):
+    # What block_array returns: a 1-D C-contiguous uint64 array (taken as it is).
+    return (type(values) is np.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_UINT64
+            and cnp.PyArray_NDIM(<cnp.ndarray>values) == 1
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>values))
+
+
+cdef int _block_error(object values, str name, int errors) except -1:
+    """Raise the error for the first bad element of ``values`` (the slow path, after the fast
+    conversion failed). CANN's checks run in its order: every element's type, then each range."""
+    if errors == BLOCK_ERRORS_CANN_C:
+        for value in values:
+            if not _is_int(value):
+                raise TypeError(f"{name} inner type only support [{int!r}], but got {type(value)}.")
+        for value in values:
+            if value < 0 or value > UINT64_MAX:
+                raise ValueError(f"{name}'s value is out of range,{value} is not a uint64 value.")
+    else:
+        for i, value in enumerate(values):
+            if not _is_int(value) or value < 0 or value > UINT64_MAX:
+                raise _param_invalid(f"{name}[{i}] = {value!r} is not an integer in [0, 2**64)")
+    raise _param_invalid(f"{name} must be a sequence of integers in [0, 2**64)")
+
+
+cdef object _list_to_blocks(object values, str name, int errors):
+    cdef Py_ssize_t i, n = len(values)
+    cdef cnp.npy_intp dims[1]
+    dims[0] = n
+    arr = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    cdef cnp.uint64_t *out = _u64(arr)
+    cdef object value
+    try:
+        for i in range(n):
+            value = values[i]
+            if type(value) is not int and not _is_int(value):
+                break
+            out[i] = value  # OverflowError below 0 or above UINT64_MAX
+        else:
+            return arr
+    except OverflowError:
+        pass
+    _block_error(values, name, errors)
+
+
+cdef object block_array(object values, str name, int errors):
+    """``values`` (a list or tuple of ints or numpy integers, or a 1-D integer numpy array) as a
+    new 1-D C-contiguous uint64 array, every element checked to be an integer (not a bool) in
+    [0, 2**64). The one place a block list is read element by element; ``errors`` is
+    BLOCK_ERRORS_STATUS or BLOCK_ERRORS_CANN (see there)."""
+    cdef cnp.ndarray array
+    if type(values) is list or type(values) is tuple:
+        return _list_to_blocks(values, name, errors)
+    if isinstance(values, np.ndarray):
+        array = <cnp.ndarray>values
+        if array.ndim != 1:
+            raise _param_invalid(f"{name} must be one-dimensional, got shape {values.shape}")
+        if array.dtype.kind not in "iu":
+            if errors == BLOCK_ERRORS_CANN_C:
+                raise TypeError(f"{name} inner type only support [{int!r}], but got {array.dtype}.")
+            raise _param_invalid(f"{name} must hold integers, got dtype {array.dtype}")
+        if array.dtype.kind == "i" and array.shape[0] > 0 and array.min() < 0:
+            _block_error(values, name, errors)
+        return np.ascontiguousarray(values, dtype=np.uint64)
+    if errors == BLOCK_ERRORS_CANN_C:
+        raise TypeError(f"{name} only support ['list', 'tuple'], but got {type(values)}.")
+    try:
+        listed = list(values)
+    except TypeError:
+        raise _param_invalid(f"{name} must be a sequence of integers, got "
+                             f"{type(values).__name__}") from None
+    return _list_to_blocks(listed, name, errors)
+
+
+def as_block_array(values, str name="blocks", int errors=BLOCK_ERRORS_STATUS_C):
+    """A block list as the planners take it: see ``block_array`` (a uint64 array already in that
+    form is returned as it is). The planners convert what they are given the same way, so the
+    API layers call this once and hand the array down."""
+    if _is_block_array(values):
+        return values
+    return block_array(values, name, errors)
+
+
+cdef object _blocks_from_map(dict mapping, bint one_to_many):
+    cdef Py_ssize_t n = 0, k = 0, i, m
+    cdef cnp.npy_intp dims[1]
+    cdef object src, dsts, value
+    if one_to_many:
+        for dsts in mapping.values():
+            if type(dsts) is not list:
+                return None
+            n += len(dsts)
+    else:
+        n = len(mapping)
+    dims[0] = n
+    src_arr = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    dst_arr = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    cdef cnp.uint64_t *sv = _u64(src_arr)
+    cdef cnp.uint64_t *dv = _u64(dst_arr)
+    try:
+        for src, dsts in mapping.items():
+            if type(src) is not int:
+                return None
+            if not one_to_many:
+                if type(dsts) is not int:
+                    return None
+                sv[k] = src
+                dv[k] = dsts
+                k += 1
+                continue
+            m = len(dsts)
+            if k + m > n:
+                return None  # the lists changed while being read
+            for i in range(m):
+                value = dsts[i]
+                if type(value) is not int:
+                    return None
+                sv[k] = src
+                dv[k] = value
+                k += 1
+    except OverflowError:
+        return None
+    if k != n:
+        return None
+    return src_arr, dst_arr
+
+
+def block_map_arrays(mapping, bint one_to_many=False):
+    """``(src, dst)`` block arrays of a ``{src: dst}`` dict (``one_to_many``: ``{src: [dst, ...]}``,
+    src repeated for each of its destinations, in dict order), or None when any key or value is
+    not a plain int in [0, 2**64) (the caller then checks the dict its own way)."""
+    if type(mapping) is not dict:
+        return None
+    return _blocks_from_map(<dict>mapping, one_to_many)
+
+
+cdef object _checked_blocks(object values, uint64_t limit, str name):
+    """Block array for ``values`` (None = all of ``range(limit)``), each block checked in
+    [0, limit) (the blocks of the cache)."""
+    if values is None:
+        return np.arange(limit, dtype=np.uint64)
+    arr = values if _is_block_array(values) else block_array(values, name, BLOCK_ERRORS_STATUS_C)
+    cdef cnp.uint64_t *view = _u64(arr)
+    cdef Py_ssize_t i, bad = -1, n = arr.shape[0]
+    with nogil:
+        for i in range(n):
+            if view[i] >= limit:
+                bad = i
+                break
+    if bad >= 0:
+        raise _param_invalid(f"{name}[{bad}] = {arr[bad]} is out of range: the cache has "
+                             f"{limit} blocks (valid: 0..{limit - 1 if limit else 'none'})")
+    return arr
+
+
 cdef dict _ALL_INDICES = {}
 
 
@@ -600,8 +770,8 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     """
     cdef int64_t nbytes = _as_int64(nbytes_arg, "nbytes")
     st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
-    sb = _checked_indices(src_blocks, src.num_rows, "src_blocks", "blocks")
-    db = _checked_indices(dst_blocks, dst.num_rows, "dst_blocks", "blocks")
+    sb = _checked_blocks(src_blocks, src.num_rows, "src_blocks")
+    db = _checked_blocks(dst_blocks, dst.num_rows, "dst_blocks")
     if sb.shape[0] != db.shape[0]:
         raise _param_invalid(f"src_blocks has {sb.shape[0]} entries but dst_blocks has "
                              f"{db.shape[0]}; they must have the same length")
@@ -619,8 +789,8 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     plan.reserve(<size_t>nt * <size_t>nb)
     cdef cnp.int64_t *stv = _i64(st)
     cdef cnp.int64_t *dtv = _i64(dt)
-    cdef cnp.int64_t *sbv = _i64(sb)
-    cdef cnp.int64_t *dbv = _i64(db)
+    cdef cnp.uint64_t *sbv = _u64(sb)
+    cdef cnp.uint64_t *dbv = _u64(db)
     cdef Py_ssize_t t, k
     cdef uint64_t sbase, dbase, n = <uint64_t>nbytes
     cdef uint64_t sstride = src.row_bytes, dstride = dst.row_bytes
@@ -629,7 +799,7 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
             sbase = src.addrs[stv[t]]
             dbase = dst.addrs[dtv[t]]
             for k in range(nb):
-                plan.add(sbase + <uint64_t>sbv[k] * sstride, dbase + <uint64_t>dbv[k] * dstride, n)
+                plan.add(sbase + sbv[k] * sstride, dbase + dbv[k] * dstride, n)
     return plan
 
 
@@ -690,7 +860,7 @@ def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_t
     if src_row >= src.num_rows:
         raise _param_invalid(f"source batch index {src_row} is out of range: the cache has "
                              f"{src.num_rows} rows")
-    db = _checked_indices(dst_blocks, dst.num_rows, "dst_blocks", "blocks")
+    db = _checked_blocks(dst_blocks, dst.num_rows, "dst_blocks")
     cdef Py_ssize_t nb = db.shape[0], nt = st.shape[0], t, k
     cdef uint64_t block = dst.row_bytes, row = src.row_bytes
     if block == 0 or <uint64_t>nb > (row + block - 1) // block:
@@ -702,7 +872,7 @@ def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_t
     plan.reserve(<size_t>nt * <size_t>nb)
     cdef cnp.int64_t *stv = _i64(st)
     cdef cnp.int64_t *dtv = _i64(dt)
-    cdef cnp.int64_t *dbv = _i64(db)
+    cdef cnp.uint64_t *dbv = _u64(db)
     cdef uint64_t sbase, dbase, chunk
     with nogil:
         for t in range(nt):
@@ -712,7 +882,7 @@ def plan_row_to_blocks(CacheLayout src not None, CacheLayout dst not None, src_t
                 chunk = row - <uint64_t>k * block
                 if chunk > block:
                     chunk = block
-                plan.add(sbase + <uint64_t>k * block, dbase + <uint64_t>dbv[k] * block, chunk)
+                plan.add(sbase + <uint64_t>k * block, dbase + dbv[k] * block, chunk)
     return plan
 
 

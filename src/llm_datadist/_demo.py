@@ -256,7 +256,7 @@ def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst
 
 def plane_to(state, peer_id: int) -> str:
     """The data plane this side's transfers to ``peer_id`` use (chosen when the link was made)."""
-    return state.dd._engine.links.data_plane(peer_id)
+    return state.dd._engine.data_plane(peer_id)
 
 
 def corrupt(state, physical_block: int, tensor: int) -> None:

@@ -1,9 +1,11 @@
 """The engine: one per process, shared by the Python-style and the C++-style API.
 
 It owns the cache registry (cache_id counter, keys, blocks keys), memory allocated per placement,
-the device runtime, and turns local copy requests into one core plan + one execution each. It
-speaks in plain values (placements as ``HOST``/``DEVICE`` ints, shapes as tuples) and raises
-``LLMException`` carrying a status; each API style maps that to its own surface.
+the device runtime and the links (``transport.links.LinkManager``), and turns local copy requests
+into one core plan + one execution each. It speaks in plain values (placements as ``Place``,
+shapes as tuples, remote caches as ``RemoteRef`` values, block lists as ``BlockSpec``) and raises
+``LLMException`` carrying a status; each API style converts its own types at its boundary and
+maps errors to its own surface. It imports nothing of either API style.
 """
 
 from __future__ import annotations
@@ -11,24 +13,31 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from llm_datadist import _core, _planes
 from llm_datadist._device import select_runtime
-from llm_datadist._memory import ADDRESS_SPACE, check_address_range, resolve_addresses
+from llm_datadist._memory import (
+    ADDRESS_SPACE, Place, check_address_range, host_view, resolve_addresses, tensor_bytes,
+)
 from llm_datadist._validate import INT32_MAX, is_instance_strict, param_invalid
-from llm_datadist.data_type import DataType, numpy_dtype
-from llm_datadist.llm_types import BlocksCacheKey, tensor_bytes
-from llm_datadist.transport.shm import SharedCounter
+from llm_datadist.data_type import DataType
 from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport import comms
+from llm_datadist.transport.links import LinkManager
+from llm_datadist.transport.shm import SharedCounter
 
 logger = logging.getLogger("llm_datadist")
 
-HOST = 0
-DEVICE = 1
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+#: How long ``finalize`` waits in all for the ``transfer_cache_async`` threads still running (a
+#: transfer in flight ends at the link's timeout; a synchronizer that never returns is abandoned,
+#: and its thread starts no transfer after it returns).
+FINALIZE_JOIN_S = 10.0
 
 # Cache kinds: a contiguous cache (rows = batch), a blocks cache (rows = blocks), or MIX (the
 # C++ RegisterKvCache kind, usable both ways).
@@ -37,11 +46,89 @@ BLOCKS = "blocks"
 MIX = "mix"
 
 _KIND_BY_PLACEMENT = {
-    (HOST, HOST): _core.MEMCPY_HOST_TO_HOST,
-    (HOST, DEVICE): _core.MEMCPY_HOST_TO_DEVICE,
-    (DEVICE, HOST): _core.MEMCPY_DEVICE_TO_HOST,
-    (DEVICE, DEVICE): _core.MEMCPY_DEVICE_TO_DEVICE,
+    (Place.HOST, Place.HOST): _core.MEMCPY_HOST_TO_HOST,
+    (Place.HOST, Place.DEVICE): _core.MEMCPY_HOST_TO_DEVICE,
+    (Place.DEVICE, Place.HOST): _core.MEMCPY_DEVICE_TO_HOST,
+    (Place.DEVICE, Place.DEVICE): _core.MEMCPY_DEVICE_TO_DEVICE,
 }
+
+
+# -- what the API styles hand the engine --------------------------------------------------------
+@dataclass(frozen=True)
+class CacheRowRef:
+    """A peer's cache row by cache id (``CacheKeyByIdAndIndex``, ``cpp.CacheIndex``)."""
+
+    cache_id: int
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class KeyRef:
+    """A peer's cache row bound to an owner key (``CacheKey.owner_key()``)."""
+
+    owner_key: tuple
+
+
+@dataclass(frozen=True)
+class BlocksRef:
+    """A peer's blocks cache by the model id it was registered under (``BlocksCacheKey``)."""
+
+    model_id: int
+
+
+RemoteRef = Union[CacheRowRef, KeyRef, BlocksRef]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """The block lists of one transfer, converted and element-checked once by the core
+    (``block_array``: 1-D uint64 arrays); the planners check them against the geometry.
+    ``src_blocks`` None: a row cut into ``block_bytes`` chunks, chunk k -> ``dst_blocks[k]``.
+    ``block_bytes`` -1: the source block size."""
+
+    src_blocks: Any
+    dst_blocks: Any
+    block_bytes: int = -1
+
+    @property
+    def row_to_blocks(self) -> bool:
+        return self.src_blocks is None
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """One destination of ``transfer_cache_async`` (one ``TransferConfig``): source layers
+    ``src_layers`` of row ``src_row`` go to ``ref`` from layer ``dst_layer_start`` on, or to the
+    raw tensor addresses ``dst_addrs`` (two per layer)."""
+
+    remote_id: int
+    src_layers: range
+    src_row: int
+    ref: Optional[RemoteRef] = None
+    dst_layer_start: Optional[int] = None
+    dst_addrs: Optional[Tuple[int, ...]] = None
+
+
+def block_array(values: Any, name: str, cann_errors: bool = False) -> Any:
+    """A block list as a checked uint64 array (see ``_core.as_block_array``): errors are
+    LLM_PARAM_INVALID, or with ``cann_errors`` the CANN Python API's TypeError/ValueError."""
+    return _core.as_block_array(values, name, _core.BLOCK_ERRORS_CANN if cann_errors
+                                else _core.BLOCK_ERRORS_STATUS)
+
+
+def block_map_arrays(mapping: Any, one_to_many: bool = False) -> Optional[Tuple[Any, Any]]:
+    """``(src, dst)`` block arrays of a ``{src: dst}`` / ``{src: [dst, ...]}`` dict of plain ints,
+    or None when the dict holds anything else (see ``_core.block_map_arrays``)."""
+    return _core.block_map_arrays(mapping, one_to_many)
+
+
+def layer_tensors(src_range: Any, dst_range: Any, tensor_num_per_layer: int, inclusive: bool = False):
+    """The tensor selection of a pair of layer ranges, as ``tensors(src_n, dst_n)``: Python ranges
+    (None = all layers) or, ``inclusive``, C++ inclusive pairs (``(-1, -1)`` = all layers)."""
+    def tensors(src_n: int, dst_n: int):
+        return _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, tensor_num_per_layer,
+                                          inclusive)
+    return tensors
 
 
 def is_blocks(record: "CacheRecord") -> bool:
@@ -66,7 +153,7 @@ class CacheRecord:
     num_tensors: int
     shape: Tuple[int, ...]
     data_type: DataType
-    placement: int
+    placement: Place
     kind: str
     addrs: List[int]
     tensor_bytes: int
@@ -153,7 +240,7 @@ class Engine:
         self.listen: Optional[Tuple[str, int]] = None
         self.runtime = None
         self.runtime_reason = ""
-        self.pools: Dict[int, Optional[MemoryPool]] = {HOST: None, DEVICE: None}
+        self.pools: Dict[int, Optional[MemoryPool]] = {Place.HOST: None, Place.DEVICE: None}
         self._lock = threading.RLock()
         self._caches: Dict[int, CacheRecord] = {}
         self._keys: Dict[tuple, Tuple[CacheRecord, int]] = {}
@@ -168,7 +255,9 @@ class Engine:
         self._pinned: Dict[int, Tuple[Any, bool]] = {}
         self._pin_serial = 0
         self.protocol_errors = 0
-        self.links = None
+        self.links: Optional[LinkManager] = None
+        self._async_threads: List[threading.Thread] = []
+        self._stopping = threading.Event()
 
     # -- life cycle ----------------------------------------------------------------------------
     def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
@@ -181,19 +270,19 @@ class Engine:
             if _active_engine is not None:
                 raise LLMException("another llm_datadist instance is already initialized in this "
                                    "process; finalize it first", status_code=LLMStatusCode.LLM_FAILED)
-            pools = {DEVICE: _parse_pool(options, "llm.MemPoolConfig"),
-                     HOST: _parse_pool(options, "llm.HostMemPoolConfig")}
+            pools = {Place.DEVICE: _parse_pool(options, "llm.MemPoolConfig"),
+                     Place.HOST: _parse_pool(options, "llm.HostMemPoolConfig")}
             runtime, reason = select_runtime()
             runtime.set_device(device_id)
             self._thread_state = threading.local()
             self._thread_state.device_bound = True
+            self._stopping = threading.Event()
             self.options = dict(options)
             self.device_id = device_id
             self.sync_kv_timeout_ms = sync_kv_timeout_ms
             self.listen = listen
             self.runtime, self.runtime_reason = runtime, reason
             self.pools = pools
-            from llm_datadist.transport.links import LinkManager
             links = LinkManager(self)
             if listen is not None:
                 links.start_listener(*listen)
@@ -204,11 +293,14 @@ class Engine:
                     self.role, runtime.name, device_id)
 
     def finalize(self) -> None:
-        """Drop every cache (allocated memory is freed once no numpy view holds it)."""
+        """Wait (bounded) for the ``transfer_cache_async`` threads, which start nothing more, then
+        close the links and drop every cache (allocated memory is freed once no numpy view holds
+        it)."""
         global _active_engine
         with _active_lock:
             if not self.initialized:
                 return
+            self._stop_async_threads()
             # Memory is leaving: peers on the same-host plane see the generation move and stop
             # writing through their copy of our table.
             self.generation_word.value = self.generation_word.value + 1
@@ -229,7 +321,7 @@ class Engine:
 
     # -- registry ------------------------------------------------------------------------------
     def _new_record(self, num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type: DataType,
-                    placement: int, kind: str, addrs: List[int], registered: bool,
+                    placement: Place, kind: str, addrs: List[int], registered: bool,
                     cache_id: int, batch_dim: int = 0) -> CacheRecord:
         """A record over ``addrs`` with the geometry of ``cache_geometry`` (checked here: every
         tensor is a valid range of the address space). Every later operation on the cache plans
@@ -241,7 +333,7 @@ class Engine:
         for i, addr in enumerate(addrs):
             check_address_range(addr, nbytes, f"addrs[{i}]")
         layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
-        return CacheRecord(cache_id, num_tensors, shape, data_type, placement, kind,
+        return CacheRecord(cache_id, num_tensors, shape, data_type, Place(placement), kind,
                            list(addrs), nbytes, layout, registered, batch_dim)
 
     def _checked_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]]) -> List[tuple]:
@@ -276,7 +368,7 @@ class Engine:
             self._shared_ranges = ranges
         return record
 
-    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                  addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
                  blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
@@ -290,7 +382,7 @@ class Engine:
         record.keepalive = keepalive
         return self._commit(record, owner_keys, blocks_model_id)
 
-    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
                  blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
         """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
@@ -310,7 +402,7 @@ class Engine:
                                        status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
                 pool.used += total
         try:
-            allocations = [_core.Allocation(self.runtime, nbytes, placement == DEVICE)
+            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE)
                            for _ in range(num_tensors)]
             record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind,
                                       [a.addr for a in allocations], False, -1, batch_dim)
@@ -323,7 +415,7 @@ class Engine:
                     pool.used -= total
             raise
 
-    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: int,
+    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                   addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
         """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
         shape, nbytes = cache_geometry(shape, data_type)
@@ -431,7 +523,7 @@ class Engine:
         of those caches that the host can address."""
         host_ok = self.runtime is None or self.runtime.host_addressable
         return _planes.RangeSet((addr, record.tensor_bytes) for record in records
-                                if record.placement == HOST or host_ok for addr in record.addrs)
+                                if record.placement == Place.HOST or host_ok for addr in record.addrs)
 
     @contextlib.contextmanager
     def pinned(self, plan, dst_side: bool):
@@ -467,8 +559,8 @@ class Engine:
         """This cluster's cache table as peers receive it (see transport.table)."""
         host_ok = self.runtime is None or self.runtime.host_addressable
         with self._lock:
-            caches = [[r.cache_id, r.kind, r.placement, r.num_tensors, r.num_rows, r.row_bytes,
-                       list(r.addrs), r.placement == HOST or host_ok] for r in self._caches.values()]
+            caches = [[r.cache_id, r.kind, int(r.placement), r.num_tensors, r.num_rows, r.row_bytes,
+                       list(r.addrs), r.placement == Place.HOST or host_ok] for r in self._caches.values()]
             blocks = [[model_id, r.cache_id] for model_id, r in self._blocks_keys.items()]
             keys = [[key[0], key[1], key[2], r.cache_id, row, not r.registered]
                     for key, (r, row) in self._keys.items()]
@@ -507,6 +599,74 @@ class Engine:
         self.listen = listen
         self.role = role_name
 
+    # -- links (what the API styles, the demo and the vLLM connector use of them) -----------------
+    @property
+    def listen_address(self) -> Optional[Tuple[str, int]]:
+        """``(ip, port)`` actually listened on (port 0 resolved), None when not listening or not
+        initialized."""
+        return self.links.listen_address if self.initialized else None
+
+    def lost_links(self) -> Dict[int, str]:
+        """Clusters whose link ended without an unlink here, with the reason (empty before init)."""
+        return self.links.lost_links() if self.initialized else {}
+
+    def link_many(self, targets: Sequence[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
+        """Link to each ``(cluster_id, ip, port)`` in parallel; one status per target."""
+        self.check_initialized()
+        return self.links.link_many(targets, timeout_ms)
+
+    def unlink_many(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> List[LLMStatusCode]:
+        """Drop the links to ``cluster_ids`` (non-forced: the peer is told first)."""
+        self.check_initialized()
+        return self.links.unlink_many(cluster_ids, timeout_ms, force)
+
+    def data_plane(self, remote_id: int, timeout_ms: int = 5000) -> str:
+        """The data plane transfers to ``remote_id`` use (chosen when the link was made)."""
+        self.check_initialized()
+        return self.links.data_plane(remote_id, timeout_ms)
+
+    def set_notify_handler(self, handler: Optional[Callable]) -> None:
+        """Answer peers' notifications with ``handler(peer_cluster_id, message) -> reply`` (None
+        refuses them). Removing the handler also works after ``finalize``."""
+        if handler is not None:
+            self.check_initialized()
+        if self.links is not None:
+            self.links.set_notify_handler(handler)
+
+    def notify(self, remote_id: int, message: Any, timeout_ms: int) -> Any:
+        """Send ``message`` to a linked peer's notify handler; returns its answer."""
+        self.check_initialized()
+        return self.links.notify(remote_id, message, timeout_ms)
+
+    def comm_count(self) -> int:
+        """How many two-sided links (``link(comm_name, ...)``) exist now."""
+        self.check_initialized()
+        return len(self.links.comms)
+
+    def join_comm(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        """Make this member's part of a two-sided link and wait until every member has linked
+        (``llm.LinkTotalTime`` seconds, else ``HCCL_CONNECT_TIMEOUT``, else the default);
+        returns the comm id. ``LLM_LINK_FAILED`` if a member does not link in time."""
+        self.check_initialized()
+        members = comms.parse(rank_table, cluster_rank_info, comms.port_base(self.options))
+        me = next(m for m in members if m.cluster_id == self.cluster_id)
+        digest = comms.digest(comm_name, rank_table, cluster_rank_info)
+        comm = self.links.new_comm(comm_name, (comm_name, digest), members, me)
+        total_s = int(self.options.get("llm.LinkTotalTime", "0") or 0) or int(
+            os.environ.get("HCCL_CONNECT_TIMEOUT", comms.DEFAULT_LINK_TOTAL_S))
+        self.links.join_comm(comm, total_s * 1000)
+        return comm.comm_id
+
+    def leave_comm(self, comm_id: int) -> None:
+        """Drop a two-sided link; ``LLM_NOT_YET_LINK`` for an unknown id."""
+        self.check_initialized()
+        self.links.leave_comm(comm_id, self.sync_kv_timeout_ms)
+
+    def comm_status(self, comm_id: int) -> str:
+        """``"PREPARING"``, ``"OK"`` or ``"FAILED"`` for a two-sided link."""
+        self.check_initialized()
+        return self.links.comm(comm_id).status
+
     def check_initialized(self) -> None:
         if not self.initialized:
             raise LLMException("llm_datadist is not initialized", status_code=LLMStatusCode.LLM_FAILED)
@@ -514,12 +674,11 @@ class Engine:
     # -- views -----------------------------------------------------------------------------------
     def tensor_views(self, record: CacheRecord) -> list:
         """Zero-copy numpy views of a record's tensors (host-addressable memory only)."""
-        if record.placement == DEVICE and not self.runtime.host_addressable:
+        if record.placement == Place.DEVICE and not self.runtime.host_addressable:
             raise LLMException(f"device memory of the {self.runtime.name} runtime cannot be viewed "
                                f"from the host", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         owners = record.allocations or record.keepalive or [None] * record.num_tensors
-        dtype = numpy_dtype(record.data_type)
-        return [_core.HostRegion(addr, record.tensor_bytes, owner).as_array(dtype, record.shape)
+        return [host_view(addr, record.tensor_bytes, owner, record.data_type, record.shape)
                 for addr, owner in zip(record.addrs, owners)]
 
     # -- local transfers -------------------------------------------------------------------------
@@ -571,7 +730,7 @@ class Engine:
         if src.num_tensors != dst.num_tensors:
             raise param_invalid(f"src num_tensors {src.num_tensors} and dst num_tensors "
                                 f"{dst.num_tensors} must be equal")
-        if (src.placement, dst.placement) not in ((HOST, DEVICE), (DEVICE, HOST)):
+        if (src.placement, dst.placement) not in ((Place.HOST, Place.DEVICE), (Place.DEVICE, Place.HOST)):
             raise param_invalid(f"swap from placement {src.placement} to {dst.placement} is not "
                                 f"supported: one side must be HOST and the other DEVICE")
         src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
@@ -581,29 +740,32 @@ class Engine:
 
     # -- transfers between clusters ----------------------------------------------------------------
     def _check_transferable(self, record: CacheRecord) -> None:
-        if record.placement == DEVICE and not self.runtime.host_addressable:
+        if record.placement == Place.DEVICE and not self.runtime.host_addressable:
             raise LLMException(f"transfers between processes of {self.runtime.name} device memory "
                                f"are not implemented yet (they need device IPC or staging); use "
                                f"HOST caches or the cpu runtime",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
-    def _remote(self, table, remote_id: int, ref: tuple):
-        """Resolve a remote reference in ``table``: ``("id", cache_id, row)``, ``("key",
-        owner_key)`` or ``("model", model_id)`` -> ``(RemoteCache, row)``."""
-        if ref[0] == "id":
-            cache = table.cache(ref[1])
+    @staticmethod
+    def _remote(table, remote_id: int, ref: RemoteRef):
+        """Resolve a remote reference in ``table`` -> ``(RemoteCache, row)``."""
+        kind = type(ref)
+        if kind is BlocksRef:
+            cache = table.blocks_cache(ref.model_id)
             if cache is None:
-                raise _not_exist(f"cache_id {ref[1]} is not registered in cluster {remote_id}")
-            return cache, ref[2]
-        if ref[0] == "key":
-            entry = table.key(ref[1])
+                raise _not_exist(f"cluster {remote_id} has no blocks cache with model_id {ref.model_id}")
+            return cache, 0
+        if kind is CacheRowRef:
+            cache = table.cache(ref.cache_id)
+            if cache is None:
+                raise _not_exist(f"cache_id {ref.cache_id} is not registered in cluster {remote_id}")
+            return cache, ref.row
+        if kind is KeyRef:
+            entry = table.key(ref.owner_key)
             if entry is None:
-                raise _not_exist(f"no cache of cluster {remote_id} is bound to key {ref[1]}")
+                raise _not_exist(f"no cache of cluster {remote_id} is bound to key {ref.owner_key}")
             return entry
-        cache = table.blocks_cache(ref[1])
-        if cache is None:
-            raise _not_exist(f"cluster {remote_id} has no blocks cache with model_id {ref[1]}")
-        return cache, 0
+        raise param_invalid(f"{ref!r} is not a remote cache reference")
 
     @staticmethod
     def _row_in_range(cache, row: int, remote_id: int) -> None:
@@ -613,25 +775,33 @@ class Engine:
 
     def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
         self.check_initialized()
-        if local.placement == DEVICE and not self.runtime.host_addressable:
+        if local.placement == Place.DEVICE and not self.runtime.host_addressable:
             self._check_transferable(local)
         self._bind_thread()
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms)
 
-    def push_blocks(self, remote_id: int, ref: tuple, src: CacheRecord, src_blocks, dst_blocks,
+    def push_blocks(self, remote_id: int, ref: RemoteRef, src: CacheRecord, blocks: BlockSpec,
                     tensors) -> None:
-        """Local blocks ``src_blocks[k]`` -> remote blocks ``dst_blocks[k]`` (block = the source
-        block size; it must fit the remote block). ``tensors(src_n, dst_n)`` gives the tensor
-        index lists (None = all)."""
+        """Local blocks ``blocks.src_blocks[k]`` -> remote blocks ``blocks.dst_blocks[k]`` (block
+        = the source block size; it must fit the remote block). ``tensors(src_n, dst_n)`` gives
+        the tensor index lists (None = all). The one entry of both API styles for block pushes."""
+        src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
+
         def make(table):
             cache, _ = self._remote(table, remote_id, ref)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
             return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks)
         self._transfer(remote_id, src, True, make)
 
-    def pull_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, src_blocks, dst_blocks,
+    def pull_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, blocks: BlockSpec,
                     tensors) -> None:
-        """Remote blocks -> local blocks; the puller's block size is used on both sides."""
+        """Remote blocks -> local blocks; the puller's block size is used on both sides. A
+        ``blocks.row_to_blocks`` spec pulls a remote contiguous row cut into local blocks."""
+        if blocks.row_to_blocks:
+            self.pull_row_to_blocks(remote_id, ref, dst, blocks.dst_blocks, tensors)
+            return
+        src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
+
         def make(table):
             cache, _ = self._remote(table, remote_id, ref)
             if cache.row_bytes != dst.row_bytes:
@@ -641,7 +811,7 @@ class Engine:
             return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
         self._transfer(remote_id, dst, False, make)
 
-    def _pull_row(self, remote_id: int, ref: tuple, dst: CacheRecord, tensors, plan_row) -> None:
+    def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
         the owner if the row was bound to a key it may release."""
         used = []
@@ -655,13 +825,13 @@ class Engine:
         self._transfer(remote_id, dst, False, make)
         self._release_pulled_key(remote_id, *used)
 
-    def pull_row_to_blocks(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_blocks,
+    def pull_row_to_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, dst_blocks,
                            tensors) -> None:
         """A remote contiguous row scattered into local blocks (block-sized chunks)."""
         self._pull_row(remote_id, ref, dst, tensors, lambda cache, row, st, dt: _core.plan_row_to_blocks(
             cache.layout, dst.layout, st, dt, row, dst_blocks))
 
-    def pull_rows(self, remote_id: int, ref: tuple, dst: CacheRecord, dst_row: int, size: int,
+    def pull_rows(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, dst_row: int, size: int,
                   tensors, src_offset: int = 0, dst_offset: int = 0) -> None:
         """A remote row -> local row ``dst_row``; ``size`` bytes (-1 = the local row from
         ``dst_offset`` on), read from ``src_offset`` into the remote row."""
@@ -671,7 +841,7 @@ class Engine:
         self._pull_row(remote_id, ref, dst, tensors, lambda cache, row, st, dt: _core.plan_rows(
             cache.layout, dst.layout, st, dt, row, dst_row, src_offset, dst_offset, nbytes))
 
-    def push_rows(self, remote_id: int, ref: tuple, src: CacheRecord, src_row: int, tensors) -> None:
+    def push_rows(self, remote_id: int, ref: RemoteRef, src: CacheRecord, src_row: int, tensors) -> None:
         """Local row ``src_row`` (one source row of bytes) -> a remote row."""
         def make(table):
             cache, row = self._remote(table, remote_id, ref)
@@ -681,77 +851,80 @@ class Engine:
         self._transfer(remote_id, src, True, make)
 
     # -- layer-wise asynchronous transfer (transfer_cache_async) -----------------------------------
-    def layer_jobs(self, src: CacheRecord, configs: list, blocks) -> list:
-        """One job per config: ``(remote cluster, {source layer: plan maker})``. ``blocks`` is
-        None, ``("blocks", src_blocks, dst_blocks, size)`` or ``("row_to_blocks", None,
-        dst_blocks, size)``."""
+    def layer_jobs(self, src: CacheRecord, targets: Sequence[LayerTarget], blocks: Optional[BlockSpec]) -> list:
+        """One job per target: ``(remote cluster, {source layer: plan maker})``. ``blocks`` None
+        moves rows; a spec moves blocks, or (``row_to_blocks``) cuts the row into blocks."""
         num_layers = src.num_tensors // 2
-        if src.kind == BLOCKS and (blocks is None or blocks[0] == "row_to_blocks"):
+        if src.kind == BLOCKS and (blocks is None or blocks.row_to_blocks):
             # A blocks source read as rows, as CANN reads it: one row (batch size 1) of one block
             # for a row transfer (block 0 goes), of the whole tensor when cut into blocks.
-            from dataclasses import replace
             row_bytes = src.row_bytes if blocks is None else src.tensor_bytes
             src = replace(src, layout=_core.CacheLayout(list(src.addrs), 1, row_bytes))
         jobs = []
-        for cfg in configs:
-            src_range = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
+        for target in targets:
+            src_range = target.src_layers
             if src_range.stop > num_layers:
                 raise param_invalid(f"src_layer_range {src_range} exceeds the {num_layers} layers of the source")
-            if hasattr(cfg, "dst_addrs"):
-                if len(cfg.dst_addrs) != 2 * len(src_range):
-                    raise param_invalid(f"dst_addrs needs {2 * len(src_range)} addresses, got {len(cfg.dst_addrs)}")
-                remote = cfg.dst_cluster_id
-                makers = {layer: self._raw_layer_maker(src, cfg, layer, cfg.dst_addrs[2 * k:2 * k + 2], blocks)
+            if target.dst_addrs is not None:
+                addrs = target.dst_addrs
+                if len(addrs) != 2 * len(src_range):
+                    raise param_invalid(f"dst_addrs needs {2 * len(src_range)} addresses, got {len(addrs)}")
+                makers = {layer: self._raw_layer_maker(src, target, layer, addrs[2 * k:2 * k + 2], blocks)
                           for k, layer in enumerate(src_range)}
             else:
-                key = cfg.cache_key
-                remote = key.cluster_id
-                ref = (("model", key.model_id) if isinstance(key, BlocksCacheKey)
-                       else ("id", key.cache_id, key.batch_index))
                 # No dst_layer_range (a setter allows None): each layer into the same layer, as in CANN.
-                dst_start = src_range.start if cfg.dst_layer_range is None else cfg.dst_layer_range.start
-                makers = {layer: self._keyed_layer_maker(src, cfg, ref, layer, dst_start + k, blocks, remote)
+                dst_start = src_range.start if target.dst_layer_start is None else target.dst_layer_start
+                makers = {layer: self._keyed_layer_maker(src, target, layer, dst_start + k, blocks)
                           for k, layer in enumerate(src_range)}
-            if remote == self.cluster_id:
-                raise param_invalid(f"transfer config names this cluster ({remote}) as its destination")
-            jobs.append((remote, makers))
+            if target.remote_id == self.cluster_id:
+                raise param_invalid(f"transfer config names this cluster ({target.remote_id}) as its destination")
+            jobs.append((target.remote_id, makers))
         return jobs
 
     @staticmethod
-    def _layer_plan(src: CacheRecord, dst_layout, st, dt, row: int, dst_row: int, blocks):
+    def _layer_plan(src: CacheRecord, dst_layout, st, dt, row: int, dst_row: int, blocks: Optional[BlockSpec]):
         if blocks is None:
             return _core.plan_rows(src.layout, dst_layout, st, dt, row, dst_row, 0, 0, -1)
-        if blocks[0] == "blocks":
-            return _core.plan_blocks(src.layout, dst_layout, st, dt, blocks[1], blocks[2], blocks[3])
-        return _core.plan_row_to_blocks(src.layout, dst_layout, st, dt, row, blocks[2])
+        if not blocks.row_to_blocks:
+            return _core.plan_blocks(src.layout, dst_layout, st, dt, blocks.src_blocks, blocks.dst_blocks,
+                                     blocks.block_bytes)
+        return _core.plan_row_to_blocks(src.layout, dst_layout, st, dt, row, blocks.dst_blocks)
 
-    def _raw_layer_maker(self, src: CacheRecord, cfg, layer: int, addrs, blocks):
+    def _raw_layer_maker(self, src: CacheRecord, target: LayerTarget, layer: int, addrs,
+                         blocks: Optional[BlockSpec]):
         if blocks is None:
             layout = _core.CacheLayout(list(addrs), 1, src.row_bytes)
         else:
-            layout = _core.CacheLayout(list(addrs), max(blocks[2], default=0) + 1, blocks[3])
+            top = int(blocks.dst_blocks.max()) + 1 if len(blocks.dst_blocks) else 1
+            layout = _core.CacheLayout(list(addrs), top, blocks.block_bytes)
         tensors = [2 * layer, 2 * layer + 1]
-        return lambda table: self._layer_plan(src, layout, tensors, [0, 1], cfg.src_batch_index, 0, blocks)
+        return lambda table: self._layer_plan(src, layout, tensors, [0, 1], target.src_row, 0, blocks)
 
-    def _keyed_layer_maker(self, src: CacheRecord, cfg, ref: tuple, layer: int, dst_layer: int, blocks,
-                           remote_id: int):
+    def _keyed_layer_maker(self, src: CacheRecord, target: LayerTarget, layer: int, dst_layer: int,
+                           blocks: Optional[BlockSpec]):
+        remote_id, ref = target.remote_id, target.ref
+
         def make(table):
             cache, row = self._remote(table, remote_id, ref)
             if 2 * dst_layer + 1 >= cache.num_tensors:
                 raise param_invalid(f"destination layer {dst_layer} exceeds the {cache.num_tensors // 2} "
                                     f"layers of remote cache {cache.cache_id}")
-            if blocks is not None and blocks[3] != cache.row_bytes and blocks[0] == "row_to_blocks":
-                raise param_invalid(f"dst_block_memory_size {blocks[3]} differs from the remote block "
+            if blocks is not None and blocks.row_to_blocks and blocks.block_bytes != cache.row_bytes:
+                raise param_invalid(f"dst_block_memory_size {blocks.block_bytes} differs from the remote block "
                                     f"size {cache.row_bytes}")
             return self._layer_plan(src, cache.layout, [2 * layer, 2 * layer + 1],
-                                    [2 * dst_layer, 2 * dst_layer + 1], cfg.src_batch_index, row, blocks)
+                                    [2 * dst_layer, 2 * dst_layer + 1], target.src_row, row, blocks)
         return make
 
-    def start_layer_transfer(self, src: CacheRecord, synchronizer, jobs: list):
-        """Run ``jobs`` layer by layer in a background thread; returns a ``CacheTask``."""
-        from llm_datadist.llm_types import CacheTask
-        results: list = [None] * len(jobs)
+    def start_layer_transfer(self, src: CacheRecord, synchronizer, jobs: list
+                             ) -> Tuple[threading.Thread, List[Optional[LLMStatusCode]]]:
+        """Run ``jobs`` layer by layer in a background thread: ``synchronizer.synchronize_layer(L,
+        None)`` gates layer ``L``. Returns ``(thread, results)``: ``results[i]`` becomes job
+        ``i``'s status (None while its last layer is not done). ``finalize`` waits for the
+        thread (bounded) and, once it is finalizing, the thread starts no further transfer."""
+        results: List[Optional[LLMStatusCode]] = [None] * len(jobs)
         layers = sorted({layer for _, makers in jobs for layer in makers})
+        stopping = self._stopping
 
         def run() -> None:
             failed = [False] * len(jobs)
@@ -759,14 +932,19 @@ class Engine:
                 covering = [i for i, (_, makers) in enumerate(jobs) if layer in makers and not failed[i]]
                 if not covering:
                     continue
+                if stopping.is_set():
+                    for i in covering:
+                        results[i] = LLMStatusCode.LLM_ENGINE_FINALIZED
+                    return
                 try:
                     ready = bool(synchronizer.synchronize_layer(layer, None))
                 except Exception:  # a synchronizer that raises stops the job like one returning False
                     logger.exception("synchronize_layer(%d) raised", layer)
                     ready = False
-                if not ready:
+                if not ready or stopping.is_set():
+                    status = LLMStatusCode.LLM_PARAM_INVALID if not ready else LLMStatusCode.LLM_ENGINE_FINALIZED
                     for i in covering:
-                        results[i] = LLMStatusCode.LLM_PARAM_INVALID
+                        results[i] = status
                     return
                 for i in covering:
                     remote, makers = jobs[i]
@@ -779,8 +957,25 @@ class Engine:
                         results[i] = LLMStatusCode.LLM_SUCCESS
 
         thread = threading.Thread(target=run, daemon=True, name="llm_datadist-transfer")
+        with self._lock:
+            self._async_threads = [t for t in self._async_threads if t.is_alive()]
+            self._async_threads.append(thread)
         thread.start()
-        return CacheTask(thread, results)
+        return thread, results
+
+    def _stop_async_threads(self, timeout_s: float = FINALIZE_JOIN_S) -> None:
+        """Tell the ``transfer_cache_async`` threads to start nothing more and wait for them, at
+        most ``timeout_s`` in all (the links are still up, so a transfer in flight ends normally)."""
+        self._stopping.set()
+        with self._lock:
+            threads, self._async_threads = self._async_threads, []
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("finalize: a transfer_cache_async thread is still waiting in its layer "
+                               "synchronizer; it will not transfer anything more")
 
     def _release_pulled_key(self, remote_id: int, table, cache, row: int, src_tensors) -> None:
         """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""

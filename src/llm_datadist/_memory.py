@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import math
+from enum import IntEnum
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from llm_datadist._validate import UINT64_MAX, param_invalid
+from llm_datadist import _core
+from llm_datadist._validate import UINT64_MAX, param_invalid, raise_if_false
+from llm_datadist.data_type import DataType, element_size, numpy_dtype
 
 
 ADDRESS_SPACE = UINT64_MAX + 1
+#: At most this many dimensions in a cache shape (as in CANN).
+MAX_SHAPE_DIMS = 31
+
+
+class Place(IntEnum):
+    """Where a cache's memory lives: the one spelling of a placement below the API styles (each
+    API converts its own enum, ``Placement`` or ``CachePlacement``, at its boundary)."""
+
+    HOST = 0
+    DEVICE = 1
+
+
+def tensor_bytes(shape: Sequence[int], data_type: DataType) -> int:
+    """prod(shape) * element size, checking what the engine needs (1..31 dims, positive dims)."""
+    size = element_size(data_type)
+    raise_if_false(size is not None, f"data type {data_type} has no fixed element size")
+    raise_if_false(1 <= len(shape) <= MAX_SHAPE_DIMS,
+                   f"shape {list(shape)} must have 1..{MAX_SHAPE_DIMS} dimensions")
+    raise_if_false(all(dim > 0 for dim in shape), f"shape {list(shape)} must have positive dimensions")
+    return math.prod(shape) * size
 
 
 def check_address_range(addr: int, nbytes: int, where: str) -> None:
@@ -65,3 +89,9 @@ def resolve_addresses(values, needed_bytes: int, runtime_name: str) -> Tuple[Lis
         addrs.append(addr)
         keepalive.append(owner)
     return addrs, keepalive
+
+
+def host_view(addr: int, nbytes: int, owner: Any, data_type: DataType, shape: Sequence[int]) -> np.ndarray:
+    """A zero-copy numpy array of ``data_type``/``shape`` over host memory ``[addr, addr +
+    nbytes)``; it keeps ``owner`` (what holds the memory) alive."""
+    return _core.HostRegion(addr, nbytes, owner).as_array(numpy_dtype(data_type), shape)

@@ -5,6 +5,7 @@ int is asked for."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from llm_datadist.status import LLMException, LLMStatusCode
@@ -87,3 +88,8 @@ def param_invalid(message: str) -> LLMException:
 def raise_if_false(condition: bool, message: str) -> None:
     if not condition:
         raise param_invalid(message)
+
+
+def unpack_ip(ip: int) -> str:
+    """A packed IPv4 address (the deprecated integer form, little-endian) as a dotted string."""
+    return socket.inet_ntoa(int(ip).to_bytes(4, "little"))

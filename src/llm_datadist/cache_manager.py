@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple, Union
 
+import numpy as np
+
 from llm_datadist import _engine
+from llm_datadist._memory import Place
 from llm_datadist._validate import (
-    UINT64_MAX,
     check_int64,
     check_isinstance,
     check_uint32,
@@ -14,7 +16,6 @@ from llm_datadist._validate import (
     param_invalid,
     raise_if_false,
 )
-from llm_datadist import _core
 from llm_datadist.llm_types import (
     INVALID_ID,
     BlocksCacheKey,
@@ -34,7 +35,8 @@ from llm_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CacheManager"]
 
-_PLACEMENT = {Placement.HOST: _engine.HOST, Placement.DEVICE: _engine.DEVICE}
+# The API's Placement as the engine spells it (converted here, at the boundary).
+_PLACEMENT = {Placement.HOST: Place.HOST, Placement.DEVICE: Place.DEVICE}
 
 
 class CacheManager:
@@ -249,12 +251,17 @@ class CacheManager:
         self._check_is_inited()
         check_isinstance("cache", cache, Cache, allow_none=False)
         check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
-        for src_block, dst_blocks in copy_block_info.items():
-            check_isinstance("copy_block_info key", src_block, int, allow_none=False)
-            check_isinstance("copy_block_info value", dst_blocks, list, int, allow_none=False)
+        # The core flattens a dict of plain ints in one pass; anything else is checked here, as
+        # CANN checks it (the core then refuses what is out of range).
+        arrays = _engine.block_map_arrays(copy_block_info, one_to_many=True)
+        if arrays is None:
+            for src_block, dst_blocks in copy_block_info.items():
+                check_isinstance("copy_block_info key", src_block, int, allow_none=False)
+                check_isinstance("copy_block_info value", dst_blocks, list, int, allow_none=False)
+            arrays = ([s for s, dsts in copy_block_info.items() for _ in dsts],
+                      [d for dsts in copy_block_info.values() for d in dsts])
         raise_if_false(cache.is_blocks_cache, "copy_blocks: cache should be a blocks cache")
-        src_blocks = [s for s, dsts in copy_block_info.items() for _ in dsts]
-        dst_blocks = [d for dsts in copy_block_info.values() for d in dsts]
+        src_blocks, dst_blocks = arrays
         record = self._record(cache)
         raise_if_false(self._is_kind(cache, record, True), "copy_blocks: cache should be a blocks cache")
         self._engine.copy_blocks(record, record, src_blocks, dst_blocks)
@@ -268,13 +275,16 @@ class CacheManager:
                 raise AttributeError(f"{name} is None")
             check_isinstance(name, cache, Cache)
             raise_if_false(cache.is_blocks_cache, f"swap_blocks: {name} should be a blocks cache")
-        check_isinstance("src_to_dst", src_to_dst, dict, int, allow_none=False)
+        arrays = _engine.block_map_arrays(src_to_dst)
+        if arrays is None:
+            check_isinstance("src_to_dst", src_to_dst, dict, int, allow_none=False)
+            arrays = (list(src_to_dst.keys()), list(src_to_dst.values()))
         # Block size, block counts, tensor counts and placements all come from the records: the
         # geometry recorded when each cache was registered, allocated or created.
         src, dst = self._record(src_cache), self._record(dst_cache)
         for name, cache, record in (("src_cache", src_cache, src), ("dst_cache", dst_cache, dst)):
             raise_if_false(self._is_kind(cache, record, True), f"swap_blocks: {name} should be a blocks cache")
-        self._engine.swap_blocks(src, dst, list(src_to_dst.keys()), list(src_to_dst.values()))
+        self._engine.swap_blocks(src, dst, *arrays)
 
     # -- transfers between clusters ----------------------------------------------------------------
     @staticmethod
@@ -315,29 +325,38 @@ class CacheManager:
         if src_layer_range is None and dst_layer_range is None:
             return _engine.whole_caches(tensor_num_per_layer)
 
-        def tensors(src_n: int, dst_n: int):
-            return _core.resolve_layer_ranges(src_layer_range, dst_layer_range, src_n, dst_n,
-                                              tensor_num_per_layer)
-        return tensors
+        return _engine.layer_tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
 
     @staticmethod
-    def _block_list(name: str, blocks) -> list:
-        # Exact ints in range take the fast path (this runs on every latency-bound transfer).
-        if type(blocks) in (list, tuple) and all(type(b) is int and 0 <= b <= UINT64_MAX for b in blocks):
-            return blocks
-        check_isinstance(name, blocks, [list, tuple], int, allow_none=False)
-        for b in blocks:
-            check_uint64(name, b)
-        return list(blocks)
+    def _block_list(name: str, blocks) -> np.ndarray:
+        """A block list as the core's checked uint64 array. Only the container is checked here
+        (a list, a tuple or an integer numpy array); the core reads every element once, with
+        CANN's errors (TypeError for a non-integer or a bool, ValueError outside uint64)."""
+        if type(blocks) is not list and type(blocks) is not tuple and not isinstance(blocks, np.ndarray):
+            check_isinstance(name, blocks, [list, tuple], allow_none=False)
+        return _engine.block_array(blocks, name, cann_errors=True)
 
     @staticmethod
-    def _row_ref(key) -> tuple:
+    def _row_ref(key) -> "_engine.RemoteRef":
         """A remote row reference from a CacheKeyByIdAndIndex or a CacheKey."""
         if isinstance(key, CacheKeyByIdAndIndex):
-            return ("id", key.cache_id, key.batch_index)
+            return _engine.CacheRowRef(key.cache_id, key.batch_index)
         raise_if_false((key.req_id != INVALID_ID) != (key.prefix_id != INVALID_ID),
                        f"{key}: exactly one of req_id and prefix_id must be set")
-        return ("key", key.owner_key())
+        return _engine.KeyRef(key.owner_key())
+
+    @staticmethod
+    def _layer_target(cfg, src_layers: range) -> "_engine.LayerTarget":
+        """A ``TransferConfig`` / ``TransferWithCacheKeyConfig`` as the engine's LayerTarget."""
+        if isinstance(cfg, TransferConfig):
+            return _engine.LayerTarget(cfg.dst_cluster_id, src_layers, cfg.src_batch_index,
+                                       dst_addrs=tuple(cfg.dst_addrs))
+        key = cfg.cache_key
+        ref = (_engine.BlocksRef(key.model_id) if isinstance(key, BlocksCacheKey)
+               else _engine.CacheRowRef(key.cache_id, key.batch_index))
+        dst_start = None if cfg.dst_layer_range is None else cfg.dst_layer_range.start
+        return _engine.LayerTarget(key.cluster_id, src_layers, cfg.src_batch_index, ref=ref,
+                                   dst_layer_start=dst_start)
 
     def _local(self, cache: Cache, name: str):
         if cache is None:
@@ -417,11 +436,13 @@ class CacheManager:
             if len(src_list) != len(dst_list):
                 raise param_invalid(f"pull_blocks: src_blocks has {len(src_list)} entries, "
                                     f"dst_blocks {len(dst_list)}")
-            self._engine.pull_blocks(remote, ("model", src_cache_key.model_id), dst, src_list, dst_list, tensors)
+            self._engine.pull_blocks(remote, _engine.BlocksRef(src_cache_key.model_id), dst,
+                                     _engine.BlockSpec(src_list, dst_list), tensors)
         else:
             raise_if_false(len(src_list) == 0, "pull_blocks: src_blocks must be empty when pulling a "
                            "contiguous cache row into blocks")
-            self._engine.pull_row_to_blocks(remote, self._row_ref(src_cache_key), dst, dst_list, tensors)
+            self._engine.pull_blocks(remote, self._row_ref(src_cache_key), dst, _engine.BlockSpec(None, dst_list),
+                                     tensors)
 
     def _check_push_mode(self, method: str) -> None:
         if not self._enable_remote_cache_accessible:
@@ -477,8 +498,8 @@ class CacheManager:
         if len(src_list) != len(dst_list):
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), ("model", dst_cache_key.model_id),
-                                 src, src_list, dst_list, tensors)
+        self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), _engine.BlocksRef(dst_cache_key.model_id),
+                                 src, _engine.BlockSpec(src_list, dst_list), tensors)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs, src_block_indices=None, dst_block_indices=None,
@@ -497,18 +518,18 @@ class CacheManager:
         self._check_is_inited()
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         src = self._local(src_cache, "src_cache")
-        raise_if_false(src.placement != _engine.HOST, "src cache not support placement HOST")
-        for name, value in (("dst_block_indices", dst_block_indices), ("src_block_indices", src_block_indices)):
-            if value is not None:
-                self._block_list(name, value)
+        raise_if_false(src.placement != Place.HOST, "src cache not support placement HOST")
+        dst_arr = None if dst_block_indices is None else self._block_list("dst_block_indices", dst_block_indices)
+        src_arr = None if src_block_indices is None else self._block_list("src_block_indices", src_block_indices)
+        has_src, has_dst = src_arr is not None and len(src_arr) > 0, dst_arr is not None and len(dst_arr) > 0
         if dst_block_memory_size is not None:
             check_uint64("dst_block_memory_size", dst_block_memory_size)
-        if src_block_indices:
-            raise_if_false(bool(dst_block_indices), "transfer from blocks to cache is not supported")
-            raise_if_false(len(src_block_indices) == len(dst_block_indices),
-                           f"num_block_indices mismatches, src_num = {len(src_block_indices)}, "
-                           f"dst_num = {len(dst_block_indices)}")
-        elif dst_block_indices:
+        if has_src:
+            raise_if_false(has_dst, "transfer from blocks to cache is not supported")
+            raise_if_false(len(src_arr) == len(dst_arr),
+                           f"num_block_indices mismatches, src_num = {len(src_arr)}, "
+                           f"dst_num = {len(dst_arr)}")
+        elif has_dst:
             raise_if_false(dst_block_memory_size is not None,
                            "dst_block_memory_size must be set when transfer from cache to blocks")
         check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
@@ -516,7 +537,7 @@ class CacheManager:
         check_isinstance("transfer_configs", transfer_configs, [list, tuple], wanted, allow_none=False,
                          extra_fmt="While enable_remote_cache_accessible is True, "
                          if self._enable_remote_cache_accessible else "")
-        raise_if_false(bool(dst_block_indices) or dst_block_memory_size in (None, 0),
+        raise_if_false(has_dst or dst_block_memory_size in (None, 0),
                        f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 while "
                        f"dst is not blocks")
         raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
@@ -524,18 +545,19 @@ class CacheManager:
         for cfg in transfer_configs:
             if cfg.src_layer_range is None:  # CANN fills in the default on the config itself
                 cfg.src_layer_range = range(0, src.num_tensors // 2)
-            if src_block_indices:
+            if has_src:
                 raise_if_false(cfg.src_batch_index == 0, f"Invalid TransferConfig, src_batch_index "
                                f"({cfg.src_batch_index}) != 0 while src is blocks")
         blocks = None
-        if src_block_indices:
+        if has_src:
             raise_if_false(self._is_kind(src_cache, src, True), "src_block_indices needs a blocks source cache")
-            size = dst_block_memory_size or src.row_bytes
-            blocks = ("blocks", list(src_block_indices), list(dst_block_indices), size)
-        elif dst_block_indices:
+            blocks = _engine.BlockSpec(src_arr, dst_arr, dst_block_memory_size or src.row_bytes)
+        elif has_dst:
             raise_if_false(0 < dst_block_memory_size < src.tensor_bytes,
                            f"dst_block_memory_size ({dst_block_memory_size}) must be > 0 and < the tensor "
                            f"size ({src.tensor_bytes}) when transferring from a contiguous cache to blocks")
-            blocks = ("row_to_blocks", None, list(dst_block_indices), dst_block_memory_size)
-        jobs = self._engine.layer_jobs(src, list(transfer_configs), blocks)
-        return self._engine.start_layer_transfer(src, layer_synchronizer, jobs)
+            blocks = _engine.BlockSpec(None, dst_arr, dst_block_memory_size)
+        targets = [self._layer_target(cfg, cfg.src_layer_range) for cfg in transfer_configs]
+        jobs = self._engine.layer_jobs(src, targets, blocks)
+        thread, results = self._engine.start_layer_transfer(src, layer_synchronizer, jobs)
+        return CacheTask(thread, results)

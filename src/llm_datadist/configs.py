@@ -15,6 +15,7 @@ from llm_datadist._validate import (
     check_uint32,
     check_uint64,
     raise_if_false,
+    unpack_ip,
     INT32_MAX,
 )
 
@@ -358,10 +359,6 @@ def pack_ip(ip) -> int:
         return int.from_bytes(socket.inet_aton(ip), "little")
     except OSError:
         raise ValueError(f"ip {ip!r} is not a dotted IPv4 address") from None
-
-
-def unpack_ip(ip: int) -> str:
-    return socket.inet_ntoa(int(ip).to_bytes(4, "little"))
 
 
 def _pack_ips(value):

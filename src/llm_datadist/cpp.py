@@ -34,9 +34,11 @@ import sysconfig
 from enum import IntEnum
 from typing import Any, Dict, List, Sequence, Tuple
 
-from llm_datadist import _core, _engine, _validate, configs
+import numpy as np
+
+from llm_datadist import _engine, _validate
+from llm_datadist._memory import Place
 from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
-from llm_datadist.configs import unpack_ip
 from llm_datadist.data_type import DataType
 from llm_datadist.status import CPP_STATUS_CODES, LLMException
 
@@ -196,13 +198,13 @@ def _set_output(holder: Any, value: Any) -> None:
 
 
 # Where a bad argument is found. This module reads and converts the caller's arguments (with the
-# checks of _validate and the ip conversions of configs); the engine and the layers under it report
+# checks and the ip conversion of _validate); the engine and the layers under it report
 # a bad argument as LLMException(LLM_PARAM_INVALID). So a TypeError, ValueError, AttributeError or
 # OverflowError is the caller's when it was raised here (directly, or by the standard library
 # called from here, e.g. list(shape) or LlmRole(role)); one that comes up through any other code
 # (engine, transport, core, runtimes) is a bug of this library, reported as LLM_FAILED.
 _ARGUMENT_ERRORS = (TypeError, ValueError, AttributeError, OverflowError)
-_ARGUMENT_FILES = frozenset(os.path.abspath(module.__file__) for module in (sys.modules[__name__], _validate, configs))
+_ARGUMENT_FILES = frozenset(os.path.abspath(module.__file__) for module in (sys.modules[__name__], _validate))
 _STDLIB_DIRS = tuple(sorted({os.path.join(os.path.abspath(sysconfig.get_paths()[key]), "")
                              for key in ("stdlib", "platstdlib")}))
 # site-packages usually lies inside the standard library's directory: installed code is not it.
@@ -277,13 +279,13 @@ def _data_type(value: Any) -> DataType:
         raise param_invalid(f"data_type {value!r} is not a supported ge::DataType") from None
 
 
-def _placement(value: Any) -> int:
+def _placement(value: Any) -> Place:
     if value not in (CachePlacement.kHost, CachePlacement.kDevice):
         raise param_invalid(f"placement {value!r} must be kHost or kDevice")
-    return _engine.DEVICE if value == CachePlacement.kDevice else _engine.HOST
+    return Place.DEVICE if value == CachePlacement.kDevice else Place.HOST
 
 
-def _desc_values(desc: CacheDesc) -> Tuple[int, List[int], DataType, int]:
+def _desc_values(desc: CacheDesc) -> Tuple[int, List[int], DataType, Place]:
     if not isinstance(desc, CacheDesc):
         raise param_invalid(f"cache_desc must be a cpp.CacheDesc, got {type(desc).__name__}")
     num_tensors = _check_uint("num_tensors", desc.num_tensors, 32)
@@ -293,10 +295,12 @@ def _desc_values(desc: CacheDesc) -> Tuple[int, List[int], DataType, int]:
     return num_tensors, shape, _data_type(desc.data_type), _placement(desc.placement)
 
 
-def _block_list(name: str, values: Sequence[int]) -> List[int]:
-    if not isinstance(values, (list, tuple)):
+def _block_list(name: str, values: Sequence[int]) -> np.ndarray:
+    """A ``std::vector<uint64_t>`` of block indices as the core's checked uint64 array: the
+    container is checked here, every element once by the core (LLM_PARAM_INVALID if bad)."""
+    if not isinstance(values, (list, tuple, np.ndarray)):
         raise param_invalid(f"{name} must be a list of uint64")
-    return [_check_uint(name, v, 64) for v in values]
+    return _engine.block_array(values, name)
 
 
 class LlmDataDist:
@@ -357,13 +361,13 @@ class LlmDataDist:
     def listen_ip_info(self) -> str:
         """``"ip:port"`` actually listened on (port 0 resolved), ``""`` if not listening. Not in
         the C++ API; there for programs that listen on port 0."""
-        address = self._engine.links.listen_address if self._engine.initialized else None
+        address = self._engine.listen_address
         return f"{address[0]}:{address[1]}" if address else ""
 
     def lost_links(self) -> Dict[int, str]:
         """Clusters whose link ended without an ``UnlinkLlmClusters`` here, with the reason (see
         ``LLMDataDist.lost_links``); empty before ``Initialize``. Not in the C++ API."""
-        return self._engine.links.lost_links() if self._engine.initialized else {}
+        return self._engine.lost_links()
 
     # -- caches --------------------------------------------------------------------------------
     @_returns_status
@@ -408,7 +412,7 @@ class LlmDataDist:
 
     @staticmethod
     def _check_not_host_to_host(src, dst, method: str) -> None:
-        if src.placement == _engine.HOST and dst.placement == _engine.HOST:
+        if src.placement == Place.HOST and dst.placement == Place.HOST:
             raise param_invalid(f"{method} does not copy host to host")
 
     @_returns_status
@@ -417,7 +421,7 @@ class LlmDataDist:
         """Copy row ``src_batch_index`` of each tensor into row ``dst_batch_index`` (from
         ``offset``, ``size`` bytes, -1 = rest of the row). Device to device or device to host."""
         src, dst = self._record(src_cache, "src_cache"), self._record(dst_cache, "dst_cache")
-        if src.placement == _engine.HOST:
+        if src.placement == Place.HOST:
             raise param_invalid("CopyKvCache copies from a device cache (D2D or D2H)")
         _check_uint("src_batch_index", src_batch_index, 32)
         _check_uint("dst_batch_index", dst_batch_index, 32)
@@ -434,7 +438,7 @@ class LlmDataDist:
         src, dst = self._record(src_cache, "src_cache"), self._record(dst_cache, "dst_cache")
         self._check_not_host_to_host(src, dst, "CopyKvBlocks")
         src_list = _block_list("src_blocks", src_blocks)
-        if not src_list:
+        if not len(src_list):
             raise param_invalid("src_blocks must not be empty")
         if not isinstance(dst_blocks_list, (list, tuple)) or not dst_blocks_list:
             raise param_invalid("dst_blocks_list must be a non-empty list of block lists")
@@ -443,7 +447,9 @@ class LlmDataDist:
             if len(dst_list) != len(src_list):
                 raise param_invalid(f"a dst block list has {len(dst_list)} entries, src_blocks has "
                                     f"{len(src_list)}")
-        self._engine.copy_blocks(src, dst, src_list * len(checked), [b for d in checked for b in d])
+        src_all = src_list if len(checked) == 1 else np.tile(src_list, len(checked))
+        dst_all = checked[0] if len(checked) == 1 else np.concatenate(checked)
+        self._engine.copy_blocks(src, dst, src_all, dst_all)
         return LLM_SUCCESS
 
     # -- links -----------------------------------------------------------------------------------
@@ -453,7 +459,7 @@ class LlmDataDist:
             raise param_invalid(f"{what} must hold cpp.IpInfo, got {type(info).__name__}")
         ip = info.ip
         if is_instance_strict(ip, int):  # the deprecated packed form
-            ip = unpack_ip(ip)
+            ip = _validate.unpack_ip(ip)
         if not isinstance(ip, str) or not ip:
             raise param_invalid(f"{what}: ip must be a dotted address string, got {info.ip!r}")
         return ip, _check_uint(f"{what}.port", info.port, 16)
@@ -491,7 +497,7 @@ class LlmDataDist:
         """Link to each cluster's listener; ``rets`` gets one status per cluster. Returns
         ``LLM_SUCCESS`` only if every link was made, else the first failure."""
         targets = self._clusters(clusters, rets, timeout_in_millis, True)
-        return self._fill(rets, self._engine.links.link_many(targets, timeout_in_millis))
+        return self._fill(rets, self._engine.link_many(targets, timeout_in_millis))
 
     @_returns_status
     def UnlinkLlmClusters(self, clusters: Sequence[ClusterInfo], rets: List[Status],
@@ -500,7 +506,7 @@ class LlmDataDist:
         if not isinstance(force_flag, bool):
             raise param_invalid("force_flag must be a bool")
         targets = self._clusters(clusters, rets, timeout_in_millis, not force_flag)
-        codes = self._engine.links.unlink_many([t[0] for t in targets], timeout_in_millis, force_flag)
+        codes = self._engine.unlink_many([t[0] for t in targets], timeout_in_millis, force_flag)
         return self._fill(rets, codes)
 
     # -- transfers ---------------------------------------------------------------------------------
@@ -516,7 +522,7 @@ class LlmDataDist:
         src_range, dst_range = tuple(ext.src_layer_range), tuple(ext.dst_layer_range)
         if src_range == (-1, -1) and dst_range == (-1, -1):
             return _engine.whole_caches(n)
-        return lambda src_n, dst_n: _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, n, True)
+        return _engine.layer_tensors(src_range, dst_range, n, inclusive=True)
 
     def _index(self, index: Any, name: str) -> Tuple[int, int, int]:
         if not isinstance(index, CacheIndex):
@@ -543,7 +549,8 @@ class LlmDataDist:
             raise param_invalid(f"size {size!r} must be -1 or in [1, {dst.row_bytes}]")
         if batch_index >= dst.num_rows:
             raise param_invalid(f"batch_index {batch_index} is out of range for {dst.num_rows} rows")
-        self._engine.pull_rows(cluster_id, ("id", cache_id, row), dst, batch_index, size, self._ext(ext_param))
+        self._engine.pull_rows(cluster_id, _engine.CacheRowRef(cache_id, row), dst, batch_index, size,
+                               self._ext(ext_param))
         return LLM_SUCCESS
 
     @_returns_status
@@ -555,7 +562,8 @@ class LlmDataDist:
             raise param_invalid("src_cache_index.batch_index must be 0 for block transfers")
         dst = self._record(dst_cache, "dst_cache")
         src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
-        self._engine.pull_blocks(cluster_id, ("id", cache_id, 0), dst, src_list, dst_list, self._ext(ext_param))
+        self._engine.pull_blocks(cluster_id, _engine.CacheRowRef(cache_id, 0), dst,
+                                 _engine.BlockSpec(src_list, dst_list), self._ext(ext_param))
         return LLM_SUCCESS
 
     @_returns_status
@@ -571,7 +579,8 @@ class LlmDataDist:
             raise param_invalid(f"size must be -1 (one row), got {size!r}")
         if src_batch_index >= src.num_rows:
             raise param_invalid(f"src_batch_index {src_batch_index} is out of range for {src.num_rows} rows")
-        self._engine.push_rows(cluster_id, ("id", cache_id, row), src, src_batch_index, self._ext(ext_param))
+        self._engine.push_rows(cluster_id, _engine.CacheRowRef(cache_id, row), src, src_batch_index,
+                               self._ext(ext_param))
         return LLM_SUCCESS
 
     @_returns_status
@@ -585,13 +594,14 @@ class LlmDataDist:
             raise param_invalid("dst_cache_index.batch_index must be 0 for block transfers")
         src = self._record(src_cache, "src_cache")
         src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
-        self._engine.push_blocks(cluster_id, ("id", cache_id, 0), src, src_list, dst_list, self._ext(ext_param))
+        self._engine.push_blocks(cluster_id, _engine.CacheRowRef(cache_id, 0), src,
+                                 _engine.BlockSpec(src_list, dst_list), self._ext(ext_param))
         return LLM_SUCCESS
 
     @staticmethod
-    def _block_lists(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Tuple[List[int], List[int]]:
+    def _block_lists(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         src_list, dst_list = _block_list("src_blocks", src_blocks), _block_list("dst_blocks", dst_blocks)
-        if not src_list:
+        if not len(src_list):
             raise param_invalid("src_blocks must not be empty")
         if len(src_list) != len(dst_list):
             raise param_invalid(f"src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -13,7 +12,6 @@ from llm_datadist.cache_manager import CacheManager
 from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole, unpack_ip
 from llm_datadist.llm_types import RegisterMemStatus
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import comms
 
 __all__ = ["LLMDataDist"]
 
@@ -172,7 +170,7 @@ class LLMDataDist:
         ``listen_ip_info="127.0.0.1:0"`` can be read back); ``""`` when not listening.
         Not in CANN's API."""
         self._check_init()
-        address = self._engine.links.listen_address
+        address = self._engine.listen_address
         return f"{address[0]}:{address[1]}" if address else ""
 
     def lost_links(self) -> Dict[int, str]:
@@ -181,7 +179,7 @@ class LLMDataDist:
         raise ``LLM_LINK_FAILED``; ``unlink_clusters`` or a new ``link_clusters`` clears the
         entry. Not in CANN's API."""
         self._check_init()
-        return self._engine.links.lost_links()
+        return self._engine.lost_links()
 
     def _check_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int) -> None:
         check_int32("timeout", timeout)
@@ -216,7 +214,7 @@ class LLMDataDist:
             ip, port = cluster.remote_ip_info_list[0]
             targets.append((cluster.remote_cluster_id, unpack_ip(ip), port))
             slots.append(i)
-        for i, status in zip(slots, self._engine.links.link_many(targets, timeout)):
+        for i, status in zip(slots, self._engine.link_many(targets, timeout)):
             rets[i] = status
         return _overall(rets), rets
 
@@ -239,7 +237,7 @@ class LLMDataDist:
                 continue
             ids.append(cluster.remote_cluster_id)
             slots.append(i)
-        for i, status in zip(slots, self._engine.links.unlink_many(ids, timeout, bool(force))):
+        for i, status in zip(slots, self._engine.unlink_many(ids, timeout, bool(force))):
             rets[i] = status
         return _overall(rets), rets
 
@@ -284,17 +282,10 @@ class LLMDataDist:
         raise_if_false(len(set(ranks)) == len(ranks), "rank in cluster_rank_info can not be duplicated.")
         raise_if_false(self._cluster_id in cluster_rank_info,
                        f"cluster_rank_info does not contain this cluster's id {self._cluster_id}")
-        links = self._engine.links
-        raise_if_false(len(links.comms) < _MAX_COMMS, f"at most {_MAX_COMMS} links made with link() at a time")
-        members = comms.parse(rank_table, cluster_rank_info, comms.port_base(self._engine.options))
-        me = next(m for m in members if m.cluster_id == self._cluster_id)
-        comm = links.new_comm(comm_name, (comm_name, comms.digest(comm_name, rank_table, cluster_rank_info)),
-                              members, me)
-        total_s = int(self._engine.options.get("llm.LinkTotalTime", "0") or 0) or int(
-            os.environ.get("HCCL_CONNECT_TIMEOUT", comms.DEFAULT_LINK_TOTAL_S))
-        links.join_comm(comm, total_s * 1000)
+        raise_if_false(self._engine.comm_count() < _MAX_COMMS, f"at most {_MAX_COMMS} links made with link() at a time")
+        comm_id = self._engine.join_comm(comm_name, cluster_rank_info, rank_table)
         self._cache_manager._is_call_linked = True
-        return comm.comm_id
+        return comm_id
 
     def unlink(self, comm_id: int) -> None:
         """Drop a two-sided link (the links made for it); ``LLM_NOT_YET_LINK`` for an unknown id."""
@@ -302,7 +293,7 @@ class LLMDataDist:
         self._check_cache_manager_mode("unlink")
         check_isinstance("comm_id", comm_id, int, allow_none=False)
         check_uint64("comm_id", comm_id)
-        self._engine.links.leave_comm(comm_id, self._engine.sync_kv_timeout_ms)
+        self._engine.leave_comm(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """``PREPARING`` while the cache tables of a two-sided link are exchanged, then ``OK``, or
@@ -311,7 +302,7 @@ class LLMDataDist:
         self._check_cache_manager_mode("query_register_mem_status")
         check_isinstance("comm_id", comm_id, int, allow_none=False)
         check_uint64("comm_id", comm_id)
-        return RegisterMemStatus[self._engine.links.comm(comm_id).status]
+        return RegisterMemStatus[self._engine.comm_status(comm_id)]
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()

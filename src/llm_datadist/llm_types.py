@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from abc import ABC, abstractmethod
 from enum import Enum, IntEnum
 from typing import List, NamedTuple, Optional, Tuple, Union
 
-from llm_datadist import _core
 from llm_datadist._validate import (
     UINT64_MAX,
     check_int32,
@@ -19,7 +17,8 @@ from llm_datadist._validate import (
     param_invalid,
     raise_if_false,
 )
-from llm_datadist.data_type import DataType, element_size, numpy_dtype
+from llm_datadist._memory import MAX_SHAPE_DIMS, host_view, resolve_addresses, tensor_bytes  # noqa: F401 (re-exported)
+from llm_datadist.data_type import DataType
 from llm_datadist.status import LLMException, LLMStatusCode
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
 ]
 
 INVALID_ID = UINT64_MAX
-MAX_SHAPE_DIMS = 31
 
 
 class Placement(IntEnum):
@@ -148,16 +146,6 @@ class CacheDesc:
                 f"batch_dim_index={self._batch_dim_index}, seq_len_dim_index={self._seq_len_dim_index})")
 
 
-def tensor_bytes(shape, data_type: DataType) -> int:
-    """prod(shape) * element size, checking what the engine needs (1..31 dims, positive dims)."""
-    size = element_size(data_type)
-    raise_if_false(size is not None, f"data type {data_type} has no fixed element size")
-    raise_if_false(1 <= len(shape) <= MAX_SHAPE_DIMS,
-                   f"shape {list(shape)} must have 1..{MAX_SHAPE_DIMS} dimensions")
-    raise_if_false(all(dim > 0 for dim in shape), f"shape {list(shape)} must have positive dimensions")
-    return math.prod(shape) * size
-
-
 class CacheGeometry(NamedTuple):
     """A CacheDesc's geometry as it was when a cache was made (the desc itself stays the
     caller's: ``update_dim`` and list shapes change it in place)."""
@@ -221,8 +209,6 @@ class Cache:
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs) -> "Cache":
         """A host staging cache over caller-owned memory (cache_id -1, a blocks cache), e.g. for
         ``swap_blocks``. ``addrs``: a list of addresses (or numpy arrays / torch tensors)."""
-        from llm_datadist._memory import resolve_addresses
-
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         geometry = _geometry_of(cache_desc)  # read once: what the addresses are checked against
         raise_if_false(geometry.placement == Placement.HOST,
@@ -251,8 +237,8 @@ class Cache:
             if geometry is None:
                 raise param_invalid("the cache has no CacheDesc to view its tensors with")
             nbytes = tensor_bytes(geometry.shape, geometry.data_type)
-            views = [_core.HostRegion(addr, nbytes, self._keepalive).as_array(
-                numpy_dtype(geometry.data_type), geometry.shape) for addr in self._tensor_addrs]
+            views = [host_view(addr, nbytes, self._keepalive, geometry.data_type, geometry.shape)
+                     for addr in self._tensor_addrs]
         return views if index is None else views[index]
 
     def __repr__(self) -> str:

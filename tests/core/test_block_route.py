@@ -59,7 +59,8 @@ class Peer:
         self.remote[...] = GUARD
 
     def route(self, write: bool, link: Link = None, generation: int = 3) -> _planes.BlockRoute:
-        route = _planes.BlockRoute(link or Link(), self.pid, os.dup(self.pidfd) if self.pidfd >= 0 else -1, self.generation, generation,
+        pidfd = os.dup(self.pidfd) if self.pidfd >= 0 else -1  # the route takes it over
+        route = _planes.BlockRoute(link or Link(), self.pid, pidfd, self.generation, generation,
                                    self.layout(self.local), self.layout(self.remote), write)
         route.learn((None, None, 2), None, None)
         return route

@@ -484,8 +484,9 @@ class _Worker:
         self.dd = ld.LLMDataDist(role, self.cluster_id)
         self.dd.init(engine_options)
         self.cm = self.dd.cache_manager
-        # Block releases travel as notifications over the links (no server of our own).
-        self._links_api = self.dd._engine.links
+        # Block releases travel as notifications over the links (no server of our own); the
+        # engine passes them to its links.
+        self._links_api = self.dd._engine
         self.cache: Optional[ld.Cache] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
                       "notified": 0, "released": 0, "refused": 0, "expired": 0, "freed_at_shutdown": 0}
