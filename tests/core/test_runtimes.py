@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import llm_datadist
-from llm_datadist import _core, _device
+from llm_datadist import _core, runtimes
 from llm_datadist.status import LLMException, LLMStatusCode
 
 # the folder holding the package under test (src/ of a checkout, or site-packages), for children
@@ -397,7 +397,7 @@ def test_stub_acl_memcpy_checks_dest_max(stub):
 
 
 # ------------------------------------------------------------------------------------------------
-# Selection (llm_datadist._device)
+# Selection (llm_datadist.runtimes)
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -405,7 +405,7 @@ def device_env(monkeypatch):
     """A clean selection state: no LLM_DATADIST_* variables, an empty per-configuration cache."""
     for var in ("LLM_DATADIST_DEVICE", "LLM_DATADIST_ACL_LIBRARY", "LLM_DATADIST_CUDA_LIBRARY"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(_device, "_chosen", {})
+    monkeypatch.setattr(runtimes, "_chosen", {})
     return monkeypatch
 
 
@@ -413,12 +413,12 @@ def device_env(monkeypatch):
 def test_select_acl_from_env(device_env, stub, value):
     device_env.setenv("LLM_DATADIST_DEVICE", value)
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert (runtime.name, runtime.library) == ("acl", stub.path)
     assert reason == f"LLM_DATADIST_DEVICE={value.strip().lower()}: {stub.path} loaded"
     assert stub.names() == ["aclInit"]
     # Cached per configuration: the same answer, no second load.
-    assert _device.select_runtime() == (runtime, reason)
+    assert runtimes.select_runtime() == (runtime, reason)
     assert stub.names() == ["aclInit"]
 
 
@@ -426,7 +426,7 @@ def test_select_cuda_with_a_gpu(device_env, stub):
     stub.set_device_count(2)
     device_env.setenv("LLM_DATADIST_DEVICE", "gpu")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert (runtime.name, runtime.library) == ("cuda", stub.path)
     assert reason == f"LLM_DATADIST_DEVICE=gpu: {stub.path} loaded"
 
@@ -436,19 +436,19 @@ def test_select_cuda_without_gpu_raises(device_env, stub):
     device_env.setenv("LLM_DATADIST_DEVICE", "cuda")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
     with pytest.raises(LLMException) as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     assert (f"LLM_DATADIST_DEVICE=cuda but the runtime is not usable: {stub.path} loaded but "
             f"reports no GPU") in str(info.value)
     assert stub.names() == ["cudaGetDeviceCount"]
-    assert _device._chosen == {}
+    assert runtimes._chosen == {}
 
 
 def test_select_acl_with_missing_library_raises(device_env):
     device_env.setenv("LLM_DATADIST_DEVICE", "acl")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
     with pytest.raises(LLMException, match="/nonexistent/libascendcl.so") as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
 
 
@@ -457,7 +457,7 @@ def test_select_auto_falls_back_to_cpu(device_env, stub):
     device_env.setenv("LLM_DATADIST_DEVICE", "auto")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert runtime.name == "cpu" and runtime.host_addressable
     assert reason.startswith("auto-detected: always available")
     assert stub.names() == ["cudaGetDeviceCount"]  # cuda was probed and refused
@@ -474,7 +474,7 @@ def test_select_auto_order(device_env, make_stub, acl_present, gpus, expected):
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY",
                       acl_stub.path if acl_present else "/nonexistent/libascendcl.so")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", cuda_stub.path)
-    runtime, reason = _device.select_runtime()  # LLM_DATADIST_DEVICE unset = auto
+    runtime, reason = runtimes.select_runtime()  # LLM_DATADIST_DEVICE unset = auto
     chosen = {"acl": acl_stub, "cuda": cuda_stub}[expected]
     assert (runtime.name, runtime.library) == (expected, chosen.path)
     assert reason == f"auto-detected: {chosen.path} loaded"
@@ -488,18 +488,18 @@ def test_select_cache_is_per_configuration(device_env, make_stub):
     first, second = make_stub(), make_stub()
     device_env.setenv("LLM_DATADIST_DEVICE", "acl")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
-    chosen_first = _device.select_runtime()
+    chosen_first = runtimes.select_runtime()
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", second.path)
-    chosen_second = _device.select_runtime()
+    chosen_second = runtimes.select_runtime()
     assert chosen_first[0].library == first.path
     assert chosen_second[0].library == second.path
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
-    again = _device.select_runtime()
+    again = runtimes.select_runtime()
     assert again == chosen_first and again[0] is chosen_first[0]
     assert first.names() == ["aclInit"] and second.names() == ["aclInit"]
     # The cpu choice does not depend on the library variables being valid.
     device_env.setenv("LLM_DATADIST_DEVICE", "cpu")
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert runtime.name == "cpu" and reason.startswith("LLM_DATADIST_DEVICE=cpu: always available")
 
 
@@ -507,7 +507,7 @@ def test_select_cache_is_per_configuration(device_env, make_stub):
 def test_select_unknown_device_is_param_invalid(device_env, value):
     device_env.setenv("LLM_DATADIST_DEVICE", value)
     with pytest.raises(LLMException, match="is not one of auto, cpu, acl, cuda") as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
