@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -536,9 +537,10 @@ def test_registry_names_aliases_and_auto_order():
     assert (runtimes.get("cuda").library, runtimes.get("cuda").library_env) == (
         "libcudart.so", "LLM_DATADIST_CUDA_LIBRARY")
     assert runtimes.CAPABILITY_NAMES == ("host_addressable", "async_copy", "batched_copy", "ipc")
-    with pytest.raises(LLMException, match="unknown device runtime 'rocm'") as info:
-        runtimes.get("rocm")
-    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    for bad in ("rocm", "auto", "", None, ["cpu"]):
+        with pytest.raises(LLMException, match=re.escape(f"unknown device runtime {bad!r}")) as info:
+            runtimes.get(bad)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 def test_every_library_runtime_is_covered_by_the_stub():

@@ -130,8 +130,7 @@ def auto_order() -> Tuple[str, ...]:
 
 def get(name: str) -> RuntimeSpec:
     """The spec of runtime ``name`` (or alias); ``LLMException(LLM_PARAM_INVALID)`` if unknown."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    spec_name = _aliases.get(key)
+    spec_name = _aliases.get(name.strip().lower()) if isinstance(name, str) else None
     if spec_name is None:
         raise param_invalid(f"unknown device runtime {name!r}; expected one of {', '.join(names(False))}")
     return _registry[spec_name]
