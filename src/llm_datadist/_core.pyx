@@ -335,6 +335,8 @@ def load_runtime(str name, library=None, binding=None):
         raise _param_invalid(f"the {name} runtime needs the path of its shared library")
     else:
         library = str(library)
+        if "\0" in library:
+            raise _param_invalid(f"the {name} runtime library path {library!r} contains a NUL byte")
     key = (name, binding_name, library)
     rt = _RUNTIMES.get(key)
     if rt is None:

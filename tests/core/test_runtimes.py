@@ -569,6 +569,9 @@ def test_core_refuses_an_unknown_binding_and_a_library_binding_without_a_library
     with pytest.raises(LLMException, match="needs the path of its shared library") as info:
         _core.load_runtime("cuda")
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException, match="contains a NUL byte") as info:
+        _core.load_runtime("cuda", "/lib/libcudart.so\0.1")
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 def test_register_refuses_taken_names_unknown_capabilities_and_bindings():
