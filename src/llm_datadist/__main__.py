@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_datadist import __version__
     from llm_datadist._console import short_size
     from llm_datadist._demo import MAX_REQUESTS
+    from llm_datadist import runtimes
     parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"llm_datadist {__version__}")
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--plane", choices=("auto", "cma", "tcp"), default=None,
                           help="data plane (llm.DataPlane): cma = same-host process_vm_writev/readv, tcp = "
                                "loopback TCP; default: LLM_DATADIST_DATA_PLANE or auto")
-    transfer.add_argument("--device", choices=("auto", "cpu", "acl", "cuda"), default=None,
+    transfer.add_argument("--device", choices=runtimes.choices(), default=None,
                           help="device runtime of the DEVICE caches (LLM_DATADIST_DEVICE); default: that "
                                "variable or auto, which uses cpu when the detected runtime's memory cannot "
                                "move between processes yet")

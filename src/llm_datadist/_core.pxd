@@ -2,40 +2,17 @@
 # can cimport them.
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
-from llm_datadist._acl cimport (
-    dd_aclInit_fn, dd_aclrtFree_fn, dd_aclrtMalloc_fn, dd_aclrtMemcpy_fn, dd_aclrtSetDevice_fn,
-)
-from llm_datadist._cuda cimport (
-    dd_cudaFree_fn, dd_cudaGetDeviceCount_fn, dd_cudaMalloc_fn, dd_cudaMemcpy_fn,
-    dd_cudaSetDevice_fn,
-)
 from llm_datadist._runtime cimport dd_copy_desc, dd_runtime_table
-
-
-cdef struct AclApi:
-    dd_aclInit_fn init
-    dd_aclrtSetDevice_fn set_device
-    dd_aclrtMalloc_fn malloc
-    dd_aclrtFree_fn free
-    dd_aclrtMemcpy_fn memcpy
-
-
-cdef struct CudaApi:
-    dd_cudaGetDeviceCount_fn get_device_count
-    dd_cudaSetDevice_fn set_device
-    dd_cudaMalloc_fn malloc
-    dd_cudaFree_fn free
-    dd_cudaMemcpy_fn memcpy
 
 
 cdef class Runtime:
     cdef readonly str name
+    cdef readonly str binding
     cdef readonly str library
-    cdef readonly bint host_addressable
     cdef dd_runtime_table table
     cdef void *handle
-    cdef AclApi acl
-    cdef CudaApi cuda
+    # The binding's resolved vendor entry points (table.ctx points here); malloc'd by the binding.
+    cdef void *api
 
 
 cdef class Allocation:

@@ -10,16 +10,26 @@ MEMCPY_KIND_NAMES: dict[int, str]
 DEBUG_BUILD: bool
 CYTHON_VERSION: str
 C_STATUS_CODES: dict[str, int]
+RUNTIME_HOST_ADDRESSABLE: int
+RUNTIME_ASYNC_COPY: int
+RUNTIME_BATCHED_COPY: int
+RUNTIME_IPC: int
+CAPABILITIES: dict[str, int]
 
 class Runtime:
     name: str
+    binding: str
     library: str
-    host_addressable: bool
+    @property
+    def capabilities(self) -> int: ...
+    @property
+    def host_addressable(self) -> bool: ...
     def set_device(self, device_id: int) -> None: ...
     def device_count(self) -> int: ...
     def memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None: ...
 
-def load_runtime(name: str, library: Optional[str] = ...) -> Runtime: ...
+def bindings() -> Tuple[str, ...]: ...
+def load_runtime(name: str, library: Optional[str] = ..., binding: Optional[str] = ...) -> Runtime: ...
 
 class Allocation:
     addr: int

@@ -12,7 +12,7 @@ through a device runtime with the GIL released.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memmove, memset
 from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
@@ -22,10 +22,10 @@ cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void **memptr, size_t alignment, size_t size)
 import numpy as np
 
-from llm_datadist._acl cimport DD_ACL_MEM_MALLOC_HUGE_FIRST
 from llm_datadist._runtime cimport (
     DD_MEMCPY_DEVICE_TO_DEVICE, DD_MEMCPY_DEVICE_TO_HOST, DD_MEMCPY_HOST_TO_DEVICE,
-    DD_MEMCPY_HOST_TO_HOST,
+    DD_MEMCPY_HOST_TO_HOST, DD_RUNTIME_ASYNC_COPY, DD_RUNTIME_BATCHED_COPY,
+    DD_RUNTIME_HOST_ADDRESSABLE, DD_RUNTIME_IPC,
 )
 from llm_datadist cimport _status
 
@@ -66,8 +66,6 @@ CYTHON_VERSION = LLM_DATADIST_CYTHON_VERSION.decode()
 C_STATUS_CODES = _status.compiled_status_codes()
 
 cdef uint64_t _ALIGNMENT = 64
-# ACL answers aclInit on an already initialised process with ACL_ERROR_REPEAT_INITIALIZE.
-cdef int _ACL_ERROR_REPEAT_INITIALIZE = 100002
 
 
 cdef inline object _param_invalid(str message):
@@ -116,44 +114,18 @@ cdef int _host_memcpy(void *ctx, void *dst, const void *src, size_t count, int k
     return 0
 
 
-cdef int _acl_set_device(void *ctx, int32_t device_id) noexcept nogil:
-    return (<AclApi *>ctx).set_device(device_id)
-
-
-cdef int _acl_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
-    return (<AclApi *>ctx).malloc(ptr, size if size > 0 else 1, DD_ACL_MEM_MALLOC_HUGE_FIRST)
-
-
-cdef int _acl_free(void *ctx, void *ptr) noexcept nogil:
-    return (<AclApi *>ctx).free(ptr)
-
-
-cdef int _acl_memcpy(void *ctx, void *dst, const void *src, size_t count, int kind) noexcept nogil:
-    # The planner has already checked that count fits the destination, so destMax = count.
-    return (<AclApi *>ctx).memcpy(dst, count, src, count, kind)
-
-
-cdef int _cuda_set_device(void *ctx, int32_t device_id) noexcept nogil:
-    return (<CudaApi *>ctx).set_device(device_id)
-
-
-cdef int _cuda_malloc(void *ctx, void **ptr, size_t size) noexcept nogil:
-    return (<CudaApi *>ctx).malloc(ptr, size if size > 0 else 1)
-
-
-cdef int _cuda_free(void *ctx, void *ptr) noexcept nogil:
-    return (<CudaApi *>ctx).free(ptr)
-
-
-cdef int _cuda_memcpy(void *ctx, void *dst, const void *src, size_t count, int kind) noexcept nogil:
-    return (<CudaApi *>ctx).memcpy(dst, src, count, kind)
+cdef int _one_device(void *ctx, int *count) noexcept nogil:
+    count[0] = 1
+    return 0
 
 
 cdef class Runtime:
-    """A device runtime: a C function table (set_device, malloc, free, memcpy with kind).
+    """A device runtime: a C function table (set_device, malloc, free, memcpy with kind,
+    device_count) filled by one *binding* (host, acl, cuda), and the binding's capability bits.
 
     Obtain one with :func:`load_runtime`; runtimes are cached for the life of the process so the
-    function pointers they hand out stay valid.
+    function pointers they hand out stay valid. ``name`` is the registry's name for the runtime
+    (llm_datadist.runtimes), ``binding`` the binding that filled the table.
     """
 
     def __init__(self):
@@ -169,15 +141,22 @@ cdef class Runtime:
                                status_code=LLMStatusCode.LLM_FAILED)
 
     def device_count(self):
-        """Number of devices the runtime reports (1 for host and cpu, cudaGetDeviceCount for cuda)."""
-        cdef int count = 1
-        cdef int rc = 0
-        if self.name == "cuda":
-            with nogil:
-                rc = self.cuda.get_device_count(&count)
-            if rc != 0:
-                return 0
-        return count
+        """Number of devices the runtime reports (0 when the query fails)."""
+        cdef int count = 0
+        cdef int rc
+        with nogil:
+            rc = self.table.device_count(self.table.ctx, &count)
+        return count if rc == 0 else 0
+
+    @property
+    def capabilities(self):
+        """The binding's ``RUNTIME_*`` capability bits."""
+        return self.table.capabilities
+
+    @property
+    def host_addressable(self):
+        """Whether device memory of this runtime is plain memory the host may read and write."""
+        return bool(self.table.capabilities & DD_RUNTIME_HOST_ADDRESSABLE)
 
     def memcpy(self, uint64_t dst, uint64_t src, uint64_t nbytes, int kind):
         """Copy one range through the runtime (kind is a MEMCPY_* constant)."""
@@ -196,9 +175,39 @@ cdef class Runtime:
         return f"<Runtime {self.name}{where}>"
 
 
+#: Capability bits of a runtime table (dd_runtime_table.capabilities), by name.
+RUNTIME_HOST_ADDRESSABLE = DD_RUNTIME_HOST_ADDRESSABLE
+RUNTIME_ASYNC_COPY = DD_RUNTIME_ASYNC_COPY
+RUNTIME_BATCHED_COPY = DD_RUNTIME_BATCHED_COPY
+RUNTIME_IPC = DD_RUNTIME_IPC
+CAPABILITIES = {
+    "host_addressable": DD_RUNTIME_HOST_ADDRESSABLE,
+    "async_copy": DD_RUNTIME_ASYNC_COPY,
+    "batched_copy": DD_RUNTIME_BATCHED_COPY,
+    "ipc": DD_RUNTIME_IPC,
+}
+
 cdef dict _RUNTIMES = {}
 
-_RUNTIME_LIBRARIES = {"acl": "libascendcl.so", "cuda": "libcudart.so"}
+ctypedef int (*_bind_fn)(Runtime rt) except -1
+
+
+cdef class _Binding:
+    """One way of filling a runtime table: a C binder and whether it opens a shared library."""
+    cdef readonly str name
+    cdef readonly bint needs_library
+    cdef _bind_fn bind
+
+
+cdef dict _BINDINGS = {}
+
+
+cdef _add_binding(str name, _bind_fn bind, bint needs_library):
+    cdef _Binding binding = _Binding.__new__(_Binding)
+    binding.name = name
+    binding.needs_library = needs_library
+    binding.bind = bind
+    _BINDINGS[name] = binding
 
 
 cdef void *_resolve(void *handle, str library, str symbol) except NULL:
@@ -210,90 +219,96 @@ cdef void *_resolve(void *handle, str library, str symbol) except NULL:
     return fn
 
 
-cdef int _bind_acl(Runtime rt, str library) except -1:
-    cdef int rc
-    rt.acl.init = <dd_aclInit_fn>_resolve(rt.handle, library, "aclInit")
-    rt.acl.set_device = <dd_aclrtSetDevice_fn>_resolve(rt.handle, library, "aclrtSetDevice")
-    rt.acl.malloc = <dd_aclrtMalloc_fn>_resolve(rt.handle, library, "aclrtMalloc")
-    rt.acl.free = <dd_aclrtFree_fn>_resolve(rt.handle, library, "aclrtFree")
-    rt.acl.memcpy = <dd_aclrtMemcpy_fn>_resolve(rt.handle, library, "aclrtMemcpy")
-    rc = rt.acl.init(NULL)
-    if rc != 0 and rc != _ACL_ERROR_REPEAT_INITIALIZE:
-        raise LLMException(f"aclInit failed with error {rc}", status_code=LLMStatusCode.LLM_FAILED)
-    rt.table.ctx = &rt.acl
-    rt.table.set_device = _acl_set_device
-    rt.table.malloc_device = _acl_malloc
-    rt.table.free_device = _acl_free
-    rt.table.memcpy_kind = _acl_memcpy
+cdef void *_binding_api(Runtime rt, size_t size) except NULL:
+    """Zeroed storage for a binding's resolved entry points, owned by ``rt``: freed if the binding
+    fails, kept for the life of the process once it succeeds (like the library handle)."""
+    rt.api = calloc(1, size)
+    if rt.api == NULL:
+        raise MemoryError()
+    return rt.api
+
+
+cdef int _bind_host(Runtime rt) except -1:
+    rt.table.set_device = _host_set_device
+    rt.table.malloc_device = _host_malloc
+    rt.table.free_device = _host_free
+    rt.table.memcpy_kind = _host_memcpy
+    rt.table.device_count = _one_device
+    rt.table.capabilities = DD_RUNTIME_HOST_ADDRESSABLE
     return 0
 
 
-cdef int _bind_cuda(Runtime rt, str library) except -1:
-    rt.cuda.get_device_count = <dd_cudaGetDeviceCount_fn>_resolve(
-        rt.handle, library, "cudaGetDeviceCount")
-    rt.cuda.set_device = <dd_cudaSetDevice_fn>_resolve(rt.handle, library, "cudaSetDevice")
-    rt.cuda.malloc = <dd_cudaMalloc_fn>_resolve(rt.handle, library, "cudaMalloc")
-    rt.cuda.free = <dd_cudaFree_fn>_resolve(rt.handle, library, "cudaFree")
-    rt.cuda.memcpy = <dd_cudaMemcpy_fn>_resolve(rt.handle, library, "cudaMemcpy")
-    rt.table.ctx = &rt.cuda
-    rt.table.set_device = _cuda_set_device
-    rt.table.malloc_device = _cuda_malloc
-    rt.table.free_device = _cuda_free
-    rt.table.memcpy_kind = _cuda_memcpy
-    return 0
+_add_binding("host", _bind_host, False)
+
+# One file per vendor binding; each ends by registering itself with _add_binding.
+include "_rt_acl.pxi"
+include "_rt_cuda.pxi"
 
 
-cdef Runtime _new_runtime(str name, str library):
+def bindings():
+    """The names of the bindings this build of the core can fill a runtime table with."""
+    return tuple(_BINDINGS)
+
+
+cdef Runtime _new_runtime(str name, _Binding binding, str library):
     cdef Runtime rt = Runtime.__new__(Runtime)
     cdef bytes path
     cdef const char *err
     rt.name = name
-    rt.library = library or ""
-    rt.host_addressable = name in ("host", "cpu")
+    rt.binding = binding.name
+    rt.library = library
     rt.table.ctx = NULL
-    if name in ("host", "cpu"):
-        rt.table.set_device = _host_set_device
-        rt.table.malloc_device = _host_malloc
-        rt.table.free_device = _host_free
-        rt.table.memcpy_kind = _host_memcpy
-        return rt
-    path = library.encode()
-    rt.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL)
-    if rt.handle == NULL:
-        err = dlerror()
-        reason = err.decode(errors="replace") if err != NULL else "unknown error"
-        raise LLMException(f"cannot load the {name} runtime library {library}: {reason}",
-                           status_code=LLMStatusCode.LLM_FAILED)
+    rt.table.device_count = _one_device
+    rt.table.capabilities = 0
+    if binding.needs_library:
+        path = library.encode()
+        rt.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL)
+        if rt.handle == NULL:
+            err = dlerror()
+            reason = err.decode(errors="replace") if err != NULL else "unknown error"
+            raise LLMException(f"cannot load the {name} runtime library {library}: {reason}",
+                               status_code=LLMStatusCode.LLM_FAILED)
     try:
-        if name == "acl":
-            _bind_acl(rt, library)
-        else:
-            _bind_cuda(rt, library)
+        binding.bind(rt)
     except BaseException:
-        dlclose(rt.handle)
-        rt.handle = NULL
+        free(rt.api)
+        rt.api = NULL
+        if rt.handle != NULL:
+            dlclose(rt.handle)
+            rt.handle = NULL
         raise
-    # Once bound, the handle is never closed: allocations may still call into the library at exit.
+    # Once bound, the handle and the entry points are kept: allocations may still call into the
+    # library at exit.
     return rt
 
 
-def load_runtime(str name, library=None):
-    """Return the runtime ``name`` ("host", "cpu", "acl" or "cuda"), loading it on first use.
+def load_runtime(str name, library=None, binding=None):
+    """Return the runtime ``name`` filled by ``binding`` (default: the binding called ``name``,
+    one of :func:`bindings`), loading it on first use.
 
-    ``library`` overrides the shared library opened for "acl" (default ``libascendcl.so``) and
-    "cuda" (default ``libcudart.so``). A library that cannot be opened, or that lacks one of the
-    functions used, raises ``LLMException(LLM_FAILED)`` naming the library and the reason.
+    Bindings that open a shared library (acl, cuda) need ``library``, its path; the runtime
+    registry (llm_datadist.runtimes) supplies the default and the environment override. A library
+    that cannot be opened, or that lacks one of the functions used, raises
+    ``LLMException(LLM_FAILED)`` naming the library and the reason; an unknown binding or a
+    missing library path raises ``LLMException(LLM_PARAM_INVALID)``.
     """
-    if name not in ("host", "cpu", "acl", "cuda"):
-        raise _param_invalid(f"unknown device runtime {name!r}; expected host, cpu, acl or cuda")
-    if name in _RUNTIME_LIBRARIES:
-        library = str(library) if library else _RUNTIME_LIBRARIES[name]
-    else:
+    binding_name = name if binding is None else binding
+    found = _BINDINGS.get(binding_name) if isinstance(binding_name, str) else None
+    if found is None:
+        raise _param_invalid(f"unknown device runtime {name!r}: no binding {binding_name!r}; "
+                             f"expected one of {', '.join(_BINDINGS)}")
+    if not (<_Binding>found).needs_library:
         library = ""
-    key = (name, library)
+    elif not library:
+        raise _param_invalid(f"the {name} runtime needs the path of its shared library")
+    else:
+        library = str(library)
+        if "\0" in library:
+            raise _param_invalid(f"the {name} runtime library path {library!r} contains a NUL byte")
+    key = (name, binding_name, library)
     rt = _RUNTIMES.get(key)
     if rt is None:
-        rt = _new_runtime(name, library)
+        rt = _new_runtime(name, <_Binding>found, library)
         _RUNTIMES[key] = rt
     return rt
 

@@ -298,14 +298,15 @@ def verify_untouched(state, blocks: List[int]) -> List[dict]:
 
 def choose_device(requested: Optional[str]) -> tuple:
     """``(runtime name, why)`` for the children: ``requested`` (or ``LLM_DATADIST_DEVICE``) if
-    it can move DEVICE blocks between processes; without an explicit choice, ``cpu`` when the
-    auto-detected runtime cannot. Sets ``LLM_DATADIST_DEVICE`` for the children."""
-    from llm_datadist import LLMException, _device
+    it can move DEVICE blocks between processes; without an explicit choice, the registry's
+    host-addressable fallback (``cpu``) when the auto-detected runtime cannot. Sets
+    ``LLM_DATADIST_DEVICE`` for the children."""
+    from llm_datadist import LLMException, runtimes
     if requested is not None:
         os.environ["LLM_DATADIST_DEVICE"] = requested
     explicit = os.environ.get("LLM_DATADIST_DEVICE", "auto").strip().lower() not in ("", "auto")
     try:
-        runtime, reason = _device.select_runtime()
+        runtime, reason = runtimes.select_runtime()
     except LLMException as exc:
         raise DemoError(str(exc).split(" (status_code")[0]) from None
     if runtime.host_addressable:
@@ -313,10 +314,11 @@ def choose_device(requested: Optional[str]) -> tuple:
         return runtime.name, reason
     unsupported = (f"transfers of {runtime.name} device memory between processes are not "
                    f"implemented yet (they need device IPC or staging)")
+    fallback = runtimes.host_addressable_fallback()
     if explicit:
-        raise DemoError(f"device runtime {runtime.name}: {unsupported}; run with --device cpu")
-    os.environ["LLM_DATADIST_DEVICE"] = "cpu"
-    return "cpu", f"{runtime.name} was detected, but {unsupported}"
+        raise DemoError(f"device runtime {runtime.name}: {unsupported}; run with --device {fallback}")
+    os.environ["LLM_DATADIST_DEVICE"] = fallback
+    return fallback, f"{runtime.name} was detected, but {unsupported}"
 
 
 def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optional[str],

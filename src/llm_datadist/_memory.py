@@ -8,7 +8,7 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from llm_datadist import _core
+from llm_datadist import _core, runtimes
 from llm_datadist._validate import UINT64_MAX, param_invalid, raise_if_false
 from llm_datadist.data_type import DataType, element_size, numpy_dtype
 
@@ -74,7 +74,7 @@ def resolve_address(value: Any, needed_bytes: int, runtime_name: str, where: str
             raise param_invalid(f"{where}: torch tensor holds {nbytes} bytes, the cache tensor "
                                 f"needs {needed_bytes}")
         device = getattr(getattr(value, "device", None), "type", "cpu")
-        if device != "cpu" and not (device == "cuda" and runtime_name == "cuda"):
+        if device != "cpu" and device not in runtimes.tensor_devices(runtime_name):
             raise param_invalid(f"{where}: a torch tensor on {device} cannot be used with the "
                                 f"{runtime_name} runtime")
         return int(value.data_ptr()), value

@@ -1,5 +1,5 @@
 # Mirror of include/llm_datadist/dd_runtime.h.
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 
 cdef extern from "llm_datadist/dd_runtime.h" nogil:
     ctypedef enum dd_memcpy_kind:
@@ -13,6 +13,12 @@ cdef extern from "llm_datadist/dd_runtime.h" nogil:
     ctypedef int (*dd_free_fn)(void *ctx, void *ptr) noexcept nogil
     ctypedef int (*dd_memcpy_fn)(void *ctx, void *dst, const void *src, size_t count,
                                  int kind) noexcept nogil
+    ctypedef int (*dd_device_count_fn)(void *ctx, int *count) noexcept nogil
+
+    uint32_t DD_RUNTIME_HOST_ADDRESSABLE
+    uint32_t DD_RUNTIME_ASYNC_COPY
+    uint32_t DD_RUNTIME_BATCHED_COPY
+    uint32_t DD_RUNTIME_IPC
 
     ctypedef struct dd_runtime_table:
         dd_set_device_fn set_device
@@ -20,6 +26,8 @@ cdef extern from "llm_datadist/dd_runtime.h" nogil:
         dd_free_fn free_device
         dd_memcpy_fn memcpy_kind
         void *ctx
+        dd_device_count_fn device_count
+        uint32_t capabilities
 
     ctypedef struct dd_copy_desc:
         uint64_t src

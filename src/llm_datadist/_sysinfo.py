@@ -95,16 +95,19 @@ def build_facts() -> Dict[str, object]:
 
 
 def runtime_facts() -> Dict[str, object]:
-    """The device runtime this process would use, and every runtime's availability."""
-    from llm_datadist import LLMException, _device
+    """The device runtime this process would use, and every registered runtime's availability
+    and capabilities."""
+    from llm_datadist import LLMException, runtimes
     facts: Dict[str, object] = {}
     try:
-        runtime, reason = _device.select_runtime()
+        runtime, reason = runtimes.select_runtime()
         facts["device_runtime"] = f"{runtime.name} ({reason})"
     except LLMException as exc:
         facts["device_runtime"] = f"unusable: {str(exc).split(' (status_code')[0]}"
     facts["runtimes"] = {name: ("available: " if ok else "not available: ") + why
-                         for name, (ok, why) in ((n, _device.probe(n)) for n in ("cpu", "acl", "cuda"))}
+                         for name, (ok, why) in ((n, runtimes.probe(n)) for n in runtimes.names())}
+    facts["runtime_capabilities"] = {
+        name: ", ".join(sorted(runtimes.get(name).capabilities)) or "none" for name in runtimes.names()}
     return facts
 
 

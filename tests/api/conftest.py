@@ -120,9 +120,13 @@ class CppStyle:
     def cache_id(handle) -> int:
         return handle.cache_id
 
-    @staticmethod
-    def views(handle):
+    def views(self, handle):
         desc = handle.cache_desc
+        # The C++-style API has no tensor views; this adapter reads the memory in place, which only
+        # works where the host can address it (as CacheManager's as_numpy refuses otherwise).
+        if desc.placement == cpp.CachePlacement.kDevice and not self.dd._engine.runtime.host_addressable:
+            raise ld.LLMException(f"{self.dd._engine.runtime.name} device memory is not host-addressable",
+                                  status_code=ld.LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         dtype = numpy_dtype(desc.data_type)
         nbytes = int(np.prod(desc.shape)) * element_size(desc.data_type)
         return [_core.HostRegion(addr, nbytes).as_array(dtype, tuple(desc.shape))
@@ -139,6 +143,13 @@ class CppStyle:
         if first == cpp.LLM_PARAM_INVALID:  # registered memory
             return int(self.dd.UnregisterKvCache(handle.cache_id))
         return int(first)
+
+
+@pytest.fixture(autouse=True)
+def host_addressable_device(monkeypatch):
+    """The contract reads DEVICE caches through host views: pin the emulated cpu runtime, so the
+    suite means the same on a host where auto would pick acl or cuda."""
+    monkeypatch.setenv("LLM_DATADIST_DEVICE", "cpu")
 
 
 @pytest.fixture(params=["python", "cpp"])

@@ -9,9 +9,11 @@ kind, sizes and addresses) as well as the bytes that end up moved.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 
 import llm_datadist
-from llm_datadist import _core, _device
+from llm_datadist import _core, runtimes
 from llm_datadist.status import LLMException, LLMStatusCode
 
 # the folder holding the package under test (src/ of a checkout, or site-packages), for children
@@ -397,7 +399,7 @@ def test_stub_acl_memcpy_checks_dest_max(stub):
 
 
 # ------------------------------------------------------------------------------------------------
-# Selection (llm_datadist._device)
+# Selection (llm_datadist.runtimes)
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -405,7 +407,7 @@ def device_env(monkeypatch):
     """A clean selection state: no LLM_DATADIST_* variables, an empty per-configuration cache."""
     for var in ("LLM_DATADIST_DEVICE", "LLM_DATADIST_ACL_LIBRARY", "LLM_DATADIST_CUDA_LIBRARY"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(_device, "_chosen", {})
+    monkeypatch.setattr(runtimes, "_chosen", {})
     return monkeypatch
 
 
@@ -413,12 +415,12 @@ def device_env(monkeypatch):
 def test_select_acl_from_env(device_env, stub, value):
     device_env.setenv("LLM_DATADIST_DEVICE", value)
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert (runtime.name, runtime.library) == ("acl", stub.path)
     assert reason == f"LLM_DATADIST_DEVICE={value.strip().lower()}: {stub.path} loaded"
     assert stub.names() == ["aclInit"]
     # Cached per configuration: the same answer, no second load.
-    assert _device.select_runtime() == (runtime, reason)
+    assert runtimes.select_runtime() == (runtime, reason)
     assert stub.names() == ["aclInit"]
 
 
@@ -426,7 +428,7 @@ def test_select_cuda_with_a_gpu(device_env, stub):
     stub.set_device_count(2)
     device_env.setenv("LLM_DATADIST_DEVICE", "gpu")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert (runtime.name, runtime.library) == ("cuda", stub.path)
     assert reason == f"LLM_DATADIST_DEVICE=gpu: {stub.path} loaded"
 
@@ -436,19 +438,19 @@ def test_select_cuda_without_gpu_raises(device_env, stub):
     device_env.setenv("LLM_DATADIST_DEVICE", "cuda")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
     with pytest.raises(LLMException) as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     assert (f"LLM_DATADIST_DEVICE=cuda but the runtime is not usable: {stub.path} loaded but "
             f"reports no GPU") in str(info.value)
     assert stub.names() == ["cudaGetDeviceCount"]
-    assert _device._chosen == {}
+    assert runtimes._chosen == {}
 
 
 def test_select_acl_with_missing_library_raises(device_env):
     device_env.setenv("LLM_DATADIST_DEVICE", "acl")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
     with pytest.raises(LLMException, match="/nonexistent/libascendcl.so") as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
 
 
@@ -457,7 +459,7 @@ def test_select_auto_falls_back_to_cpu(device_env, stub):
     device_env.setenv("LLM_DATADIST_DEVICE", "auto")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", "/nonexistent/libascendcl.so")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert runtime.name == "cpu" and runtime.host_addressable
     assert reason.startswith("auto-detected: always available")
     assert stub.names() == ["cudaGetDeviceCount"]  # cuda was probed and refused
@@ -474,7 +476,7 @@ def test_select_auto_order(device_env, make_stub, acl_present, gpus, expected):
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY",
                       acl_stub.path if acl_present else "/nonexistent/libascendcl.so")
     device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", cuda_stub.path)
-    runtime, reason = _device.select_runtime()  # LLM_DATADIST_DEVICE unset = auto
+    runtime, reason = runtimes.select_runtime()  # LLM_DATADIST_DEVICE unset = auto
     chosen = {"acl": acl_stub, "cuda": cuda_stub}[expected]
     assert (runtime.name, runtime.library) == (expected, chosen.path)
     assert reason == f"auto-detected: {chosen.path} loaded"
@@ -488,18 +490,18 @@ def test_select_cache_is_per_configuration(device_env, make_stub):
     first, second = make_stub(), make_stub()
     device_env.setenv("LLM_DATADIST_DEVICE", "acl")
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
-    chosen_first = _device.select_runtime()
+    chosen_first = runtimes.select_runtime()
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", second.path)
-    chosen_second = _device.select_runtime()
+    chosen_second = runtimes.select_runtime()
     assert chosen_first[0].library == first.path
     assert chosen_second[0].library == second.path
     device_env.setenv("LLM_DATADIST_ACL_LIBRARY", first.path)
-    again = _device.select_runtime()
+    again = runtimes.select_runtime()
     assert again == chosen_first and again[0] is chosen_first[0]
     assert first.names() == ["aclInit"] and second.names() == ["aclInit"]
     # The cpu choice does not depend on the library variables being valid.
     device_env.setenv("LLM_DATADIST_DEVICE", "cpu")
-    runtime, reason = _device.select_runtime()
+    runtime, reason = runtimes.select_runtime()
     assert runtime.name == "cpu" and reason.startswith("LLM_DATADIST_DEVICE=cpu: always available")
 
 
@@ -507,8 +509,183 @@ def test_select_cache_is_per_configuration(device_env, make_stub):
 def test_select_unknown_device_is_param_invalid(device_env, value):
     device_env.setenv("LLM_DATADIST_DEVICE", value)
     with pytest.raises(LLMException, match="is not one of auto, cpu, acl, cuda") as info:
-        _device.select_runtime()
+        runtimes.select_runtime()
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+# ------------------------------------------------------------------------------------------------
+# The registry (llm_datadist.runtimes): names, capabilities, and a runtime added with no other edit
+# ------------------------------------------------------------------------------------------------
+
+def _capability_bits(spec) -> int:
+    bits = 0
+    for name in spec.capabilities:
+        bits |= _core.CAPABILITIES[name]
+    return bits
+
+
+def test_registry_names_aliases_and_auto_order():
+    assert runtimes.names() == ("cpu", "acl", "cuda")
+    assert runtimes.names(selectable_only=False) == ("host", "cpu", "acl", "cuda")
+    assert runtimes.choices() == ("auto", "cpu", "acl", "cuda")
+    assert runtimes.aliases() == {"cpu": "cpu", "acl": "acl", "ascend": "acl", "npu": "acl",
+                                  "cuda": "cuda", "gpu": "cuda"}
+    assert runtimes.auto_order() == ("acl", "cuda", "cpu")
+    assert runtimes.get(" NPU ").name == "acl" and runtimes.get("host").binding == "host"
+    assert (runtimes.get("acl").library, runtimes.get("acl").library_env) == (
+        "libascendcl.so", "LLM_DATADIST_ACL_LIBRARY")
+    assert (runtimes.get("cuda").library, runtimes.get("cuda").library_env) == (
+        "libcudart.so", "LLM_DATADIST_CUDA_LIBRARY")
+    assert runtimes.CAPABILITY_NAMES == ("host_addressable", "async_copy", "batched_copy", "ipc")
+    for bad in ("rocm", "auto", "", None, ["cpu"]):
+        with pytest.raises(LLMException, match=re.escape(f"unknown device runtime {bad!r}")) as info:
+            runtimes.get(bad)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_every_library_runtime_is_covered_by_the_stub():
+    """The stub tests above run over API's runtimes: a new vendor runtime brings its stub entries."""
+    assert {name for name in runtimes.names(False) if runtimes.get(name).library} == set(API)
+
+
+@pytest.mark.parametrize("name", runtimes.names(selectable_only=False))
+def test_declared_capabilities_are_what_the_binding_reports(make_stub, name):
+    spec = runtimes.get(name)
+    rt = runtimes.load(name, make_stub().path if spec.library else None)
+    assert (rt.name, rt.binding) == (spec.name, spec.binding)
+    assert rt.capabilities == _capability_bits(spec)
+    assert rt.host_addressable == spec.host_addressable == ("host_addressable" in spec.capabilities)
+    assert spec.capability_flags() == {cap: cap in spec.capabilities for cap in runtimes.CAPABILITY_NAMES}
+    # Nothing implements async, batched or IPC copies yet (issue 13): no runtime may claim them.
+    assert not spec.capabilities & {"async_copy", "batched_copy", "ipc"}
+
+
+def test_core_refuses_an_unknown_binding_and_a_library_binding_without_a_library():
+    assert set(_core.bindings()) == {"host", "acl", "cuda"}
+    for kwargs in ({"binding": "hip"}, {"binding": 3}):
+        with pytest.raises(LLMException, match="unknown device runtime 'x'") as info:
+            _core.load_runtime("x", **kwargs)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException, match="needs the path of its shared library") as info:
+        _core.load_runtime("cuda")
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException, match="contains a NUL byte") as info:
+        _core.load_runtime("cuda", "/lib/libcudart.so\0.1")
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_register_refuses_taken_names_unknown_capabilities_and_bindings():
+    spec = runtimes.RuntimeSpec
+    for bad, match in [
+        (spec(name="gpu", binding="host", description="x"), "reserved or taken"),
+        (spec(name="auto", binding="host", description="x"), "reserved or taken"),
+        (spec(name="extra", binding="host", description="x", aliases=("npu",)), "reserved or taken"),
+        (spec(name="Extra", binding="host", description="x"), "reserved or taken"),
+        (spec(name="extra", binding="host", description="x", capabilities=frozenset({"fast"})),
+         "unknown capabilities"),
+        (spec(name="extra", binding="hip", description="x"), "no binding 'hip'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            runtimes.register(bad)
+    assert "extra" not in runtimes.aliases() and runtimes.aliases()["npu"] == "acl"
+
+
+@pytest.fixture
+def test_runtime(device_env):
+    """A test-only runtime registered like a vendor module would be: ``testrt`` (alias ``trt``)
+    over the cuda binding, its library named by LLM_DATADIST_TESTRT_LIBRARY, first in auto order."""
+    spec = runtimes.register(runtimes.RuntimeSpec(
+        name="testrt", binding="cuda", description="test-only runtime over the stub library",
+        aliases=("trt",), library="/nonexistent/libtestrt.so", library_env="LLM_DATADIST_TESTRT_LIBRARY",
+        auto_priority=5))
+    try:
+        yield spec
+    finally:
+        runtimes.unregister("testrt")
+
+
+def test_a_registered_runtime_is_selected_listed_and_offered(test_runtime, device_env, stub):
+    """Selection, `info` and the CLI pick a new runtime up from its registration alone."""
+    from llm_datadist import _sysinfo
+    from llm_datadist.__main__ import build_parser
+
+    assert runtimes.choices() == ("auto", "cpu", "acl", "cuda", "testrt")
+    assert runtimes.auto_order()[0] == "testrt"
+    # Unusable until its library variable names a loadable library.
+    assert runtimes.probe("testrt") == (False, "cannot load the testrt runtime library "
+                                               "/nonexistent/libtestrt.so: /nonexistent/libtestrt.so: "
+                                               "cannot open shared object file: No such file or directory")
+    device_env.setenv("LLM_DATADIST_TESTRT_LIBRARY", stub.path)
+    device_env.setenv("LLM_DATADIST_DEVICE", "TRT")
+    runtime, reason = runtimes.select_runtime()
+    assert (runtime.name, runtime.binding, runtime.library) == ("testrt", "cuda", stub.path)
+    assert reason == f"LLM_DATADIST_DEVICE=trt: {stub.path} loaded"
+    device_env.delenv("LLM_DATADIST_DEVICE")
+    assert runtimes.select_runtime() == (runtime, f"auto-detected: {stub.path} loaded")
+
+    facts = _sysinfo.runtime_facts()
+    assert facts["device_runtime"] == f"testrt (auto-detected: {stub.path} loaded)"
+    assert facts["runtimes"]["testrt"] == f"available: {stub.path} loaded"
+    assert facts["runtime_capabilities"] == {"cpu": "host_addressable", "acl": "none", "cuda": "none",
+                                             "testrt": "none"}
+    assert build_parser().parse_args(["demo", "--device", "testrt"]).device == "testrt"
+
+    runtimes.unregister("testrt")
+    try:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["demo", "--device", "testrt"])
+        device_env.setenv("LLM_DATADIST_DEVICE", "testrt")
+        with pytest.raises(LLMException) as info:
+            runtimes.select_runtime()
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        message = str(info.value)
+        assert "LLM_DATADIST_DEVICE='testrt' is not one of auto, cpu, acl, cuda" in message
+        assert "testrt" not in message.split("is not one of")[1]
+    finally:
+        runtimes.register(test_runtime)
+
+
+def test_a_registered_runtime_backs_device_caches(test_runtime, device_env, stub):
+    """The engine allocates DEVICE memory through the new runtime and, since its memory is not
+    host-addressable, refuses host views of it (as for acl and cuda)."""
+    from llm_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+
+    device_env.setenv("LLM_DATADIST_TESTRT_LIBRARY", stub.path)
+    device_env.setenv("LLM_DATADIST_DEVICE", "testrt")
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.mem_pool_cfg = '{"memory_size": 10000000}'
+    dd.init(config.generate_options())
+    try:
+        cache = dd.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.DEVICE))
+        assert stub.names() == ["cudaSetDevice", "cudaMalloc"]
+        assert stub.calls("cudaMalloc")[0].dst == cache.tensor_addrs[0]
+        with pytest.raises(LLMException) as info:
+            cache.as_numpy()
+        assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    finally:
+        dd.finalize()
+    del cache, info  # the traceback's as_numpy frame holds the cache too
+    gc.collect()
+    assert stub.names()[-1] == "cudaFree" and stub.live_allocations() == 0
+
+
+def test_torch_devices_accepted_come_from_the_runtime(test_runtime):
+    torch = pytest.importorskip("torch")
+    from llm_datadist._memory import resolve_address
+
+    meta = torch.empty(4, dtype=torch.int32, device="meta")
+    with pytest.raises(LLMException, match="a torch tensor on meta cannot be used with the cuda runtime"):
+        resolve_address(meta, 16, "cuda", "addrs[0]")
+    runtimes.unregister("testrt")
+    try:
+        runtimes.register(dataclasses.replace(test_runtime, tensor_devices=("meta",)))
+        assert resolve_address(meta, 16, "testrt", "addrs[0]")[1] is meta
+    finally:
+        runtimes.unregister("testrt")
+        runtimes.register(test_runtime)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -592,7 +769,7 @@ def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
     api = API[name]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
     env["LLM_DATADIST_DEVICE"] = name
-    env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
+    env[runtimes.get(name).library_env] = stub.path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD, stub.path], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
@@ -687,7 +864,7 @@ def test_worker_threads_are_bound_to_the_device(stub, tmp_path, name):
     than the one that called init must still run on the configured device."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
     env["LLM_DATADIST_DEVICE"] = name
-    env[f"LLM_DATADIST_{name.upper()}_LIBRARY"] = stub.path
+    env[runtimes.get(name).library_env] = stub.path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD_THREADS], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)

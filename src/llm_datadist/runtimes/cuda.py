@@ -1,0 +1,27 @@
+"""``cuda`` (alias ``gpu``): NVIDIA GPUs through the CUDA runtime, ``libcudart.so`` opened with
+dlopen (``LLM_DATADIST_CUDA_LIBRARY`` overrides the path); usable when it reports a GPU.
+
+Copies are synchronous ``cudaMemcpy`` calls, one per descriptor; device memory is not host
+memory and cannot move between processes yet (no IPC). Torch ``cuda`` tensors hold its memory."""
+
+from typing import Optional
+
+from llm_datadist.runtimes import RuntimeSpec, register
+
+
+def _has_a_gpu(runtime) -> Optional[str]:
+    return None if runtime.device_count() > 0 else f"{runtime.library} loaded but reports no GPU"
+
+
+SPEC = register(RuntimeSpec(
+    name="cuda",
+    binding="cuda",
+    description="NVIDIA GPU through libcudart.so",
+    aliases=("gpu",),
+    library="libcudart.so",
+    library_env="LLM_DATADIST_CUDA_LIBRARY",
+    capabilities=frozenset(),
+    auto_priority=20,
+    usable=_has_a_gpu,
+    tensor_devices=("cuda",),
+))
