@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from llm_datadist import _planes
@@ -320,7 +319,7 @@ class Handshakes:
 
     @staticmethod
     def _connect_tcp(ip: str, port: int, deadline: float) -> socket.socket:
-        remaining = deadline - time.monotonic()
+        remaining = dl.left_s(deadline)
         if remaining <= 0:
             raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
         sock = socket.create_connection((ip, port), timeout=remaining)
@@ -336,7 +335,7 @@ class Handshakes:
     def _connect_unix(unix_name: str, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(max(0.001, dl.left_s(deadline)))
             sock.connect("\0" + unix_name)
             tune(sock)
             sock.setblocking(False)

@@ -152,7 +152,7 @@ class LinkManager(Listeners, Handshakes, Server):
     def _await_mutual(self, remote_cluster_id: int, deadline: float) -> LLMStatusCode:
         """The peer is linking to this cluster at the same time and its link is the one kept:
         wait for it to arrive."""
-        while time.monotonic() < deadline:
+        while not dl.expired(deadline):
             with self._lock:
                 peer = self._peers.get(remote_cluster_id)
                 if peer is not None and peer.ready and not peer.is_client:
@@ -421,7 +421,7 @@ class LinkManager(Listeners, Handshakes, Server):
         try:
             for member in lower:
                 status = S.LLM_LINK_FAILED
-                while time.monotonic() < deadline:
+                while not dl.expired(deadline):
                     status = self.link(member.cluster_id, member.device_ip, member.port, max(1, dl.left_ms(deadline)),
                                        comm=comm.key, quiet=True)
                     if status not in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_ALREADY_LINK):
@@ -433,7 +433,7 @@ class LinkManager(Listeners, Handshakes, Server):
                                                    f"({status_of(status).name})")
             for member in higher:
                 while not self._linked_now(member.cluster_id):
-                    if time.monotonic() >= deadline:
+                    if dl.expired(deadline):
                         raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) did not "
                                                        f"link to {comm.me.device_ip}:{comm.me.port} in time")
                     time.sleep(0.01)
