@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from llm_datadist._console import Progress, parse_size
+from llm_datadist.transport import planes as registry
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: A demo small enough to take about a second: 2 layers x K/V, 16-token blocks of 4 heads x 32
@@ -134,7 +135,7 @@ def test_demo_report_says_what_moved_and_that_it_was_verified():
     assert out.stderr == ""
 
 
-@pytest.mark.parametrize("plane", ["cma", "tcp"])
+@pytest.mark.parametrize("plane", registry.names())
 @pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
 def test_demo_moves_and_verifies_on_each_plane(plane, pull):
     out = run("demo", *SMALL_DEMO, "--plane", plane, "--json", *(["--pull"] if pull else []))
@@ -332,7 +333,7 @@ def test_info_reports_build_runtimes_and_planes():
     assert facts["device_runtime"].startswith(("cpu", "acl", "cuda"))
     assert facts["runtimes"]["cpu"].startswith("available")
     planes = facts["data_planes"]
-    assert set(planes) == {"local", "cma", "tcp"}
+    assert set(planes) == {"local", *registry.names()}
     assert planes["local"].startswith("available")
     assert planes["tcp"].startswith("available")  # loopback works wherever the test suite runs
     assert planes["cma"].startswith(("available: ", "not available: "))

@@ -129,8 +129,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llm_datadist._bench import ALL_PLANES, DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, \
-        PLANE_ALIASES
+    from llm_datadist._bench import DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, all_planes, \
+        plane_aliases
+    from llm_datadist.transport import planes
     from llm_datadist import __version__
     from llm_datadist._console import short_size
     from llm_datadist._demo import MAX_REQUESTS
@@ -164,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     transfer = demo.add_argument_group("transfer")
     transfer.add_argument("--pull", action="store_true",
                           help="the decode side pulls (pull_blocks) instead of the prefill side pushing")
-    transfer.add_argument("--plane", choices=("auto", "cma", "tcp"), default=None,
-                          help="data plane (llm.DataPlane): cma = same-host process_vm_writev/readv, tcp = "
-                               "loopback TCP; default: LLM_DATADIST_DATA_PLANE or auto")
+    plane_help = "; ".join(f"{name} = {planes.get(name).summary}" for name in planes.names())
+    transfer.add_argument("--plane", choices=planes.choices(), default=None,
+                          help=f"data plane (llm.DataPlane): {plane_help}; default: LLM_DATADIST_DATA_PLANE "
+                               f"or auto")
     transfer.add_argument("--device", choices=runtimes.choices(), default=None,
                           help="device runtime of the DEVICE caches (LLM_DATADIST_DEVICE); default: that "
                                "variable or auto, which uses cpu when the detected runtime's memory cannot "
@@ -181,16 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", help="throughput sweep: block size x data plane x direction vs an in-run memcpy",
-        description="Measure push_blocks / pull_blocks between processes of this host (cma, tcp) and the "
-                    "local copy_blocks for each block size, against a bare memcpy loop over the same "
-                    "descriptors measured in the same run; print GB/s, us per block and the ratio to the "
-                    "baseline, write every duration as JSON.")
+        description=f"Measure push_blocks / pull_blocks between processes of this host "
+                    f"({', '.join(planes.names())}) and the local copy_blocks for each block size, against a "
+                    "bare memcpy loop over the same descriptors measured in the same run; print GB/s, us "
+                    "per block and the ratio to the baseline, write every duration as JSON.")
     bench.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES),
                        help="block sizes, comma-separated (default "
                             f"{','.join(short_size(s) for s in DEFAULT_SIZES)})")
-    bench.add_argument("--planes", type=_list_of(PLANE_ALIASES, "unknown data plane"), default=None,
-                       help=f"data planes, comma-separated: {', '.join(ALL_PLANES)} (cma = same-host "
-                            f"process_vm_writev/readv); default: all that this host permits")
+    bench.add_argument("--planes", type=_list_of(plane_aliases(), "unknown data plane"), default=None,
+                       help=f"data planes, comma-separated: {', '.join(all_planes())} ({plane_help}); "
+                            f"default: all that this host permits")
     bench.add_argument("--directions", type=_list_of({"push": "push", "pull": "pull", "both": tuple(DIRECTIONS)},
                                                      "unknown direction"),
                        default=list(DIRECTIONS), help="push, pull or both (default both; local is a copy)")

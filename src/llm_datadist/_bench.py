@@ -15,8 +15,8 @@ ids, so every block is one descriptor. For each block size:
 
 Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). The baseline is
 one thread; a same-host transfer of 8 MiB or more a call is split over two threads, and a TCP one
-over the link's two connections, each on a thread (``PARALLEL_CMA_BYTES`` / ``PARALLEL_TCP_BYTES``
-in ``transport/links.py``), so on a machine with two free cores these can beat the baseline: every
+over the link's two connections, each on a thread (``stripe_bytes`` / ``stripes`` of each plane
+in ``transport/planes/``), so on a machine with two free cores these can beat the baseline: every
 row, the table and the plot say how many threads moved the bytes. Durations are
 taken inside the process that makes the call, around the call alone. The kinds of one block size
 are measured interleaved, a batch of calls each in turn, until each has run ``min_time`` seconds
@@ -32,15 +32,31 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist._console import Progress, format_size, short_size, sigint_for_parent_only
 from llm_datadist._sysinfo import build_facts, host_facts, memory_shortfall
 
-LOCAL, CMA, TCP = "local", "cma", "tcp"
-ALL_PLANES = (LOCAL, CMA, TCP)
-PLANE_ALIASES = {"local": LOCAL, "cma": CMA, "same-host": CMA, "samehost": CMA, "tcp": TCP}
+LOCAL = "local"
+
+
+def all_planes() -> Tuple[str, ...]:
+    """``local`` and every registered data plane (``transport.planes``)."""
+    from llm_datadist.transport import planes
+    return (LOCAL,) + planes.names()
+
+
+def plane_aliases() -> Dict[str, str]:
+    """Every name and alias ``--planes`` takes, to the plane it means."""
+    from llm_datadist.transport import planes
+    aliases = {LOCAL: LOCAL}
+    for name in planes.names():
+        aliases[name] = name
+        aliases.update((alias, name) for alias in planes.get(name).aliases)
+    return aliases
+
+
 DIRECTIONS = ("push", "pull")
 DEFAULT_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 DEFAULT_TOTAL = 64 << 20
@@ -58,7 +74,7 @@ class BenchError(Exception):
 @dataclass(frozen=True)
 class SweepConfig:
     sizes: Sequence[int] = DEFAULT_SIZES
-    planes: Sequence[str] = ALL_PLANES
+    planes: Sequence[str] = field(default_factory=all_planes)
     directions: Sequence[str] = DIRECTIONS
     total: int = DEFAULT_TOTAL
     min_time: float = DEFAULT_MIN_TIME
@@ -121,14 +137,11 @@ def _measure_case(rig, case, kinds: List[tuple], config: SweepConfig,
 
 def threads_of(plane: str, case) -> int:
     """Threads that move the bytes of one call of ``plane`` (as reported) in ``case``."""
-    from llm_datadist.transport.links import CONNECTIONS_PER_DIRECTION, PARALLEL_CMA_BYTES, PARALLEL_TCP_BYTES
-    if case.moved < 2:
+    from llm_datadist.transport import planes
+    spec = planes.lookup(plane)
+    if case.moved < 2 or spec is None or not spec.stripe_bytes:
         return 1
-    if plane == CMA and case.bytes_per_transfer >= PARALLEL_CMA_BYTES:
-        return 2
-    if plane == TCP and case.bytes_per_transfer >= PARALLEL_TCP_BYTES:
-        return CONNECTIONS_PER_DIRECTION
-    return 1
+    return spec.stripes if case.bytes_per_transfer >= spec.stripe_bytes else 1
 
 
 def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
@@ -153,7 +166,7 @@ def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
 def sweep(config: SweepConfig, progress: Optional[Progress] = None) -> List[dict]:
     """Run the sweep; one row per (block size, kind), baseline rows included."""
     from llm_datadist._workload import Case, TransportRig, kinds
-    remote = tuple(p for p in (CMA, TCP) if p in config.planes)
+    remote = tuple(p for p in all_planes() if p != LOCAL and p in config.planes)
     rows: List[dict] = []
     progress = progress or Progress(0)
     with contextlib.ExitStack() as stack:
@@ -229,11 +242,15 @@ def plot(rows: List[dict], path: str, title: str) -> None:
 
 def available_planes() -> tuple:
     """The planes this host can measure, and a note on any left out."""
-    from llm_datadist._sysinfo import probe_same_host
-    usable, why = probe_same_host()
-    if usable:
-        return ALL_PLANES, ""
-    return (LOCAL, TCP), f"cma left out: {why}"
+    from llm_datadist.transport import planes
+    usable, notes = [LOCAL], []
+    for name in planes.names():
+        ok, why = planes.get(name).probe()
+        if ok:
+            usable.append(name)
+        else:
+            notes.append(f"{name} left out: {why}")
+    return tuple(usable), "; ".join(notes)
 
 
 def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Callable[[str], None] = print) -> int:

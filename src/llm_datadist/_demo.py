@@ -150,10 +150,10 @@ def check_budget(geometry: Geometry, shape: BatchShape) -> None:
 def check_data_plane() -> str:
     """The data plane asked for by ``LLM_DATADIST_DATA_PLANE`` (``auto`` if unset), refused before
     any cluster process starts if the engine would refuse it."""
-    from llm_datadist.transport.links import DATA_PLANE_ENV, PLANES
+    from llm_datadist.transport.planes import DATA_PLANE_ENV, choices
     value = os.environ.get(DATA_PLANE_ENV) or "auto"
-    if value.strip().lower() not in PLANES:
-        raise DemoError(f"{DATA_PLANE_ENV}={value!r} is not a data plane ({', '.join(PLANES)}); "
+    if value.strip().lower() not in choices():
+        raise DemoError(f"{DATA_PLANE_ENV}={value!r} is not a data plane ({', '.join(choices())}); "
                         f"set it to one, unset it, or pass --plane")
     return value.strip().lower()
 

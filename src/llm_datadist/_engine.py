@@ -366,6 +366,8 @@ class Engine:
             if blocks_model_id is not None:
                 self._blocks_keys[blocks_model_id] = record
             self._shared_ranges = ranges
+        if self.links is not None:
+            self.links.registered(record)  # the data planes hear of it (transport.engine_view)
         return record
 
     def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
@@ -453,6 +455,8 @@ class Engine:
             record.pool_bytes = 0
         self.generation_word.value = self.generation_word.value + 1
         self._shared_ranges = ranges
+        if self.links is not None:
+            self.links.unregistered(record)
         return removed
 
     def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:

@@ -2,21 +2,16 @@
 the demo's and the sweep's reports.
 
 Each fact about a runtime or a data plane is a string ``"available: why"`` or ``"not available:
-why"``; the data planes are tried for real: a loopback TCP connection, and a
-``process_vm_readv`` of this process made by a separate one (what a peer's link-time probe does).
+why"``; the data planes are tried for real, each by its own ``DataPlane.probe`` (``tcp``: a
+loopback connection; ``cma``: a ``process_vm_readv`` of this process made by a separate one, what
+a peer's link-time probe does).
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import socket
-import subprocess
-import sys
-from typing import Dict, Optional, Tuple
-
-PROBE_TIMEOUT_S = 30.0
-
+from typing import Dict, Optional
 
 def _read(path: str) -> Optional[str]:
     try:
@@ -111,75 +106,11 @@ def runtime_facts() -> Dict[str, object]:
     return facts
 
 
-def ptrace_scope() -> Tuple[Optional[int], str]:
-    """Yama's ``ptrace_scope`` (None where Yama is absent) and what it means for sibling processes."""
-    text = _read("/proc/sys/kernel/yama/ptrace_scope")
-    if text is None:
-        return None, "Yama not present: no restriction beyond same user"
-    scope = int(text)
-    meaning = {0: "classic: any process of the same user",
-               1: "restricted: only descendants (sibling clusters are refused)",
-               2: "admin-only: needs CAP_SYS_PTRACE",
-               3: "no attach: process_vm_readv/writev refused between processes"}
-    return scope, f"Yama ptrace_scope={scope} ({meaning.get(scope, 'unknown')})"
-
-
-_PROBE_CHILD = """
-import sys
-from llm_datadist import _planes
-status, err, data = _planes.cma_read_bytes(int(sys.argv[1]), int(sys.argv[2]), 8)
-print(status, err, data.hex())
-"""
-
-
-def probe_same_host() -> Tuple[bool, str]:
-    """Whether another process of this user may read this one's memory with
-    ``process_vm_readv``: a child process (not an ancestor of ours, like a sibling cluster) reads
-    a word of ours, as a peer's link-time probe does."""
-    from llm_datadist import _planes
-    _, scope_text = ptrace_scope()
-    word = _planes.Word(int.from_bytes(os.urandom(8), "little") | 1)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(_planes.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    try:
-        done = subprocess.run([sys.executable, "-c", _PROBE_CHILD, str(os.getpid()), str(word.addr)],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"the probe process did not run ({exc}); {scope_text}"
-    try:
-        status, err, data = done.stdout.split()
-        status, err = int(status), int(err)
-    except ValueError:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return False, f"the probe process failed ({last}); {scope_text}"
-    if status == 0 and int.from_bytes(bytes.fromhex(data), "little") == word.value:
-        return True, f"another process read this one's memory with process_vm_readv; {scope_text}"
-    why = os.strerror(err) if err else f"status {status}, wrong bytes"
-    return False, (f"process_vm_readv of this process by another failed ({why}); {scope_text}; "
-                   f"links between processes of this host use tcp")
-
-
-def probe_tcp() -> Tuple[bool, str]:
-    """A loopback TCP connection, one byte each way."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-            server.bind(("127.0.0.1", 0))
-            server.listen(1)
-            server.settimeout(5)
-            with socket.create_connection(server.getsockname(), timeout=5) as client:
-                accepted, _ = server.accept()
-                with accepted:
-                    client.sendall(b"x")
-                    if accepted.recv(1) != b"x":
-                        return False, "a loopback connection did not deliver its byte"
-        return True, "loopback connection made (any reachable listen_ip_info works)"
-    except OSError as exc:
-        return False, f"a loopback connection failed: {exc}"
-
-
 def plane_facts() -> Dict[str, str]:
-    planes = {"local": (True, "copies and swaps inside one process (device runtime memcpy)"),
-              "cma": probe_same_host(), "tcp": probe_tcp()}
+    """``local`` and every registered data plane, each tried for real (``DataPlane.probe``)."""
+    from llm_datadist.transport import planes as registry
+    planes = {"local": (True, "copies and swaps inside one process (device runtime memcpy)")}
+    planes.update((name, registry.get(name).probe()) for name in registry.names())
     return {name: ("available: " if ok else "not available: ") + why for name, (ok, why) in planes.items()}
 
 

@@ -62,10 +62,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from llm_datadist.transport import planes as _plane_registry
+
 SERVER_ID = 1
-CLIENT_IDS = {"cma": 2, "tcp": 3}
-#: The planes between processes, each measured by its own client.
-PLANES = tuple(CLIENT_IDS)
+#: The planes between processes (every registered data plane), each measured by its own client.
+PLANES = _plane_registry.names()
+CLIENT_IDS = {plane: 2 + i for i, plane in enumerate(PLANES)}
 #: Cluster id of the one process of a rig without remote planes.
 LONE_ID = 2
 SEED = 0x7A5F
@@ -305,7 +307,7 @@ class TransportRig:
                                        f"status {status}, {per_cluster}")
                 self.clients[plane] = client
             if self.clients:
-                self.home = self.clients.get("cma") or next(iter(self.clients.values()))
+                self.home = next(iter(self.clients.values()))  # the first plane's, in registry order
             else:
                 self.home = Cluster(LONE_ID, role="PROMPT", options=common)
                 self.clusters.append(self.home)

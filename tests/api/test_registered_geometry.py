@@ -28,6 +28,7 @@ from llm_datadist import cpp
 from llm_datadist.llm_types import Cache, CacheDesc, Placement
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import Cluster, link
+from llm_datadist.transport import planes
 
 PARAM_INVALID = int(LLMStatusCode.LLM_PARAM_INVALID)
 U8 = ld.DataType.DT_UINT8
@@ -614,7 +615,7 @@ def peer_cpp_op(state, op: str, *args) -> int:
                               caches["rows"], dst_row))
 
 
-@pytest.mark.parametrize("plane", ["cma", "tcp"])
+@pytest.mark.parametrize("plane", planes.names())
 @pytest.mark.parametrize("api", ["python", "cpp"])
 def test_transfers_after_the_local_objects_changed(api, plane):
     """push/pull of blocks and rows (and transfer_cache_async): a local index valid only for the

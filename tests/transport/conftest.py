@@ -2,7 +2,8 @@
 
 Every test of ``test_examples.py``, ``test_transfers.py`` and ``test_links.py`` asks for the
 ``plane`` fixture (directly or through a cluster fixture), so each runs once over the same-host
-plane (``cma``: process_vm_readv/writev) and once over ``tcp``.
+plane (``cma``: process_vm_readv/writev) and once over ``tcp`` -- once over every registered
+data plane (``transport.planes``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Iterator, List
 import pytest
 
 from llm_datadist.testing import Cluster
+from llm_datadist.transport import planes
 
-PLANES = ["cma", "tcp"]
+PLANES = list(planes.names())
 
 
 @pytest.fixture(scope="session", params=PLANES, ids=PLANES)

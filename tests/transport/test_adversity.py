@@ -29,13 +29,13 @@ import pytest
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMException, Placement
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import ChildError, Cluster, link
-from llm_datadist.transport import wire
+from llm_datadist.transport import planes, wire
 from llm_datadist.transport.host import host_identity
 
 import rawpeer
 
 S = LLMStatusCode
-PLANES = ["cma", "tcp"]
+PLANES = list(planes.names())
 SYNC_TIMEOUT_MS = 2000
 OPTIONS = {"llm.SyncKvCacheWaitTime": str(SYNC_TIMEOUT_MS)}
 #: What a failing call may take beyond its deadline.
@@ -716,7 +716,7 @@ def private_addresses(state) -> Dict[str, int]:
     """Addresses of this process's own words that no peer may touch (its registry generation and
     its same-host probe cookie)."""
     engine = state.dd._engine
-    return {"generation": engine.generation_word.addr, "probe": engine.links.cookie.addr}
+    return {"generation": engine.generation_word.addr, "probe": engine.links.planes["cma"].cookie.addr}
 
 
 def test_raw_peer_requests_outside_registered_memory_are_refused(tcp_server_with_client):

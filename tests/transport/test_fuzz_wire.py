@@ -47,7 +47,7 @@ from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, Pl
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, wire
-from llm_datadist.transport import links as links_module
+from llm_datadist.transport import session as session_module
 
 from wire_cases import Case, CaseGenerator, Segment, frame
 from wire_harness import CACHES, LINK_SECRET, SERVER_ID, SERVER_NONCE, FuzzServer, Observed, parse_frames
@@ -87,7 +87,7 @@ def fuzzing(fuzz_server, monkeypatch):
     # (or, for the few larger than the socket buffer, written as fast as it reads): a truncated
     # frame ends at the end of the stream, never at a timeout. These only bound a server that
     # hangs, and are long enough that a busy machine never ends a case early.
-    monkeypatch.setattr(links_module, "FRAME_TIMEOUT_MS", 5000)
+    monkeypatch.setattr(session_module, "FRAME_TIMEOUT_MS", 5000)
     monkeypatch.setattr(fuzz_server.links, "handshake_ms", 5000)
     logger = logging.getLogger("llm_datadist")
     level = logger.level
@@ -368,7 +368,7 @@ class LegitimatePeer:
                         break
                 time.sleep(0.02)
             self.peer = server.links.peer(CLIENT_ID)
-            assert self.peer.plane == "tcp", self.peer.plane
+            assert self.peer.plane.name == "tcp", self.peer.plane
         except BaseException:
             self.__exit__()
             raise

@@ -18,6 +18,7 @@ import pytest
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, Placement, RegisterMemStatus
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import ChildError, Cluster
+from llm_datadist.transport import planes
 
 from cluster_ops import resources, settle_to
 
@@ -133,7 +134,7 @@ def _port_base(monkeypatch):
 # ==================================================================================================
 
 @pytest.mark.parametrize("shape", ["one", "two"])
-@pytest.mark.parametrize("plane_name", ["cma", "tcp"])
+@pytest.mark.parametrize("plane_name", planes.names())
 def test_two_sided_link_moves_blocks(plane_name, shape):
     """Both members call link() at once with the same arguments (same device_ip and device_id,
     different ranks); the status goes PREPARING -> OK; the decoder pulls and pushes; both unlink."""
@@ -243,7 +244,7 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
 
 
 @pytest.mark.parametrize("shape", ["one", "two"])
-@pytest.mark.parametrize("plane_name", ["cma", "tcp"])
+@pytest.mark.parametrize("plane_name", planes.names())
 def test_vllm_ascend_call_sequence(plane_name, shape):
     ctx = multiprocessing.get_context("spawn")
     table = rank_table(shape)

@@ -55,7 +55,8 @@ def register_guarded(state, seed: int) -> Dict[str, int]:
     cache = state.cm.register_blocks_cache(desc, addrs, BlocksCacheKey(state.cluster_id, 0))
     state.cache = cache
     return {"tensors": addrs, "guard": backing[0].ctypes.data, "secret": state.secret.ctypes.data,
-            "generation": state.dd._engine.generation_word.addr, "probe": state.dd._engine.links.cookie.addr}
+            "generation": state.dd._engine.generation_word.addr,
+            "probe": state.dd._engine.links.planes["cma"].cookie.addr}
 
 
 def untouched(state, blocks_changed: List[int] = ()) -> bool:
@@ -286,9 +287,9 @@ def test_warning_for_a_non_loopback_listener_without_secret(caplog):
     """Listening beyond loopback without a secret is logged (once); on loopback, or with a
     secret, it is not."""
     from llm_datadist import LLMConfig, LLMDataDist, LLMRole
-    from llm_datadist.transport import links
+    from llm_datadist.transport import listener
     caplog.set_level("WARNING", logger="llm_datadist")
-    links._warned.clear()
+    listener._warned.clear()
     for ip, secret, warned in [("127.0.0.1", None, False), ("0.0.0.0", SECRET, False), ("0.0.0.0", None, True)]:
         caplog.clear()
         config = LLMConfig()
@@ -693,4 +694,4 @@ def _plane_if_same_user(state, remote_id: int) -> str:
     peer = links.peer(remote_id)
     _, info = links._fetch_table(peer, 3000)
     peer.uid = os.geteuid()
-    return links._choose_plane(peer, info)
+    return links._choose_plane(peer, info).name

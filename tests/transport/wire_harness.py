@@ -25,10 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from llm_datadist.transport import links as links_module
+from llm_datadist.transport import listener, session
 from llm_datadist.transport import wire
 from llm_datadist.transport.host import host_identity
-from llm_datadist.transport.links import Peer
+from llm_datadist.transport.session import Peer
 
 from wire_cases import Case, Target, notify_handler
 from wire_oracle import Ranges, ServerModel, Session, Shadow
@@ -124,6 +124,7 @@ class FuzzServer:
     def _register(self) -> None:
         self.engine = self.dd._engine
         self.links = self.engine.links
+        self.cookie = self.links.planes["cma"].cookie  # the same-host plane's probe word
         rng = np.random.default_rng(20240610)
         self.buffers: List[np.ndarray] = []
         self.guards: List[Tuple[np.ndarray, np.ndarray]] = []  # (buffer, mask of its guard bytes)
@@ -154,7 +155,7 @@ class FuzzServer:
         self.buffers.append(self.secret)
         self.pristine = [array.copy() for array in self.buffers]
         self.private = {"generation": (self.engine.generation_word.addr, self.engine.generation_word.value),
-                        "probe": (self.links.cookie.addr, self.links.cookie.value)}
+                        "probe": (self.cookie.addr, self.cookie.value)}
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -178,7 +179,7 @@ class FuzzServer:
 
     def model(self) -> ServerModel:
         engine, links = self.engine, self.links
-        same_host = {"probe": [links.cookie.addr, links.cookie.value],
+        same_host = {"probe": [self.cookie.addr, self.cookie.value],
                      "generation_addr": engine.generation_word.addr, "generation_fd": engine.generation_word.fd}
         return ServerModel(
             cluster_id=SERVER_ID, generation=engine.generation_word.value, ranges=Ranges(self.tensors),
@@ -202,7 +203,7 @@ class FuzzServer:
     def private_words_intact(self) -> bool:
         return all(word.value == value for word, (_, value) in
                    ((self.engine.generation_word, self.private["generation"]),
-                    (self.links.cookie, self.private["probe"])))
+                    (self.cookie, self.private["probe"])))
 
     def guards_intact(self) -> bool:
         """Every guard byte and the secret are as they were at the start (independent of the
@@ -223,13 +224,13 @@ class FuzzServer:
         staged: Optional[Peer] = None
         try:
             conn.setblocking(False)  # as the listener leaves an accepted connection
-            links_module._tune(conn)
+            listener.tune(conn)
             if case.mode == "direct":
                 # A link made by the handshake: this connection is its forward one (_accept_data).
                 peer = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1))
                 if case.unix:
                     peer.unix = True
-                    peer.pid, peer.uid = links_module._peer_credentials(conn)
+                    peer.pid, peer.uid = session.peer_credentials(conn)
                 peer.incoming.append(conn)
                 peer.ready = True
                 with links._lock:

@@ -47,7 +47,7 @@ that did not arrive.
 ``cluster_id`` (random)
     llm_datadist cluster id of this engine; unique among linked engines.
 ``data_plane`` (``"auto"``)
-    ``llm.DataPlane``: ``auto``, ``cma`` (same host) or ``tcp``.
+    ``llm.DataPlane``: ``auto`` or a registered data plane (``cma``: same host, ``tcp``, ...).
 ``sync_kv_timeout_ms`` (``30000``), ``link_timeout_ms`` (``10000``)
     Transfer and link deadlines.
 ``kv_lease_s`` (``120``)
@@ -91,6 +91,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
                       "pip install 'llm_datadist[vllm]'") from exc
 
 import llm_datadist as ld
+from llm_datadist.transport.planes import choices as plane_choices
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +186,9 @@ class _Options:
             logger.warning("LLMDataDistConnector: ignoring unknown kv_connector_extra_config keys %s; known: %s",
                            unknown, sorted(known))
         opts = cls(**{k: v for k, v in extra.items() if k in known})
-        if opts.data_plane not in ("auto", "cma", "tcp"):
-            raise ValueError(f"LLMDataDistConnector: data_plane must be auto, cma or tcp, got {opts.data_plane!r}")
+        if opts.data_plane not in plane_choices():
+            raise ValueError(f"LLMDataDistConnector: data_plane must be one of {', '.join(plane_choices())}, "
+                             f"got {opts.data_plane!r}")
         if opts.link_secret is None:
             opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:

@@ -1,0 +1,102 @@
+"""The registry of data planes.
+
+Every module of this package (other than ``base``) is imported once and registers its plane
+with ``register``; code elsewhere (a test, an integration) may register more. Everything that
+lists planes -- ``llm.DataPlane`` values, the CLI's choices, ``info``, the benchmarks -- asks
+this registry, so adding a plane is adding its module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from typing import Dict, Mapping, Optional, Tuple, Type
+
+from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport.planes.base import DataPlane
+
+__all__ = ["DataPlane", "register", "unregister", "names", "get", "choices", "auto_order", "offered",
+           "resolve", "fallbacks", "lookup", "AUTO", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
+
+AUTO = "auto"
+DATA_PLANE_OPTION = "llm.DataPlane"
+DATA_PLANE_ENV = "LLM_DATADIST_DATA_PLANE"
+
+_registry: Dict[str, Type[DataPlane]] = {}
+
+
+def register(plane: Type[DataPlane]) -> Type[DataPlane]:
+    """Add a plane class (usable as a decorator); a plane of the same name is replaced."""
+    name = plane.name
+    if not isinstance(name, str) or not name or name != name.strip().lower() or name == AUTO:
+        raise ValueError(f"a data plane needs a lower-case name other than {AUTO!r}, got {name!r}")
+    _registry[name] = plane
+    return plane
+
+
+def unregister(name: str) -> None:
+    _registry.pop(name, None)
+
+
+def _ordered() -> Tuple[Type[DataPlane], ...]:
+    return tuple(sorted(_registry.values(), key=lambda p: (p.fallback, p.auto_rank, p.name)))
+
+
+def names() -> Tuple[str, ...]:
+    """Every registered plane, in the order ``auto`` would consider them."""
+    return tuple(p.name for p in _ordered())
+
+
+def choices() -> Tuple[str, ...]:
+    """The values ``llm.DataPlane`` takes: ``auto`` and every plane."""
+    return (AUTO,) + names()
+
+
+def get(name: str) -> Type[DataPlane]:
+    """The plane class of ``name``; KeyError if none is registered."""
+    return _registry[name]
+
+
+def lookup(name: str) -> Optional[Type[DataPlane]]:
+    """The plane class of a name or alias, or None."""
+    name = name.strip().lower()
+    if name in _registry:
+        return _registry[name]
+    return next((p for p in _registry.values() if name in p.aliases), None)
+
+
+def auto_order() -> Tuple[str, ...]:
+    """The planes ``auto`` tries, best first; the fallbacks come last."""
+    return tuple(p.name for p in _ordered() if p.auto or p.fallback)
+
+
+def fallbacks() -> Tuple[str, ...]:
+    return tuple(p.name for p in _ordered() if p.fallback)
+
+
+def offered(forced: str) -> Tuple[str, ...]:
+    """The planes a side names in its link request or reply: all of them under ``auto``, else
+    the forced one and the fallbacks."""
+    if forced == AUTO:
+        return names()
+    return tuple(p.name for p in _ordered() if p.name == forced or p.fallback)
+
+
+def resolve(options: Mapping[str, str]) -> str:
+    """``auto`` or the registered plane that ``llm.DataPlane`` (or ``LLM_DATADIST_DATA_PLANE``)
+    names; ``LLMException(LLM_PARAM_INVALID)`` for any other value."""
+    value = (options.get(DATA_PLANE_OPTION) or os.environ.get(DATA_PLANE_ENV) or AUTO).strip().lower()
+    if value != AUTO and value not in _registry:
+        raise LLMException(f"{DATA_PLANE_OPTION} must be one of {', '.join(choices())}, got {value!r}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return value
+
+
+def _discover() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base" and not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_discover()

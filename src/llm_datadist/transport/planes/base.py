@@ -1,0 +1,105 @@
+"""The data plane protocol: what one way of moving a link's bytes provides.
+
+A data plane is one module of this package defining one ``DataPlane`` subclass and registering it
+(``planes.register``). The link manager makes one instance of every registered plane per engine,
+and for each link picks the plane of *its own* transfers: the one ``llm.DataPlane`` forces, or the
+first of ``planes.auto_order()`` whose ``accept`` takes the link. Nothing outside the plane modules
+knows what a plane is called or what it needs; the manager only calls the methods below.
+
+Calls, in the order a link meets them:
+
+``probe()`` (class method)
+    ``(usable, why)`` on this host, for ``python -m llm_datadist info`` and ``bench``; may be slow
+    (it may start a process). Never called on the transfer path.
+``offer(session)``
+    Extra fields of this side's cache-table reply to the peer of ``session`` (a ``Peer``): what the
+    peer needs to use this plane towards us (cma: where to probe, where our registry generation
+    lives), or ``{}``. Runs for every table request, on the connection's thread. Which planes a
+    side *names* in its link request/reply is the manager's (``planes.offered``).
+``accept(session, peer_facts, deadline)``
+    Whether this plane can carry this side's transfers on the link, judged from what the kernel
+    proved about the peer (``session.unix``, ``session.pid``, ``session.uid``: ``SO_PEERCRED`` of
+    its Unix connections), the planes it named (``session.planes``) and ``peer_facts`` (the
+    peer's authenticated table reply, a dict of untrusted JSON: check every field). Returns
+    ``None`` once the plane is set up for the link (per-link state lives on the session: pid,
+    pidfd, mapped generation counter ...), or a sentence saying why not. ``deadline`` is a
+    ``transport.deadline`` instant. Must not raise for hostile facts.
+``on_register(record)`` / ``on_unregister(record)``
+    The engine's registry gained or lost a cache (``record``: the engine's cache record, with
+    ``cache_id``, ``addrs``, ``tensor_bytes``, ``placement``). For planes that export memory
+    handles (CUDA IPC, RDMA registration); may run with the engine's registry lock held: be quick.
+``table_is_current(session, table)``
+    Before each transfer: False if the peer's registry changed since ``table`` was fetched and
+    this side must find out before planning (the manager refreshes the table and plans again).
+    A plane whose peer checks the generation itself returns True.
+``transfer(session, table, plan, write, deadline)``
+    Move a plan made against ``table`` (``write``: local -> peer). Raise ``LLMException`` with
+    ``LLM_KV_CACHE_NOT_EXIST`` for memory the peer has not registered, ``LLM_TIMEOUT`` or
+    ``LLM_LINK_FAILED`` when the bytes did not move, ``errors.StaleTable`` when the peer says
+    the table is stale. Plans of ``stripe_bytes`` or more may be split over ``session.workers``
+    (never over new threads).
+``close(session)``
+    Release the per-link state ``accept`` set up; called once the link ends (possibly more than
+    once, and possibly for a link it never accepted): must be idempotent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, Optional, Tuple
+
+from llm_datadist.transport.engine_view import EngineView
+
+
+class DataPlane:
+    """Base class of the data planes; see the module docstring for the contract."""
+
+    #: The name ``llm.DataPlane`` and the wire (the ``planes`` of a link request) use.
+    name: ClassVar[str] = ""
+    #: One line for ``--help`` and ``info``.
+    summary: ClassVar[str] = ""
+    #: Other names the CLI accepts for it.
+    aliases: ClassVar[Tuple[str, ...]] = ()
+    #: Position in the order ``auto`` tries planes (lower first).
+    auto_rank: ClassVar[int] = 50
+    #: Whether ``auto`` tries it at all (a plane only reachable by forcing it says False).
+    auto: ClassVar[bool] = True
+    #: Usable on every link (the peer always serves it): offered even when another plane is
+    #: forced, and the plane of links to this very process.
+    fallback: ClassVar[bool] = False
+    #: Wants the link's connections on Unix sockets when the peer is on this host, so that the
+    #: kernel names the peer's process (``SO_PEERCRED``).
+    local_sockets: ClassVar[bool] = False
+    #: Transfers of at least this many bytes are split over ``stripes`` threads (0: never).
+    stripe_bytes: ClassVar[int] = 0
+    stripes: ClassVar[int] = 1
+
+    def __init__(self, engine: EngineView) -> None:
+        self.engine = engine
+
+    @classmethod
+    def probe(cls) -> Tuple[bool, str]:
+        return True, cls.summary
+
+    def offer(self, session) -> Dict[str, Any]:
+        return {}
+
+    def accept(self, session, peer_facts: Dict[str, Any], deadline: float) -> Optional[str]:
+        raise NotImplementedError
+
+    def on_register(self, record) -> None:
+        pass
+
+    def on_unregister(self, record) -> None:
+        pass
+
+    def table_is_current(self, session, table) -> bool:
+        return True
+
+    def transfer(self, session, table, plan, write: bool, deadline: float) -> None:
+        raise NotImplementedError
+
+    def close(self, session) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<data plane {self.name}>"
