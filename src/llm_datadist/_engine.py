@@ -256,6 +256,11 @@ class Engine:
         self._pin_serial = 0
         self.protocol_errors = 0
         self.links: Optional[LinkManager] = None
+        # Same-host block routes, the latency path of repeated block pushes/pulls:
+        # (remote cluster id, model_id, local cache_id, push?) -> _planes.BlockRoute. Built after a
+        # checked transfer went through (``_learn_route``), dropped with the local cache and at
+        # finalize; a route notices a closed link or a changed peer registry by itself.
+        self.routes: Dict[tuple, Any] = {}
         self._async_threads: List[threading.Thread] = []
         self._stopping = threading.Event()
 
@@ -301,6 +306,7 @@ class Engine:
             if not self.initialized:
                 return
             self._stop_async_threads()
+            self.routes.clear()
             # Memory is leaving: peers on the same-host plane see the generation move and stop
             # writing through their copy of our table.
             self.generation_word.value = self.generation_word.value + 1
@@ -444,6 +450,8 @@ class Engine:
         RangeSet for ``_wait_unpinned``. Nothing changes if this raises."""
         ranges, removed = prepared if prepared is not None else self._prepare_drop(record)
         self._caches.pop(record.cache_id, None)
+        for key in [k for k in self.routes if k[2] == record.cache_id]:
+            del self.routes[key]
         for key in record.owner_keys:
             self._keys.pop(key, None)
         record.owner_keys.clear()
@@ -785,26 +793,34 @@ class Engine:
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms)
 
     def push_blocks(self, remote_id: int, ref: RemoteRef, src: CacheRecord, blocks: BlockSpec,
-                    tensors) -> None:
+                    tensors, route_key: Optional[tuple] = None) -> None:
         """Local blocks ``blocks.src_blocks[k]`` -> remote blocks ``blocks.dst_blocks[k]`` (block
         = the source block size; it must fit the remote block). ``tensors(src_n, dst_n)`` gives
-        the tensor index lists (None = all). The one entry of both API styles for block pushes."""
+        the tensor index lists (None = all). The one entry of both API styles for block pushes.
+        ``route_key``: the caller's layer arguments ``(src_layer_range, dst_layer_range,
+        tensor_num_per_layer)`` when it takes the route path (``routes``) for later calls."""
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
+        used = []
 
         def make(table):
             cache, _ = self._remote(table, remote_id, ref)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
+            used[:] = (table, cache, st, dt)
             return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks)
         self._transfer(remote_id, src, True, make)
+        if route_key is not None and type(ref) is BlocksRef:
+            self._learn_route((remote_id, ref.model_id, src.cache_id, True), src, route_key, *used)
 
     def pull_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, blocks: BlockSpec,
-                    tensors) -> None:
+                    tensors, route_key: Optional[tuple] = None) -> None:
         """Remote blocks -> local blocks; the puller's block size is used on both sides. A
-        ``blocks.row_to_blocks`` spec pulls a remote contiguous row cut into local blocks."""
+        ``blocks.row_to_blocks`` spec pulls a remote contiguous row cut into local blocks.
+        ``route_key`` as in ``push_blocks``."""
         if blocks.row_to_blocks:
             self.pull_row_to_blocks(remote_id, ref, dst, blocks.dst_blocks, tensors)
             return
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
+        used = []
 
         def make(table):
             cache, _ = self._remote(table, remote_id, ref)
@@ -812,8 +828,30 @@ class Engine:
                 raise param_invalid(f"block sizes differ: remote cache {cache.cache_id} has "
                                     f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
+            used[:] = (table, cache, st, dt)
             return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
         self._transfer(remote_id, dst, False, make)
+        if route_key is not None and type(ref) is BlocksRef:
+            self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, *used)
+
+    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, table, cache, st, dt) -> None:
+        """After a checked block transfer: keep (or build) the route of ``key`` and teach it the
+        tensor selection the layer arguments ``selection`` resolved to. A plane without routes,
+        a transient (``create_cpu_cache``) cache or one that left the registry meanwhile: none."""
+        if local.cache_id <= 0:
+            return
+        with self._lock:
+            if not self.initialized or self._caches.get(local.cache_id) is not local:
+                return
+            route = self.routes.get(key)
+            if (route is None or not route.current or route.generation != table.generation
+                    or route.remote is not cache.layout or route.local is not local.layout):
+                route = self.links.block_route(key[0], table, cache.layout, local.layout, key[3])
+                if route is None:
+                    self.routes.pop(key, None)
+                    return
+                self.routes[key] = route
+            route.learn(selection, st, dt)
 
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell

@@ -299,8 +299,8 @@ cdef class BlockRoute:
     reporting, and the caller takes the checked path, which reports errors as usual.
     """
 
-    cdef CacheLayout local
-    cdef CacheLayout remote
+    cdef readonly CacheLayout local
+    cdef readonly CacheLayout remote
     cdef readonly bint write
     cdef readonly int pid
     cdef int pidfd

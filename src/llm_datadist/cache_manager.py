@@ -35,6 +35,8 @@ from llm_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CacheManager"]
 
+_LAYER_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+
 # The API's Placement as the engine spells it (converted here, at the boundary).
 _PLACEMENT = {Placement.HOST: Place.HOST, Placement.DEVICE: Place.DEVICE}
 
@@ -55,6 +57,10 @@ class CacheManager:
         self._enabled_mem_pool = bool(options.get("llm.MemPoolConfig"))
         self._enable_host_mem_pool = bool(options.get("llm.HostMemPoolConfig"))
         self._enable_remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        # The engine's same-host block routes: push_blocks/pull_blocks calls shaped like one that
+        # went through every check before take them (``_planes.BlockRoute``); anything else, and
+        # every error, takes the checked path below them.
+        self._routes = engine.routes
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check_is_inited(self) -> None:
@@ -64,6 +70,7 @@ class CacheManager:
 
     def _mark_finalized(self) -> None:
         self._initialized = False
+        self._routes = None
 
     def _record(self, cache: Cache):
         """The engine record behind ``cache``: what was recorded at registration or allocation,
@@ -414,6 +421,14 @@ class CacheManager:
         ``k`` -> ``dst_blocks[k]`` (``src_blocks`` must be empty). Keyword arguments as in
         ``pull_cache``; errors as in ``pull_cache``.
         """
+        routes = self._routes  # the latency path: a call like one that went through before
+        if routes is not None and type(src_cache_key) is BlocksCacheKey and type(dst_cache) is Cache \
+                and (not kwargs or kwargs.keys() <= _LAYER_KWARGS):
+            route = routes.get((src_cache_key._cluster_id, src_cache_key._model_id, dst_cache._cache_id, False))
+            if route is not None and dst_cache._is_blocks_cache and route.run(
+                    src_blocks, dst_blocks, kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"),
+                    kwargs.get("tensor_num_per_layer", 2)):
+                return
         self._check_is_inited()
         check_isinstance("src_cache_key", src_cache_key, [BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex],
                          allow_none=False)
@@ -437,7 +452,7 @@ class CacheManager:
                 raise param_invalid(f"pull_blocks: src_blocks has {len(src_list)} entries, "
                                     f"dst_blocks {len(dst_list)}")
             self._engine.pull_blocks(remote, _engine.BlocksRef(src_cache_key.model_id), dst,
-                                     _engine.BlockSpec(src_list, dst_list), tensors)
+                                     _engine.BlockSpec(src_list, dst_list), tensors, (src_range, dst_range, n))
         else:
             raise_if_false(len(src_list) == 0, "pull_blocks: src_blocks must be empty when pulling a "
                            "contiguous cache row into blocks")
@@ -485,6 +500,12 @@ class CacheManager:
         ``dst_blocks[k]`` of the peer's blocks cache registered under ``dst_cache_key.model_id``.
         Layer ranges select the tensors (default all). Needs remote-cache-accessible mode.
         Raises like ``pull_cache``."""
+        routes = self._routes  # the latency path: a call like one that went through before
+        if routes is not None and type(dst_cache_key) is BlocksCacheKey and type(src_cache) is Cache:
+            route = routes.get((dst_cache_key._cluster_id, dst_cache_key._model_id, src_cache._cache_id, True))
+            if route is not None and src_cache._is_blocks_cache and route.run(
+                    src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
+                return
         self._check_is_inited()
         self._check_push_mode("push_blocks")
         if type(dst_cache_key) is not BlocksCacheKey:
@@ -499,7 +520,8 @@ class CacheManager:
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
         self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), _engine.BlocksRef(dst_cache_key.model_id),
-                                 src, _engine.BlockSpec(src_list, dst_list), tensors)
+                                 src, _engine.BlockSpec(src_list, dst_list), tensors,
+                                 (src_layer_range, dst_layer_range, tensor_num_per_layer))
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs, src_block_indices=None, dst_block_indices=None,

@@ -363,6 +363,15 @@ class LinkManager(Listeners, Handshakes, Server):
                 self._lose(peer, why)
             raise
 
+    def block_route(self, remote_cluster_id: int, table: RemoteTable, remote_layout, local_layout,
+                    write: bool):
+        """The plane's route for repeated block transfers against ``remote_layout`` of ``table``
+        (see ``DataPlane.block_route``), or None."""
+        peer = self._peers.get(remote_cluster_id)
+        if peer is None or peer.closed or peer.plane is None or peer.table is not table:
+            return None
+        return peer.plane.block_route(peer, table, remote_layout, local_layout, write)
+
     def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float):
         plane = peer.plane
         if plane is None:

@@ -77,6 +77,12 @@ class PeerCounter:
             os.close(local)
 
     @property
+    def view(self) -> Optional[np.ndarray]:
+        """The mapped word as a one-element uint64 array (it keeps the page mapped while it is
+        referenced), or None once closed."""
+        return self._view
+
+    @property
     def value(self) -> Optional[int]:
         """The counter; None once closed."""
         view = self._view

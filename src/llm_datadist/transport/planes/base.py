@@ -38,6 +38,12 @@ Calls, in the order a link meets them:
     ``LLM_LINK_FAILED`` when the bytes did not move, ``errors.StaleTable`` when the peer says
     the table is stale. Plans of ``stripe_bytes`` or more may be split over ``session.workers``
     (never over new threads).
+``block_route(session, table, remote_layout, local_layout, write)`` (optional)
+    A ``_planes.BlockRoute`` for repeated block transfers between a local cache and a cache of
+    ``table`` (the link's current table), or ``None`` (the default: every transfer takes the
+    checked path). The engine builds one after a checked transfer went through and keeps it until
+    the route is no longer ``current`` or either cache leaves the registry; the route re-checks
+    per call what can change between calls (see ``BlockRoute``).
 ``close(session)``
     Release the per-link state ``accept`` set up; called once the link ends (possibly more than
     once, and possibly for a link it never accepted): must be idempotent.
@@ -97,6 +103,9 @@ class DataPlane:
 
     def transfer(self, session, table, plan, write: bool, deadline: float) -> None:
         raise NotImplementedError
+
+    def block_route(self, session, table, remote_layout, local_layout, write: bool):
+        return None
 
     def close(self, session) -> None:
         pass

@@ -120,6 +120,15 @@ class CmaPlane(DataPlane):
             raise fail(code, f"same-host {'write to' if write else 'read from'} cluster "
                              f"{session.cluster_id} failed: {what}")
 
+    def block_route(self, session, table, remote_layout, local_layout, write: bool):
+        """A route that checks the link, the peer's mapped generation and its pidfd per call."""
+        counter = session.generation
+        view = None if counter is None else counter.view
+        if view is None or session.pidfd < 0 or session.closed or session.table is not table:
+            return None  # no mapped generation (checked through a system call) or going away
+        return _planes.BlockRoute(session, session.pid, os.dup(session.pidfd), view, table.generation,
+                                  local_layout, remote_layout, write)
+
     def close(self, session) -> None:
         """Close the pidfd and unmap the generation counter of the peer."""
         pidfd, session.pidfd = session.pidfd, -1
