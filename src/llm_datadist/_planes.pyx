@@ -311,6 +311,8 @@ cdef class BlockRoute:
     cdef readonly uint64_t block_bytes
     cdef dict selections
     cdef _Selection whole
+    cdef bint closed
+    cdef object __weakref__
 
     def __cinit__(self, owner, int pid, int pidfd, generation_word, uint64_t generation,
                   CacheLayout local not None, CacheLayout remote not None, bint write):
@@ -345,6 +347,16 @@ cdef class BlockRoute:
         if self.pidfd >= 0:
             close(self.pidfd)
 
+    def close(self):
+        """Release the pidfd and the generation page now (the plane does this when the link
+        ends); every later ``run`` declines. Idempotent."""
+        self.closed = True
+        self.word = NULL
+        self.word_keep = None
+        if self.pidfd >= 0:
+            close(self.pidfd)
+            self.pidfd = -1
+
     def learn(self, key, src_tensors, dst_tensors):
         """Remember the tensor selection of ``key`` = ``(src_layer_range, dst_layer_range,
         tensor_num_per_layer)``: the source and destination tensor indices (None = all) that a
@@ -374,7 +386,8 @@ cdef class BlockRoute:
     def current(self):
         """Whether the route may still be used: the link is open and the peer's registry has not
         changed since the route's table was fetched."""
-        return not self.owner.closed and dd_load_acquire_u64(self.word) == self.generation
+        return (not self.closed and not self.owner.closed
+                and dd_load_acquire_u64(self.word) == self.generation)
 
     def run(self, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
         """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
@@ -421,7 +434,7 @@ cdef class BlockRoute:
             if type(value) is not int or not 0 <= value < rrows:
                 return False
             rblock[k] = value
-        if self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
+        if self.closed or self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
             return False
         with nogil:
             for t in range(nt):

@@ -203,3 +203,15 @@ def test_a_dead_peer_is_declined():
         assert route.run([0], [0], None, None, 2) is False
     finally:
         p.close()
+
+
+def test_close_releases_the_pidfd_and_the_page_and_declines_afterwards(peer):
+    peer.fill(7)
+    route = peer.route(True)
+    before = len(os.listdir("/proc/self/fd"))
+    route.close()
+    assert len(os.listdir("/proc/self/fd")) == before - (1 if peer.pidfd >= 0 else 0)
+    assert not route.current
+    assert route.run([0], [0], None, None, 2) is False
+    route.close()  # idempotent
+    assert (peer.remote == GUARD).all()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _planes
@@ -43,6 +45,9 @@ class CmaPlane(DataPlane):
         super().__init__(engine)
         #: A word of this process that a peer reads to prove it reaches our memory.
         self.cookie = _planes.Word(int.from_bytes(os.urandom(8), "little") | 1)
+        # The block routes of each link (by id of its session), closed with the link.
+        self._routes: Dict[int, "weakref.WeakSet[Any]"] = {}
+        self._routes_lock = threading.Lock()
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -126,11 +131,22 @@ class CmaPlane(DataPlane):
         view = None if counter is None else counter.view
         if view is None or session.pidfd < 0 or session.closed or session.table is not table:
             return None  # no mapped generation (checked through a system call) or going away
-        return _planes.BlockRoute(session, session.pid, os.dup(session.pidfd), view, table.generation,
-                                  local_layout, remote_layout, write)
+        route = _planes.BlockRoute(session, session.pid, os.dup(session.pidfd), view, table.generation,
+                                   local_layout, remote_layout, write)
+        with self._routes_lock:
+            self._routes.setdefault(id(session), weakref.WeakSet()).add(route)
+        if session.closed:  # the link ended meanwhile: its close may have run before the add
+            self.close(session)
+            return None
+        return route
 
     def close(self, session) -> None:
-        """Close the pidfd and unmap the generation counter of the peer."""
+        """Close the pidfd and unmap the generation counter of the peer, and release the same of
+        every block route of the link that still exists."""
+        with self._routes_lock:
+            routes = self._routes.pop(id(session), ())
+        for route in list(routes):
+            route.close()
         pidfd, session.pidfd = session.pidfd, -1
         if pidfd >= 0:
             try:
