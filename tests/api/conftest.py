@@ -168,3 +168,14 @@ def py_api():
         yield adapter
     finally:
         adapter.close()
+
+
+@pytest.fixture
+def dd():
+    """An initialized C++-style ``LlmDataDist`` (prompt, cluster 0), finalized afterwards."""
+    instance = cpp.LlmDataDist(0, cpp.LlmRole.kPrompt)
+    assert instance.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
+    try:
+        yield instance
+    finally:
+        instance.Finalize()

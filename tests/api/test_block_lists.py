@@ -43,17 +43,24 @@ class Ready(LayerSynchronizer):
         return True
 
 
-@pytest.fixture
-def cluster():
+def push_mode_datadist(num_tensors: int) -> LLMDataDist:
+    """An initialized push-mode LLMDataDist with a registered blocks cache of ``num_tensors``
+    int32 tensors of 4 x 8 (``dd.blocks``, its memory ``dd.memory``)."""
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
     dd = LLMDataDist(LLMRole.PROMPT, 7)
     dd.init(cfg.generate_options())
-    dd.memory = [np.zeros((4, 8), np.int32) for _ in range(2)]
-    dd.blocks = dd.cache_manager.register_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_INT32),
+    dd.memory = [np.zeros((4, 8), np.int32) for _ in range(num_tensors)]
+    dd.blocks = dd.cache_manager.register_blocks_cache(CacheDesc(num_tensors, [4, 8], DataType.DT_INT32),
                                                        [a.ctypes.data for a in dd.memory])
+    return dd
+
+
+@pytest.fixture
+def cluster():
+    dd = push_mode_datadist(2)
     yield dd
     dd.finalize()
 
@@ -236,15 +243,8 @@ def _transfer_threads():
 
 
 def test_finalize_waits_for_a_blocked_transfer_cache_async_and_stops_it():
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    dd = LLMDataDist(LLMRole.PROMPT, 7)
-    dd.init(cfg.generate_options())
-    memory = [np.zeros((4, 8), np.int32) for _ in range(8)]
-    cache = dd.cache_manager.register_blocks_cache(CacheDesc(8, [4, 8], DataType.DT_INT32),
-                                                   [a.ctypes.data for a in memory])
+    dd = push_mode_datadist(8)
+    cache = dd.blocks
     sync = Slow(0.3)
     config = TransferWithCacheKeyConfig(BlocksCacheKey(PEER, 0), range(0, 4), range(0, 4))
     task = dd.cache_manager.transfer_cache_async(cache, sync, [config], [0], [0])

@@ -10,15 +10,6 @@ import pytest
 from llm_datadist import _core, cpp
 
 
-@pytest.fixture
-def dd():
-    instance = cpp.LlmDataDist(0, cpp.LlmRole.kPrompt)
-    assert instance.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
-    try:
-        yield instance
-    finally:
-        instance.Finalize()
-
 
 def test_struct_defaults_follow_the_header():
     assert cpp.KvCacheExtParam().src_layer_range == (-1, -1)

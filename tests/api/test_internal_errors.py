@@ -14,15 +14,6 @@ from llm_datadist import _core, _engine, cpp
 DESC = dict(num_tensors=2, data_type=cpp.DT_INT32, shape=[4, 8])
 
 
-@pytest.fixture
-def dd():
-    instance = cpp.LlmDataDist(0, cpp.LlmRole.kPrompt)
-    assert instance.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
-    try:
-        yield instance
-    finally:
-        instance.Finalize()
-
 
 def raiser(exc: BaseException):
     def fault(*args, **kwargs):
