@@ -306,7 +306,8 @@ class Engine:
             if not self.initialized:
                 return
             self._stop_async_threads()
-            self.routes.clear()
+            with self._lock:
+                self.routes.clear()
             # Memory is leaving: peers on the same-host plane see the generation move and stop
             # writing through their copy of our table.
             self.generation_word.value = self.generation_word.value + 1
@@ -841,7 +842,7 @@ class Engine:
         if local.cache_id <= 0:
             return
         with self._lock:
-            if not self.initialized or self._caches.get(local.cache_id) is not local:
+            if not self.initialized or self._stopping.is_set() or self._caches.get(local.cache_id) is not local:
                 return
             route = self.routes.get(key)
             if (route is None or not route.current or route.generation != table.generation

@@ -267,7 +267,8 @@ cdef class Word:
 # ------------------------------------------------------------------------------------------------
 
 cdef enum:
-    _ROUTE_SLOTS = 1024  # descriptors planned on the stack (IOV_MAX is 1024 on Linux)
+    _ROUTE_SLOTS = 1024  # descriptors one route call plans (IOV_MAX is 1024 on Linux)
+    _ROUTE_STACK = 64    # of which this many on the stack
 
 #: Most descriptors one route call plans; a larger call takes the checked path.
 ROUTE_MAX_DESCRIPTORS = _ROUTE_SLOTS if _ROUTE_SLOTS < IOV_MAX else IOV_MAX
@@ -312,10 +313,11 @@ cdef class BlockRoute:
     cdef dict selections
     cdef _Selection whole
     cdef bint closed
+    cdef bint owns_pidfd
+    cdef int busy  # run calls between their checks and their end (they use pidfd without the GIL)
     cdef object __weakref__
 
-    def __cinit__(self, owner, int pid, int pidfd, generation_word, uint64_t generation,
-                  CacheLayout local not None, CacheLayout remote not None, bint write):
+    def __cinit__(self, owner, pid, pidfd, generation_word, generation, local, remote, write):
         """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``: the proven
         peer process; ``pidfd``: a pidfd of it that the route takes over (closed with the route)
         or -1; ``generation_word``: a C-contiguous uint64 array mapping the
@@ -323,19 +325,23 @@ cdef class BlockRoute:
         lives); ``generation``: the generation of the table ``remote`` came from; ``write``:
         push (local -> remote) or pull (remote -> local). The block size is the local one and
         must fit the remote blocks (a pull needs equal sizes)."""
-        self.pidfd = pidfd  # taken over first: closed with the route even if this raises
+        self.pidfd = pidfd  # taken over first: closed with the route even if a check below raises
+        self.owns_pidfd = True  # (C fields start at 0: never close descriptor 0 by mistake)
+        self.pid = pid
+        self.generation = generation
+        if not isinstance(local, CacheLayout) or not isinstance(remote, CacheLayout):
+            raise TypeError("local and remote must be CacheLayouts")
         cdef const uint64_t[::1] view = generation_word
         if view.shape[0] < 1:
             raise ValueError("the generation word is empty")
-        if local.row_bytes == 0 or local.row_bytes > remote.row_bytes or (
-                not write and local.row_bytes != remote.row_bytes):
+        cdef CacheLayout mine = local, theirs = remote
+        if mine.row_bytes == 0 or mine.row_bytes > theirs.row_bytes or (
+                not write and mine.row_bytes != theirs.row_bytes):
             raise ValueError(f"local blocks of {local.row_bytes} bytes do not fit remote blocks of "
                              f"{remote.row_bytes} bytes")
         self.owner = owner
-        self.pid = pid
         self.word = &view[0]
         self.word_keep = generation_word
-        self.generation = generation
         self.local = local
         self.remote = remote
         self.write = write
@@ -344,7 +350,7 @@ cdef class BlockRoute:
         self.whole = None
 
     def __dealloc__(self):
-        if self.pidfd >= 0:
+        if self.owns_pidfd and self.pidfd >= 0:
             close(self.pidfd)
 
     def close(self):
@@ -353,7 +359,7 @@ cdef class BlockRoute:
         self.closed = True
         self.word = NULL
         self.word_keep = None
-        if self.pidfd >= 0:
+        if self.owns_pidfd and self.pidfd >= 0 and self.busy == 0:  # else the last running call closes it
             close(self.pidfd)
             self.pidfd = -1
 
@@ -394,23 +400,22 @@ cdef class BlockRoute:
         True when done, False when the caller must take the checked path (nothing was written
         unless a system call failed part-way, which the checked path then repeats)."""
         cdef _Selection sel
-        cdef Py_ssize_t n, k
-        cdef size_t t, count = 0, nt
-        cdef uint64_t lrows = self.local.num_rows, rrows = self.remote.num_rows
-        cdef uint64_t lstride = self.local.row_bytes, rstride = self.remote.row_bytes
-        cdef uint64_t nbytes = self.block_bytes, laddr, raddr
-        cdef uint64_t lblock[_ROUTE_SLOTS]
-        cdef uint64_t rblock[_ROUTE_SLOTS]
-        cdef iovec liov[_ROUTE_SLOTS]
-        cdef iovec riov[_ROUTE_SLOTS]
-        cdef unsigned int status
-        cdef int err = 0
-        cdef pollfd exited
+        cdef Py_ssize_t n
+        cdef size_t nt
+        # Small calls plan on the stack (2.5 KiB), larger ones on the heap: 48 KiB of locals
+        # overflowed threads made with a small threading.stack_size.
+        cdef uint64_t blocks_s[2 * _ROUTE_STACK]
+        cdef iovec iov_s[2 * _ROUTE_STACK]
+        cdef uint64_t *lblock
+        cdef uint64_t *rblock
+        cdef iovec *liov
+        cdef iovec *riov
+        cdef void *heap = NULL
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
                 and tensor_num_per_layer == 2:
             sel = self.whole
-        elif ((src_layer_range is None or type(src_layer_range) is range)
-              and (dst_layer_range is None or type(dst_layer_range) is range)
+        elif ((src_layer_range is None or (type(src_layer_range) is range and src_layer_range.step == 1))
+              and (dst_layer_range is None or (type(dst_layer_range) is range and dst_layer_range.step == 1))
               and type(tensor_num_per_layer) is int):
             sel = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
         else:
@@ -424,6 +429,33 @@ cdef class BlockRoute:
         nt = sel.count
         if n == 0 or n != len(dst_blocks) or <size_t>n > _route_max // nt:
             return False
+        if <size_t>n * nt <= _ROUTE_STACK:
+            lblock, rblock = blocks_s, blocks_s + _ROUTE_STACK
+            liov, riov = iov_s, iov_s + _ROUTE_STACK
+        else:
+            heap = malloc(2 * <size_t>n * sizeof(uint64_t) + 2 * <size_t>n * nt * sizeof(iovec))
+            if heap == NULL:
+                return False
+            liov = <iovec *>heap
+            riov = liov + <size_t>n * nt
+            lblock = <uint64_t *>(riov + <size_t>n * nt)
+            rblock = lblock + n
+        try:
+            return self._run(sel, n, nt, src_blocks, dst_blocks, lblock, rblock, liov, riov)
+        finally:
+            free(heap)
+
+    cdef bint _run(self, _Selection sel, Py_ssize_t n, size_t nt, src_blocks, dst_blocks,
+                   uint64_t *lblock, uint64_t *rblock, iovec *liov, iovec *riov) except -1:
+        cdef Py_ssize_t k
+        cdef size_t t, count = 0
+        cdef uint64_t lrows = self.local.num_rows, rrows = self.remote.num_rows
+        cdef uint64_t lstride = self.local.row_bytes, rstride = self.remote.row_bytes
+        cdef uint64_t nbytes = self.block_bytes, laddr, raddr
+        cdef unsigned int status
+        cdef int err = 0
+        cdef pollfd exited
+        cdef int pidfd
         local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
         for k in range(n):
             value = local_blocks[k]
@@ -436,6 +468,8 @@ cdef class BlockRoute:
             rblock[k] = value
         if self.closed or self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
             return False
+        pidfd = self.pidfd
+        self.busy += 1
         with nogil:
             for t in range(nt):
                 for k in range(n):
@@ -452,14 +486,18 @@ cdef class BlockRoute:
                         riov[count].iov_len = nbytes
                         count += 1
             status = _status.DD_LLM_SUCCESS
-            if self.pidfd >= 0:
-                exited.fd = self.pidfd
+            if pidfd >= 0:
+                exited.fd = pidfd
                 exited.events = POLLIN
                 exited.revents = 0
                 if poll(&exited, 1, 0) != 0:  # the peer has exited (or the pidfd failed)
                     status = _status.DD_LLM_LINK_FAILED
             if status == _status.DD_LLM_SUCCESS:
                 status = _cma_batch(self.pid, liov, riov, count, self.write, &err)
+        self.busy -= 1
+        if self.closed and self.busy == 0 and self.pidfd >= 0:
+            close(self.pidfd)
+            self.pidfd = -1
         return status == _status.DD_LLM_SUCCESS
 
     def __repr__(self):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -215,3 +217,74 @@ def test_close_releases_the_pidfd_and_the_page_and_declines_afterwards(peer):
     assert route.run([0], [0], None, None, 2) is False
     route.close()  # idempotent
     assert (peer.remote == GUARD).all()
+
+
+def _pidfd_of_an_exited_process() -> int:
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    pidfd = os.pidfd_open(child)
+    os.waitpid(child, 0)
+    return pidfd
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open")
+def test_a_close_racing_a_run_never_skips_the_liveness_check(peer):
+    """The route's pidfd says the peer has exited, so every run must decline; a close() from
+    another thread in the middle of the run (it releases the GIL) must not make it skip the check
+    and write to the pid."""
+    dead = _pidfd_of_an_exited_process()
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    wrote = 0
+    try:
+        src, dst = [0] * 32, [k % BLOCKS for k in range(32)]
+        for _ in range(1000):
+            route = _planes.BlockRoute(Link(), peer.pid, os.dup(dead), peer.generation, 3,
+                                       peer.layout(peer.local), peer.layout(peer.remote), True)
+            route.learn((None, None, 2), None, None)
+            go = threading.Event()
+            closer = threading.Thread(target=lambda r=route, g=go: (g.wait(), r.close()))
+            closer.start()
+            peer.remote[...] = GUARD
+            go.set()
+            wrote += bool(route.run(src, dst, None, None, 2))
+            closer.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+        os.close(dead)
+    assert wrote == 0
+    assert (peer.remote == GUARD).all()
+
+
+@pytest.mark.parametrize("blocks", [1, 16])  # 4 x 2 = 8 descriptors (stack), 4 x 32 = 128 (heap)
+def test_runs_on_a_thread_with_the_smallest_stack(peer, blocks):
+    """Routes plan on the stack only for small calls: a thread made with the smallest stack
+    Python allows (32 KiB) runs both kinds, and the bytes are those of the checked plan."""
+    peer.fill(8)
+    route = peer.route(True)
+    src = list(range(blocks)) * 2
+    dst = [(BLOCKS - 1 - k) % BLOCKS for k in range(len(src))]
+    results = []
+    old = threading.stack_size(32 * 1024)
+    try:
+        worker = threading.Thread(target=lambda: results.append(route.run(src, dst, None, None, 2)))
+        worker.start()
+        worker.join()
+    finally:
+        threading.stack_size(old)
+    assert results == [True]
+    np.testing.assert_array_equal(peer.remote, expected_push(peer, src, dst, [(t, t) for t in range(TENSORS)]))
+
+
+def test_a_refused_construction_closes_the_taken_pidfd_and_nothing_else(peer):
+    before = sorted(os.listdir("/proc/self/fd"))
+    fd = os.dup(0)
+    with pytest.raises(OverflowError):  # a generation outside uint64: the dup is the route's, closed
+        _planes.BlockRoute(Link(), peer.pid, fd, peer.generation, -1, peer.layout(peer.local),
+                           peer.layout(peer.remote), True)
+    with pytest.raises(TypeError):      # no descriptor taken: none closed (descriptor 0 included)
+        _planes.BlockRoute(Link(), peer.pid, "0", peer.generation, 3, peer.layout(peer.local),
+                           peer.layout(peer.remote), True)
+    os.fstat(0)
+    assert sorted(os.listdir("/proc/self/fd")) == before

@@ -165,6 +165,24 @@ def test_bad_calls_after_a_route_exists_fail_as_without_one(pair):
         assert same(client.call(ops.snapshot, "local"), local) and same(server.call(ops.snapshot, "remote"), remote)
 
 
+@pytest.mark.parametrize("method", ["push_blocks", "pull_blocks"])
+@pytest.mark.parametrize("stepped", [range(0, 5, 10), range(0, -1, -1), range(0, 2, 2)])
+def test_a_range_equal_to_a_learnt_one_but_of_another_step_is_refused(pair, method, stepped):
+    """``range(0, 5, 10) == range(0, 1)`` in Python, but only step 1 is a layer range: the call
+    must be refused as it is without a route, and move nothing."""
+    server, client = pair
+    key = (SERVER, MODEL)
+    learnt = dict(src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+    bad = dict(src_layer_range=stepped, dst_layer_range=range(0, 1))
+    client.call(forget_routes)
+    reference = client.call(outcome, method, key, "local", [0], [1], **bad)
+    assert reference is not None
+    assert client.call(outcome, method, key, "local", [0], [1], **learnt) is None
+    local, remote = client.call(ops.fill, "local", 9), server.call(ops.fill, "remote", 10)
+    assert client.call(outcome, method, key, "local", [0], [1], **bad) == reference
+    assert same(client.call(ops.snapshot, "local"), local) and same(server.call(ops.snapshot, "remote"), remote)
+
+
 def test_a_route_follows_the_peer_re_registering_its_cache(pair):
     """The peer unregisters the cache and registers other memory under the same model_id: the
     next push must land in the new memory (the route saw the generation change), and the old

@@ -129,9 +129,15 @@ class CmaPlane(DataPlane):
         """A route that checks the link, the peer's mapped generation and its pidfd per call."""
         counter = session.generation
         view = None if counter is None else counter.view
-        if view is None or session.pidfd < 0 or session.closed or session.table is not table:
+        pidfd = session.pidfd  # read once: a concurrent close sets it to -1 and closes it
+        if view is None or pidfd < 0 or session.closed or session.table is not table:
             return None  # no mapped generation (checked through a system call) or going away
-        route = _planes.BlockRoute(session, session.pid, os.dup(session.pidfd), view, table.generation,
+        try:
+            pidfd = os.dup(pidfd)
+        except OSError:  # closed meanwhile (the link is ending)
+            return None
+        # The route owns the dup from its first line on (closed with it, even if it refuses).
+        route = _planes.BlockRoute(session, session.pid, pidfd, view, table.generation,
                                    local_layout, remote_layout, write)
         with self._routes_lock:
             self._routes.setdefault(id(session), weakref.WeakSet()).add(route)
