@@ -312,6 +312,7 @@ cdef class BlockRoute:
     cdef readonly uint64_t block_bytes
     cdef dict selections
     cdef _Selection whole
+    cdef tuple last  # (src range, dst range, tensor_num_per_layer, selection) of the last lookup
     cdef bint closed
     cdef bint owns_pidfd
     cdef int busy  # run calls between their checks and their end (they use pidfd without the GIL)
@@ -411,13 +412,19 @@ cdef class BlockRoute:
         cdef iovec *liov
         cdef iovec *riov
         cdef void *heap = NULL
+        cdef tuple last = self.last
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
                 and tensor_num_per_layer == 2:
             sel = self.whole
+        elif (last is not None and last[0] is src_layer_range and last[1] is dst_layer_range
+              and last[2] is tensor_num_per_layer):
+            sel = last[3]  # the very objects of the previous call with layer arguments
         elif ((src_layer_range is None or (type(src_layer_range) is range and src_layer_range.step == 1))
               and (dst_layer_range is None or (type(dst_layer_range) is range and dst_layer_range.step == 1))
               and type(tensor_num_per_layer) is int):
             sel = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
+            if sel is not None:
+                self.last = (src_layer_range, dst_layer_range, tensor_num_per_layer, sel)
         else:
             return False
         if sel is None:

@@ -157,6 +157,13 @@ def _python_loop() -> int:
     return total
 
 
+def _push_with_layer_arguments(push_blocks, key, cache, src_blocks, dst_blocks) -> None:
+    """PUSH with every layer argument, in new range objects each call, as a caller writing them
+    inline would: one tensor = one layer with tensor_num_per_layer=1, so the same bytes."""
+    push_blocks(key, cache, src_blocks, dst_blocks, src_layer_range=range(0, 1),
+                dst_layer_range=range(0, 1), tensor_num_per_layer=1)
+
+
 def _register(state, arr: np.ndarray, case: Case, model_id: Optional[int]):
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
     desc = CacheDesc(1, [case.cache_blocks, case.block_bytes], DataType.DT_UINT8, Placement.HOST)
@@ -186,9 +193,7 @@ def client_case(state, case: Case, model_id: Optional[int], with_baselines: bool
     if model_id is not None:
         key = BlocksCacheKey(SERVER_ID, model_id)
         ops[PUSH] = (state.cm.push_blocks, (key, cache, *ids[PUSH]))
-        # One tensor = one layer with tensor_num_per_layer=1: the same bytes as PUSH.
-        ops[PUSH_LAYERS] = (functools.partial(state.cm.push_blocks, src_layer_range=range(0, 1),
-                                              dst_layer_range=range(0, 1), tensor_num_per_layer=1),
+        ops[PUSH_LAYERS] = (functools.partial(_push_with_layer_arguments, state.cm.push_blocks),
                             (key, cache, *ids[PUSH]))
         ops[PULL] = (state.cm.pull_blocks, (key, cache, *ids[PULL]))
     if with_baselines:

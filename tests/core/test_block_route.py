@@ -157,11 +157,17 @@ def test_a_learnt_selection_is_keyed_by_exact_arguments(peer):
     peer.fill(4)
     route = peer.route(True)
     route.learn((range(1, 2), range(0, 1), 2), [2, 3], [0, 1])
-    assert route.run([5], [6], range(1, 2), range(0, 1), 2)
+    src_range, dst_range = range(1, 2), range(0, 1)
+    assert route.run([5], [6], src_range, dst_range, 2)
     expected = np.full_like(peer.remote, GUARD)
     expected[0, 6], expected[1, 6] = peer.local[2, 5], peer.local[3, 5]
     np.testing.assert_array_equal(peer.remote, expected)
     assert route.run([5], [6], range(0, 1), range(1, 2), 2) is False
+    # The same objects again (the route remembers the last ones) and with a bool count.
+    assert route.run([5], [6], src_range, dst_range, 2)
+    assert route.run([5], [6], src_range, dst_range, True) is False
+    assert route.run([5], [6], src_range, range(0, 5, 10), 2) is False
+    np.testing.assert_array_equal(peer.remote, expected)
 
 
 def test_stale_generation_closed_link_and_too_many_descriptors_are_declined(peer):
