@@ -120,16 +120,16 @@ def print_bulk(rows: list) -> None:
 
 
 def print_latency(rows: list) -> None:
-    print(f"{LATENCY_CASE.label}, one block a call (us): {'kind':12} {'median':>8} {'p99':>8} {'min':>8}")
+    print(f"{LATENCY_CASE.label}, one block a call (us): {'kind':16} {'median':>8} {'p99':>8} {'min':>8}")
     for r in rows:
         verdict = ""
         if "target_us" in r:
             verdict = f"  target median <= {r['target_us']:.0f} us: {'pass' if r['passed'] else 'MISS'}"
         if r["kind"] == CPU_REFERENCE:
             verdict = "  (CPU reference, not a transfer: 200 Python additions)"
-        print(f"{'':33}{r['kind']:12} {r['median_us']:8.2f} {r['p99_us']:8.2f} {r['min_us']:8.2f}{verdict}")
+        print(f"{'':33}{r['kind']:16} {r['median_us']:8.2f} {r['p99_us']:8.2f} {r['min_us']:8.2f}{verdict}")
     low, high = NIXL_4KIB_WRITE_US
-    print(f"{'':33}{'NIXL (UCX)':12} {low:.1f}-{high:.1f} us: one 4 KiB write on the development VM, "
+    print(f"{'':33}{'NIXL (UCX)':16} {low:.1f}-{high:.1f} us: one 4 KiB write on the development VM, "
           f"not measured in this run")
 
 

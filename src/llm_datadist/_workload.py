@@ -54,7 +54,6 @@ every timed path runs a few times first.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import time
@@ -157,13 +156,6 @@ def _python_loop() -> int:
     return total
 
 
-def _push_with_layer_arguments(push_blocks, key, cache, src_blocks, dst_blocks) -> None:
-    """PUSH with every layer argument, in new range objects each call, as a caller writing them
-    inline would: one tensor = one layer with tensor_num_per_layer=1, so the same bytes."""
-    push_blocks(key, cache, src_blocks, dst_blocks, src_layer_range=range(0, 1),
-                dst_layer_range=range(0, 1), tensor_num_per_layer=1)
-
-
 def _register(state, arr: np.ndarray, case: Case, model_id: Optional[int]):
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
     desc = CacheDesc(1, [case.cache_blocks, case.block_bytes], DataType.DT_UINT8, Placement.HOST)
@@ -193,8 +185,9 @@ def client_case(state, case: Case, model_id: Optional[int], with_baselines: bool
     if model_id is not None:
         key = BlocksCacheKey(SERVER_ID, model_id)
         ops[PUSH] = (state.cm.push_blocks, (key, cache, *ids[PUSH]))
-        ops[PUSH_LAYERS] = (functools.partial(_push_with_layer_arguments, state.cm.push_blocks),
-                            (key, cache, *ids[PUSH]))
+        # One tensor = one layer with tensor_num_per_layer=1: the same bytes as PUSH.
+        ops[PUSH_LAYERS] = (state.cm.push_blocks, (key, cache, *ids[PUSH]),
+                            dict(src_layer_range=range(0, 1), dst_layer_range=range(0, 1), tensor_num_per_layer=1))
         ops[PULL] = (state.cm.pull_blocks, (key, cache, *ids[PULL]))
     if with_baselines:
         twin = _filled(case, salt=state.cluster_id + 100)
@@ -230,18 +223,30 @@ def sample(state, name: str, ids: Sequence[int]) -> np.ndarray:
     return np.concatenate([arr[ids, ::4096], arr[ids, -1:]], axis=1)
 
 
+def _op(state, op: str):
+    """``(fn, args, kwargs)`` of a timed operation (kwargs optional in ``scratch["ops"]``)."""
+    entry = state.scratch["ops"][op]
+    return entry if len(entry) == 3 else (*entry, {})
+
+
 def settle(state, ops: Sequence[str]) -> None:
     for op in ops:
-        fn, args = state.scratch["ops"][op]
+        fn, args, kwargs = _op(state, op)
         for _ in range(SETTLE_RUNS):
-            fn(*args)
+            fn(*args, **kwargs)
 
 
 def timed(state, op: str, repetitions: int) -> List[int]:
     """Run ``op`` ``repetitions`` times back to back; the nanoseconds of each."""
-    fn, args = state.scratch["ops"][op]
+    fn, args, kwargs = _op(state, op)
     clock = time.perf_counter_ns
     durations = []
+    if kwargs:  # the keyword arguments are built once, like the positional ones
+        for _ in range(repetitions):
+            start = clock()
+            fn(*args, **kwargs)
+            durations.append(clock() - start)
+        return durations
     for _ in range(repetitions):
         start = clock()
         fn(*args)
@@ -254,11 +259,11 @@ def profile_op(state, op: str, repetitions: int, top: int = 25) -> str:
     import cProfile
     import io
     import pstats
-    fn, args = state.scratch["ops"][op]
+    fn, args, kwargs = _op(state, op)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(repetitions):
-        fn(*args)
+        fn(*args, **kwargs)
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
