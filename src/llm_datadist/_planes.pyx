@@ -122,6 +122,17 @@ cdef inline void _advance(iovec *iov, size_t *first, size_t count, size_t done) 
 # Same host: cross-memory attach
 # ------------------------------------------------------------------------------------------------
 
+cdef inline bint _exited(int pidfd) noexcept nogil:
+    # A pidfd turns readable when its process exits (an error also counts as gone); -1 = no pidfd.
+    cdef pollfd fd
+    if pidfd < 0:
+        return False
+    fd.fd = pidfd
+    fd.events = POLLIN
+    fd.revents = 0
+    return poll(&fd, 1, 0) != 0
+
+
 cdef unsigned int _cma_batch(int pid, iovec *local, iovec *remote, size_t count, bint write,
                              int *err) noexcept nogil:
     # Local and remote iovecs are paired one to one (same lengths), so a partial transfer
@@ -165,13 +176,8 @@ def cma_copy(int pid, CopyPlan plan not None, bint write, int timeout_ms=-1, int
     if plan.count == 0:
         return SUCCESS, 0
     cdef size_t batch = plan.count if plan.count < _BATCH else _BATCH
-    cdef pollfd exited
-    if pidfd >= 0:
-        exited.fd = pidfd
-        exited.events = POLLIN
-        exited.revents = 0
-        if poll(&exited, 1, 0) != 0:  # readable (or an error): the process is gone
-            return LINK_FAILED, ESRCH
+    if _exited(pidfd):
+        return LINK_FAILED, ESRCH
     local = <iovec *>malloc(2 * batch * sizeof(iovec))
     if local == NULL:
         raise MemoryError()
@@ -461,7 +467,6 @@ cdef class BlockRoute:
         cdef uint64_t nbytes = self.block_bytes, laddr, raddr
         cdef unsigned int status
         cdef int err = 0
-        cdef pollfd exited
         cdef int pidfd
         local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
         for k in range(n):
@@ -493,12 +498,8 @@ cdef class BlockRoute:
                         riov[count].iov_len = nbytes
                         count += 1
             status = _status.DD_LLM_SUCCESS
-            if pidfd >= 0:
-                exited.fd = pidfd
-                exited.events = POLLIN
-                exited.revents = 0
-                if poll(&exited, 1, 0) != 0:  # the peer has exited (or the pidfd failed)
-                    status = _status.DD_LLM_LINK_FAILED
+            if _exited(pidfd):
+                status = _status.DD_LLM_LINK_FAILED
             if status == _status.DD_LLM_SUCCESS:
                 status = _cma_batch(self.pid, liov, riov, count, self.write, &err)
         self.busy -= 1
