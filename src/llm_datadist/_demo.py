@@ -6,8 +6,14 @@ Cluster``). Each allocates a paged KV cache on the device runtime: ``2 * layers`
 of every layer, interleaved) of ``[blocks, block_tokens, kv_heads, head_dim]`` fp16. Every request
 owns ``ceil(tokens / block_tokens)`` blocks on each side, at block ids drawn at random from each
 side's cache (the decode cache has spare blocks that no request uses). Both caches are written
-once when allocated, as the caches of a serving process are in use: the transfers are timed, not
-the first touch of their pages.
+(zeroed) once when allocated, as the caches of a serving process are in use: the transfers are
+timed, not the first touch of their pages.
+
+The demo never reads or writes a DEVICE cache from the host: each side keeps a HOST staging cache
+of one request's blocks (``Cache.create_cpu_cache`` over numpy memory) and moves bytes between it
+and the DEVICE cache with ``swap_blocks``, so the same code runs on every runtime -- ``cpu``
+(device memory that is host memory), ``cuda`` or ``acl`` (memory the host cannot address, moved
+between the processes by a device data plane: ``cuda_ipc`` or ``staging``).
 
 1. The prefill process writes every block of every request: the bytes of (request, layer, K/V,
    block of the request) are a pseudo-random stream seeded with those four numbers and the seed,
@@ -71,6 +77,8 @@ PLAN_BYTES_PER_BLOCK_COPY = 64
 SIZE_FLAGS = "use fewer --requests or --tokens, or a smaller --layers, --kv-heads, --head-dim or --block-size"
 #: A p99 differs from the maximum only from this many samples on.
 P99_MIN_SAMPLES = 100
+#: The HOST staging cache of each side (``Staging``) holds this many requests' blocks.
+STAGING_REQUESTS = 1
 
 
 class DemoError(Exception):
@@ -127,9 +135,11 @@ def batch_shape(requests: int, tokens: int, block_tokens: int) -> BatchShape:
     return BatchShape(requests, per_request, max(1, int(requests * per_request * SPARE_FRACTION)))
 
 
-def check_budget(geometry: Geometry, shape: BatchShape) -> None:
+def check_budget(geometry: Geometry, shape: BatchShape, caches_in_host_memory: bool = True) -> None:
     """Refuse (``DemoError``, naming the flags to change) a batch beyond the demo's limits or the
-    memory available, from the sizes alone: before anything is allocated or started."""
+    memory available, from the sizes alone: before anything is allocated or started. The caches
+    count against host memory when the runtime's device memory is host memory
+    (``caches_in_host_memory``); the two HOST staging caches always do."""
     if shape.requests > MAX_REQUESTS:
         raise DemoError(f"--requests {shape.requests} is more than the demo's {MAX_REQUESTS:,} (each request is "
                         f"a call into the cluster processes); use fewer --requests")
@@ -139,12 +149,19 @@ def check_budget(geometry: Geometry, shape: BatchShape) -> None:
                         f"{geometry.num_tensors} tensors), more than the {MAX_BLOCK_COPIES:,} the demo writes and "
                         f"checks one by one; use fewer --requests, --tokens or --layers, or a larger --block-size")
     per_block = geometry.block_bytes * geometry.num_tensors
-    cache_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * per_block
+    cache_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * per_block if caches_in_host_memory else 0
+    cache_bytes += 2 * staging_blocks(shape) * per_block
     table_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * TABLE_BYTES_PER_BLOCK \
         + copies * PLAN_BYTES_PER_BLOCK_COPY
     shortfall = memory_shortfall(cache_bytes + table_bytes)
     if shortfall:
-        raise DemoError(f"the two caches and their block tables would take {shortfall}; {SIZE_FLAGS}")
+        what = "the two caches" if caches_in_host_memory else "the two HOST staging caches"
+        raise DemoError(f"{what} and their block tables would take {shortfall}; {SIZE_FLAGS}")
+
+
+def staging_blocks(shape: BatchShape) -> int:
+    """Blocks per tensor of each side's HOST staging cache."""
+    return STAGING_REQUESTS * shape.blocks_per_request
 
 
 def check_data_plane() -> str:
@@ -219,28 +236,47 @@ def latency_summary(per_request: Sequence[float]) -> dict:
 
 # -- functions run in the cluster processes (``fn(state, *args)``) ----------------------------------
 
-def side_setup(state, geometry: Geometry, num_blocks: int) -> dict:
-    """Allocate this side's paged KV cache (DEVICE, the process's runtime), keyed for the peer."""
-    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+def side_setup(state, geometry: Geometry, num_blocks: int, staging: int) -> dict:
+    """Allocate this side's paged KV cache (DEVICE, the process's runtime), keyed for the peer,
+    and its HOST staging cache of ``staging`` blocks; zero every block of the KV cache through
+    the staging cache (which also faults its pages in, as a serving process's cache is: time
+    transfers, not faults)."""
+    from llm_datadist import BlocksCacheKey, Cache, CacheDesc, DataType, Placement
     shape = [num_blocks, geometry.block_tokens, geometry.kv_heads, geometry.head_dim]
     desc = CacheDesc(geometry.num_tensors, shape, DataType.DT_FLOAT16, Placement.DEVICE)
-    cache = state.cm.allocate_blocks_cache(desc, BlocksCacheKey(state.cluster_id, MODEL_ID))
-    state.caches["kv"] = cache
-    # uint8 [blocks, block_bytes] views of every tensor: the bytes the demo writes and checks.
-    state.arrays["kv"] = [view.view(np.uint8).reshape(num_blocks, -1) for view in cache.as_numpy()]
-    for view in state.arrays["kv"]:
-        view.fill(0)  # fault the pages in, as a serving process's cache is: time transfers, not faults
+    state.caches["kv"] = state.cm.allocate_blocks_cache(desc, BlocksCacheKey(state.cluster_id, MODEL_ID))
+    # uint8 [tensors, staging blocks, block_bytes]: the bytes the demo writes and checks.
+    host = np.zeros((geometry.num_tensors, staging, geometry.block_bytes), np.uint8)
+    host_desc = CacheDesc(geometry.num_tensors, [staging, *shape[1:]], DataType.DT_FLOAT16, Placement.HOST)
+    state.arrays["staging"] = host
+    state.caches["staging"] = Cache.create_cpu_cache(host_desc, [host[t] for t in range(geometry.num_tensors)])
+    for first in range(0, num_blocks, staging):
+        _to_device(state, range(first, min(num_blocks, first + staging)))
     engine = state.dd._engine
-    return dict(pid=os.getpid(), runtime=engine.runtime.name, runtime_reason=engine.runtime_reason)
+    return dict(pid=os.getpid(), runtime=engine.runtime.name, runtime_reason=engine.runtime_reason,
+                host_addressable=bool(engine.runtime.host_addressable))
+
+
+def _to_device(state, blocks: Sequence[int]) -> None:
+    """Staging block ``k`` -> KV cache block ``blocks[k]``, every tensor (``swap_blocks`` H2D)."""
+    state.cm.swap_blocks(state.caches["staging"], state.caches["kv"], {k: b for k, b in enumerate(blocks)})
+
+
+def _to_host(state, blocks: Sequence[int]) -> np.ndarray:
+    """KV cache block ``blocks[k]`` -> staging block ``k``, every tensor (``swap_blocks`` D2H);
+    the staging array ``[tensors, staging blocks, block_bytes]``."""
+    state.cm.swap_blocks(state.caches["kv"], state.caches["staging"], {b: k for k, b in enumerate(blocks)})
+    return state.arrays["staging"]
 
 
 def fill_request(state, geometry: Geometry, seed: int, request: int, blocks: List[int]) -> None:
     """Write the known bytes of every block of ``request`` (prefill side)."""
-    views = state.arrays["kv"]
-    for tensor, view in enumerate(views):
+    host = state.arrays["staging"]
+    for tensor in range(geometry.num_tensors):
         layer, kv = divmod(tensor, 2)
-        for block, physical in enumerate(blocks):
-            view[physical] = expected_block(seed, request, layer, kv, block, geometry.block_bytes)
+        for block in range(len(blocks)):
+            host[tensor, block] = expected_block(seed, request, layer, kv, block, geometry.block_bytes)
+    _to_device(state, blocks)
 
 
 def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst_blocks: List[int]) -> int:
@@ -254,25 +290,37 @@ def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst
     return time.perf_counter_ns() - start
 
 
-def plane_to(state, peer_id: int) -> str:
-    """The data plane this side's transfers to ``peer_id`` use (chosen when the link was made)."""
+def plane_to(state, peer_id: int, device: bool) -> str:
+    """The data plane this side's transfers to ``peer_id`` used: the link's plane (chosen when
+    the link was made) for host-addressable caches; for device memory the host cannot address,
+    the device plane the link chose for it (after the first transfer)."""
+    links = state.dd._engine.links
+    if device:
+        used = getattr(links, "device_plane", None)
+        if used is not None:
+            name = used(peer_id)
+            if name:
+                return name
+        return "a device plane"
     return state.dd._engine.data_plane(peer_id)
 
 
 def corrupt(state, physical_block: int, tensor: int) -> None:
     """Flip one byte in the middle of ``physical_block`` of ``tensor`` (the verifier's self-test)."""
-    row = state.arrays["kv"][tensor][physical_block]
+    row = _to_host(state, [physical_block])[tensor, 0]
     row[row.size // 2] ^= 0xFF
+    _to_device(state, [physical_block])
 
 
 def verify_request(state, geometry: Geometry, seed: int, request: int, blocks: List[int]) -> List[dict]:
     """Every byte of every block of ``request`` (decode side); one entry per wrong block tensor."""
     failures = []
-    for tensor, view in enumerate(state.arrays["kv"]):
+    host = _to_host(state, blocks)
+    for tensor in range(geometry.num_tensors):
         layer, kv = divmod(tensor, 2)
         for block, physical in enumerate(blocks):
             expected = expected_block(seed, request, layer, kv, block, geometry.block_bytes)
-            got = view[physical]
+            got = host[tensor, block]
             if not np.array_equal(got, expected):
                 wrong = np.flatnonzero(got != expected)
                 first = int(wrong[0])
@@ -285,22 +333,36 @@ def verify_request(state, geometry: Geometry, seed: int, request: int, blocks: L
 def verify_untouched(state, blocks: List[int]) -> List[dict]:
     """Blocks no request owns must still be zero (nothing written outside the destinations)."""
     failures = []
-    for tensor, view in enumerate(state.arrays["kv"]):
-        for physical in blocks:
-            wrong = np.flatnonzero(view[physical])
-            if wrong.size:
-                failures.append(dict(layer=tensor // 2, kv="KV"[tensor % 2], decode_block=physical,
-                                     bytes_wrong=int(wrong.size), first_byte=int(wrong[0])))
+    staging = state.arrays["staging"].shape[1]
+    for first in range(0, len(blocks), staging):
+        chunk = blocks[first:first + staging]
+        host = _to_host(state, chunk)
+        for tensor in range(host.shape[0]):
+            for k, physical in enumerate(chunk):
+                wrong = np.flatnonzero(host[tensor, k])
+                if wrong.size:
+                    failures.append(dict(layer=tensor // 2, kv="KV"[tensor % 2], decode_block=physical,
+                                         bytes_wrong=int(wrong.size), first_byte=int(wrong[0])))
+    failures.sort(key=lambda f: (f["layer"], f["kv"], f["decode_block"]))
     return failures
 
 
 # -- the coordinator ---------------------------------------------------------------------------
 
+def device_planes() -> tuple:
+    """The registered data planes that move device memory the host cannot address
+    (``DataPlane.device_memory``: ``cuda_ipc``, ``staging``)."""
+    from llm_datadist.transport import planes
+    return tuple(name for name in planes.names() if getattr(planes.get(name), "device_memory", False))
+
+
 def choose_device(requested: Optional[str]) -> tuple:
-    """``(runtime name, why)`` for the children: ``requested`` (or ``LLM_DATADIST_DEVICE``) if
-    it can move DEVICE blocks between processes; without an explicit choice, the registry's
-    host-addressable fallback (``cpu``) when the auto-detected runtime cannot. Sets
-    ``LLM_DATADIST_DEVICE`` for the children."""
+    """``(runtime name, why, whether its memory is host-addressable)`` for the children:
+    ``requested`` (or ``LLM_DATADIST_DEVICE``) if it can move DEVICE blocks between processes --
+    host-addressable memory always can, other memory when a device data plane is registered;
+    without an explicit choice, the registry's host-addressable fallback (``cpu``) when the
+    auto-detected runtime cannot. An explicit runtime that cannot be used is a ``DemoError``.
+    Sets ``LLM_DATADIST_DEVICE`` for the children."""
     from llm_datadist import LLMException, runtimes
     if requested is not None:
         os.environ["LLM_DATADIST_DEVICE"] = requested
@@ -311,14 +373,28 @@ def choose_device(requested: Optional[str]) -> tuple:
         raise DemoError(str(exc).split(" (status_code")[0]) from None
     if runtime.host_addressable:
         os.environ["LLM_DATADIST_DEVICE"] = runtime.name
-        return runtime.name, reason
-    unsupported = (f"transfers of {runtime.name} device memory between processes are not "
-                   f"implemented yet (they need device IPC or staging)")
+        return runtime.name, reason, True
+    carriers = device_planes()
+    if carriers:
+        os.environ["LLM_DATADIST_DEVICE"] = runtime.name
+        return runtime.name, f"{reason}; device memory moves over {' or '.join(carriers)}", False
+    unsupported = (f"transfers of {runtime.name} device memory between processes need a device data "
+                   f"plane (device IPC or staging), and none is registered")
     fallback = runtimes.host_addressable_fallback()
     if explicit:
         raise DemoError(f"device runtime {runtime.name}: {unsupported}; run with --device {fallback}")
     os.environ["LLM_DATADIST_DEVICE"] = fallback
-    return fallback, f"{runtime.name} was detected, but {unsupported}"
+    return fallback, f"{runtime.name} was detected, but {unsupported}", True
+
+
+def check_plane_carries(asked_plane: str, host_addressable: bool) -> None:
+    """A forced plane that cannot move the caches' memory is refused before anything starts."""
+    from llm_datadist.transport import planes
+    if host_addressable or asked_plane == planes.AUTO:
+        return
+    if not getattr(planes.get(asked_plane), "device_memory", False):
+        raise DemoError(f"data plane {asked_plane} cannot move device memory that the host cannot address; "
+                        f"use --plane {' or --plane '.join(device_planes())} or auto")
 
 
 def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optional[str],
@@ -332,13 +408,15 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
     shape = batch_shape(requests, tokens, geometry.block_tokens)
     if corrupt_block is not None and not 0 <= corrupt_block < shape.total_blocks:
         raise DemoError(f"--corrupt-block {corrupt_block}: the batch has blocks 0..{shape.total_blocks - 1}")
-    check_budget(geometry, shape)
     per_block = geometry.block_bytes * geometry.num_tensors
     if plane is not None:
         os.environ["LLM_DATADIST_DATA_PLANE"] = plane
     asked_plane = check_data_plane()
-    runtime, runtime_why = choose_device(device)
+    runtime, runtime_why, host_addressable = choose_device(device)
+    check_plane_carries(asked_plane, host_addressable)
+    check_budget(geometry, shape, caches_in_host_memory=host_addressable)
     batch = make_batch(shape, seed)
+    staging = staging_blocks(shape)
 
     op = "pull_blocks" if pull else "push_blocks"
     out(f"geometry:  {geometry.describe()}")
@@ -370,13 +448,10 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
                 raise DemoError(f"cluster {issuer.cluster_id} could not link to cluster "
                                 f"{target.cluster_id}: status {status}, per cluster {per_cluster}")
             progress.step("allocating the caches", 0)
-            prefill_info = prefill.call(side_setup, geometry, batch.prefill_cache_blocks)
-            decode_info = decode.call(side_setup, geometry, batch.decode_cache_blocks)
-            used_plane = issuer.call(plane_to, target.cluster_id)
+            prefill_info = prefill.call(side_setup, geometry, batch.prefill_cache_blocks, staging)
+            decode_info = decode.call(side_setup, geometry, batch.decode_cache_blocks, staging)
             pids = f"prefill (pid {prefill_info['pid']})", f"decode (pid {decode_info['pid']})"
             direction = f"{pids[1]} pulls from {pids[0]}" if pull else f"{pids[0]} pushes to {pids[1]}"
-            out(f"transfer:  {direction} with {op}, one call per request, data plane {used_plane} "
-                f"(asked: {asked_plane})")
 
             for request, blocks in enumerate(batch.prefill_blocks):
                 prefill.call(fill_request, geometry, seed, request, blocks)
@@ -386,6 +461,10 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
                 latencies_ns.append(issuer.call(transfer_request, pull, target.cluster_id,
                                                 batch.prefill_blocks[request], batch.decode_blocks[request]))
                 progress.step(f"{op} {request + 1}/{requests}")
+            # Asked after the transfers: a device plane is chosen by the first transfer that needs one.
+            used_plane = issuer.call(plane_to, target.cluster_id, not host_addressable)
+            out(f"transfer:  {direction} with {op}, one call per request, data plane {used_plane} "
+                f"(asked: {asked_plane})")
             if corrupt_block is not None:
                 request, block = batch.locate(corrupt_block)
                 decode.call(corrupt, batch.decode_blocks[request][block], 0)
@@ -413,7 +492,8 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         tensors=geometry.num_tensors, descriptors=batch.total_blocks * geometry.num_tensors,
         bytes=moved, bytes_per_request=len(batch.prefill_blocks[0]) * per_block, operation=op,
         data_plane=used_plane, data_plane_asked=asked_plane,
-        device_runtime=runtime, device_runtime_reason=runtime_why,
+        device_runtime=runtime, device_runtime_reason=runtime_why, device_host_addressable=host_addressable,
+        staging_blocks=staging,
         prefill_pid=prefill_info["pid"], decode_pid=decode_info["pid"],
         transfer_seconds=busy_s, gbps=moved / busy_s / 1e9 if busy_s else 0.0,
         latency_ms=latency_summary(per_request),
