@@ -90,12 +90,15 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from llm_datadist import _bench
     planes = args.planes
-    if planes is None:  # every plane this host has
+    if planes is None and args.gpu == "only":
+        planes = ()
+    elif planes is None:  # every plane this host has
         planes, note = _bench.available_planes()
         if note:
             print(f"note: {note}", flush=True)
     config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
-                                total=args.total, min_time=args.min_time)
+                                total=args.total, min_time=args.min_time, gpu=args.gpu,
+                                gpu_sizes=args.gpu_sizes, gpu_total=args.gpu_total)
     json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
     try:
         return _bench.run(config, json_path, args.plot, lambda line: print(line, flush=True))
@@ -129,8 +132,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llm_datadist._bench import DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, all_planes, \
-        plane_aliases
+    from llm_datadist._bench import DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, GPU_MODES, \
+        all_planes, plane_aliases
+    from llm_datadist._device_workload import DEFAULT_SIZES as GPU_SIZES, DEFAULT_TOTAL as GPU_TOTAL
     from llm_datadist.transport import planes
     from llm_datadist import __version__
     from llm_datadist._console import short_size
@@ -200,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"bytes moved per call (default {short_size(DEFAULT_TOTAL)}; at least one block)")
     bench.add_argument("--min-time", type=_seconds, default=DEFAULT_MIN_TIME,
                        help=f"seconds of calls per point and kind (default {DEFAULT_MIN_TIME:g})")
+    bench.add_argument("--gpu", choices=GPU_MODES, default="auto",
+                       help="GPU rows (copy_blocks D2D, swap_blocks D2H/H2D, push/pull over cuda_ipc and "
+                            "staging, each vs a baseline of the same bytes and the issue's target): auto = "
+                            "where a runtime whose memory the host cannot address (cuda) is usable, else "
+                            "skipped with the reason; off; only = just these rows (default auto)")
+    bench.add_argument("--gpu-sizes", type=_sizes, default=list(GPU_SIZES),
+                       help="block sizes of the GPU rows (default "
+                            f"{','.join(short_size(s) for s in GPU_SIZES)})")
+    bench.add_argument("--gpu-total", type=_size, default=GPU_TOTAL,
+                       help=f"bytes moved per call in the GPU rows (default {short_size(GPU_TOTAL)}: the blocks "
+                            "of half a cache twice that size)")
     bench.add_argument("--json", metavar="FILE", default=None,
                        help="where to write the raw results (default llm_datadist-bench-<date>-<time>.json "
                             "in the current directory)")

@@ -13,6 +13,13 @@ ids, so every block is one descriptor. For each block size:
 * ``<plane> push`` / ``<plane> pull``: ``push_blocks`` (client -> server) and ``pull_blocks``
   (server -> client), completion included.
 
+GPU rows (``--gpu``, ``_device_workload.py``): where a runtime whose memory the host cannot
+address is usable (cuda on a GPU machine), ``copy_blocks`` device-to-device, ``swap_blocks`` both
+ways, ``push_blocks`` / ``pull_blocks`` over ``cuda_ipc`` and over ``staging`` between processes
+on this host, each against a baseline of the same bytes in the same run (one runtime memcpy, one
+pinned memcpy, the tcp plane with HOST caches) and the issue's target ratio; elsewhere they are
+skipped with the reason.
+
 Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). The baseline is
 one thread; a same-host transfer of 8 MiB or more a call is split over two threads, and a TCP one
 over the link's two connections, each on a thread (``stripe_bytes`` / ``stripes`` of each plane
@@ -71,6 +78,10 @@ class BenchError(Exception):
     """The sweep cannot run as asked: a message, exit status 2."""
 
 
+#: ``--gpu``: measure the GPU rows where a GPU is usable (``auto``), never (``off``), or only them.
+GPU_MODES = ("auto", "off", "only")
+
+
 @dataclass(frozen=True)
 class SweepConfig:
     sizes: Sequence[int] = DEFAULT_SIZES
@@ -79,6 +90,9 @@ class SweepConfig:
     total: int = DEFAULT_TOTAL
     min_time: float = DEFAULT_MIN_TIME
     min_repetitions: int = MIN_REPETITIONS
+    gpu: str = "auto"
+    gpu_sizes: Sequence[int] = (16 << 10, 2 << 20)
+    gpu_total: int = 128 << 20  # _device_workload.DEFAULT_TOTAL
 
 
 def require_matplotlib():
@@ -94,11 +108,16 @@ def require_matplotlib():
 
 
 def memory_needed(config: SweepConfig) -> int:
-    """Peak bytes of the sweep's caches: per block size, the server's cache, one per client and
-    the baseline's second buffer, each twice the moved blocks (block sizes run one at a time)."""
+    """Peak host bytes of the sweep's caches: per block size, the server's cache, one per client
+    and the baseline's second buffer, each twice the moved blocks (block sizes run one at a
+    time); for the GPU rows, the host caches, fill buffers and the pinned buffer, at most eight
+    times the bytes a call moves."""
+    gpu = 8 * max(_moved(size, config.gpu_total) * size for size in config.gpu_sizes) if config.gpu != "off" else 0
+    if config.gpu == "only":
+        return gpu
     remote = [p for p in config.planes if p != LOCAL]
     buffers = (1 + len(remote) if remote else 1) + 1
-    return max(2 * _moved(size, config.total) * size for size in config.sizes) * buffers
+    return max(gpu, max(2 * _moved(size, config.total) * size for size in config.sizes) * buffers)
 
 
 def _moved(block_bytes: int, total: int) -> int:
@@ -253,6 +272,25 @@ def available_planes() -> tuple:
     return tuple(usable), "; ".join(notes)
 
 
+def gpu_sweep(config: SweepConfig, runtime: str, progress: Optional[Progress] = None) -> tuple:
+    """The GPU rows on ``runtime``: ``(rows, notes on planes left out, facts of the server)``."""
+    from llm_datadist import _device_workload as device
+    progress = progress or Progress(0)
+    table: List[dict] = []
+    with contextlib.ExitStack() as stack:
+        with sigint_for_parent_only():
+            rig = stack.enter_context(device.DeviceRig(runtime))
+        for block_bytes in config.gpu_sizes:
+            case = device.make_case(block_bytes, config.gpu_total)
+            progress.step(f"GPU {case.label}: setting up", 0)
+            durations = device.measure_case(rig, case, config.min_time, config.min_repetitions,
+                                            lambda text=f"GPU {case.label}: measuring": progress.step(text, 0))
+            table += device.rows(case, durations, rig)
+            rig.clear_case()
+            progress.step(f"GPU {case.label}: done")
+        return table, dict(rig.notes), dict(rig.facts)
+
+
 def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Callable[[str], None] = print) -> int:
     """The ``bench`` command: sweep, table, JSON (and plot). Raises ``BenchError``."""
     from llm_datadist.testing import ChildError
@@ -270,24 +308,57 @@ def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Call
                 loadavg_start=os.getloadavg())
     out(f"llm_datadist {build['version']} ({build['build']}) on {host['machine']}, {host['cpus']} CPUs "
         f"({host['cpu']}), load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    out(f"sweep: blocks {', '.join(short_size(s) for s in config.sizes)}; planes {', '.join(config.planes)}; "
-        f"directions {', '.join(config.directions)}; {format_size(config.total)} per call (at least one block); "
-        f"each kind >= {config.min_time:g} s and >= {config.min_repetitions} calls")
+    gpu_runtime = gpu_why = None
+    if config.gpu != "off":
+        from llm_datadist._device_workload import device_runtime
+        gpu_runtime, gpu_why = device_runtime()
+        if gpu_runtime is None and config.gpu == "only":
+            raise BenchError(f"--gpu only, but {gpu_why}")
+    if config.gpu != "only":
+        out(f"sweep: blocks {', '.join(short_size(s) for s in config.sizes)}; planes {', '.join(config.planes)}; "
+            f"directions {', '.join(config.directions)}; {format_size(config.total)} per call (at least one block); "
+            f"each kind >= {config.min_time:g} s and >= {config.min_repetitions} calls")
+    if gpu_runtime is not None:
+        out(f"GPU rows: the {gpu_runtime} runtime ({gpu_why}); blocks "
+            f"{', '.join(short_size(s) for s in config.gpu_sizes)}; {format_size(config.gpu_total)} per call, "
+            f"one tensor of twice the moved blocks, random block ids")
     started = time.perf_counter()
+    rows: List[dict] = []
+    gpu_rows: List[dict] = []
+    gpu_notes: Dict[str, str] = {}
+    gpu_facts: dict = {}
+    steps = (len(config.sizes) if config.gpu != "only" else 0) + (len(config.gpu_sizes) if gpu_runtime else 0)
     try:
-        with Progress(len(config.sizes)) as progress:
-            rows = sweep(config, progress)
+        with Progress(max(1, steps)) as progress:
+            if config.gpu != "only":
+                rows = sweep(config, progress)
+            if gpu_runtime is not None:
+                gpu_rows, gpu_notes, gpu_facts = gpu_sweep(config, gpu_runtime, progress)
     except ChildError as exc:
         raise BenchError(f"{exc.kind} in a cluster process: {exc.message}") from None
     except (RuntimeError, TimeoutError) as exc:
         raise BenchError(str(exc)) from None
     meta.update(seconds=time.perf_counter() - started, loadavg_end=os.getloadavg())
-    out("")
-    print_table(rows, out)
+    if rows:
+        out("")
+        print_table(rows, out)
+    if config.gpu != "off":
+        from llm_datadist._device_workload import format_rows
+        out("")
+        if gpu_runtime is None:
+            out(f"GPU rows skipped: {gpu_why}")
+        else:
+            out(f"GPU rows ({gpu_runtime}; ratio = baseline time / time, medians of batches closed by a "
+                f"device fence):")
+            for line in format_rows(gpu_rows):
+                out(line)
     payload = dict(meta=meta, config=dict(sizes=list(config.sizes), planes=list(config.planes),
                                           directions=list(config.directions), total=config.total,
-                                          min_time=config.min_time, min_repetitions=config.min_repetitions),
-                   results=rows)
+                                          min_time=config.min_time, min_repetitions=config.min_repetitions,
+                                          gpu=config.gpu, gpu_sizes=list(config.gpu_sizes),
+                                          gpu_total=config.gpu_total),
+                   results=rows,
+                   gpu=dict(runtime=gpu_runtime, why=gpu_why, notes=gpu_notes, facts=gpu_facts, results=gpu_rows))
     with open(json_path, "w") as f:
         json.dump(payload, f, indent=1)
     out(f"\nraw results (every duration): {json_path}")
