@@ -201,3 +201,27 @@ def test_device_rows_read_device_bytes_only_through_the_library(stub_cuda):
         _device_workload.drop_case(state)
     finally:
         dd.finalize()
+
+
+# -- info -------------------------------------------------------------------------------------------
+
+def test_info_shows_capabilities_and_how_device_memory_moves(stub_path):
+    from llm_datadist.transport import planes
+    out = run("info", "--json", env=_env(stub_path, "cuda"))
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["device_runtime"].startswith("cuda")
+    assert facts["runtimes"]["cuda"] == f"available: {stub_path} loaded"
+    assert facts["runtime_capabilities"]["cuda"].endswith("(reported by the loaded library)")
+    assert facts["runtime_capabilities"]["cpu"] == "host_addressable"
+    carriers = _demo.device_planes()
+    for name in planes.names():
+        assert facts["data_planes"][name].endswith(" [moves device memory]") == (name in carriers)
+    if carriers:
+        assert facts["device_transfers"].startswith("cuda device memory")
+        for name in carriers:
+            assert name in facts["device_transfers"]
+    else:
+        assert "no data plane that moves device memory is registered" in facts["device_transfers"]
+    text = run("info", env=_env(stub_path, "cpu")).stdout
+    assert "device_transfers: cpu device memory is host memory: every data plane carries it" in text

@@ -91,8 +91,8 @@ def build_facts() -> Dict[str, object]:
 
 def runtime_facts() -> Dict[str, object]:
     """The device runtime this process would use, and every registered runtime's availability
-    and capabilities."""
-    from llm_datadist import LLMException, runtimes
+    and capabilities: those its loaded library reports where it loads, else the registry's."""
+    from llm_datadist import LLMException, _core, runtimes
     facts: Dict[str, object] = {}
     try:
         runtime, reason = runtimes.select_runtime()
@@ -101,22 +101,68 @@ def runtime_facts() -> Dict[str, object]:
         facts["device_runtime"] = f"unusable: {str(exc).split(' (status_code')[0]}"
     facts["runtimes"] = {name: ("available: " if ok else "not available: ") + why
                          for name, (ok, why) in ((n, runtimes.probe(n)) for n in runtimes.names())}
-    facts["runtime_capabilities"] = {
-        name: ", ".join(sorted(runtimes.get(name).capabilities)) or "none" for name in runtimes.names()}
+    capabilities = {}
+    for name in runtimes.names():
+        spec = runtimes.get(name)
+        try:
+            bits = runtimes.load(name).capabilities
+            listed = sorted(cap for cap, bit in _core.CAPABILITIES.items() if bits & bit)
+            where = "" if spec.library is None else " (reported by the loaded library)"
+        except LLMException:
+            listed = sorted(spec.capabilities)
+            where = " (as registered; the library does not load here)"
+        capabilities[name] = (", ".join(listed) or "none") + where
+    facts["runtime_capabilities"] = capabilities
     return facts
 
 
-def plane_facts() -> Dict[str, str]:
-    """``local`` and every registered data plane, each tried for real (``DataPlane.probe``)."""
+def _plane_probes() -> Dict[str, tuple]:
     from llm_datadist.transport import planes as registry
-    planes = {"local": (True, "copies and swaps inside one process (device runtime memcpy)")}
-    planes.update((name, registry.get(name).probe()) for name in registry.names())
-    return {name: ("available: " if ok else "not available: ") + why for name, (ok, why) in planes.items()}
+    probes = {"local": (True, "copies and swaps inside one process (device runtime memcpy)")}
+    probes.update((name, registry.get(name).probe()) for name in registry.names())
+    return probes
+
+
+def _moves_device_memory(name: str) -> bool:
+    from llm_datadist.transport import planes as registry
+    return name != "local" and bool(getattr(registry.get(name), "device_memory", False))
+
+
+def plane_facts(probes: Optional[Dict[str, tuple]] = None) -> Dict[str, str]:
+    """``local`` and every registered data plane, each tried for real (``DataPlane.probe``);
+    a plane that moves device memory the host cannot address (``DataPlane.device_memory``:
+    cuda_ipc, staging) says so."""
+    probes = _plane_probes() if probes is None else probes
+    return {name: ("available: " if ok else "not available: ") + why
+            + (" [moves device memory]" if _moves_device_memory(name) else "")
+            for name, (ok, why) in probes.items()}
+
+
+def device_transfer_facts(probes: Dict[str, tuple]) -> str:
+    """How DEVICE caches of the selected runtime move between processes here."""
+    from llm_datadist import LLMException, runtimes
+    try:
+        runtime, _ = runtimes.select_runtime()
+    except LLMException:
+        return "no device runtime is usable"
+    if runtime.host_addressable:
+        return f"{runtime.name} device memory is host memory: every data plane carries it"
+    carriers = [name for name in probes if _moves_device_memory(name)]
+    if not carriers:
+        return (f"{runtime.name} device memory cannot move between processes: no data plane that moves "
+                f"device memory is registered (LLM_FEATURE_NOT_ENABLED)")
+    usable = [name for name in carriers if probes[name][0]]
+    listed = ", ".join(f"{name} ({'available' if probes[name][0] else 'not available'})" for name in carriers)
+    if not usable:
+        return f"{runtime.name} device memory: no plane that moves it is usable here: {listed}"
+    return f"{runtime.name} device memory moves over {listed}"
 
 
 def all_facts() -> Dict[str, object]:
     facts = build_facts()
     facts.update(runtime_facts())
-    facts["data_planes"] = plane_facts()
+    probes = _plane_probes()
+    facts["data_planes"] = plane_facts(probes)
+    facts["device_transfers"] = device_transfer_facts(probes)
     facts["host"] = host_facts()
     return facts
