@@ -57,9 +57,18 @@ that did not arrive.
     engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
     start-up, so prefer the environment variable there. The connector never logs it.
 
+KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime of the registry
+claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's
+device runtime (``LLM_DATADIST_DEVICE``; ``auto`` picks cuda on a GPU machine) on the worker's
+current device, and move without a host copy in between where the link has a plane for device
+memory: ``cuda_ipc`` between processes of one host, ``staging`` (pinned bounce buffers over TCP)
+otherwise. KV tensors on a device the engine's runtime does not hold, or on another device index
+than the worker's, are refused at registration with the fix in the message. CPU tensors are HOST
+caches.
+
 Supported: models with one KV cache group (one paged tensor per attention layer, block id on
 dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
-device runtime reaches (the vLLM CPU backend; other devices as far as the runtime table goes).
+device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime).
 Not yet: several KV cache groups (hybrid/sliding-window models), TP/PP > 1, push mode,
 layer-by-layer pipelining.
 """
@@ -308,12 +317,15 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @property
     def registration(self) -> Optional[Dict[str, Any]]:
         """What the worker registered with llm_datadist: ``cluster_id``, ``num_tensors``, ``shape``
-        (block id first), ``dtype`` (a ``DataType`` name); None before ``register_kv_caches``."""
+        (block id first), ``dtype`` (a ``DataType`` name), ``placement`` (``HOST``/``DEVICE``),
+        ``device`` (the tensors' torch device) and ``runtime`` (the engine's device runtime);
+        None before ``register_kv_caches``."""
         if self._worker is None or self._worker.cache is None:
             return None
         desc = self._worker.cache.cache_desc
         return {"cluster_id": self._worker.cluster_id, "num_tensors": desc.num_tensors,
-                "shape": list(desc.shape), "dtype": desc.data_type.name}
+                "shape": list(desc.shape), "dtype": desc.data_type.name, "placement": desc.placement.name,
+                "device": self._worker.device, "runtime": self._worker.dd._engine.runtime.name}
 
 
 #: The name vllm-ascend gave its llm_datadist connector, so its configs need only the module path changed.
@@ -461,6 +473,18 @@ class _Unreachable(Exception):
     """No working link to a prefill worker could be had."""
 
 
+def _current_device_index() -> int:
+    """The accelerator device this worker's process computes on (vLLM sets it before it builds
+    the connector); 0 without an accelerator."""
+    accelerator = getattr(torch, "accelerator", None)
+    try:
+        if accelerator is not None and accelerator.is_available():
+            return int(accelerator.current_device_index())
+    except (RuntimeError, AssertionError):  # a build whose accelerator cannot be initialised here
+        pass
+    return 0
+
+
 class _Worker:
     def __init__(self, vllm_config, engine_id: str, options: _Options, kv_cache_config):
         transfer = vllm_config.kv_transfer_config
@@ -471,8 +495,9 @@ class _Worker:
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self.cluster_id = options.cluster_id if options.cluster_id is not None else \
             int.from_bytes(os.urandom(4), "little") | 1
+        self.device_id = _current_device_index()
         cfg = ld.LLMConfig()
-        cfg.device_id = 0
+        cfg.device_id = self.device_id
         cfg.sync_kv_timeout = options.sync_kv_timeout_ms
         cfg.enable_cache_manager = True
         cfg.enable_remote_cache_accessible = True
@@ -490,6 +515,7 @@ class _Worker:
         # engine passes them to its links.
         self._links_api = self.dd._engine
         self.cache: Optional[ld.Cache] = None
+        self.device: Optional[str] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
                       "notified": 0, "released": 0, "refused": 0, "expired": 0, "freed_at_shutdown": 0}
         self._lock = threading.Lock()
@@ -534,12 +560,36 @@ class _Worker:
                                           f"{tuple(t.shape)}/{t.dtype}")
         dtype = _DTYPES.get(first.dtype) or _BY_WIDTH[first.element_size()]
         placement = ld.Placement.HOST if first.device.type == "cpu" else ld.Placement.DEVICE
+        if placement == ld.Placement.DEVICE:
+            self._check_device(first.device)
         desc = ld.CacheDesc(len(tensors), list(first.shape), dtype, placement)
         self._keep = tensors
+        # By address: device memory is registered where it is (no host copy), moved by the
+        # link's plane for device memory (cuda_ipc on one host, staging elsewhere).
         self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                    ld.BlocksCacheKey(self.cluster_id, 0), True)
-        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) as cluster %d",
-                    len(tensors), tuple(first.shape), first.dtype, self.cluster_id)
+        self.device = str(first.device)
+        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
+                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+
+    def _check_device(self, device) -> None:
+        """KV tensors on ``device`` must be memory of the engine's device runtime, on the device
+        the engine binds its threads to; else refused with what to change."""
+        from llm_datadist import runtimes
+        engine = self.dd._engine
+        runtime = engine.runtime
+        if device.type not in runtimes.tensor_devices(runtime.name):
+            holders = [name for name in runtimes.names() if device.type in runtimes.tensor_devices(name)]
+            fix = (f"set LLM_DATADIST_DEVICE={holders[0]}" if holders else
+                   "no llm_datadist device runtime holds such tensors")
+            raise NotImplementedError(f"LLMDataDistConnector: the KV caches are {device.type} tensors, but the "
+                                      f"llm_datadist device runtime is {runtime.name} ({engine.runtime_reason}); "
+                                      f"{fix}")
+        index = device.index if device.index is not None else self.device_id
+        if index != self.device_id:
+            raise NotImplementedError(f"LLMDataDistConnector: the KV caches are on {device}, but this worker's "
+                                      f"llm_datadist engine uses device {self.device_id} (the current device when "
+                                      f"the connector was built)")
 
     def _split(self, name: str, t: torch.Tensor) -> List[torch.Tensor]:
         """Tensors whose dimension 0 is the block id: the layer's cache, or its K and V halves."""
