@@ -61,8 +61,8 @@
 #define DD_COPY_STORE(p, i, v) __stcg((p) + (i), (v))
 #endif
 
-/* Same layout as dd_copy_desc in include/llm_datadist/dd_runtime.h (redeclared: nvcc -ptx gets no
- * include path, and the PTX must not depend on the host's headers). */
+/* Same layout as dd_copy_desc in include/llm_datadist/dd_runtime.h, redeclared so that this file
+ * compiles alone (tools/copy_kernel.py passes nvcc no include path). */
 struct dd_copy_desc {
     unsigned long long src;
     unsigned long long dst;
