@@ -8,11 +8,7 @@ GPU. Timings of the stub mean nothing: these tests check that the paths run and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,29 +18,14 @@ from test_cli import SMALL_DEMO, assert_clean_failure, run
 
 from llm_datadist import _demo, _device_workload
 
-CORE_CONFTEST = Path(__file__).resolve().parent / "core" / "conftest.py"
 #: The GPU rows at the smallest sizes: two block sizes, a few blocks a call.
 TINY_GPU = ["--gpu", "only", "--gpu-sizes", "4KiB,16KiB", "--gpu-total", "64KiB", "--min-time", "0.01"]
 
 
-def _core_stub_helpers():
-    spec = importlib.util.spec_from_file_location("core_stub_conftest", CORE_CONFTEST)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def stub_path(tmp_path_factory) -> str:
-    """The stub runtime built as tests/core/conftest.py builds it."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is not on PATH: the stub ACL/CUDA runtime library cannot be built")
-    helpers = _core_stub_helpers()
-    out = tmp_path_factory.mktemp("stub_cli") / "libstub_runtime.so"
-    helpers._compile(gcc, out, helpers.STUB_VARIANTS["full"])
-    return str(out)
+def stub_path(stub_libraries) -> str:
+    """The stub runtime library (tests/runtime_stub.py), posing as cuda and acl."""
+    return str(stub_libraries["full"])
 
 
 def _env(stub: str, device: str) -> dict:

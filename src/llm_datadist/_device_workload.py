@@ -33,8 +33,8 @@ Rows (``COMPARISONS``; ratio = baseline time / measured time, higher is faster):
 
 Timing: inside the process that makes the call. A device copy may return before the GPU is done
 (a device-to-device ``cudaMemcpy`` does), so every device measurement is a batch of back-to-back
-calls closed by a *fence* -- a one-byte device-to-host ``Runtime.memcpy``, which waits for the
-work queued before it -- and one duration is the batch's time divided by its calls. The library's
+calls closed by a *fence* -- ``Runtime.synchronize`` and a one-byte device-to-host
+``Runtime.memcpy``, which waits for the work queued before it -- and one duration is the batch's time divided by its calls. The library's
 calls and the baselines are timed alike; host-only ones (tcp) need no fence. Before anything is
 timed, each operation's bytes are checked (copied back to the host through the library).
 """
@@ -215,10 +215,15 @@ def _device_cache(state, case: DeviceCase, salt: int, model_id: Optional[int]):
 
 
 def _fence(state) -> None:
-    """Wait for the device work queued so far: a one-byte device-to-host copy."""
+    """Wait for the device work queued so far: the copies this thread queued on the library's
+    stream (``Runtime.synchronize``), then a one-byte device-to-host copy, which waits for the
+    work queued before it on the device's default stream (a D2D ``cudaMemcpy``)."""
     from llm_datadist import _core
     runtime = _runtime(state)
     dev, host = state.scratch["fence"]
+    synchronize = getattr(runtime, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
     runtime.memcpy(host.addr, dev.addr, 1, _core.MEMCPY_DEVICE_TO_HOST)
 
 

