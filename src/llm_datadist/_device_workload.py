@@ -35,8 +35,9 @@ Timing: inside the process that makes the call. A device copy may return before 
 (a device-to-device ``cudaMemcpy`` does), so every device measurement is a batch of back-to-back
 calls closed by a *fence* -- ``Runtime.synchronize`` and a one-byte device-to-host
 ``Runtime.memcpy``, which waits for the work queued before it -- and one duration is the batch's
-time divided by its calls. The library's calls and the baselines are timed alike; host-only ones (tcp) need no fence. Before anything is
-timed, each operation's bytes are checked (copied back to the host through the library).
+time divided by its calls. The library's calls and the baselines are timed alike; host-only
+ones (tcp) need no fence. Before anything is timed, each operation's bytes are checked (copied
+back to the host through the library).
 """
 
 from __future__ import annotations
