@@ -291,18 +291,12 @@ def transfer_request(state, pull: bool, peer_id: int, src_blocks: List[int], dst
 
 
 def plane_to(state, peer_id: int, device: bool) -> str:
-    """The data plane this side's transfers to ``peer_id`` used: the link's plane (chosen when
-    the link was made) for host-addressable caches; for device memory the host cannot address,
-    the device plane the link chose for it (after the first transfer)."""
-    links = state.dd._engine.links
-    if device:
-        used = getattr(links, "device_plane", None)
-        if used is not None:
-            name = used(peer_id)
-            if name:
-                return name
-        return "a device plane"
-    return state.dd._engine.data_plane(peer_id)
+    """The data plane this side's transfers to ``peer_id`` use: the link's plane (chosen when
+    the link was made) for host-addressable caches; with device memory the host cannot address on
+    both sides, the link's device plane for that combination."""
+    if not device:
+        return state.dd._engine.data_plane(peer_id)
+    return state.dd._engine.links.data_plane(peer_id, local_device=True, remote_device=True)
 
 
 def corrupt(state, physical_block: int, tensor: int) -> None:

@@ -163,7 +163,8 @@ def test_decode_worker_pulls_cuda_kv_of_a_prefill_engine(stub_cuda):
     block = BLOCK_ELEMS * 2
     with Cluster(41, role="PROMPT", listen=True) as prefill:
         data = prefill.call(prefill_side, 4, 13)
-        decode = _Worker(_config(False), "decode", _Options.parse({"cluster_id": 43}), None)
+        decode = _Worker(_config(False), "decode", _Options.parse({"cluster_id": 43}),
+                         SimpleNamespace(num_blocks=BLOCKS, kv_cache_groups=[0]))
         try:
             decode.register(decode_kv)
             host, port = prefill.address
