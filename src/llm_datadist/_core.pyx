@@ -1129,7 +1129,12 @@ cdef int _run_plan(const dd_runtime_table *table, const dd_copy_desc *descs, siz
         return 0
     if table.copy_batch != NULL and not ordered:
         rc = table.copy_batch(table.ctx, descs, count, kind, failed_at)
-        if rc == 0 and wait:
+        if rc != 0:
+            # The copies queued before the failure still run: wait for them (keeping the first
+            # error), so none writes a destination or reads a source after the caller has seen
+            # the error and may free or reuse the buffers.
+            table.synchronize(table.ctx)
+        elif wait:
             failed_at[0] = count
             rc = table.synchronize(table.ctx)
         return rc
@@ -1152,7 +1157,8 @@ def execute(CopyPlan plan not None, Runtime runtime not None, int kind, bint wai
     are only queued and the caller must ``runtime.synchronize()`` before touching the memory.
     Queued copies run in parallel: ``ordered=True`` (a list whose later copies read what earlier
     ones write) runs one synchronous copy per descriptor in list order instead. A runtime error
-    raises ``LLMException(LLM_FAILED)`` naming the runtime, the kind and the descriptor.
+    raises ``LLMException(LLM_FAILED)`` naming the runtime, the kind and the descriptor; the
+    copies queued before the error are waited for first (with ``wait=False`` too).
     """
     cdef int rc
     cdef size_t failed_at = 0

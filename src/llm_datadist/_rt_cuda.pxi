@@ -134,9 +134,10 @@ cdef bint _cuda_kernel_ready(CudaApi *api, CudaDevice *dev) noexcept nogil:
 
 
 cdef int _cuda_launch_pieces(CudaApi *api, CudaDevice *dev, const dd_copy_desc *descs,
-                             size_t count) noexcept nogil:
+                             size_t count, int *wait_rc) noexcept nogil:
     """One launch of the copy kernel over ``descs`` cut into pieces; -1 if it cannot run (nothing
-    was queued), else the runtime's or the driver's code."""
+    was queued), else the runtime's or the driver's code. ``wait_rc``: the error of copies queued
+    before, met while waiting to grow the piece buffer (nothing was queued then)."""
     cdef size_t pieces = 0, i, k = 0
     cdef uint64_t off, take, piece = DD_COPY_KERNEL_PIECE_BYTES
     cdef dd_copy_desc *host
@@ -166,8 +167,11 @@ cdef int _cuda_launch_pieces(CudaApi *api, CudaDevice *dev, const dd_copy_desc *
     if dev.pieces_bytes < pieces * sizeof(dd_copy_desc):
         # The old buffer may still be read by a queued launch: wait for the stream first.
         rc = api.stream_synchronize(dev.stream)
-        if rc == 0:
-            rc = api.malloc(&grown, pieces * sizeof(dd_copy_desc) * 2)
+        if rc != 0:
+            free(host)
+            wait_rc[0] = rc
+            return -1
+        rc = api.malloc(&grown, pieces * sizeof(dd_copy_desc) * 2)
         if rc != 0:
             free(host)
             return rc
@@ -222,7 +226,7 @@ cdef int _cuda_copy_batch(void *ctx, const dd_copy_desc *descs, size_t count, in
                           size_t *failed_at) noexcept nogil:
     cdef CudaApi *api = <CudaApi *>ctx
     cdef CudaDevice *dev = NULL
-    cdef int rc
+    cdef int rc, wait_rc = 0
     cdef size_t i
     failed_at[0] = count
     pthread_mutex_lock(&api.lock)
@@ -232,7 +236,10 @@ cdef int _cuda_copy_batch(void *ctx, const dd_copy_desc *descs, size_t count, in
         return rc
     rc = -1
     if kind == DD_MEMCPY_DEVICE_TO_DEVICE and _cuda_kernel_ready(api, dev):
-        rc = _cuda_launch_pieces(api, dev, descs, count)
+        rc = _cuda_launch_pieces(api, dev, descs, count, &wait_rc)
+        if wait_rc != 0:  # an earlier copy failed: report it, the kernel is not at fault
+            pthread_mutex_unlock(&api.lock)
+            return wait_rc
         if rc > 0:  # the driver refused the launch: do not try it again, copy another way
             dev.kernel_state = _UNUSABLE
             rc = -1

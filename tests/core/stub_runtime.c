@@ -131,8 +131,9 @@ static __thread int32_t t_cuda_device = 0;
 static stub_call *record(int32_t fn, int32_t device)
 {
     static stub_call sink;
-    stub_call *entry = g_log_total < STUB_LOG_CAPACITY ? &g_log[g_log_total] : &sink;
-    g_log_total++;
+    /* One slot per call, also when threads call at once (each reads the total once). */
+    uint64_t slot = __atomic_fetch_add(&g_log_total, 1, __ATOMIC_RELAXED);
+    stub_call *entry = slot < STUB_LOG_CAPACITY ? &g_log[slot] : &sink;
     memset(entry, 0, sizeof(*entry));
     entry->fn = fn;
     entry->kind = -1;
@@ -305,7 +306,8 @@ typedef struct stub_stream {
 static int64_t g_live_streams;
 static uint64_t g_ops_run;
 
-static int stream_push(stub_stream *stream, void *dst, const void *src, size_t count, int take_now)
+static int stream_push_locked(stub_stream *stream, void *dst, const void *src, size_t count,
+                             int take_now)
 {
     stub_op *op;
     if (stream->len == stream->cap) {
@@ -332,6 +334,16 @@ static int stream_push(stub_stream *stream, void *dst, const void *src, size_t c
     }
     stream->len++;
     return 0;
+}
+
+/* Under the lock stream_run holds: another thread may be waiting for the same stream. */
+static int stream_push(stub_stream *stream, void *dst, const void *src, size_t count, int take_now)
+{
+    int rc;
+    pthread_mutex_lock(&g_lock);
+    rc = stream_push_locked(stream, dst, src, count, take_now);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
 }
 
 static void stream_run(stub_stream *stream)
