@@ -116,7 +116,7 @@ class Server:
             data_len = length - 16 - desc_len
             if plan.total_bytes != data_len:
                 raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
-            with engine.pinned(plan, True) as (ranges, current):
+            with engine.pinned(plan, True) as (ranges, current, _device):
                 refusal = self._refusal(plan, True, generation, ranges, current, peer_id, "push")
                 if refusal == 0:
                     st, _, _ = _planes.recv_plan(fd, plan, False, _session.FRAME_TIMEOUT_MS)
@@ -132,7 +132,7 @@ class Server:
                 raise ProtocolError(f"pull: frame length {length}")
             (generation,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "pull"))
             plan = self._wire_plan(self._recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-            with engine.pinned(plan, False) as (ranges, current):
+            with engine.pinned(plan, False) as (ranges, current, _device):
                 refusal = self._refusal(plan, False, generation, ranges, current, peer_id, "pull")
                 if refusal == 0:
                     head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)
