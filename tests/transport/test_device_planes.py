@@ -235,6 +235,16 @@ def test_without_a_device_plane_a_device_transfer_fails_and_the_link_stays(devic
         dd.cache_manager.push_blocks(BlocksCacheKey(SERVER_ID, MODEL_ID), local, [0], [0])
 
 
+def test_under_auto_a_device_plane_is_never_the_link_plane(device_planes):
+    with _linked("auto") as (dd, arrays, local, server, remote_addrs):
+        links = dd._engine.links
+        assert not links.planes[links.data_plane(SERVER_ID)].device_memory
+        assert links.planes["devtest"].accepted == []  # not asked until a device transfer comes
+        dd._engine.device_only = lambda record: True
+        dd.cache_manager.push_blocks(BlocksCacheKey(SERVER_ID, MODEL_ID), local, [0], [0])
+        assert links.data_plane(SERVER_ID, local_device=True) == "devtest"
+
+
 def _info() -> LLMClusterInfo:
     info = LLMClusterInfo()
     info.remote_cluster_id = SERVER_ID

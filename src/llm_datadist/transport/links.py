@@ -199,8 +199,8 @@ class LinkManager(Listeners, Handshakes, Server):
         return plane
 
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
-        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` whose
-        ``accept`` takes the link (the fallback plane always does). A link to this very process
+        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
+        ``device_memory`` whose ``accept`` takes the link (the fallback plane always does). A link to this very process
         uses the fallback: frames, checked by the owner (ourselves). A forced plane that refuses
         fails the link (``LLM_LINK_FAILED``)."""
         if deadline is None:
@@ -209,8 +209,8 @@ class LinkManager(Listeners, Handshakes, Server):
             facts = {}
         if peer.unix and peer.pid == os.getpid():
             names = plane_registry.fallbacks()
-        elif self.plane == plane_registry.AUTO:
-            names = plane_registry.auto_order()
+        elif self.plane == plane_registry.AUTO:  # device planes are chosen per transfer (_device_plane)
+            names = tuple(n for n in plane_registry.auto_order() if not plane_registry.get(n).device_memory)
         else:
             names = (self.plane,)
         for name in names:

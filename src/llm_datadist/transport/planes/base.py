@@ -6,7 +6,8 @@ and for each link picks the plane of *its own* transfers: the one ``llm.DataPlan
 first of ``planes.auto_order()`` whose ``accept`` takes the link. Nothing outside the plane modules
 knows what a plane is called or what it needs; the manager only calls the methods below.
 
-That plane (the link's *host plane*) moves every transfer between memory the host can address.
+That plane (the link's *host plane*; under ``auto`` only planes without ``device_memory`` are
+considered for it) moves every transfer between memory the host can address.
 A transfer whose local cache, or whose remote cache, is device memory that the host cannot
 address (a cuda or acl DEVICE cache) goes to the link's *device plane* for that combination
 instead: the forced plane if it has ``device_memory``, else the first plane of the ``auto`` order
