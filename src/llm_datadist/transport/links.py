@@ -46,6 +46,7 @@ from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAU
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane
 from llm_datadist.transport.server import Server
 from llm_datadist.transport.session import MAX_LOST_RECORDS, Peer
+from llm_datadist.transport.staging import StagedPayload, drop_pool
 from llm_datadist.transport.table import RemoteTable
 
 __all__ = ["LinkManager", "Peer", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
@@ -72,6 +73,8 @@ class LinkManager(Listeners, Handshakes, Server):
         self.planes: Dict[str, DataPlane] = {name: plane_registry.get(name)(engine)
                                              for name in plane_registry.names()}
         self.plane_objects: Tuple[DataPlane, ...] = tuple(self.planes.values())
+        #: The payload of peers' transfers into and out of this engine's device memory (server).
+        self._staged = StagedPayload(engine)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self.secret = auth.resolve_secret(engine.options)
         self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
@@ -627,6 +630,7 @@ class LinkManager(Listeners, Handshakes, Server):
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+        drop_pool(self.engine)
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:
