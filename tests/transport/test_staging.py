@@ -14,17 +14,25 @@ sides and on one side, every transfer of the API, chunk boundaries, guard bytes,
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import shutil
 import socket
+import subprocess
 import threading
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
+import rawpeer
 
+import llm_datadist as ld
 from llm_datadist import _core, _planes
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import staging
+from llm_datadist.testing import ChildError, Cluster
+from llm_datadist.transport import staging, wire
 from llm_datadist.transport.errors import CopyFailed
 
 CHUNK = 4096
@@ -336,3 +344,357 @@ def test_the_model_stage_plan_cuts_the_stream():
             for to_bounce in (True, False):
                 assert (_core.stage_plan(plan, start, n, 9000, to_bounce).descriptors().tolist()
                         == model_stage_plan(plan, start, n, 9000, to_bounce).descriptors().tolist())
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: cluster processes on the stub runtime posing as cuda
+# ------------------------------------------------------------------------------------------------
+
+STUB_SOURCE = Path(__file__).parents[1] / "core" / "stub_runtime.c"
+STUB_CONFTEST = Path(__file__).parents[1] / "core" / "conftest.py"
+SERVER_ID, CLIENT_ID, RAW_ID = 131, 132, 133
+MODEL_ID = 9
+TENSORS, BLOCKS = 2, 8
+BLOCK = (1 << 20) + 24      # blocks that cut 4 MiB chunks at odd places
+ROWS, ROW = 4, 1000         # a small row cache
+U8 = ld.DataType.DT_UINT8
+
+needs_core = pytest.mark.skipif(not hasattr(_core, "stage_plan"),
+                                reason="the core's staging API (stage_plan, execute(wait=False), pinned "
+                                       "Allocation) is not in this build yet")
+
+
+@pytest.fixture(scope="module")
+def stub_path(tmp_path_factory) -> str:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not on PATH: the stub cuda runtime cannot be built")
+    out = tmp_path_factory.mktemp("stub_cuda") / "libstub_cuda.so"
+    proc = subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(STUB_SOURCE), "-lrt", "-lpthread"],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"compiling the stub runtime failed:\n{proc.stderr}")
+    return str(out)
+
+
+@pytest.fixture
+def cuda_env(stub_path, monkeypatch) -> str:
+    """Cluster processes started meanwhile run the stub library as their cuda runtime."""
+    monkeypatch.setenv("LLM_DATADIST_DEVICE", "cuda")
+    monkeypatch.setenv("LLM_DATADIST_CUDA_LIBRARY", stub_path)
+    monkeypatch.setenv("LLM_DATADIST_CUDA_DRIVER_LIBRARY", stub_path)
+    return stub_path
+
+
+# -- in the cluster processes ----------------------------------------------------------------------
+
+def c_allocate(state, name: str, placement: str, blocks: bool) -> Tuple[int, List[int], bool]:
+    """A blocks cache (keyed by MODEL_ID) or a row cache; ``(cache_id, tensor addresses, whether
+    the engine calls it device memory the host cannot address)``."""
+    shape = [BLOCKS, BLOCK] if blocks else [ROWS, ROW]
+    desc = ld.CacheDesc(TENSORS, shape, U8, getattr(ld.Placement, placement))
+    if blocks:
+        cache = state.cm.allocate_blocks_cache(desc, ld.BlocksCacheKey(state.cluster_id, MODEL_ID))
+    else:
+        cache = state.cm.allocate_cache(desc)
+    state.caches[name] = cache
+    engine = state.dd._engine
+    return cache.cache_id, list(cache.tensor_addrs), engine.device_only(engine.lookup(cache.cache_id))
+
+
+def _is_device(state, name: str) -> bool:
+    engine = state.dd._engine
+    return engine.device_only(engine.lookup(state.caches[name].cache_id))
+
+
+def c_fill(state, name: str, seed: int) -> List[np.ndarray]:
+    """Random bytes into every tensor, through the runtime's copies for device memory."""
+    cache, engine = state.caches[name], state.dd._engine
+    rng = np.random.default_rng(seed)
+    out = []
+    for addr in cache.tensor_addrs:
+        data = np.frombuffer(rng.bytes(engine.lookup(cache.cache_id).tensor_bytes), dtype=np.uint8).copy()
+        if _is_device(state, name):
+            engine.runtime.memcpy(addr, data.ctypes.data, data.nbytes, _core.MEMCPY_HOST_TO_DEVICE)
+        else:
+            _core.HostRegion(addr, data.nbytes).as_array(np.uint8, (data.nbytes,))[...] = data
+        out.append(data)
+    return out
+
+
+def c_read(state, name: str) -> List[np.ndarray]:
+    cache, engine = state.caches[name], state.dd._engine
+    nbytes = engine.lookup(cache.cache_id).tensor_bytes
+    out = []
+    for addr in cache.tensor_addrs:
+        data = np.empty(nbytes, dtype=np.uint8)
+        if _is_device(state, name):
+            engine.runtime.memcpy(data.ctypes.data, addr, nbytes, _core.MEMCPY_DEVICE_TO_HOST)
+        else:
+            data[...] = _core.HostRegion(addr, nbytes).as_array(np.uint8, (nbytes,))
+        out.append(data)
+    return out
+
+
+def c_op(state, method: str, key, name: str, *args, **kwargs) -> None:
+    getattr(state.cm, method)(key, state.caches[name], *args, **kwargs)
+
+
+def c_link(state, server_id: int, ip: str, port: int) -> int:
+    info = ld.LLMClusterInfo()
+    info.remote_cluster_id = server_id
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info(ip, port)
+    _, rets = state.dd.link_clusters([info], 5000)
+    return int(rets[0])
+
+
+def c_spy(state) -> None:
+    """Record what every plane of this cluster is handed: ``(plane, device plan?)`` per call."""
+    state.scratch["seen"] = seen = []
+    for plane in state.dd._engine.links.planes.values():
+        def host(session, table, plan, write, deadline, _p=plane, _f=plane.transfer):
+            seen.append((_p.name, "host"))
+            return _f(session, table, plan, write, deadline)
+
+        def device(session, table, plan, write, deadline, local_device, remote_device, _p=plane,
+                   _f=plane.transfer_device):
+            seen.append((_p.name, "device"))
+            return _f(session, table, plan, write, deadline, local_device, remote_device)
+        plane.transfer, plane.transfer_device = host, device
+
+
+def c_seen(state) -> List[Tuple[str, str]]:
+    return list(state.scratch.get("seen", []))
+
+
+def c_planes(state, remote_id: int) -> Dict[str, Any]:
+    links = state.dd._engine.links
+    return {"link": links.data_plane(remote_id),
+            "device": {f"{a}{b}": links.data_plane(remote_id, local_device=a, remote_device=b)
+                       for a, b in [(True, True), (True, False), (False, True)]},
+            "device_memory": {name: plane.device_memory for name, plane in links.planes.items()}}
+
+
+def _stub(path: str):
+    spec = importlib.util.spec_from_file_location("stub_fixtures", STUB_CONFTEST)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StubRuntime(Path(path))
+
+
+def c_stub_reset(state, path: str) -> None:
+    _stub(path).reset_log()
+
+
+def c_stub_calls(state, path: str) -> List[Tuple[str, int, int]]:
+    return [(c.fn, c.kind, c.size) for c in _stub(path).calls()]
+
+
+def c_stub_fail(state, path: str, fn: str, code: int, skip: int = 0) -> None:
+    _stub(path).fail(fn, code, skip)
+
+
+def c_linked(state) -> List[int]:
+    return state.dd._engine.links.linked_clusters()
+
+
+# -- in the test process ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _pair(client_place: str, server_place: str, plane: Optional[str] = "staging"):
+    """A server and a client (linked), each with a blocks cache and a row cache in the given
+    placements: ``(client, server, {name: (cache_id, addrs, device?)})``."""
+    with contextlib.ExitStack() as stack:
+        options = {"llm.MemPoolConfig": '{"memory_size": 104857600}',
+                   "llm.HostMemPoolConfig": '{"memory_size": 104857600}'}
+        server = stack.enter_context(Cluster(SERVER_ID, "PROMPT", listen=True, plane=plane, options=options,
+                                             timeout=60))
+        client = stack.enter_context(Cluster(CLIENT_ID, "DECODER", plane=plane, options=options, timeout=60))
+        caches = {}
+        for side, cluster, place in (("c", client, client_place), ("s", server, server_place)):
+            caches[f"{side}_blocks"] = cluster.call(c_allocate, "blocks", place, True)
+            caches[f"{side}_rows"] = cluster.call(c_allocate, "rows", place, False)
+        assert client.call(c_link, SERVER_ID, *server.address) == LLMStatusCode.LLM_SUCCESS
+        yield client, server, caches
+
+
+def _blocks(arrays: List[np.ndarray]) -> List[np.ndarray]:
+    return [a.reshape(BLOCKS, BLOCK) for a in arrays]
+
+
+PLACES = [("DEVICE", "DEVICE"), ("DEVICE", "HOST"), ("HOST", "DEVICE")]
+
+
+@needs_core
+@pytest.mark.parametrize("client_place, server_place", PLACES, ids=[f"{a}-{b}".lower() for a, b in PLACES])
+def test_e2e_device_caches_move_through_staging(cuda_env, client_place, server_place):
+    with _pair(client_place, server_place) as (client, server, caches):
+        assert caches["c_blocks"][2] == (client_place == "DEVICE")
+        assert caches["s_blocks"][2] == (server_place == "DEVICE")
+        client.call(c_spy)
+        c_blocks = _blocks(client.call(c_fill, "blocks", 1))
+        s_blocks = _blocks(server.call(c_fill, "blocks", 2))
+        key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
+
+        # A push of 3 blocks of 2 tensors (6 MiB: crosses a 4 MiB chunk, one connection).
+        client.call(c_op, "push_blocks", key, "blocks", [1, 2, 3], [4, 6, 0])
+        for t in range(TENSORS):
+            s_blocks[t][[4, 6, 0]] = c_blocks[t][[1, 2, 3]]
+        # A pull of 5 blocks (10 MiB: split over the link's two connections).
+        client.call(c_op, "pull_blocks", key, "blocks", [7, 6, 5, 4, 3], [0, 1, 2, 3, 4])
+        for t in range(TENSORS):
+            c_blocks[t][[0, 1, 2, 3, 4]] = s_blocks[t][[7, 6, 5, 4, 3]]
+        # Every byte of both caches: the blocks written, and the others (guards) untouched.
+        for got, want in zip(_blocks(client.call(c_read, "blocks")) + _blocks(server.call(c_read, "blocks")),
+                             c_blocks + s_blocks):
+            assert (got == want).all()
+
+        # Rows: push_cache and pull_cache (small transfers, under one chunk).
+        c_rows = [a.reshape(ROWS, ROW) for a in client.call(c_fill, "rows", 3)]
+        s_rows = [a.reshape(ROWS, ROW) for a in server.call(c_fill, "rows", 4)]
+        rows_id = caches["s_rows"][0]
+        client.call(c_op, "push_cache", ld.CacheKeyByIdAndIndex(SERVER_ID, rows_id, 2), "rows", 1)
+        client.call(c_op, "pull_cache", ld.CacheKeyByIdAndIndex(SERVER_ID, rows_id, 3), "rows", 0)
+        for t in range(TENSORS):
+            s_rows[t][2] = c_rows[t][1]
+            c_rows[t][0] = s_rows[t][3]
+        for got, want in zip([a.reshape(ROWS, ROW) for a in client.call(c_read, "rows") + server.call(c_read, "rows")],
+                             c_rows + s_rows):
+            assert (got == want).all()
+
+        # Every transfer went to the staging plane as a device transfer; no host plane saw one.
+        assert set(client.call(c_seen)) == {("staging", "device")}
+
+
+@needs_core
+def test_e2e_under_auto_device_transfers_never_reach_a_host_plane(cuda_env):
+    with _pair("DEVICE", "DEVICE", plane=None) as (client, server, caches):
+        planes = client.call(c_planes, SERVER_ID)
+        assert not planes["device_memory"][planes["link"]]  # cma or tcp carries host memory
+        assert all(planes["device_memory"][p] for p in planes["device"].values())
+        client.call(c_spy)
+        c_blocks = _blocks(client.call(c_fill, "blocks", 5))
+        s_blocks = _blocks(server.call(c_fill, "blocks", 6))
+        key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
+        client.call(c_op, "push_blocks", key, "blocks", [0], [1])
+        client.call(c_op, "pull_blocks", key, "blocks", [2], [3])
+        seen = client.call(c_seen)
+        assert seen and all(kind == "device" and planes["device_memory"][name] for name, kind in seen)
+        got_c, got_s = _blocks(client.call(c_read, "blocks")), _blocks(server.call(c_read, "blocks"))
+        for t in range(TENSORS):
+            assert (got_s[t][1] == c_blocks[t][0]).all() and (got_c[t][3] == s_blocks[t][2]).all()
+            assert (got_s[t][[0, 2, 3, 4, 5, 6, 7]] == s_blocks[t][[0, 2, 3, 4, 5, 6, 7]]).all()
+
+
+def _copies(calls, kind: int) -> List[Tuple[str, int, int]]:
+    return [c for c in calls if "Memcpy" in c[0] and c[1] == kind]
+
+
+@needs_core
+def test_e2e_the_stub_log_shows_pinned_buffers_and_chunked_copies(cuda_env):
+    with _pair("DEVICE", "DEVICE") as (client, server, caches):
+        client.call(c_fill, "blocks", 7)
+        for cluster in (client, server):
+            cluster.call(c_stub_reset, cuda_env)
+        client.call(c_op, "push_blocks", ld.BlocksCacheKey(SERVER_ID, MODEL_ID), "blocks", [1, 2, 3], [0, 1, 2])
+        sent, received = client.call(c_stub_calls, cuda_env), server.call(c_stub_calls, cuda_env)
+        total = 3 * TENSORS * BLOCK
+        # Pinned host bounce buffers on both sides (first use of each engine's pool).
+        assert [c for c in sent if c[0] == "cudaMallocHost"] and [c for c in received if c[0] == "cudaMallocHost"]
+        # Device -> host copies on the sender, host -> device on the receiver, chunk by chunk,
+        # covering every byte once; no plain host copy of device memory.
+        d2h, h2d = _copies(sent, 2), _copies(received, 1)
+        assert sum(c[2] for c in d2h) == total and sum(c[2] for c in h2d) == total
+        assert not _copies(sent, 1) and not _copies(received, 2)
+        # The bounce buffers stay for the next transfer.
+        for cluster in (client, server):
+            cluster.call(c_stub_reset, cuda_env)
+        client.call(c_op, "push_blocks", ld.BlocksCacheKey(SERVER_ID, MODEL_ID), "blocks", [4], [5])
+        assert not [c for c in client.call(c_stub_calls, cuda_env) if c[0] == "cudaMallocHost"]
+        assert not [c for c in server.call(c_stub_calls, cuda_env) if c[0] == "cudaMallocHost"]
+
+
+@needs_core
+def test_e2e_a_failed_device_copy_fails_the_transfer_not_the_link(cuda_env):
+    with _pair("DEVICE", "DEVICE") as (client, server, caches):
+        c_blocks = _blocks(client.call(c_fill, "blocks", 8))
+        s_blocks = _blocks(server.call(c_fill, "blocks", 9))
+        key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
+        fns = {c[0] for c in server.call(c_stub_calls, cuda_env)} | {"cudaMemcpyAsync"}
+        copy_fn = "cudaMemcpyBatchAsync" if "cudaMemcpyBatchAsync" in fns else "cudaMemcpyAsync"
+        server.call(c_stub_fail, cuda_env, copy_fn, 1)  # the owner's next host -> device copy
+        with pytest.raises(ChildError) as raised:
+            client.call(c_op, "push_blocks", key, "blocks", [0], [0])
+        assert raised.value.status_code == LLMStatusCode.LLM_FAILED
+        assert client.call(c_linked) == [SERVER_ID]
+        client.call(c_op, "push_blocks", key, "blocks", [1], [1])  # the link goes on
+        got = _blocks(server.call(c_read, "blocks"))
+        for t in range(TENSORS):
+            assert (got[t][1] == c_blocks[t][1]).all()
+            assert (got[t][2:] == s_blocks[t][2:]).all()
+
+
+# -- a raw peer against a server with device memory -------------------------------------------------
+
+def _descs(*triples) -> bytes:
+    return b"".join(wire.U64.pack(v) for t in triples for v in t)
+
+
+def _raw_push(link, generation: int, triples, data: bytes) -> int:
+    descs = _descs(*triples)
+    req_id = link.request(wire.OP_PUSH, wire.U64x2.pack(generation, len(descs)) + descs + data)
+    op, status, rid, payload = rawpeer.read_frame(link.sock, timeout=30)
+    assert (op, rid, payload) == (wire.OP_PUSH_DONE, req_id, b"")
+    return status
+
+
+def _raw_pull(link, generation: int, triples) -> Tuple[int, bytes]:
+    req_id = link.request(wire.OP_PULL, wire.U64.pack(generation) + _descs(*triples))
+    op, status, rid, payload = rawpeer.read_frame(link.sock, timeout=30)
+    assert (op, rid) == (wire.OP_PULL_DATA, req_id)
+    return status, payload
+
+
+@needs_core
+def test_e2e_a_raw_peer_reaches_device_memory_only_inside_it(cuda_env):
+    options = {"llm.MemPoolConfig": '{"memory_size": 104857600}',
+               "llm.HostMemPoolConfig": '{"memory_size": 104857600}'}
+    with Cluster(SERVER_ID, "PROMPT", listen=True, options=options, timeout=60) as server:
+        _, dev_addrs, dev = server.call(c_allocate, "blocks", "DEVICE", True)
+        _, host_addrs, host_dev = server.call(c_allocate, "rows", "HOST", False)
+        assert dev and not host_dev
+        before = server.call(c_fill, "blocks", 11)
+        host_before = server.call(c_fill, "rows", 12)
+        link = rawpeer.RawLink(server.address, RAW_ID)
+        try:
+            table = link.table()
+            entries = {c[0]: c for c in table["caches"]}
+            assert [e[7] for e in sorted(entries.values())] == [False, True]  # host_addressable per cache
+            generation = table["generation"]
+            tensor = BLOCKS * BLOCK
+            top = dev_addrs[0] + tensor
+
+            # Inside the device cache: staged in and out (crossing a chunk boundary).
+            data = bytes(range(256)) * (5 << 12)  # 5 MiB
+            assert _raw_push(link, generation, [(0, dev_addrs[1] + 100, len(data))], data) == 0
+            status, payload = _raw_pull(link, generation, [(dev_addrs[1] + 100, 0, len(data))])
+            assert status == 0 and payload == data
+            expected = before[1].copy()
+            expected[100:100 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+            # Forged: reaching past the end of a device tensor, or before it; mixing host and
+            # device memory in one plan. Refused, nothing written, the link in step.
+            refused = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+            for triples in ([(0, top - 16, 32)], [(0, dev_addrs[0] - 8, 16)],
+                            [(0, dev_addrs[0], 16), (0, host_addrs[0], 16)],
+                            [(0, host_addrs[0], 16), (0, dev_addrs[0], 16)]):
+                n = sum(t[2] for t in triples)
+                assert _raw_push(link, generation, triples, b"\xAB" * n) == refused
+                pulled = [(t[1], 0, t[2]) for t in triples]
+                assert _raw_pull(link, generation, pulled) == (refused, b"")
+            after = server.call(c_read, "blocks")
+            assert (after[0] == before[0]).all() and (after[1] == expected).all()
+            assert all((a == b).all() for a, b in zip(server.call(c_read, "rows"), host_before))
+        finally:
+            link.close()
