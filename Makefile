@@ -1,4 +1,4 @@
-.PHONY: build debug status test bench lint clean
+.PHONY: build debug status kernel test bench lint clean
 
 build:        ## compile the Cython core in place
 	python setup.py build_ext --inplace
@@ -8,6 +8,9 @@ debug:        ## build with bounds checks and line tracing (LLM_DATADIST_DEBUG=1
 
 status:       ## regenerate the status table mirrors (_status_codes.py, _status.pxd) from dd_status.h
 	python tools/status_table.py
+
+kernel:       ## regenerate include/llm_datadist/dd_copy_kernel.h (the copy kernel's PTX) from kernels/dd_copy.cu; needs nvcc
+	python tools/copy_kernel.py
 
 test:         ## the test suite (same command as the README and CI)
 	python -m pytest

@@ -12,3 +12,7 @@ so that the cluster processes the tests start inherit it.
 import os
 
 os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
+
+# The stub ACL/CUDA runtime (tests/runtime_stub.py) for every test that needs a device runtime
+# which is not host-addressable without an accelerator.
+from runtime_stub import make_stub, stub, stub_libraries  # noqa: E402,F401

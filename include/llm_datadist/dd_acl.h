@@ -25,5 +25,17 @@ typedef dd_acl_error (*dd_aclrtMalloc_fn)(void **dev_ptr, size_t size, int polic
 typedef dd_acl_error (*dd_aclrtFree_fn)(void *dev_ptr);
 typedef dd_acl_error (*dd_aclrtMemcpy_fn)(void *dst, size_t dest_max, const void *src,
                                           size_t count, int kind);
+typedef dd_acl_error (*dd_aclrtGetDevice_fn)(int32_t *device_id);
+
+/* Streams and asynchronous copies (aclrtStream is an opaque pointer). */
+typedef void *dd_acl_stream;
+typedef dd_acl_error (*dd_aclrtCreateStream_fn)(dd_acl_stream *stream);
+typedef dd_acl_error (*dd_aclrtSynchronizeStream_fn)(dd_acl_stream stream);
+typedef dd_acl_error (*dd_aclrtMemcpyAsync_fn)(void *dst, size_t dest_max, const void *src,
+                                               size_t count, int kind, dd_acl_stream stream);
+
+/* Page-locked host memory. */
+typedef dd_acl_error (*dd_aclrtMallocHost_fn)(void **host_ptr, size_t size);
+typedef dd_acl_error (*dd_aclrtFreeHost_fn)(void *host_ptr);
 
 #endif /* LLM_DATADIST_DD_ACL_H */

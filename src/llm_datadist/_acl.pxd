@@ -14,3 +14,12 @@ cdef extern from "llm_datadist/dd_acl.h" nogil:
     ctypedef dd_acl_error (*dd_aclrtFree_fn)(void *dev_ptr) noexcept nogil
     ctypedef dd_acl_error (*dd_aclrtMemcpy_fn)(void *dst, size_t dest_max, const void *src,
                                                size_t count, int kind) noexcept nogil
+    ctypedef dd_acl_error (*dd_aclrtGetDevice_fn)(int32_t *device_id) noexcept nogil
+    ctypedef void *dd_acl_stream
+    ctypedef dd_acl_error (*dd_aclrtCreateStream_fn)(dd_acl_stream *stream) noexcept nogil
+    ctypedef dd_acl_error (*dd_aclrtSynchronizeStream_fn)(dd_acl_stream stream) noexcept nogil
+    ctypedef dd_acl_error (*dd_aclrtMemcpyAsync_fn)(void *dst, size_t dest_max, const void *src,
+                                                    size_t count, int kind,
+                                                    dd_acl_stream stream) noexcept nogil
+    ctypedef dd_acl_error (*dd_aclrtMallocHost_fn)(void **host_ptr, size_t size) noexcept nogil
+    ctypedef dd_acl_error (*dd_aclrtFreeHost_fn)(void *host_ptr) noexcept nogil

@@ -13,12 +13,15 @@ cdef class Runtime:
     cdef void *handle
     # The binding's resolved vendor entry points (table.ctx points here); malloc'd by the binding.
     cdef void *api
+    # Peer allocations mapped with ipc_open: handle bytes -> [base, references].
+    cdef dict ipc_maps
 
 
 cdef class Allocation:
     cdef readonly uint64_t addr
     cdef readonly uint64_t nbytes
     cdef readonly bint on_device
+    cdef readonly bint pinned
     cdef readonly Runtime runtime
     cdef dd_runtime_table table
 

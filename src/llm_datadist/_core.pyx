@@ -23,7 +23,7 @@ cdef extern from "<stdlib.h>" nogil:
 import numpy as np
 
 from llm_datadist._runtime cimport (
-    DD_MEMCPY_DEVICE_TO_DEVICE, DD_MEMCPY_DEVICE_TO_HOST, DD_MEMCPY_HOST_TO_DEVICE,
+    DD_IPC_HANDLE_BYTES, dd_ipc_handle, DD_MEMCPY_DEVICE_TO_DEVICE, DD_MEMCPY_DEVICE_TO_HOST, DD_MEMCPY_HOST_TO_DEVICE,
     DD_MEMCPY_HOST_TO_HOST, DD_RUNTIME_ASYNC_COPY, DD_RUNTIME_BATCHED_COPY,
     DD_RUNTIME_HOST_ADDRESSABLE, DD_RUNTIME_IPC,
 )
@@ -158,6 +158,115 @@ cdef class Runtime:
         """Whether device memory of this runtime is plain memory the host may read and write."""
         return bool(self.table.capabilities & DD_RUNTIME_HOST_ADDRESSABLE)
 
+    @property
+    def async_copy(self):
+        """Whether copies can be queued (``execute(..., wait=False)``) and waited for later."""
+        return bool(self.table.capabilities & DD_RUNTIME_ASYNC_COPY)
+
+    @property
+    def batched_copy(self):
+        """Whether a descriptor list becomes few driver calls (a kernel launch, a batch copy)."""
+        return bool(self.table.capabilities & DD_RUNTIME_BATCHED_COPY)
+
+    @property
+    def ipc(self):
+        """Whether device memory can be exported to, and mapped by, another process."""
+        return bool(self.table.capabilities & DD_RUNTIME_IPC)
+
+    @property
+    def pinned_host(self):
+        """Whether the runtime allocates page-locked host memory (``Allocation(pinned=True)``)."""
+        return self.table.malloc_host != NULL
+
+    def synchronize(self):
+        """Wait for the copies this thread's device queued with ``execute(..., wait=False)``;
+        a copy that failed raises ``LLMException(LLM_FAILED)`` here. No-op without async copies."""
+        cdef int rc = 0
+        if self.table.synchronize == NULL:
+            return
+        with nogil:
+            rc = self.table.synchronize(self.table.ctx)
+        if rc != 0:
+            raise LLMException(f"{self.name}: waiting for queued copies failed with error {rc}",
+                               status_code=LLMStatusCode.LLM_FAILED)
+
+    def host_register(self, uint64_t addr, uint64_t nbytes):
+        """Page-lock host memory ``[addr, addr + nbytes)`` for device copies; False where the
+        runtime cannot or refuses (the memory stays usable, copies of it are slower)."""
+        cdef int rc
+        if self.table.host_register == NULL or addr == 0 or nbytes == 0:
+            return False
+        with nogil:
+            rc = self.table.host_register(self.table.ctx, <void *>addr, nbytes)
+        return rc == 0
+
+    def host_unregister(self, uint64_t addr):
+        """Undo ``host_register`` of the range starting at ``addr``."""
+        if self.table.host_unregister != NULL and addr != 0:
+            with nogil:
+                self.table.host_unregister(self.table.ctx, <void *>addr)
+
+    def ipc_export(self, uint64_t addr):
+        """``(handle, offset, allocation bytes)``: the IPC handle of the device allocation that
+        holds ``addr``, and where ``addr`` lies in it."""
+        cdef dd_ipc_handle handle
+        cdef uint64_t base = 0, size = 0
+        cdef int rc
+        if self.table.ipc_export == NULL:
+            raise LLMException(f"{self.name}: device memory cannot be exported to other processes",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        with nogil:
+            rc = self.table.ipc_export(self.table.ctx, <void *>addr, &handle, &base, &size)
+        if rc != 0 or addr < base or addr - base >= size:
+            raise LLMException(f"{self.name}: exporting device memory at {addr:#x} failed (error "
+                               f"{rc})", status_code=LLMStatusCode.LLM_FAILED)
+        return bytes(handle.bytes[:DD_IPC_HANDLE_BYTES]), addr - base, size
+
+    def ipc_open(self, handle):
+        """The base address here of a peer's exported allocation (mapped on the first open of a
+        handle, reference-counted after)."""
+        cdef dd_ipc_handle h
+        cdef void *base = NULL
+        cdef int rc
+        if self.table.ipc_open == NULL:
+            raise LLMException(f"{self.name}: device memory of other processes cannot be mapped",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        key = bytes(handle)
+        if len(key) != DD_IPC_HANDLE_BYTES:
+            raise _param_invalid(f"an IPC handle has {DD_IPC_HANDLE_BYTES} bytes, got {len(key)}")
+        if self.ipc_maps is None:
+            self.ipc_maps = {}
+        entry = self.ipc_maps.get(key)
+        if entry is not None:
+            entry[1] += 1
+            return entry[0]
+        memcpy(h.bytes, <const char *>key, DD_IPC_HANDLE_BYTES)
+        with nogil:
+            rc = self.table.ipc_open(self.table.ctx, &h, &base)
+        if rc != 0 or base == NULL:
+            raise LLMException(f"{self.name}: mapping a peer's device memory failed (error {rc})",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        self.ipc_maps[key] = [<uint64_t>base, 1]
+        return <uint64_t>base
+
+    def ipc_close(self, uint64_t base):
+        """Drop one reference to a mapping ``ipc_open`` returned; unmapped at the last."""
+        if not self.ipc_maps:
+            return
+        for key, entry in self.ipc_maps.items():
+            if entry[0] == base:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self.ipc_maps[key]
+                    with nogil:
+                        self.table.ipc_close(self.table.ctx, <void *>base)
+                return
+
+    @property
+    def ipc_mapped(self):
+        """How many peer allocations are mapped now (tests)."""
+        return len(self.ipc_maps) if self.ipc_maps else 0
+
     def memcpy(self, uint64_t dst, uint64_t src, uint64_t nbytes, int kind):
         """Copy one range through the runtime (kind is a MEMCPY_* constant)."""
         cdef int rc
@@ -240,6 +349,21 @@ cdef int _bind_host(Runtime rt) except -1:
 
 _add_binding("host", _bind_host, False)
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, const void *attr)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+
+
+cdef void *_optional(void *handle, str symbol) noexcept:
+    """``symbol`` of the library ``handle``, or NULL where it does not export it."""
+    cdef bytes name = symbol.encode()
+    dlerror()
+    return dlsym(handle, name)
+
+
 # One file per vendor binding; each ends by registering itself with _add_binding.
 include "_rt_acl.pxi"
 include "_rt_cuda.pxi"
@@ -320,11 +444,16 @@ def load_runtime(str name, library=None, binding=None):
 cdef class Allocation:
     """Memory owned by the library, freed through its runtime when the last reference goes."""
 
-    def __init__(self, Runtime runtime not None, uint64_t nbytes, bint on_device):
+    def __init__(self, Runtime runtime not None, uint64_t nbytes, bint on_device, bint pinned=False):
         cdef void *ptr = NULL
         cdef int rc
         self.table = runtime.table
-        if not on_device:
+        # Host memory: page-locked from the runtime when asked and offered, else plain.
+        self.pinned = not on_device and pinned and runtime.table.malloc_host != NULL
+        if self.pinned:
+            self.table.malloc_device = runtime.table.malloc_host
+            self.table.free_device = runtime.table.free_host
+        elif not on_device:
             self.table.malloc_device = _host_malloc
             self.table.free_device = _host_free
         with nogil:
@@ -334,6 +463,8 @@ cdef class Allocation:
                       else LLMStatusCode.LLM_OUT_OF_MEMORY)
             raise LLMException(f"{runtime.name}: allocating {nbytes} bytes failed (error {rc})",
                                status_code=status)
+        if self.pinned:
+            memset(ptr, 0, nbytes)  # as plain host memory is
         self.addr = <uint64_t>ptr
         self.nbytes = nbytes
         self.on_device = on_device
@@ -349,7 +480,7 @@ cdef class Allocation:
         return (not self.on_device) or self.runtime.host_addressable
 
     def __repr__(self):
-        where = f"{self.runtime.name} device" if self.on_device else "host"
+        where = f"{self.runtime.name} device" if self.on_device else ("pinned host" if self.pinned else "host")
         return f"<Allocation {self.nbytes} bytes of {where} memory at {self.addr:#x}>"
 
 
@@ -989,13 +1120,19 @@ def resolve_layer_ranges(src_range, dst_range, uint64_t src_num_tensors,
 # ------------------------------------------------------------------------------------------------
 
 cdef int _run_plan(const dd_runtime_table *table, const dd_copy_desc *descs, size_t count,
-                   int kind, size_t *failed_at) noexcept nogil:
+                   int kind, bint wait, bint ordered, size_t *failed_at) noexcept nogil:
     cdef size_t i
     cdef int rc
     if kind == DD_MEMCPY_HOST_TO_HOST:
         for i in range(count):
             _host_copy(<void *>descs[i].dst, <const void *>descs[i].src, descs[i].nbytes)
         return 0
+    if table.copy_batch != NULL and not ordered:
+        rc = table.copy_batch(table.ctx, descs, count, kind, failed_at)
+        if rc == 0 and wait:
+            failed_at[0] = count
+            rc = table.synchronize(table.ctx)
+        return rc
     for i in range(count):
         rc = table.memcpy_kind(table.ctx, <void *>descs[i].dst, <const void *>descs[i].src,
                                descs[i].nbytes, kind)
@@ -1005,23 +1142,108 @@ cdef int _run_plan(const dd_runtime_table *table, const dd_copy_desc *descs, siz
     return 0
 
 
-def execute(CopyPlan plan not None, Runtime runtime not None, int kind):
+def execute(CopyPlan plan not None, Runtime runtime not None, int kind, bint wait=True,
+            bint ordered=False):
     """Run every descriptor of ``plan`` with the GIL released.
 
-    Host-to-host copies use memcpy (memmove where ranges overlap); the other kinds go through the
-    runtime's memcpy with that kind. A runtime error raises ``LLMException(LLM_FAILED)`` naming the
-    runtime, the kind and the descriptor.
+    Host-to-host copies use memcpy (memmove where ranges overlap). The other kinds go through the
+    runtime: as one queued batch where it has async copies (a copy kernel, a batch copy or one
+    async copy per descriptor on the device's stream), then waited for; with ``wait=False`` they
+    are only queued and the caller must ``runtime.synchronize()`` before touching the memory.
+    Queued copies run in parallel: ``ordered=True`` (a list whose later copies read what earlier
+    ones write) runs one synchronous copy per descriptor in list order instead. A runtime error
+    raises ``LLMException(LLM_FAILED)`` naming the runtime, the kind and the descriptor.
     """
     cdef int rc
     cdef size_t failed_at = 0
     if kind < DD_MEMCPY_HOST_TO_HOST or kind > DD_MEMCPY_DEVICE_TO_DEVICE:
         raise _param_invalid(f"memcpy kind {kind} is not one of 0..3")
     with nogil:
-        rc = _run_plan(&runtime.table, plan.descs, plan.count, kind, &failed_at)
+        rc = _run_plan(&runtime.table, plan.descs, plan.count, kind, wait, ordered, &failed_at)
     if rc != 0:
+        where = (f"at descriptor {failed_at} of {plan.count}" if failed_at < plan.count
+                 else f"(a list of {plan.count} descriptors)")
         raise LLMException(f"{runtime.name}: {MEMCPY_KIND_NAMES[kind]} copy failed with error {rc} "
-                           f"at descriptor {failed_at} of {plan.count}",
-                           status_code=LLMStatusCode.LLM_FAILED)
+                           f"{where}", status_code=LLMStatusCode.LLM_FAILED)
+
+
+def stage_plan(CopyPlan plan not None, uint64_t start, uint64_t nbytes, uint64_t bounce,
+               bint to_bounce):
+    """The part of ``plan`` covering bytes ``[start, start + nbytes)`` of its byte stream (its
+    descriptors concatenated in order), one side replaced by the contiguous buffer at ``bounce``:
+    ``to_bounce`` keeps the plan's sources and writes the bounce buffer, else the bounce buffer is
+    read into the plan's destinations."""
+    if nbytes > plan.total_bytes or start > plan.total_bytes - nbytes:
+        raise _param_invalid(f"bytes [{start}, {start} + {nbytes}) are not inside a plan of "
+                             f"{plan.total_bytes} bytes")
+    cdef CopyPlan out = CopyPlan()
+    cdef uint64_t pos = 0, end = start + nbytes, lo, hi
+    cdef size_t i
+    cdef dd_copy_desc d
+    for i in range(plan.count):
+        d = plan.descs[i]
+        if pos >= end:
+            break
+        if pos + d.nbytes > start:
+            lo = start - pos if start > pos else 0
+            hi = end - pos if end - pos < d.nbytes else d.nbytes
+            out.reserve(1)
+            if to_bounce:
+                out.add(d.src + lo, bounce + (pos + lo - start), hi - lo)
+            else:
+                out.add(bounce + (pos + lo - start), d.dst + lo, hi - lo)
+        pos += d.nbytes
+    return out
+
+
+def translate_plan(CopyPlan plan not None, bint dst_side, spans):
+    """A copy of ``plan`` with its destinations (``dst_side``) or sources moved from a peer's
+    address space into ours: ``spans`` lists ``(peer_start, nbytes, local_start)``, and every
+    descriptor must lie wholly inside one span (``LLM_KV_CACHE_NOT_EXIST`` otherwise)."""
+    cdef list table = sorted((int(a), int(n), int(b)) for a, n, b in spans)
+    cdef Py_ssize_t count = len(table), lo, hi, mid
+    cdef uint64_t *starts = <uint64_t *>malloc((count + 1) * sizeof(uint64_t))
+    cdef uint64_t *sizes = <uint64_t *>malloc((count + 1) * sizeof(uint64_t))
+    cdef uint64_t *locals_ = <uint64_t *>malloc((count + 1) * sizeof(uint64_t))
+    cdef CopyPlan out = CopyPlan()
+    cdef size_t i
+    cdef uint64_t addr, n
+    cdef dd_copy_desc d
+    if starts == NULL or sizes == NULL or locals_ == NULL:
+        free(starts)
+        free(sizes)
+        free(locals_)
+        raise MemoryError()
+    try:
+        for lo in range(count):
+            starts[lo], sizes[lo], locals_[lo] = table[lo]
+        out.reserve(plan.count)
+        for i in range(plan.count):
+            d = plan.descs[i]
+            addr = d.dst if dst_side else d.src
+            # The last span starting at or below addr.
+            lo, hi = 0, count
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if starts[mid] <= addr:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            lo -= 1
+            n = d.nbytes
+            if lo < 0 or addr - starts[lo] > sizes[lo] or n > sizes[lo] - (addr - starts[lo]):
+                raise LLMException(f"descriptor {i} ({n} bytes at {addr:#x}) is not inside memory "
+                                   f"the peer exported", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            addr = locals_[lo] + (addr - starts[lo])
+            if dst_side:
+                out.add(d.src, addr, n)
+            else:
+                out.add(addr, d.dst, n)
+    finally:
+        free(starts)
+        free(sizes)
+        free(locals_)
+    return out
 
 
 def memcpy_baseline(CopyPlan plan not None):

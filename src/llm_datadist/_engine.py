@@ -718,9 +718,10 @@ class Engine:
         before it copies device memory through ``self.runtime``."""
         self._bind_thread()
 
-    def _run(self, plan, src: CacheRecord, dst: CacheRecord) -> None:
+    def _run(self, plan, src: CacheRecord, dst: CacheRecord, ordered: bool = False) -> None:
         self._bind_thread()
-        _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)])
+        _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)],
+                      ordered=ordered)
 
     def copy_rows(self, dst: CacheRecord, src: CacheRecord, dst_row: int, src_row: int,
                   offset: int, size: int) -> None:
@@ -739,7 +740,10 @@ class Engine:
         if src.num_tensors != dst.num_tensors:
             raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
-        self._run(plan, src, dst)
+        # Device copies of one list run in parallel; a list that writes blocks it also reads (in
+        # one cache) keeps its order, as the host path does.
+        ordered = src is dst and not {int(b) for b in src_blocks}.isdisjoint(int(b) for b in dst_blocks)
+        self._run(plan, src, dst, ordered)
 
     @staticmethod
     def swap_geometry(record: CacheRecord) -> Tuple[int, int]:

@@ -37,6 +37,13 @@ API = {
              "memcpy": "cudaMemcpy"},
 }
 RUNTIMES = sorted(API)
+# What loading the cuda binding calls: the runtime version (which cudaMemcpyBatchAsync signature)
+# and the driver API's initialisation (the copy kernel, IPC address ranges).
+CUDA_LOAD_CALLS = ("cudaRuntimeGetVersion", "cuInit")
+# Log entries that are copies, and the calls that say how a list of copies was made.
+COPY_CALLS = ("cudaMemcpy", "aclrtMemcpy", "aclrtMemcpyAsync", "(queued copy)")
+WAYS = {"cuda": ("cudaMemcpy", "cudaMemcpyAsync", "cudaMemcpyBatchAsync", "cuLaunchKernel", "cudaStreamSynchronize"),
+        "acl": ("aclrtMemcpy", "aclrtMemcpyAsync", "aclrtSynchronizeStream")}
 DEVICE_KINDS = {
     "host-to-device": _core.MEMCPY_HOST_TO_DEVICE,
     "device-to-host": _core.MEMCPY_DEVICE_TO_HOST,
@@ -182,7 +189,10 @@ def test_cuda_load_device_count_and_set_device(stub):
     stub.set_device_count(3)
     rt = _core.load_runtime("cuda", library=stub.path)
     assert (rt.name, rt.library, rt.host_addressable) == ("cuda", stub.path, False)
-    assert stub.calls() == []  # loading resolves symbols only; CUDA has no init call
+    # Loading resolves symbols, asks the runtime's version (which cudaMemcpyBatchAsync signature)
+    # and initialises the driver API (for the copy kernel and IPC address ranges).
+    assert stub.names() == list(CUDA_LOAD_CALLS)
+    stub.reset_log()
     assert rt.device_count() == 3
     assert [(c.fn, c.size) for c in stub.calls()] == [("cudaGetDeviceCount", 3)]
     stub.set_device_count(5)
@@ -295,7 +305,7 @@ def test_device_allocation_failure_is_device_out_of_memory(stub, name, code):
 
 @pytest.mark.parametrize("name", RUNTIMES)
 @pytest.mark.parametrize("kind_name", list(DEVICE_KINDS))
-def test_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_name):
+def test_ordered_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_name):
     kind = DEVICE_KINDS[kind_name]
     rt = _loaded(stub, name)
     buffers = Buffers()
@@ -304,7 +314,7 @@ def test_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_name):
     assert [tuple(int(v) for v in row) for row in plan.descriptors()] == expected
     assert plan.total_bytes == NUM_TENSORS * len(SRC_BLOCKS) * BLOCK
 
-    _core.execute(plan, rt, kind)
+    _core.execute(plan, rt, kind, ordered=True)
 
     calls = stub.calls()
     assert [c.fn for c in calls] == [API[name]["memcpy"]] * len(expected)
@@ -343,14 +353,14 @@ def test_execute_rejects_unknown_kind_before_any_copy(stub, name, kind):
 
 
 @pytest.mark.parametrize("name", RUNTIMES)
-def test_execute_failure_names_runtime_and_descriptor_and_stops(stub, name):
+def test_ordered_execute_failure_names_runtime_and_descriptor_and_stops(stub, name):
     rt = _loaded(stub, name)
     buffers = Buffers()
     plan = buffers.plan()
     assert len(plan) == 4
     stub.fail(API[name]["memcpy"], 507899, skip=2)  # descriptor 2 = first copy of tensor 1
     with pytest.raises(LLMException) as info:
-        _core.execute(plan, rt, _core.MEMCPY_DEVICE_TO_HOST)
+        _core.execute(plan, rt, _core.MEMCPY_DEVICE_TO_HOST, ordered=True)
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     message = str(info.value)
     assert message.startswith(f"{name}: device-to-host copy failed with error 507899")
@@ -442,7 +452,7 @@ def test_select_cuda_without_gpu_raises(device_env, stub):
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     assert (f"LLM_DATADIST_DEVICE=cuda but the runtime is not usable: {stub.path} loaded but "
             f"reports no GPU") in str(info.value)
-    assert stub.names() == ["cudaGetDeviceCount"]
+    assert stub.names() == [*CUDA_LOAD_CALLS, "cudaGetDeviceCount"]
     assert runtimes._chosen == {}
 
 
@@ -462,7 +472,7 @@ def test_select_auto_falls_back_to_cpu(device_env, stub):
     runtime, reason = runtimes.select_runtime()
     assert runtime.name == "cpu" and runtime.host_addressable
     assert reason.startswith("auto-detected: always available")
-    assert stub.names() == ["cudaGetDeviceCount"]  # cuda was probed and refused
+    assert stub.names() == [*CUDA_LOAD_CALLS, "cudaGetDeviceCount"]  # cuda was probed and refused
 
 
 @pytest.mark.parametrize("acl_present, gpus, expected", [
@@ -556,8 +566,6 @@ def test_declared_capabilities_are_what_the_binding_reports(make_stub, name):
     assert rt.capabilities == _capability_bits(spec)
     assert rt.host_addressable == spec.host_addressable == ("host_addressable" in spec.capabilities)
     assert spec.capability_flags() == {cap: cap in spec.capabilities for cap in runtimes.CAPABILITY_NAMES}
-    # Nothing implements async, batched or IPC copies yet (issue 13): no runtime may claim them.
-    assert not spec.capabilities & {"async_copy", "batched_copy", "ipc"}
 
 
 def test_core_refuses_an_unknown_binding_and_a_library_binding_without_a_library():
@@ -626,8 +634,8 @@ def test_a_registered_runtime_is_selected_listed_and_offered(test_runtime, devic
     facts = _sysinfo.runtime_facts()
     assert facts["device_runtime"] == f"testrt (auto-detected: {stub.path} loaded)"
     assert facts["runtimes"]["testrt"] == f"available: {stub.path} loaded"
-    assert facts["runtime_capabilities"] == {"cpu": "host_addressable", "acl": "none", "cuda": "none",
-                                             "testrt": "none"}
+    assert facts["runtime_capabilities"] == {"cpu": "host_addressable", "acl": "async_copy",
+                                             "cuda": "async_copy, batched_copy, ipc", "testrt": "none"}
     assert build_parser().parse_args(["demo", "--device", "testrt"]).device == "testrt"
 
     runtimes.unregister("testrt")
@@ -660,7 +668,7 @@ def test_a_registered_runtime_backs_device_caches(test_runtime, device_env, stub
     dd.init(config.generate_options())
     try:
         cache = dd.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.DEVICE))
-        assert stub.names() == ["cudaSetDevice", "cudaMalloc"]
+        assert stub.names() == [*CUDA_LOAD_CALLS, "cudaSetDevice", "cudaMalloc"]
         assert stub.calls("cudaMalloc")[0].dst == cache.tensor_addrs[0]
         with pytest.raises(LLMException) as info:
             cache.as_numpy()
@@ -783,7 +791,7 @@ def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
     block = 8 * 4
 
     # Start-up and allocation.
-    prefix = ["aclInit"] if name == "acl" else ["cudaGetDeviceCount"]
+    prefix = ["aclInit"] if name == "acl" else [*CUDA_LOAD_CALLS, "cudaGetDeviceCount"]
     start = prefix + [api["set_device"], api["malloc"], api["malloc"]]
     assert names[:marks["allocated"]] == start
     set_device = log[len(prefix)]
@@ -794,23 +802,42 @@ def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
     if name == "acl":
         assert all(m["kind"] == 0 for m in mallocs)
 
-    # Copies: (kind, src, dst, nbytes) in order; adjacent blocks merge into one descriptor.
+    # Copies: every copy the runtime made, (src, dst, nbytes) in order (a batch copy and a kernel
+    # launch are followed in the stub's log by one entry per copy they queued); adjacent blocks
+    # merge into one descriptor.
     dev, h_in, h_out = result["dev_addrs"], result["in_addrs"], result["out_addrs"]
     copy_calls = log[marks["allocated"]:marks["swapped_out"]]
-    assert [c["fn"] for c in copy_calls] == [api["memcpy"]] * len(copy_calls)
+    assert all(c["rc"] == 0 and c["device"] == 0 for c in copy_calls)
+
+    def phase(begin, end):
+        return log[marks[begin]:marks[end]]
 
     def copies(begin, end):
-        return [(c["kind"], c["src"], c["dst"], c["size"]) for c in log[marks[begin]:marks[end]]]
+        return [(c["src"], c["dst"], c["size"]) for c in phase(begin, end) if c["fn"] in COPY_CALLS]
 
-    assert copies("allocated", "swapped_in") == [(1, h_in[t], dev[t], 2 * block) for t in range(2)]
-    assert copies("swapped_in", "copied") == [(3, dev[t], dev[t] + 2 * block, 2 * block)
-                                              for t in range(2)]
+    assert copies("allocated", "swapped_in") == [(h_in[t], dev[t], 2 * block) for t in range(2)]
+    assert copies("swapped_in", "copied") == [(dev[t], dev[t] + 2 * block, 2 * block) for t in range(2)]
     assert copies("copied", "swapped_out") == [c for t in range(2) for c in (
-        (2, dev[t] + 2 * block, h_out[t], 2 * block),
-        (2, dev[t], h_out[t] + 3 * block, block))]
-    assert all(c["rc"] == 0 and c["device"] == 0 for c in copy_calls)
-    if name == "acl":
-        assert all(c["dest_max"] == c["size"] for c in copy_calls)
+        (dev[t] + 2 * block, h_out[t], 2 * block),
+        (dev[t], h_out[t] + 3 * block, block))]
+    # How: cuda swaps are one cudaMemcpyBatchAsync and the device copy one launch of the copy
+    # kernel, each waited for once; acl swaps are synchronous aclrtMemcpy calls (its async copies
+    # need aclrtMallocHost memory) and its device copies aclrtMemcpyAsync on a stream.
+    for begin, end, kind in (("allocated", "swapped_in", 1), ("swapped_in", "copied", 3),
+                             ("copied", "swapped_out", 2)):
+        calls = [c["fn"] for c in phase(begin, end) if c["fn"] in WAYS[name]]
+        if name == "cuda" and kind == 3:
+            # The first launch waits for the stream, then makes the buffer of its pieces.
+            assert calls == ["cudaStreamSynchronize", "cudaMemcpyAsync", "cuLaunchKernel",
+                             "cudaStreamSynchronize"]
+        elif name == "cuda":
+            assert calls == ["cudaMemcpyBatchAsync", "cudaStreamSynchronize"]
+        else:
+            n = len(copies(begin, end))
+            assert calls == (["aclrtMemcpyAsync"] * n + ["aclrtSynchronizeStream"] if kind == 3
+                             else ["aclrtSynchronizeStream"] + ["aclrtMemcpy"] * n + ["aclrtSynchronizeStream"])
+            assert all(c["kind"] == kind and c["dest_max"] == c["size"]
+                       for c in phase(begin, end) if c["fn"] in ("aclrtMemcpy", "aclrtMemcpyAsync"))
 
     # The bytes: host blocks 0,1 went to device blocks 0,1 and on to 2,3; out-blocks 0,1 come
     # from device blocks 2,3, out-block 3 from device block 0; out-block 2 keeps its -1s.
@@ -822,11 +849,11 @@ def test_public_api_end_to_end_on_the_stub(stub, tmp_path, name):
         np.testing.assert_array_equal(out[2], np.full(8, -1))
 
     # finalize releases the device memory through the runtime.
-    assert result["live_before_finalize"] == 2
-    frees = log[marks["swapped_out"]:]
-    assert [c["fn"] for c in frees] == [api["free"], api["free"]]
+    assert result["live_before_finalize"] == 2 + (name == "cuda")  # cuda: the piece buffer
+    frees = [c for c in log[marks["swapped_out"]:] if c["fn"] == api["free"]]
     assert sorted(c["dst"] for c in frees) == sorted(dev)
-    assert result["live_after_finalize"] == 0
+    # cuda keeps one allocation for the life of the runtime: the copy kernel's piece buffer.
+    assert result["live_after_finalize"] == (name == "cuda")
 
 
 _CHILD_THREADS = textwrap.dedent("""

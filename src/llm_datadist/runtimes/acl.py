@@ -13,6 +13,6 @@ SPEC = register(RuntimeSpec(
     aliases=("ascend", "npu"),
     library="libascendcl.so",
     library_env="LLM_DATADIST_ACL_LIBRARY",
-    capabilities=frozenset(),
+    capabilities=frozenset({"async_copy"}),
     auto_priority=10,
 ))
