@@ -15,10 +15,7 @@ sides and on one side, every transfer of the API, chunk boundaries, guard bytes,
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import shutil
 import socket
-import subprocess
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -350,8 +347,6 @@ def test_the_model_stage_plan_cuts_the_stream():
 # End to end: cluster processes on the stub runtime posing as cuda
 # ------------------------------------------------------------------------------------------------
 
-STUB_SOURCE = Path(__file__).parents[1] / "core" / "stub_runtime.c"
-STUB_CONFTEST = Path(__file__).parents[1] / "core" / "conftest.py"
 SERVER_ID, CLIENT_ID, RAW_ID = 131, 132, 133
 MODEL_ID = 9
 TENSORS, BLOCKS = 2, 8
@@ -364,17 +359,9 @@ needs_core = pytest.mark.skipif(not hasattr(_core, "stage_plan"),
                                        "Allocation) is not in this build yet")
 
 
-@pytest.fixture(scope="module")
-def stub_path(tmp_path_factory) -> str:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is not on PATH: the stub cuda runtime cannot be built")
-    out = tmp_path_factory.mktemp("stub_cuda") / "libstub_cuda.so"
-    proc = subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(STUB_SOURCE), "-lrt", "-lpthread"],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        pytest.fail(f"compiling the stub runtime failed:\n{proc.stderr}")
-    return str(out)
+@pytest.fixture
+def stub_path(stub_libraries) -> str:
+    return str(stub_libraries["full"])
 
 
 @pytest.fixture
@@ -477,18 +464,17 @@ def c_planes(state, remote_id: int) -> Dict[str, Any]:
 
 
 def _stub(path: str):
-    spec = importlib.util.spec_from_file_location("stub_fixtures", STUB_CONFTEST)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.StubRuntime(Path(path))
+    from runtime_stub import StubRuntime  # tests/ is on the path of the cluster processes too
+    return StubRuntime(Path(path))
 
 
 def c_stub_reset(state, path: str) -> None:
     _stub(path).reset_log()
 
 
-def c_stub_calls(state, path: str) -> List[Tuple[str, int, int]]:
-    return [(c.fn, c.kind, c.size) for c in _stub(path).calls()]
+def c_stub_calls(state, path: str) -> List[Tuple[str, int, int, int, int]]:
+    """``(function, kind, size, dst, src)`` of every call the stub recorded in this process."""
+    return [(c.fn, c.kind, c.size, c.dst, c.src) for c in _stub(path).calls()]
 
 
 def c_stub_fail(state, path: str, fn: str, code: int, skip: int = 0) -> None:
@@ -587,8 +573,14 @@ def test_e2e_under_auto_device_transfers_never_reach_a_host_plane(cuda_env):
             assert (got_s[t][[0, 2, 3, 4, 5, 6, 7]] == s_blocks[t][[0, 2, 3, 4, 5, 6, 7]]).all()
 
 
-def _copies(calls, kind: int) -> List[Tuple[str, int, int]]:
-    return [c for c in calls if "Memcpy" in c[0] and c[1] == kind]
+def _copies(calls) -> List[Tuple[int, int, int]]:
+    """``(size, dst, src)`` of every device copy queued: one ``cudaMemcpyAsync`` each, or the
+    copies of a ``cudaMemcpyBatchAsync`` (recorded one by one after it)."""
+    return [(c[2], c[3], c[4]) for c in calls if c[0] in ("cudaMemcpyAsync", "(queued copy)")]
+
+
+def _inside(addr: int, size: int, spans) -> bool:
+    return any(start <= addr and addr + size <= start + n for start, n in spans)
 
 
 @needs_core
@@ -600,19 +592,27 @@ def test_e2e_the_stub_log_shows_pinned_buffers_and_chunked_copies(cuda_env):
         client.call(c_op, "push_blocks", ld.BlocksCacheKey(SERVER_ID, MODEL_ID), "blocks", [1, 2, 3], [0, 1, 2])
         sent, received = client.call(c_stub_calls, cuda_env), server.call(c_stub_calls, cuda_env)
         total = 3 * TENSORS * BLOCK
-        # Pinned host bounce buffers on both sides (first use of each engine's pool).
-        assert [c for c in sent if c[0] == "cudaMallocHost"] and [c for c in received if c[0] == "cudaMallocHost"]
-        # Device -> host copies on the sender, host -> device on the receiver, chunk by chunk,
-        # covering every byte once; no plain host copy of device memory.
-        d2h, h2d = _copies(sent, 2), _copies(received, 1)
-        assert sum(c[2] for c in d2h) == total and sum(c[2] for c in h2d) == total
-        assert not _copies(sent, 1) and not _copies(received, 2)
+        for log, cache, to_bounce in ((sent, caches["c_blocks"], True), (received, caches["s_blocks"], False)):
+            # Page-locked bounce buffers of one chunk (the first use of the engine's pool) ...
+            bounce = [(c[3], c[2]) for c in log if c[0] == "cudaMallocHost"]
+            assert bounce and all(n == staging.STAGING_CHUNK_BYTES for _, n in bounce)
+            # ... device -> bounce copies on the sender, bounce -> device on the owner, no more
+            # than a chunk each, every byte once, waited for on the stream; nothing else copied.
+            device = [(a, BLOCKS * BLOCK) for a in cache[1]]
+            copies = _copies(log)
+            assert sum(n for n, _, _ in copies) == total
+            for n, dst, src in copies:
+                host, dev = (dst, src) if to_bounce else (src, dst)
+                assert n <= staging.STAGING_CHUNK_BYTES and _inside(host, n, bounce) and _inside(dev, n, device)
+            assert "cudaStreamSynchronize" in [c[0] for c in log]
+            assert "cudaMemcpy" not in [c[0] for c in log]
         # The bounce buffers stay for the next transfer.
         for cluster in (client, server):
             cluster.call(c_stub_reset, cuda_env)
         client.call(c_op, "push_blocks", ld.BlocksCacheKey(SERVER_ID, MODEL_ID), "blocks", [4], [5])
-        assert not [c for c in client.call(c_stub_calls, cuda_env) if c[0] == "cudaMallocHost"]
-        assert not [c for c in server.call(c_stub_calls, cuda_env) if c[0] == "cudaMallocHost"]
+        for cluster in (client, server):
+            log = cluster.call(c_stub_calls, cuda_env)
+            assert _copies(log) and "cudaMallocHost" not in [c[0] for c in log]
 
 
 @needs_core
@@ -621,11 +621,15 @@ def test_e2e_a_failed_device_copy_fails_the_transfer_not_the_link(cuda_env):
         c_blocks = _blocks(client.call(c_fill, "blocks", 8))
         s_blocks = _blocks(server.call(c_fill, "blocks", 9))
         key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
-        fns = {c[0] for c in server.call(c_stub_calls, cuda_env)} | {"cudaMemcpyAsync"}
-        copy_fn = "cudaMemcpyBatchAsync" if "cudaMemcpyBatchAsync" in fns else "cudaMemcpyAsync"
-        server.call(c_stub_fail, cuda_env, copy_fn, 1)  # the owner's next host -> device copy
+        # The owner's wait for its host -> device copies fails (the payload was read whole).
+        server.call(c_stub_fail, cuda_env, "cudaStreamSynchronize", 1)
         with pytest.raises(ChildError) as raised:
             client.call(c_op, "push_blocks", key, "blocks", [0], [0])
+        assert raised.value.status_code == LLMStatusCode.LLM_FAILED
+        # The client's own device -> host copy fails before the frame starts.
+        client.call(c_stub_fail, cuda_env, "cudaStreamSynchronize", 1)
+        with pytest.raises(ChildError) as raised:
+            client.call(c_op, "push_blocks", key, "blocks", [2], [2])
         assert raised.value.status_code == LLMStatusCode.LLM_FAILED
         assert client.call(c_linked) == [SERVER_ID]
         client.call(c_op, "push_blocks", key, "blocks", [1], [1])  # the link goes on
@@ -633,6 +637,19 @@ def test_e2e_a_failed_device_copy_fails_the_transfer_not_the_link(cuda_env):
         for t in range(TENSORS):
             assert (got[t][1] == c_blocks[t][1]).all()
             assert (got[t][2:] == s_blocks[t][2:]).all()
+
+
+@needs_core
+def test_e2e_a_device_copy_failing_mid_frame_ends_the_link(cuda_env):
+    with _pair("DEVICE", "DEVICE") as (client, server, caches):
+        client.call(c_fill, "blocks", 10)
+        server.call(c_fill, "blocks", 11)
+        # A pull of 3 blocks (2 chunks): the owner's second wait fails after the first chunk went.
+        server.call(c_stub_fail, cuda_env, "cudaStreamSynchronize", 1, 1)
+        with pytest.raises(ChildError) as raised:
+            client.call(c_op, "pull_blocks", ld.BlocksCacheKey(SERVER_ID, MODEL_ID), "blocks", [1, 2, 3], [1, 2, 3])
+        assert raised.value.status_code in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT)
+        assert client.call(c_linked) == []
 
 
 # -- a raw peer against a server with device memory -------------------------------------------------
