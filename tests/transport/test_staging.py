@@ -69,9 +69,11 @@ class Buffer:
 
 class AsyncRuntime:
     """Copies are queued by ``execute(wait=False)`` and done at ``synchronize``; the n-th call
-    (1-based) of ``execute`` or ``synchronize`` can be made to fail."""
+    (1-based) of ``execute`` or ``synchronize`` can be made to fail. One queue for every thread,
+    as the device's one stream of the cuda binding: a synchronize waits for every queued copy."""
 
     def __init__(self, fail_execute: Optional[int] = None, fail_sync: Optional[int] = None) -> None:
+        self.lock = threading.RLock()
         self.queued: List[Any] = []
         self.log: List[Tuple[str, int]] = []
         self.executes = self.syncs = 0
@@ -79,23 +81,25 @@ class AsyncRuntime:
         self.allocations: List[Buffer] = []
 
     def execute(self, plan, kind: int, wait: bool) -> None:
-        self.executes += 1
-        if self.executes == self.fail_execute:
-            raise LLMException("model: copy refused", status_code=LLMStatusCode.LLM_FAILED)
-        self.log.append(("d2h" if kind == D2H else "h2d", plan.total_bytes))
-        self.queued.append(plan)
+        with self.lock:
+            self.executes += 1
+            if self.executes == self.fail_execute:
+                raise LLMException("model: copy refused", status_code=LLMStatusCode.LLM_FAILED)
+            self.log.append(("d2h" if kind == D2H else "h2d", plan.total_bytes))
+            self.queued.append(plan)
         if wait:
             self.synchronize()
 
     def synchronize(self) -> None:
-        self.syncs += 1
-        if self.syncs == self.fail_sync:
-            self.queued.clear()  # the queued copies are lost
-            raise LLMException("model: synchronize failed", status_code=LLMStatusCode.LLM_FAILED)
-        self.log.append(("sync", len(self.queued)))
-        for plan in self.queued:
-            _core.memcpy_baseline(plan)
-        self.queued.clear()
+        with self.lock:
+            self.syncs += 1
+            if self.syncs == self.fail_sync:
+                self.queued.clear()  # the queued copies are lost
+                raise LLMException("model: synchronize failed", status_code=LLMStatusCode.LLM_FAILED)
+            self.log.append(("sync", len(self.queued)))
+            for plan in self.queued:
+                _core.memcpy_baseline(plan)
+            self.queued.clear()
 
 
 @pytest.fixture
@@ -162,13 +166,16 @@ class Scatter:
         self.src = np.frombuffer(np.random.default_rng(len(sizes) + total).bytes(total + gap * len(sizes)),
                                  dtype=np.uint8).copy()
         self.dst = np.full(total + gap * (len(sizes) + 1), 0xEE, dtype=np.uint8)
-        self.descs, self.expected = [], self.dst.copy()
+        self.descs, self.expected, pieces = [], self.dst.copy(), []
         s_off, d_off = 0, gap
         for n in sizes:
             self.descs.append((self.src.ctypes.data + s_off, self.dst.ctypes.data + d_off, n))
             self.expected[d_off:d_off + n] = self.src[s_off:s_off + n]
+            pieces.append(self.src[s_off:s_off + n].tobytes())
             s_off, d_off = s_off + n + gap, d_off + n + gap
         self.plan = plan_of(self.descs)
+        #: The plan's byte stream (its source ranges in order), as a frame's payload carries it.
+        self.stream = b"".join(pieces)
 
 
 def _send_in_thread(fd, head, plan, runtime, pool):
@@ -228,9 +235,10 @@ def test_a_buffer_is_reused_only_after_its_copy(model, pair):
     a, b = pair
     data = Scatter([CHUNK] * 5 + [17])
     pool = staging.BouncePool(model, chunk_bytes=CHUNK)
-    thread, _ = _send_in_thread(a.fileno(), b"", data.plan, model, pool)
+    sender = threading.Thread(target=lambda: (a.setblocking(True), a.sendall(data.stream)))  # no model calls
+    sender.start()
     staging.recv_staged(b.fileno(), data.plan, model, pool, 5000)
-    thread.join(10)
+    sender.join(10)
     assert (data.dst == data.expected).all()
     # The receiver never has more than one copy queued when a receive starts.
     depth = 0
@@ -277,9 +285,8 @@ def test_a_failed_source_copy_says_whether_the_frame_started(model, pair, fail_e
 def test_a_failed_destination_copy_drains_the_frame(model, pair, fail_execute, fail_sync):
     a, b = pair
     data = Scatter([CHUNK * 3 + 5])
-    payload = data.src[:data.plan.total_bytes].tobytes()
     a.setblocking(True)
-    a.sendall(payload + b"NEXT")
+    a.sendall(data.stream + b"NEXT")
     model.fail_execute, model.fail_sync = fail_execute, fail_sync
     pool = staging.BouncePool(model, chunk_bytes=CHUNK)
     with pytest.raises(CopyFailed) as raised:
@@ -290,6 +297,25 @@ def test_a_failed_destination_copy_drains_the_frame(model, pair, fail_execute, f
     guards = data.expected == 0xEE
     assert (data.dst[guards] == 0xEE).all()
     assert model.queued == [] and pool.idle() == 2
+
+
+def test_no_page_locked_memory_is_refused_in_step(model, pair, monkeypatch):
+    a, b = pair
+
+    def refuse(*args, **kwargs):
+        raise LLMException("model: no page-locked memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+    monkeypatch.setattr(staging._core, "Allocation", refuse)
+    data = Scatter([CHUNK + 1])
+    pool = staging.BouncePool(model, chunk_bytes=CHUNK)
+    with pytest.raises(CopyFailed) as raised:
+        staging.send_staged(a.fileno(), b"HEAD", data.plan, model, pool, 1000)
+    assert raised.value.in_step and _pending(b) == b""
+    a.setblocking(True)
+    a.sendall(b"y" * data.plan.total_bytes + b"NEXT")
+    with pytest.raises(CopyFailed) as raised:
+        staging.recv_staged(b.fileno(), data.plan, model, pool, 1000)
+    assert raised.value.in_step and _recv_all(b, 4) == b"NEXT"
+    assert (data.dst == 0xEE).all()
 
 
 def test_a_truncated_payload_is_a_socket_status(model, pair):

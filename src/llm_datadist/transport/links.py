@@ -203,9 +203,9 @@ class LinkManager(Listeners, Handshakes, Server):
 
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
         """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
-        ``device_memory`` whose ``accept`` takes the link (the fallback plane always does). A link to this very process
-        uses the fallback: frames, checked by the owner (ourselves). A forced plane that refuses
-        fails the link (``LLM_LINK_FAILED``)."""
+        ``device_memory`` whose ``accept`` takes the link (the fallback plane always does). A
+        link to this very process uses the fallback: frames, checked by the owner (ourselves). A
+        forced plane that refuses fails the link (``LLM_LINK_FAILED``)."""
         if deadline is None:
             deadline = dl.after(self.handshake_ms)
         if not isinstance(facts, dict):

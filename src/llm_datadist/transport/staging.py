@@ -126,7 +126,10 @@ def send_staged(fd: int, head: bytes, plan: Any, runtime: Any, pool: BouncePool,
     if total == 0:
         return _planes.send_bytes(fd, head, dl.left_ms(deadline)) if head else (0, 0)
     chunk = pool.chunk_bytes
-    buffers = pool.acquire(2)
+    try:
+        buffers = pool.acquire(2)
+    except LLMException as exc:  # no page-locked memory: nothing sent
+        raise CopyFailed(exc, True) from exc
     pending = False  # copies queued and not yet waited for
     sent = False     # some of the frame went out
     try:
@@ -179,7 +182,10 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
     if total == 0:
         return 0, 0, 0
     chunk = pool.chunk_bytes
-    buffers = pool.acquire(2)
+    try:
+        buffers = pool.acquire(2)
+    except LLMException as exc:  # no page-locked memory: read the payload, drop it
+        return _drained(fd, total, deadline, exc)
     pending = False
     failure = None
     start, k = 0, 0
@@ -213,12 +219,19 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
             _settle(runtime)
         pool.release(buffers)
     if failure is not None:
-        if start < total:  # keep the connection in step: read the rest of the frame, drop it
-            st, err, got = _planes.recv_discard(fd, total - start, dl.left_ms(deadline))
-            if st != 0:
-                return st, err, start + got
-        raise CopyFailed(failure, True) from failure
+        st, err, got = _drained(fd, total - start, deadline, failure)  # raises once in step
+        return st, err, start + got
     return 0, 0, total
+
+
+def _drained(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tuple[int, int, int]:
+    """After a failure, keep the connection in step: read the rest of the frame (``nbytes``) and
+    drop it, then raise ``CopyFailed`` (in step); the socket status if that read fails."""
+    if nbytes:
+        st, err, got = _planes.recv_discard(fd, nbytes, dl.left_ms(deadline))
+        if st != 0:
+            return st, err, got
+    raise CopyFailed(failure, True) from failure
 
 
 class HostPayload:
@@ -242,9 +255,15 @@ class StagedPayload(HostPayload):
         self.engine = engine
 
     def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
-        self.engine.bind_thread()
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:  # nothing sent
+            raise CopyFailed(exc, True) from exc
         return send_staged(fd, head, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
 
     def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
-        self.engine.bind_thread()
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:
+            return _drained(fd, plan.total_bytes, dl.after(timeout_ms), exc)
         return recv_staged(fd, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
