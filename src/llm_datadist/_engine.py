@@ -251,6 +251,7 @@ class Engine:
         # TCP receives pin the shared ranges so memory is not released under them.
         self.generation_word = SharedCounter(1)
         self._shared_ranges = _planes.RangeSet(())
+        self._shared_device_ranges = _planes.RangeSet(())
         self._pin_cond = threading.Condition()
         self._pinned: Dict[int, Tuple[Any, bool]] = {}
         self._pin_serial = 0
@@ -319,6 +320,7 @@ class Engine:
                 self._keys.clear()
                 self._blocks_keys.clear()
                 self._shared_ranges = _planes.RangeSet(())
+                self._shared_device_ranges = _planes.RangeSet(())
                 for pool in self.pools.values():
                     if pool is not None:
                         pool.used = 0
@@ -372,7 +374,7 @@ class Engine:
                 record.owner_keys.add(key)
             if blocks_model_id is not None:
                 self._blocks_keys[blocks_model_id] = record
-            self._shared_ranges = ranges
+            self._shared_ranges, self._shared_device_ranges = ranges
         if self.links is not None:
             self.links.registered(record)  # the data planes hear of it (transport.engine_view)
         return record
@@ -440,7 +442,8 @@ class Engine:
         return record
 
     def _prepare_drop(self, record: CacheRecord) -> Tuple[Any, Any]:
-        """What the registry looks like without ``record``: ``(shared ranges, its memory)``,
+        """What the registry looks like without ``record``: ``((shared host ranges, shared device
+        ranges), its memory)``,
         computed before anything changes, as everything that can fail (lock held)."""
         ranges = self._ranges_of([r for r in self._caches.values() if r is not record])
         removed = _planes.RangeSet((addr, record.tensor_bytes) for addr in record.addrs)
@@ -463,7 +466,7 @@ class Engine:
             pool.used -= record.pool_bytes
             record.pool_bytes = 0
         self.generation_word.value = self.generation_word.value + 1
-        self._shared_ranges = ranges
+        self._shared_ranges, self._shared_device_ranges = ranges
         if self.links is not None:
             self.links.unregistered(record)
         return removed
@@ -531,26 +534,34 @@ class Engine:
         return record
 
     # -- what peers see ----------------------------------------------------------------------------
-    def _ranges_of(self, records) -> Any:
-        """The memory peers may read or write over TCP with ``records`` registered: every tensor
-        of those caches that the host can address."""
-        host_ok = self.runtime is None or self.runtime.host_addressable
-        return _planes.RangeSet((addr, record.tensor_bytes) for record in records
-                                if record.placement == Place.HOST or host_ok for addr in record.addrs)
+    def _ranges_of(self, records) -> Tuple[Any, Any]:
+        """The memory peers may read or write with ``records`` registered, as two RangeSets:
+        the tensors of those caches that the host can address (moved by any plane), and the
+        others, device memory of a runtime whose memory the host cannot address (moved by
+        staging it through host memory: ``transport.staging``)."""
+        host = [(addr, record.tensor_bytes) for record in records if not self.device_only(record)
+                for addr in record.addrs]
+        device = [(addr, record.tensor_bytes) for record in records if self.device_only(record)
+                  for addr in record.addrs]
+        return _planes.RangeSet(host), _planes.RangeSet(device)
+
+    def device_only(self, record: CacheRecord) -> bool:
+        """Whether a cache is device memory that the host cannot address (cuda, acl)."""
+        return record.placement == Place.DEVICE and self.runtime is not None and not self.runtime.host_addressable
 
     @contextlib.contextmanager
     def pinned(self, plan, dst_side: bool):
-        """``(shared ranges, registry generation)``, held while a peer's bytes move through the
-        ``dst_side`` (or source) ranges of ``plan``: memory they touch does not leave the
-        registry until they are done."""
+        """``(shared host ranges, registry generation, shared device ranges)``, held while a
+        peer's bytes move through the ``dst_side`` (or source) ranges of ``plan``: memory they
+        touch does not leave the registry until they are done."""
         with self._pin_cond:
             self._pin_serial += 1
             token = self._pin_serial
             self._pinned[token] = (plan, dst_side)
-            ranges = self._shared_ranges
+            ranges, device = self._shared_ranges, self._shared_device_ranges
             generation = self.generation_word.value
         try:
-            yield ranges, generation
+            yield ranges, generation, device
         finally:
             with self._pin_cond:
                 del self._pinned[token]
@@ -570,10 +581,9 @@ class Engine:
 
     def export_table(self) -> Dict[str, Any]:
         """This cluster's cache table as peers receive it (see transport.table)."""
-        host_ok = self.runtime is None or self.runtime.host_addressable
         with self._lock:
             caches = [[r.cache_id, r.kind, int(r.placement), r.num_tensors, r.num_rows, r.row_bytes,
-                       list(r.addrs), r.placement == Place.HOST or host_ok] for r in self._caches.values()]
+                       list(r.addrs), not self.device_only(r)] for r in self._caches.values()]
             blocks = [[model_id, r.cache_id] for model_id, r in self._blocks_keys.items()]
             keys = [[key[0], key[1], key[2], r.cache_id, row, not r.registered]
                     for key, (r, row) in self._keys.items()]
@@ -703,6 +713,11 @@ class Engine:
         self.runtime.set_device(self.device_id)
         self._thread_state.device_bound = True
 
+    def bind_thread(self) -> None:
+        """For the transport (``EngineView``): bind the calling thread to the engine's device
+        before it copies device memory through ``self.runtime``."""
+        self._bind_thread()
+
     def _run(self, plan, src: CacheRecord, dst: CacheRecord, ordered: bool = False) -> None:
         self._bind_thread()
         _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)],
@@ -756,13 +771,6 @@ class Engine:
         self._run(plan, src, dst)
 
     # -- transfers between clusters ----------------------------------------------------------------
-    def _check_transferable(self, record: CacheRecord) -> None:
-        if record.placement == Place.DEVICE and not self.runtime.host_addressable:
-            raise LLMException(f"transfers between processes of {self.runtime.name} device memory "
-                               f"are not implemented yet (they need device IPC or staging); use "
-                               f"HOST caches or the cpu runtime",
-                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-
     @staticmethod
     def _remote(table, remote_id: int, ref: RemoteRef):
         """Resolve a remote reference in ``table`` -> ``(RemoteCache, row)``."""
@@ -791,11 +799,13 @@ class Engine:
                              f"cluster {remote_id} has {cache.num_rows} rows")
 
     def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
+        """Plan against the peer's table and move the bytes (``write``: ``local`` -> the peer).
+        A ``local`` cache in device memory that the host cannot address, or a remote one, is
+        moved by the link's device plane (``transport.links``)."""
         self.check_initialized()
-        if local.placement == Place.DEVICE and not self.runtime.host_addressable:
-            self._check_transferable(local)
         self._bind_thread()
-        return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms)
+        return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms,
+                                   local_device=self.device_only(local))
 
     def push_blocks(self, remote_id: int, ref: RemoteRef, src: CacheRecord, blocks: BlockSpec,
                     tensors, route_key: Optional[tuple] = None) -> None:
@@ -843,8 +853,8 @@ class Engine:
         """After a checked block transfer: keep (or build) the route of ``key`` and teach it the
         tensor selection the layer arguments ``selection`` resolved to. A plane without routes,
         a transient (``create_cpu_cache``) cache or one that left the registry meanwhile: none."""
-        if local.cache_id <= 0:
-            return
+        if local.cache_id <= 0 or self.device_only(local) or not cache.host_addressable:
+            return  # routes copy host memory (device memory moves through its device plane)
         with self._lock:
             if not self.initialized or self._stopping.is_set() or self._caches.get(local.cache_id) is not local:
                 return

@@ -208,7 +208,7 @@ def check_engine(engine, model: Model) -> None:
     # What a TCP receive is checked against (taken the way the receiver takes it), at every
     # boundary of every range ever registered in this run: the union of two sets of such ranges
     # is decided by those points.
-    with engine.pinned(_planes.plan_from_wire(b""), True) as (ranges, generation):
+    with engine.pinned(_planes.plan_from_wire(b""), True) as (ranges, generation, _device):
         assert generation == table["generation"]
         wrong = [hex(p) for p in sorted(model.points) if ranges.contains(p, 1) != model.registered_bytes(p)]
         assert not wrong, f"the shared ranges disagree with the registry at {wrong[:8]}"

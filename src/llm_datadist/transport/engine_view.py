@@ -37,6 +37,14 @@ class EngineView(Protocol):
     def count_protocol_error(self) -> None:
         """A peer broke the protocol (counted in the engine's stats)."""
 
-    def pinned(self, plan: Any, dst_side: bool) -> ContextManager[Tuple[Any, int]]:
-        """``(shared RangeSet, registry generation)``, held while a peer's bytes move through the
-        ``dst_side`` (or source) ranges of ``plan``."""
+    #: The device runtime (``_core.Runtime``) of the engine's DEVICE caches.
+    runtime: Any
+
+    def pinned(self, plan: Any, dst_side: bool) -> ContextManager[Tuple[Any, int, Any]]:
+        """``(shared host RangeSet, registry generation, shared device RangeSet)``, held while a
+        peer's bytes move through the ``dst_side`` (or source) ranges of ``plan``. The host
+        ranges are memory the host addresses; the device ranges are device memory it does not
+        (moved only through ``runtime``'s copies)."""
+
+    def bind_thread(self) -> None:
+        """Bind the calling thread to the engine's device (before it uses ``runtime``)."""

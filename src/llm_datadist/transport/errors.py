@@ -9,7 +9,7 @@ from llm_datadist.transport.wire import ProtocolError
 
 S = LLMStatusCode
 
-__all__ = ["S", "status_of", "fail", "brief", "is_int", "StaleTable", "MutualLink", "ProtocolError"]
+__all__ = ["S", "status_of", "fail", "brief", "is_int", "StaleTable", "MutualLink", "ProtocolError", "CopyFailed"]
 
 
 def status_of(code: int) -> LLMStatusCode:
@@ -40,3 +40,14 @@ class MutualLink(Exception):
 
 class StaleTable(Exception):
     """The peer's registry changed since its table was fetched: refresh and plan again."""
+
+
+class CopyFailed(Exception):
+    """A device copy of a staged payload failed (``transport.staging``): ``cause`` is the
+    runtime's ``LLMException``; ``in_step`` whether the connection is still in step with the frame
+    (nothing of it was sent, or all of it was read), else the connection must be dropped."""
+
+    def __init__(self, cause: LLMException, in_step: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.in_step = in_step

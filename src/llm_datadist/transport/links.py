@@ -11,7 +11,10 @@ Nothing the peer claims about itself is trusted: each side fetches the other's c
 its own connections of the link and picks the data plane of its own transfers (``planes``): the
 one the option ``llm.DataPlane`` (or the environment variable ``LLM_DATADIST_DATA_PLANE``)
 forces, or under ``auto`` the first of ``planes.auto_order()`` that accepts the link -- the
-same-host plane towards a process the kernel proved, frames otherwise.
+same-host plane towards a process the kernel proved, frames otherwise. A transfer with device
+memory that the host cannot address on either side (the engine says so of its own cache, the
+peer's table of the peer's) goes to a plane with ``device_memory`` instead, chosen per link and
+per combination on first use (``DataPlane`` in ``planes.base``).
 
 A connection that closes or breaks ends its whole link on both sides (``lost_links`` says why);
 a new link from a cluster that is still linked is refused unless the old link's connections
@@ -43,6 +46,7 @@ from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAU
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane
 from llm_datadist.transport.server import Server
 from llm_datadist.transport.session import MAX_LOST_RECORDS, Peer
+from llm_datadist.transport.staging import StagedPayload, drop_pool
 from llm_datadist.transport.table import RemoteTable
 
 __all__ = ["LinkManager", "Peer", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
@@ -69,6 +73,8 @@ class LinkManager(Listeners, Handshakes, Server):
         self.planes: Dict[str, DataPlane] = {name: plane_registry.get(name)(engine)
                                              for name in plane_registry.names()}
         self.plane_objects: Tuple[DataPlane, ...] = tuple(self.planes.values())
+        #: The payload of peers' transfers into and out of this engine's device memory (server).
+        self._staged = StagedPayload(engine)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self.secret = auth.resolve_secret(engine.options)
         self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
@@ -172,37 +178,46 @@ class LinkManager(Listeners, Handshakes, Server):
                 return
             table, facts = self._fetch_table(peer, dl.left_ms(deadline))
             plane = self._choose_plane(peer, facts, deadline)
-            peer.table = table
+            peer.table, peer.facts = table, facts
             peer.plane = plane
             if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
                 plane.close(peer)
 
-    def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000) -> str:
-        """The plane of this side's transfers to a linked cluster (chosen now if not yet)."""
+    def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000, local_device: bool = False,
+                   remote_device: bool = False) -> str:
+        """The plane of this side's transfers to a linked cluster (chosen now if not yet): the
+        link's plane, or with device memory on either side the device plane of that combination."""
         peer = self.peer(remote_cluster_id)
-        self._settle(peer, dl.after(timeout_ms))
+        deadline = dl.after(timeout_ms)
+        self._settle(peer, deadline)
+        if local_device or remote_device:
+            return self._device_plane(peer, local_device, remote_device, deadline).name
         return peer.plane.name
 
+    def _plane(self, name: str) -> DataPlane:
+        plane = self.planes.get(name)
+        if plane is None:  # registered after this manager was made
+            plane = self.planes[name] = plane_registry.get(name)(self.engine)
+            self.plane_objects = tuple(self.planes.values())
+        return plane
+
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
-        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` whose
-        ``accept`` takes the link (the fallback plane always does). A link to this very process
-        uses the fallback: frames, checked by the owner (ourselves). A forced plane that refuses
-        fails the link (``LLM_LINK_FAILED``)."""
+        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
+        ``device_memory`` whose ``accept`` takes the link (the fallback plane always does). A
+        link to this very process uses the fallback: frames, checked by the owner (ourselves). A
+        forced plane that refuses fails the link (``LLM_LINK_FAILED``)."""
         if deadline is None:
             deadline = dl.after(self.handshake_ms)
         if not isinstance(facts, dict):
             facts = {}
         if peer.unix and peer.pid == os.getpid():
             names = plane_registry.fallbacks()
-        elif self.plane == plane_registry.AUTO:
-            names = plane_registry.auto_order()
+        elif self.plane == plane_registry.AUTO:  # device planes are chosen per transfer (_device_plane)
+            names = tuple(n for n in plane_registry.auto_order() if not plane_registry.get(n).device_memory)
         else:
             names = (self.plane,)
         for name in names:
-            plane = self.planes.get(name)
-            if plane is None:  # registered after this manager was made
-                plane = self.planes[name] = plane_registry.get(name)(self.engine)
-                self.plane_objects = tuple(self.planes.values())
+            plane = self._plane(name)
             reason = plane.accept(peer, facts, deadline)
             if reason is None:
                 return plane
@@ -213,6 +228,52 @@ class LinkManager(Listeners, Handshakes, Server):
                            self.engine.cluster_id, peer.cluster_id, name, reason)
         raise fail(S.LLM_LINK_FAILED, f"no data plane of {', '.join(names)} accepts the link to cluster "
                                       f"{peer.cluster_id}")
+
+    def _device_plane(self, peer: Peer, local_device: bool, remote_device: bool, deadline: float) -> DataPlane:
+        """The plane of the link's transfers whose local side (``local_device``) or remote side
+        (``remote_device``) is device memory the host cannot address: chosen on the first such
+        transfer and kept for the link (``Peer.device_planes``)."""
+        combination = (local_device, remote_device)
+        plane = peer.device_planes.get(combination)
+        if plane is not None:
+            return plane
+        with peer.settle_lock:
+            plane = peer.device_planes.get(combination)
+            if plane is None:
+                plane = self._choose_device_plane(peer, local_device, remote_device, deadline)
+                peer.device_planes[combination] = plane
+        if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
+            plane.close(peer)
+        return plane
+
+    def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,
+                             deadline: float) -> DataPlane:
+        """The forced plane if it has ``device_memory``, else the first plane of the ``auto``
+        order with ``device_memory`` that accepts the link and carries this combination (a
+        plane accepted here is closed with the link). ``LLM_FEATURE_NOT_ENABLED`` if none does:
+        the transfer fails, the link stays."""
+        forced = None if self.plane == plane_registry.AUTO else self._plane(self.plane)
+        if forced is not None and forced.device_memory:
+            candidates = [forced]
+        else:
+            candidates = [self._plane(name) for name in plane_registry.auto_order()
+                          if plane_registry.get(name).device_memory]
+        reasons = []
+        for plane in candidates:
+            if plane is not peer.plane and not any(p is plane for p in peer.extra_planes):
+                reason = plane.accept(peer, peer.facts, deadline)
+                if reason is not None:
+                    plane.close(peer)
+                    reasons.append(f"{plane.name}: {reason}")
+                    continue
+                peer.extra_planes.append(plane)
+            if plane.carries(peer, local_device, remote_device):
+                return plane
+            reasons.append(f"{plane.name} does not carry it")
+        sides = " and ".join(side for side, device in (("local", local_device), ("remote", remote_device)) if device)
+        why = "; ".join(reasons) or "none has device_memory"
+        raise fail(S.LLM_FEATURE_NOT_ENABLED, f"no data plane moves device memory ({sides} side) on the link to "
+                                              f"cluster {peer.cluster_id}: {why}")
 
     # -- registry changes ---------------------------------------------------------------------------
     def registered(self, record: Any) -> None:
@@ -341,13 +402,17 @@ class LinkManager(Listeners, Handshakes, Server):
                                status_code=S.LLM_LINK_FAILED) from None
 
     def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
-        table, _ = self._fetch_table(peer, timeout_ms)
-        peer.table = table
+        table, facts = self._fetch_table(peer, timeout_ms)
+        peer.table, peer.facts = table, facts
         return table
 
     def transfer(self, remote_cluster_id: int, make_plan: Callable[[RemoteTable], Any], write: bool,
-                 timeout_ms: int) -> Any:
+                 timeout_ms: int, local_device: bool = False) -> Any:
         """Plan against the peer's table and move the bytes (``write``: local -> peer).
+
+        ``local_device``: the plan's local side is device memory that the host cannot address.
+        Whether its remote side is, the peer's table says (``RemoteTable.device_side``); either
+        takes the link's device plane for that combination instead of the link's plane.
 
         A plan that names a cache the table lacks (``LLM_KV_CACHE_NOT_EXIST``), or a transfer
         that finds the peer's registry changed, refreshes the table once and plans again.
@@ -356,7 +421,7 @@ class LinkManager(Listeners, Handshakes, Server):
         peer = self.peer(remote_cluster_id)
         deadline = dl.after(timeout_ms)
         try:
-            return self._transfer(peer, make_plan, write, deadline)
+            return self._transfer(peer, make_plan, write, deadline, local_device)
         except BaseException:
             why = peer.broken()
             if why is not None:  # out of step: the link cannot carry another request
@@ -372,7 +437,7 @@ class LinkManager(Listeners, Handshakes, Server):
             return None
         return peer.plane.block_route(peer, table, remote_layout, local_layout, write)
 
-    def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float):
+    def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float, local_device: bool = False):
         plane = peer.plane
         if plane is None:
             self._settle(peer, deadline)
@@ -384,7 +449,14 @@ class LinkManager(Listeners, Handshakes, Server):
                 if not plane.table_is_current(peer, table):
                     raise StaleTable()
                 plan = make_plan(table)
-                plane.transfer(peer, table, plan, write, deadline)
+                remote_device = table.device_side(plan, write)
+                if local_device or remote_device:
+                    device_plane = self._device_plane(peer, local_device, remote_device, deadline)
+                    if device_plane is not plane and not device_plane.table_is_current(peer, table):
+                        raise StaleTable()
+                    device_plane.transfer_device(peer, table, plan, write, deadline, local_device, remote_device)
+                else:
+                    plane.transfer(peer, table, plan, write, deadline)
                 return plan
             except StaleTable:
                 pass
@@ -558,6 +630,7 @@ class LinkManager(Listeners, Handshakes, Server):
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+        drop_pool(self.engine)
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:

@@ -4,6 +4,12 @@ that breaks the protocol closes the connection, and with it the whole link; a tr
 ranges are not registered here, or that was planned against an older registry, is refused with
 a status and the link goes on.
 
+A push or pull whose ranges lie wholly in registered host memory moves straight between the
+socket and that memory; one wholly in registered device memory that the host cannot address is
+staged through pinned bounce buffers (``transport.staging``) on a thread bound to the engine's
+device; one with both kinds is refused like unregistered memory. A device copy that fails is
+answered ``LLM_FAILED`` when the connection is still in step with the frame, else the link goes.
+
 ``Server`` is a part of ``links.LinkManager``.
 """
 
@@ -16,7 +22,7 @@ from typing import Any, Dict, Tuple
 from llm_datadist import _planes
 from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
-from llm_datadist.transport.errors import S, ProtocolError, status_of
+from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, status_of
 from llm_datadist.transport.listener import close_socket
 from llm_datadist.transport.session import MAX_LOST_RECORDS, Peer, read_body, read_header
 
@@ -116,13 +122,22 @@ class Server:
             data_len = length - 16 - desc_len
             if plan.total_bytes != data_len:
                 raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
-            with engine.pinned(plan, True) as (ranges, current):
-                refusal = self._refusal(plan, True, generation, ranges, current, peer_id, "push")
-                if refusal == 0:
+            drained = False
+            with engine.pinned(plan, True) as (ranges, current, device_ranges):
+                refusal, device = self._refusal(plan, True, generation, ranges, device_ranges, current, peer_id,
+                                                "push")
+                if refusal == 0 and device:
+                    try:
+                        st, _, _ = self._staged.recv(fd, plan, _session.FRAME_TIMEOUT_MS)
+                    except CopyFailed as exc:  # the payload was read whole: the link goes on
+                        logger.error("cluster %d: a push from %d into device memory failed: %s",
+                                     engine.cluster_id, peer_id, exc)
+                        refusal, drained, st = S.LLM_FAILED, True, 0
+                elif refusal == 0:
                     st, _, _ = _planes.recv_plan(fd, plan, False, _session.FRAME_TIMEOUT_MS)
-                    if st != 0:
-                        raise ProtocolError(f"push payload truncated ({status_of(st).name})")
-            if refusal:
+                if refusal == 0 and st != 0:
+                    raise ProtocolError(f"push payload truncated ({status_of(st).name})")
+            if refusal and not drained:
                 st, _, _ = _planes.recv_discard(fd, data_len, _session.FRAME_TIMEOUT_MS)
                 if st != 0:
                     raise ProtocolError("push payload truncated")
@@ -132,12 +147,23 @@ class Server:
                 raise ProtocolError(f"pull: frame length {length}")
             (generation,) = wire.U64.unpack(self._recv_exact(fd, 8, 8, "pull"))
             plan = self._wire_plan(self._recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-            with engine.pinned(plan, False) as (ranges, current):
-                refusal = self._refusal(plan, False, generation, ranges, current, peer_id, "pull")
+            with engine.pinned(plan, False) as (ranges, current, device_ranges):
+                refusal, device = self._refusal(plan, False, generation, ranges, device_ranges, current, peer_id,
+                                                "pull")
                 if refusal == 0:
                     head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)
-                    st, _ = _planes.send_plan(fd, head, plan, False, _session.FRAME_TIMEOUT_MS)
-                    return st == 0
+                    if not device:
+                        st, _ = _planes.send_plan(fd, head, plan, False, _session.FRAME_TIMEOUT_MS)
+                        return st == 0
+                    try:
+                        st, _ = self._staged.send(fd, head, plan, _session.FRAME_TIMEOUT_MS)
+                        return st == 0
+                    except CopyFailed as exc:
+                        logger.error("cluster %d: a pull by %d from device memory failed: %s", engine.cluster_id,
+                                     peer_id, exc)
+                        if not exc.in_step:
+                            return False  # the reply went out cut short: the link goes
+                        refusal = S.LLM_FAILED
             return self._reply(fd, wire.OP_PULL_DATA, req_id, refusal)
         raise ProtocolError(f"unexpected {wire.OP_NAMES[op]}")
 
@@ -155,18 +181,24 @@ class Server:
                              self.engine.cluster_id, peer_id)
             return S.LLM_FAILED, {"error": "the handler failed"}
 
-    def _refusal(self, plan, dst_side: bool, generation: int, ranges, current: int, peer_id: int,
-                 what: str) -> int:
-        """0 to accept a transfer; the stale-table status if the peer planned against an older
-        registry; ``LLM_KV_CACHE_NOT_EXIST`` if a range is not registered memory here."""
+    def _refusal(self, plan, dst_side: bool, generation: int, ranges, device_ranges, current: int, peer_id: int,
+                 what: str) -> Tuple[int, bool]:
+        """``(0, device)`` to accept a transfer, whose ``dst_side`` (or source) ranges lie wholly
+        in registered host memory (``device`` False) or wholly in registered device memory
+        (True); the stale-table status if the peer planned against an older registry;
+        ``LLM_KV_CACHE_NOT_EXIST`` if a range is not registered memory here, or if the plan
+        mixes both kinds."""
         if generation != current:
-            return wire.STATUS_STALE_TABLE
+            return wire.STATUS_STALE_TABLE, False
         bad = ranges.first_outside(plan, dst_side)
         if bad < 0:
-            return 0
-        logger.warning("cluster %d refused a %s from %d: range %d is not registered memory",
-                       self.engine.cluster_id, what, peer_id, bad)
-        return S.LLM_KV_CACHE_NOT_EXIST
+            return 0, False
+        if len(device_ranges) and device_ranges.first_outside(plan, dst_side) < 0:
+            return 0, True
+        logger.warning("cluster %d refused a %s from %d: range %d is not registered memory%s",
+                       self.engine.cluster_id, what, peer_id, bad,
+                       " (or the transfer mixes host and device memory)" if len(device_ranges) else "")
+        return S.LLM_KV_CACHE_NOT_EXIST, False
 
     @staticmethod
     def _wire_plan(data: bytearray):

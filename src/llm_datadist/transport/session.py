@@ -220,6 +220,12 @@ class Peer:
     ready: bool = False
     plane: Any = None    # the DataPlane of this side's transfers, chosen with the first table
     table: Optional[RemoteTable] = None
+    facts: Dict[str, Any] = field(default_factory=dict)  # the peer's last table reply (untrusted)
+    # The device planes of this side's transfers with device memory on either side, by
+    # (local side is device memory, remote side is device memory), chosen on first use; and the
+    # planes accepted for them besides ``plane`` (closed with the link).
+    device_planes: Dict[Tuple[bool, bool], Any] = field(default_factory=dict)
+    extra_planes: List[Any] = field(default_factory=list)
     channels: List[Channel] = field(default_factory=list)        # this side's requests
     incoming: List[socket.socket] = field(default_factory=list)  # the peer's requests
     # Per-link state a plane's accept sets up (and its close releases): the peer's mapped
@@ -268,6 +274,8 @@ class Peer:
         self.closed = True
         if self.plane is not None:
             self.plane.close(self)
+        for plane in list(self.extra_planes):
+            plane.close(self)
         self.workers.close()
         for channel in list(self.channels):
             channel.close()

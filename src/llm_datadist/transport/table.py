@@ -5,6 +5,11 @@ A table lists every cache of the owner (id, kind, geometry, tensor addresses), t
 generation, which changes whenever memory leaves the registry. A peer plans transfers against
 the table it fetched at link time; a miss refreshes it once, and the same-host plane compares the
 generation before each transfer so it never writes through a stale table.
+
+Each cache says whether its owner's host can address it (``host_addressable``: host caches, and
+device caches of a runtime whose device memory is host memory, such as ``cpu``); the others are
+device memory (cuda, acl) and only a plane with ``device_memory`` moves them
+(``RemoteTable.device_side``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _planes
+from llm_datadist.transport.errors import S, fail
 from llm_datadist.transport.wire import ProtocolError
 
 
@@ -70,14 +76,33 @@ class RemoteTable:
                 if consumable and kind == "req":
                     self.consumable.add(key)
             self.row_keys = {entry: key for key, entry in self.keys.items()}
+            #: Every cache's memory, and the part of it that the owner's host cannot address.
             self.ranges = _planes.RangeSet((addr, c.tensor_bytes) for c in self.caches.values()
                                            for addr in c.addrs)
+            self.device_ranges = _planes.RangeSet((addr, c.tensor_bytes) for c in self.caches.values()
+                                                  if not c.host_addressable for addr in c.addrs)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed cache table: {exc!r}") from None
         except Exception as exc:  # CacheLayout refusing a geometry
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"malformed cache table: {exc}") from None
+
+    def device_side(self, plan, dst_side: bool) -> bool:
+        """Whether the ``dst_side`` (or source) ranges of ``plan``, this peer's side of a
+        transfer, are device memory that its host cannot address: True when every one lies in
+        ``device_ranges``, False when none meets them. A plan with both kinds is refused
+        (``LLM_KV_CACHE_NOT_EXIST``, as for memory the peer has not registered): one transfer
+        is moved by one plane."""
+        device = self.device_ranges
+        if not len(device) or not device.overlaps(plan, dst_side):
+            return False
+        bad = device.first_outside(plan, dst_side)
+        if bad < 0:
+            return True
+        raise fail(S.LLM_KV_CACHE_NOT_EXIST, f"descriptor {bad} of a transfer names host memory while others "
+                                             f"name device memory of the peer; one transfer must lie wholly in "
+                                             f"one kind of memory")
 
     def forget_key(self, owner_key: tuple) -> None:
         entry = self.keys.pop(owner_key, None)

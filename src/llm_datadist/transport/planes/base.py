@@ -6,6 +6,14 @@ and for each link picks the plane of *its own* transfers: the one ``llm.DataPlan
 first of ``planes.auto_order()`` whose ``accept`` takes the link. Nothing outside the plane modules
 knows what a plane is called or what it needs; the manager only calls the methods below.
 
+That plane (the link's *host plane*; under ``auto`` only planes without ``device_memory`` are
+considered for it) moves every transfer between memory the host can address.
+A transfer whose local cache, or whose remote cache, is device memory that the host cannot
+address (a cuda or acl DEVICE cache) goes to the link's *device plane* for that combination
+instead: the forced plane if it has ``device_memory``, else the first plane of the ``auto`` order
+with ``device_memory`` that accepts the link and ``carries`` the combination; chosen on the first
+such transfer, kept per link and per combination, closed with the link.
+
 Calls, in the order a link meets them:
 
 ``probe()`` (class method)
@@ -33,11 +41,21 @@ Calls, in the order a link meets them:
     this side must find out before planning (the manager refreshes the table and plans again).
     A plane whose peer checks the generation itself returns True.
 ``transfer(session, table, plan, write, deadline)``
-    Move a plan made against ``table`` (``write``: local -> peer). Raise ``LLMException`` with
-    ``LLM_KV_CACHE_NOT_EXIST`` for memory the peer has not registered, ``LLM_TIMEOUT`` or
-    ``LLM_LINK_FAILED`` when the bytes did not move, ``errors.StaleTable`` when the peer says
-    the table is stale. Plans of ``stripe_bytes`` or more may be split over ``session.workers``
-    (never over new threads).
+    Move a plan made against ``table`` (``write``: local -> peer) between memory that both
+    hosts can address. Raise ``LLMException`` with ``LLM_KV_CACHE_NOT_EXIST`` for memory the
+    peer has not registered, ``LLM_TIMEOUT`` or ``LLM_LINK_FAILED`` when the bytes did not move,
+    ``errors.StaleTable`` when the peer says the table is stale. Plans of ``stripe_bytes`` or
+    more may be split over ``session.workers`` (never over new threads).
+``carries(session, local_device, remote_device)`` (planes with ``device_memory``)
+    Whether this plane moves a transfer whose local side (``local_device``) and remote side
+    (``remote_device``) are, or are not, device memory that the host cannot address. The
+    default: a device plane carries every combination, a host plane only host memory.
+``transfer_device(session, table, plan, write, deadline, local_device, remote_device)``
+    As ``transfer``, for a plan with at least one side in device memory the host cannot address
+    (``local_device``: the local side; ``remote_device``: the remote side, which lies wholly in
+    ``table.device_ranges``). Called only on planes with ``device_memory`` whose ``accept`` took
+    the link and whose ``carries`` said yes; a plane without ``device_memory`` never sees such a
+    plan (its ``transfer`` may read and write the plan's addresses as host memory).
 ``block_route(session, table, remote_layout, local_layout, write)`` (optional)
     A ``_planes.BlockRoute`` for repeated block transfers between a local cache and a cache of
     ``table`` (the link's current table), or ``None`` (the default: every transfer takes the
@@ -78,6 +96,9 @@ class DataPlane:
     #: Transfers of at least this many bytes are split over ``stripes`` threads (0: never).
     stripe_bytes: ClassVar[int] = 0
     stripes: ClassVar[int] = 1
+    #: Moves memory that the host cannot address (device memory of a cuda or acl runtime): the
+    #: plane has ``transfer_device``.
+    device_memory: ClassVar[bool] = False
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
@@ -102,6 +123,13 @@ class DataPlane:
         return True
 
     def transfer(self, session, table, plan, write: bool, deadline: float) -> None:
+        raise NotImplementedError
+
+    def carries(self, session, local_device: bool, remote_device: bool) -> bool:
+        return True if self.device_memory else not (local_device or remote_device)
+
+    def transfer_device(self, session, table, plan, write: bool, deadline: float, local_device: bool,
+                        remote_device: bool) -> None:
         raise NotImplementedError
 
     def block_route(self, session, table, remote_layout, local_layout, write: bool):
