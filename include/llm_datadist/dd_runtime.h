@@ -72,8 +72,9 @@ typedef struct dd_ipc_handle {
 /* The handle of the allocation that holds ptr, its base address and its size (IPC). */
 typedef int (*dd_ipc_export_fn)(void *ctx, void *ptr, dd_ipc_handle *handle, uint64_t *base,
                                 uint64_t *size);
-/* Map a peer's exported allocation into this process; *base is its address here. */
-typedef int (*dd_ipc_open_fn)(void *ctx, const dd_ipc_handle *handle, void **base);
+/* Map a peer's exported allocation into this process; *base is its address here and *size the
+ * size of the mapping as this process's runtime reports it (not as the peer claims it). */
+typedef int (*dd_ipc_open_fn)(void *ctx, const dd_ipc_handle *handle, void **base, uint64_t *size);
 typedef int (*dd_ipc_close_fn)(void *ctx, void *base);
 
 typedef struct dd_runtime_table {

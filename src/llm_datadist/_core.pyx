@@ -224,9 +224,10 @@ cdef class Runtime:
 
     def ipc_open(self, handle):
         """The base address here of a peer's exported allocation (mapped on the first open of a
-        handle, reference-counted after)."""
+        handle, reference-counted after); ``ipc_size(base)`` is how much was mapped."""
         cdef dd_ipc_handle h
         cdef void *base = NULL
+        cdef uint64_t size = 0
         cdef int rc
         if self.table.ipc_open == NULL:
             raise LLMException(f"{self.name}: device memory of other processes cannot be mapped",
@@ -242,12 +243,19 @@ cdef class Runtime:
             return entry[0]
         memcpy(h.bytes, <const char *>key, DD_IPC_HANDLE_BYTES)
         with nogil:
-            rc = self.table.ipc_open(self.table.ctx, &h, &base)
+            rc = self.table.ipc_open(self.table.ctx, &h, &base, &size)
         if rc != 0 or base == NULL:
             raise LLMException(f"{self.name}: mapping a peer's device memory failed (error {rc})",
                                status_code=LLMStatusCode.LLM_FAILED)
-        self.ipc_maps[key] = [<uint64_t>base, 1]
+        self.ipc_maps[key] = [<uint64_t>base, 1, size]
         return <uint64_t>base
+
+    def ipc_size(self, uint64_t base):
+        """The size of the mapping ``ipc_open`` returned ``base`` for (0 if none is open)."""
+        for entry in (self.ipc_maps or {}).values():
+            if entry[0] == base:
+                return entry[2]
+        return 0
 
     def ipc_close(self, uint64_t base):
         """Drop one reference to a mapping ``ipc_open`` returned; unmapped at the last."""

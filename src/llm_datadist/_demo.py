@@ -296,7 +296,7 @@ def plane_to(state, peer_id: int, device: bool) -> str:
     both sides, the link's device plane for that combination."""
     if not device:
         return state.dd._engine.data_plane(peer_id)
-    return state.dd._engine.links.data_plane(peer_id, local_device=True, remote_device=True)
+    return state.dd._engine.data_plane(peer_id, local_device=True, remote_device=True)
 
 
 def corrupt(state, physical_block: int, tensor: int) -> None:

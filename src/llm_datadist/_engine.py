@@ -53,6 +53,16 @@ _KIND_BY_PLACEMENT = {
 }
 
 
+def _needs_order(src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> bool:
+    """Device copies of one list run in parallel: a list whose result depends on its order --
+    one that writes a block twice, or (in one cache) writes blocks it also reads -- runs one copy
+    after another in list order instead, as the host path does."""
+    written = [int(b) for b in dst_blocks]
+    if len(set(written)) != len(written):
+        return True
+    return src is dst and not set(written).isdisjoint(int(b) for b in src_blocks)
+
+
 # -- what the API styles hand the engine --------------------------------------------------------
 @dataclass(frozen=True)
 class CacheRowRef:
@@ -162,6 +172,8 @@ class CacheRecord:
     batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
     allocations: List[Any] = field(default_factory=list)
     keepalive: List[Any] = field(default_factory=list)
+    #: Tensors of a registered HOST cache page-locked for the device (``Engine._pin_host``).
+    pinned_addrs: List[int] = field(default_factory=list)
     owner_keys: set = field(default_factory=set)
     pool_bytes: int = 0
     id_released: bool = False
@@ -316,6 +328,8 @@ class Engine:
                 self.links.close()
             self.generation_word.close()
             with self._lock:
+                for record in self._caches.values():
+                    self._unpin_host(record)
                 self._caches.clear()
                 self._keys.clear()
                 self._blocks_keys.clear()
@@ -391,7 +405,28 @@ class Engine:
         record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1,
                                   batch_dim)
         record.keepalive = keepalive
-        return self._commit(record, owner_keys, blocks_model_id)
+        if record.placement == Place.HOST:
+            record.pinned_addrs = self._pin_host(resolved, nbytes)
+        try:
+            return self._commit(record, owner_keys, blocks_model_id)
+        except BaseException:
+            self._unpin_host(record)
+            raise
+
+    def _pin_host(self, addrs: Sequence[int], nbytes: int) -> List[int]:
+        """Page-lock the tensors of a registered HOST cache for a device runtime whose memory the
+        host cannot address (``cudaHostRegister``), so swaps and staged transfers copy them at
+        full speed; tensors the runtime refuses (already page-locked, say) stay as they are."""
+        runtime = self.runtime
+        if runtime.host_addressable:
+            return []
+        self._bind_thread()
+        return [addr for addr in addrs if runtime.host_register(addr, nbytes)]
+
+    def _unpin_host(self, record: CacheRecord) -> None:
+        pinned, record.pinned_addrs = record.pinned_addrs, []
+        for addr in pinned:
+            self.runtime.host_unregister(addr)
 
     def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
                  kind: str, owner_keys: Sequence[Optional[tuple]] = (),
@@ -413,7 +448,10 @@ class Engine:
                                        status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
                 pool.used += total
         try:
-            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE)
+            # HOST caches of a device runtime are page-locked memory from it (cudaMallocHost,
+            # aclrtMallocHost): what its copies reach at full speed.
+            pinned = placement == Place.HOST and not self.runtime.host_addressable
+            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE, pinned)
                            for _ in range(num_tensors)]
             record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind,
                                       [a.addr for a in allocations], False, -1, batch_dim)
@@ -469,6 +507,7 @@ class Engine:
         self._shared_ranges, self._shared_device_ranges = ranges
         if self.links is not None:
             self.links.unregistered(record)
+        self._unpin_host(record)
         return removed
 
     def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:
@@ -643,10 +682,13 @@ class Engine:
         self.check_initialized()
         return self.links.unlink_many(cluster_ids, timeout_ms, force)
 
-    def data_plane(self, remote_id: int, timeout_ms: int = 5000) -> str:
-        """The data plane transfers to ``remote_id`` use (chosen when the link was made)."""
+    def data_plane(self, remote_id: int, timeout_ms: int = 5000, local_device: bool = False,
+                   remote_device: bool = False) -> str:
+        """The data plane transfers to ``remote_id`` use: the link's (chosen when it was made), or
+        with device memory the host cannot address on the local or remote side, the link's device
+        plane for that combination (chosen now if not yet)."""
         self.check_initialized()
-        return self.links.data_plane(remote_id, timeout_ms)
+        return self.links.data_plane(remote_id, timeout_ms, local_device, remote_device)
 
     def set_notify_handler(self, handler: Optional[Callable]) -> None:
         """Answer peers' notifications with ``handler(peer_cluster_id, message) -> reply`` (None
@@ -740,10 +782,7 @@ class Engine:
         if src.num_tensors != dst.num_tensors:
             raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
-        # Device copies of one list run in parallel; a list that writes blocks it also reads (in
-        # one cache) keeps its order, as the host path does.
-        ordered = src is dst and not {int(b) for b in src_blocks}.isdisjoint(int(b) for b in dst_blocks)
-        self._run(plan, src, dst, ordered)
+        self._run(plan, src, dst, _needs_order(src, dst, src_blocks, dst_blocks))
 
     @staticmethod
     def swap_geometry(record: CacheRecord) -> Tuple[int, int]:
@@ -768,7 +807,7 @@ class Engine:
         src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
         dst_layout = _core.CacheLayout(dst.addrs, dst_count, dst_block)
         plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
-        self._run(plan, src, dst)
+        self._run(plan, src, dst, _needs_order(src, dst, src_blocks, dst_blocks))
 
     # -- transfers between clusters ----------------------------------------------------------------
     @staticmethod

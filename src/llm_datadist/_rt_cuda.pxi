@@ -308,10 +308,23 @@ cdef int _cuda_ipc_export(void *ctx, void *ptr, dd_ipc_handle *handle, uint64_t 
     return 0
 
 
-cdef int _cuda_ipc_open(void *ctx, const dd_ipc_handle *handle, void **base) noexcept nogil:
+cdef int _cuda_ipc_open(void *ctx, const dd_ipc_handle *handle, void **base,
+                        uint64_t *size) noexcept nogil:
+    cdef CudaApi *api = <CudaApi *>ctx
     cdef dd_cuda_ipc_mem_handle h
+    cdef dd_cu_deviceptr start = 0
+    cdef size_t length = 0
     memcpy(h.reserved, handle.bytes, sizeof(h.reserved))
-    return (<CudaApi *>ctx).ipc_open(base, h, DD_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    cdef int rc = api.ipc_open(base, h, DD_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    if rc != 0:
+        return rc
+    # How much was mapped, from our own runtime: the exporter's word for it is not trusted.
+    rc = api.address_range(&start, &length, <dd_cu_deviceptr>base[0])
+    if rc != 0 or start != <dd_cu_deviceptr>base[0]:
+        api.ipc_close(base[0])
+        return rc if rc != 0 else _CUDA_ERROR_INVALID_VALUE
+    size[0] = length
+    return 0
 
 
 cdef int _cuda_ipc_close(void *ctx, void *base) noexcept nogil:

@@ -38,7 +38,8 @@ cdef extern from "llm_datadist/dd_runtime.h" nogil:
         unsigned char bytes[64]
     ctypedef int (*dd_ipc_export_fn)(void *ctx, void *ptr, dd_ipc_handle *handle, uint64_t *base,
                                      uint64_t *size) noexcept nogil
-    ctypedef int (*dd_ipc_open_fn)(void *ctx, const dd_ipc_handle *handle, void **base) noexcept nogil
+    ctypedef int (*dd_ipc_open_fn)(void *ctx, const dd_ipc_handle *handle, void **base,
+                                   uint64_t *size) noexcept nogil
     ctypedef int (*dd_ipc_close_fn)(void *ctx, void *base) noexcept nogil
 
     ctypedef struct dd_runtime_table:

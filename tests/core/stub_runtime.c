@@ -168,6 +168,7 @@ typedef struct stub_mem {
     uint64_t size;
     int kind; /* MEM_*, 0 = free slot */
     int fd;   /* MEM_DEVICE from cudaMalloc: the memfd; -1 otherwise */
+    uint64_t serial;
 } stub_mem;
 #define STUB_MEM_CAPACITY 4096
 static stub_mem g_mem[STUB_MEM_CAPACITY];
@@ -175,15 +176,19 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int64_t g_live_host_allocations;
 static int64_t g_live_mappings;
 
+static uint64_t g_mem_serial;
+
 static void mem_add(uint64_t base, uint64_t size, int kind, int fd)
 {
     pthread_mutex_lock(&g_lock);
+    g_mem_serial++;
     for (int i = 0; i < STUB_MEM_CAPACITY; i++) {
         if (g_mem[i].kind == 0) {
             g_mem[i].base = base;
             g_mem[i].size = size;
             g_mem[i].kind = kind;
             g_mem[i].fd = fd;
+            g_mem[i].serial = g_mem_serial;
             break;
         }
     }
@@ -949,7 +954,8 @@ typedef struct stub_ipc_handle {
     int32_t pid;
     int32_t fd;
     uint64_t size;
-    char pad[64 - 24];
+    uint64_t serial; /* the allocation's, as CUDA's handles name one allocation */
+    char pad[64 - 32];
 } stub_ipc_handle;
 
 STUB_EXPORT int cudaIpcGetMemHandle(stub_ipc_handle *handle, void *dev_ptr)
@@ -969,6 +975,7 @@ STUB_EXPORT int cudaIpcGetMemHandle(stub_ipc_handle *handle, void *dev_ptr)
     handle->pid = (int32_t)getpid();
     handle->fd = m.fd;
     handle->size = m.size;
+    handle->serial = m.serial;
     entry->size = m.size;
     return finish(entry, 0);
 }

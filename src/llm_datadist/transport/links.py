@@ -212,7 +212,9 @@ class LinkManager(Listeners, Handshakes, Server):
             facts = {}
         if peer.unix and peer.pid == os.getpid():
             names = plane_registry.fallbacks()
-        elif self.plane == plane_registry.AUTO:  # device planes are chosen per transfer (_device_plane)
+        elif self.plane == plane_registry.AUTO or not plane_registry.get(self.plane).host_memory:
+            # Device planes are chosen per transfer (_device_plane); a forced plane that moves no
+            # host memory applies to those only.
             names = tuple(n for n in plane_registry.auto_order() if not plane_registry.get(n).device_memory)
         else:
             names = (self.plane,)
@@ -248,12 +250,13 @@ class LinkManager(Listeners, Handshakes, Server):
 
     def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,
                              deadline: float) -> DataPlane:
-        """The forced plane if it has ``device_memory``, else the first plane of the ``auto``
+        """The forced plane if it has ``device_memory`` and carries this combination, else the
+        first plane of the ``auto``
         order with ``device_memory`` that accepts the link and carries this combination (a
         plane accepted here is closed with the link). ``LLM_FEATURE_NOT_ENABLED`` if none does:
         the transfer fails, the link stays."""
         forced = None if self.plane == plane_registry.AUTO else self._plane(self.plane)
-        if forced is not None and forced.device_memory:
+        if forced is not None and forced.device_memory and forced.carries(peer, local_device, remote_device):
             candidates = [forced]
         else:
             candidates = [self._plane(name) for name in plane_registry.auto_order()
@@ -404,6 +407,9 @@ class LinkManager(Listeners, Handshakes, Server):
     def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
         table, facts = self._fetch_table(peer, timeout_ms)
         peer.table, peer.facts = table, facts
+        for plane in [peer.plane, *peer.extra_planes]:
+            if plane is not None:
+                plane.on_table(peer, table)
         return table
 
     def transfer(self, remote_cluster_id: int, make_plan: Callable[[RemoteTable], Any], write: bool,

@@ -40,6 +40,10 @@ Calls, in the order a link meets them:
     Before each transfer: False if the peer's registry changed since ``table`` was fetched and
     this side must find out before planning (the manager refreshes the table and plans again).
     A plane whose peer checks the generation itself returns True.
+``on_table(session, table)``
+    The link fetched a new table of the peer (``session.facts`` holds its reply): release what
+    the old one named and the new one does not (cuda_ipc closes mappings of caches the peer
+    unregistered). Planes the link accepted only.
 ``transfer(session, table, plan, write, deadline)``
     Move a plan made against ``table`` (``write``: local -> peer) between memory that both
     hosts can address. Raise ``LLMException`` with ``LLM_KV_CACHE_NOT_EXIST`` for memory the
@@ -99,6 +103,10 @@ class DataPlane:
     #: Moves memory that the host cannot address (device memory of a cuda or acl runtime): the
     #: plane has ``transfer_device``.
     device_memory: ClassVar[bool] = False
+    #: Moves memory that both hosts address (``transfer``). A plane without it (cuda_ipc) is never
+    #: a link's host plane: forced, it applies to device transfers, and host memory takes the
+    #: plane ``auto`` picks.
+    host_memory: ClassVar[bool] = True
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
@@ -122,11 +130,16 @@ class DataPlane:
     def table_is_current(self, session, table) -> bool:
         return True
 
+    def on_table(self, session, table) -> None:
+        pass
+
     def transfer(self, session, table, plan, write: bool, deadline: float) -> None:
         raise NotImplementedError
 
     def carries(self, session, local_device: bool, remote_device: bool) -> bool:
-        return True if self.device_memory else not (local_device or remote_device)
+        if local_device or remote_device:
+            return self.device_memory
+        return self.host_memory
 
     def transfer_device(self, session, table, plan, write: bool, deadline: float, local_device: bool,
                         remote_device: bool) -> None:
