@@ -182,7 +182,22 @@ def c_string(text: str, indent: str = "    ") -> str:
     return "\n".join(out) if out else f'{indent}""'
 
 
-def render_header(ptx: str, nvcc_arch: str, archs: Sequence[str], macros: Sequence[Tuple[str, str]]) -> str:
+def nvcc_release(nvcc: Optional[str] = None) -> str:
+    """The CUDA release of ``nvcc`` (``nvcc --version``: "release 13.0"), e.g. ``"13.0"``."""
+    nvcc = nvcc or _tools()[0]
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"release (\d+\.\d+)", text)
+    return found.group(1) if found else "unknown"
+
+
+def header_release(header: Path = HEADER) -> Optional[str]:
+    """The nvcc release a header was generated with (None for a header that does not say)."""
+    found = re.search(r"^ \* nvcc release: (\S+)$", Path(header).read_text(), re.M) if Path(header).is_file() else None
+    return found.group(1) if found else None
+
+
+def render_header(ptx: str, nvcc_arch: str, archs: Sequence[str], macros: Sequence[Tuple[str, str]],
+                  release: str = "unknown") -> str:
     version, target = _directive(ptx, "version"), _directive(ptx, "target")
     defines = "".join(f"#define {name} {value}\n" for name, value in macros)
     return (
@@ -190,6 +205,7 @@ def render_header(ptx: str, nvcc_arch: str, archs: Sequence[str], macros: Sequen
         " * Generated from src/llm_datadist/kernels/dd_copy.cu by tools/copy_kernel.py: do not edit.\n"
         " * Regenerate with `make kernel` (python tools/copy_kernel.py); `python tools/copy_kernel.py --check`\n"
         " * and tests/core/test_copy_kernel.py check it against what nvcc gives.\n"
+        f" * nvcc release: {release}\n"
         " *\n"
         f" * The PTX of {KERNEL_NAME} (dd_copy.cu describes its launch contract): nvcc -ptx -arch={nvcc_arch} "
         f"{' '.join(NVCC_FLAGS)},\n"
@@ -218,7 +234,7 @@ def generate(source: Path = SOURCE) -> str:
     ptx, nvcc_arch = compile_ptx(source, nvcc)
     ptx = set_directive(strip_comments(ptx), "target", TARGET)
     ptx, archs = lower_version(ptx, CHECK_ARCHS, ptxas)
-    return render_header(ptx, nvcc_arch, archs, read_macros(source))
+    return render_header(ptx, nvcc_arch, archs, read_macros(source), nvcc_release(nvcc))
 
 
 def check(header: Path = HEADER, source: Path = SOURCE) -> List[str]:
@@ -226,6 +242,10 @@ def check(header: Path = HEADER, source: Path = SOURCE) -> List[str]:
 
     :class:`ToolMissing` when nvcc or ptxas is absent.
     """
+    recorded, installed = header_release(header), nvcc_release()
+    if recorded is not None and recorded != installed:
+        raise ToolMissing(f"{header} was generated with nvcc release {recorded}, this nvcc is release "
+                          f"{installed} (another release may emit other PTX)")
     expected = generate(source)
     if not Path(header).is_file():
         return [f"{header} is missing: {_REGENERATE}"]

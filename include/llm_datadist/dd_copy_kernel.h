@@ -2,6 +2,7 @@
  * Generated from src/llm_datadist/kernels/dd_copy.cu by tools/copy_kernel.py: do not edit.
  * Regenerate with `make kernel` (python tools/copy_kernel.py); `python tools/copy_kernel.py --check`
  * and tests/core/test_copy_kernel.py check it against what nvcc gives.
+ * nvcc release: 13.0
  *
  * The PTX of dd_copy_descs (dd_copy.cu describes its launch contract): nvcc -ptx -arch=compute_75 -O3 --std=c++17,
  * .target sm_70, .version 7.0 (the lowest ISA from 7.0 up that ptxas assembles for sm_75, sm_80, sm_90).

@@ -59,6 +59,10 @@ def _need(name: str) -> str:
 def test_header_is_what_nvcc_generates():
     _need("nvcc")
     _need("ptxas")
+    recorded, installed = tool.header_release(HEADER), tool.nvcc_release()
+    if recorded != installed:
+        pytest.skip(f"the header was generated with nvcc release {recorded}; this nvcc is release {installed}, "
+                    f"which may emit other PTX")
     assert HEADER.read_text() == tool.generate(), (
         "include/llm_datadist/dd_copy_kernel.h is stale: run `make kernel`")
 
