@@ -904,3 +904,44 @@ def test_worker_threads_are_bound_to_the_device(stub, tmp_path, name):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "THREADS OK" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# HOST caches of a device runtime are page-locked (swaps and staging copy them at full speed)
+# ------------------------------------------------------------------------------------------------
+
+def test_host_caches_of_cuda_are_page_locked_and_released(device_env, stub):
+    from llm_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+
+    device_env.setenv("LLM_DATADIST_DEVICE", "cuda")
+    device_env.setenv("LLM_DATADIST_CUDA_LIBRARY", stub.path)
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.host_mem_pool_cfg = '{"memory_size": 10000000}'
+    dd.init(config.generate_options())
+    try:
+        arrays = [np.arange(32, dtype=np.int32).reshape(4, 8) for _ in range(2)]
+        desc = CacheDesc(2, [4, 8], DataType.DT_INT32, Placement.HOST)
+        registered = dd.cache_manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
+        pinned = stub.calls("cudaHostRegister")
+        assert [(c.dst, c.size, c.kind) for c in pinned] == [(a.ctypes.data, a.nbytes, 1) for a in arrays]
+        assert stub.live_host_allocations() == 2
+        allocated = dd.cache_manager.allocate_blocks_cache(desc)
+        assert [c.size for c in stub.calls("cudaMallocHost")] == [128, 128]
+        assert allocated.as_numpy()[0].sum() == 0  # zeroed, as host memory the library allocates is
+        assert stub.live_host_allocations() == 4
+        dd.cache_manager.unregister_cache(registered.cache_id)
+        assert sorted(c.dst for c in stub.calls("cudaHostUnregister")) == sorted(a.ctypes.data for a in arrays)
+        assert stub.live_host_allocations() == 2
+        # A range the runtime refuses to lock (already page-locked, say) stays usable, unlocked.
+        stub.fail("cudaHostRegister", 712)
+        other = dd.cache_manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
+        assert stub.live_host_allocations() == 3
+        del other
+    finally:
+        dd.finalize()
+    del allocated
+    gc.collect()
+    assert stub.live_host_allocations() == 0  # finalize unregistered the rest, the allocations are freed
