@@ -16,7 +16,7 @@ import pytest
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import planes
 
-PLANES = list(planes.names())
+PLANES = list(planes.host_names())
 
 
 @pytest.fixture(scope="session", params=PLANES, ids=PLANES)

@@ -35,7 +35,7 @@ from llm_datadist.transport.host import host_identity
 import rawpeer
 
 S = LLMStatusCode
-PLANES = list(planes.names())
+PLANES = list(planes.host_names())
 SYNC_TIMEOUT_MS = 2000
 OPTIONS = {"llm.SyncKvCacheWaitTime": str(SYNC_TIMEOUT_MS)}
 #: What a failing call may take beyond its deadline.

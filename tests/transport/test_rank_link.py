@@ -134,7 +134,7 @@ def _port_base(monkeypatch):
 # ==================================================================================================
 
 @pytest.mark.parametrize("shape", ["one", "two"])
-@pytest.mark.parametrize("plane_name", planes.names())
+@pytest.mark.parametrize("plane_name", planes.host_names())
 def test_two_sided_link_moves_blocks(plane_name, shape):
     """Both members call link() at once with the same arguments (same device_ip and device_id,
     different ranks); the status goes PREPARING -> OK; the decoder pulls and pushes; both unlink."""
@@ -244,7 +244,7 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
 
 
 @pytest.mark.parametrize("shape", ["one", "two"])
-@pytest.mark.parametrize("plane_name", planes.names())
+@pytest.mark.parametrize("plane_name", planes.host_names())
 def test_vllm_ascend_call_sequence(plane_name, shape):
     ctx = multiprocessing.get_context("spawn")
     table = rank_table(shape)

@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional, Tuple, Type
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport.planes.base import DataPlane
 
-__all__ = ["DataPlane", "register", "unregister", "names", "get", "choices", "auto_order", "offered",
+__all__ = ["DataPlane", "register", "unregister", "names", "host_names", "get", "choices", "auto_order", "offered",
            "resolve", "fallbacks", "lookup", "AUTO", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
 AUTO = "auto"
@@ -46,6 +46,12 @@ def _ordered() -> Tuple[Type[DataPlane], ...]:
 def names() -> Tuple[str, ...]:
     """Every registered plane, in the order ``auto`` would consider them."""
     return tuple(p.name for p in _ordered())
+
+
+def host_names() -> Tuple[str, ...]:
+    """The planes that move host memory (all but device-only ones such as cuda_ipc): what a link
+    with host caches can be forced onto and report as its plane."""
+    return tuple(p.name for p in _ordered() if p.host_memory)
 
 
 def choices() -> Tuple[str, ...]:
