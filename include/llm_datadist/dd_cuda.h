@@ -22,6 +22,8 @@ typedef void *dd_cuda_stream; /* cudaStream_t, the same object as the driver's C
 typedef dd_cuda_error (*dd_cudaGetDeviceCount_fn)(int *count);
 typedef dd_cuda_error (*dd_cudaSetDevice_fn)(int device);
 typedef dd_cuda_error (*dd_cudaGetDevice_fn)(int *device);
+/* Returns and clears the calling thread's last runtime error. */
+typedef dd_cuda_error (*dd_cudaGetLastError_fn)(void);
 typedef dd_cuda_error (*dd_cudaRuntimeGetVersion_fn)(int *version);
 typedef dd_cuda_error (*dd_cudaMalloc_fn)(void **dev_ptr, size_t size);
 typedef dd_cuda_error (*dd_cudaFree_fn)(void *dev_ptr);

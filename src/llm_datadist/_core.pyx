@@ -20,6 +20,8 @@ cimport numpy as cnp
 
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void **memptr, size_t alignment, size_t size)
+import threading
+
 import numpy as np
 
 from llm_datadist._runtime cimport (
@@ -235,20 +237,23 @@ cdef class Runtime:
         key = bytes(handle)
         if len(key) != DD_IPC_HANDLE_BYTES:
             raise _param_invalid(f"an IPC handle has {DD_IPC_HANDLE_BYTES} bytes, got {len(key)}")
-        if self.ipc_maps is None:
-            self.ipc_maps = {}
-        entry = self.ipc_maps.get(key)
-        if entry is not None:
-            entry[1] += 1
-            return entry[0]
-        memcpy(h.bytes, <const char *>key, DD_IPC_HANDLE_BYTES)
-        with nogil:
-            rc = self.table.ipc_open(self.table.ctx, &h, &base, &size)
-        if rc != 0 or base == NULL:
-            raise LLMException(f"{self.name}: mapping a peer's device memory failed (error {rc})",
-                               status_code=LLMStatusCode.LLM_FAILED)
-        self.ipc_maps[key] = [<uint64_t>base, 1, size]
-        return <uint64_t>base
+        # One lock for every runtime: links map on their own threads, and two first opens of one
+        # handle must not both reach the runtime (nor a close run between a lookup and its use).
+        with _IPC_LOCK:
+            if self.ipc_maps is None:
+                self.ipc_maps = {}
+            entry = self.ipc_maps.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return entry[0]
+            memcpy(h.bytes, <const char *>key, DD_IPC_HANDLE_BYTES)
+            with nogil:
+                rc = self.table.ipc_open(self.table.ctx, &h, &base, &size)
+            if rc != 0 or base == NULL:
+                raise LLMException(f"{self.name}: mapping a peer's device memory failed (error {rc})",
+                                   status_code=LLMStatusCode.LLM_FAILED)
+            self.ipc_maps[key] = [<uint64_t>base, 1, size]
+            return <uint64_t>base
 
     def ipc_size(self, uint64_t base):
         """The size of the mapping ``ipc_open`` returned ``base`` for (0 if none is open)."""
@@ -259,16 +264,17 @@ cdef class Runtime:
 
     def ipc_close(self, uint64_t base):
         """Drop one reference to a mapping ``ipc_open`` returned; unmapped at the last."""
-        if not self.ipc_maps:
-            return
-        for key, entry in self.ipc_maps.items():
-            if entry[0] == base:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self.ipc_maps[key]
-                    with nogil:
-                        self.table.ipc_close(self.table.ctx, <void *>base)
+        with _IPC_LOCK:
+            if not self.ipc_maps:
                 return
+            for key, entry in self.ipc_maps.items():
+                if entry[0] == base:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self.ipc_maps[key]
+                        with nogil:
+                            self.table.ipc_close(self.table.ctx, <void *>base)
+                    return
 
     @property
     def ipc_mapped(self):
@@ -305,6 +311,8 @@ CAPABILITIES = {
 }
 
 cdef dict _RUNTIMES = {}
+# Serializes Runtime.ipc_open / ipc_close (their reference counts and the runtime calls).
+_IPC_LOCK = threading.Lock()
 
 ctypedef int (*_bind_fn)(Runtime rt) except -1
 
@@ -1135,7 +1143,19 @@ cdef int _run_plan(const dd_runtime_table *table, const dd_copy_desc *descs, siz
         for i in range(count):
             _host_copy(<void *>descs[i].dst, <const void *>descs[i].src, descs[i].nbytes)
         return 0
-    if table.copy_batch != NULL and not ordered:
+    if table.copy_batch != NULL and ordered:
+        # One queued copy per descriptor on the device's one stream: the stream runs them in list
+        # order. (Synchronous copies would not do: cudaMemcpy returns before a device-to-device
+        # copy, or one from pageable memory, has completed.)
+        for i in range(count):
+            rc = table.copy_batch(table.ctx, &descs[i], 1, kind, failed_at)
+            if rc != 0:
+                failed_at[0] = i
+                table.synchronize(table.ctx)
+                return rc
+        failed_at[0] = count
+        return table.synchronize(table.ctx) if wait else 0
+    if table.copy_batch != NULL:
         rc = table.copy_batch(table.ctx, descs, count, kind, failed_at)
         if rc != 0:
             # The copies queued before the failure still run: wait for them (keeping the first
@@ -1164,7 +1184,8 @@ def execute(CopyPlan plan not None, Runtime runtime not None, int kind, bint wai
     async copy per descriptor on the device's stream), then waited for; with ``wait=False`` they
     are only queued and the caller must ``runtime.synchronize()`` before touching the memory.
     Queued copies run in parallel: ``ordered=True`` (a list whose later copies read what earlier
-    ones write) runs one synchronous copy per descriptor in list order instead. A runtime error
+    ones write) runs them one descriptor after the other in list order instead (queued one by one
+    on the stream where the runtime has async copies, else one synchronous copy each). A runtime error
     raises ``LLMException(LLM_FAILED)`` naming the runtime, the kind and the descriptor; the
     copies queued before the error are waited for first (with ``wait=False`` too).
     """

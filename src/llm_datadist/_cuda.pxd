@@ -9,6 +9,7 @@ cdef extern from "llm_datadist/dd_cuda.h" nogil:
     ctypedef dd_cuda_error (*dd_cudaGetDeviceCount_fn)(int *count) noexcept nogil
     ctypedef dd_cuda_error (*dd_cudaSetDevice_fn)(int device) noexcept nogil
     ctypedef dd_cuda_error (*dd_cudaGetDevice_fn)(int *device) noexcept nogil
+    ctypedef dd_cuda_error (*dd_cudaGetLastError_fn)() noexcept nogil
     ctypedef dd_cuda_error (*dd_cudaRuntimeGetVersion_fn)(int *version) noexcept nogil
     ctypedef dd_cuda_error (*dd_cudaMalloc_fn)(void **dev_ptr, size_t size) noexcept nogil
     ctypedef dd_cuda_error (*dd_cudaFree_fn)(void *dev_ptr) noexcept nogil

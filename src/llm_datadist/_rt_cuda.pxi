@@ -17,8 +17,8 @@ from llm_datadist._cuda cimport (
     DD_CUDA_HOST_REGISTER_PORTABLE, DD_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
     DD_CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM, dd_cu_deviceptr, dd_cu_function, dd_cu_module,
     dd_cuda_ipc_mem_handle, dd_cuda_memcpy_attributes, dd_cuda_stream, dd_cudaFree_fn,
-    dd_cudaFreeHost_fn, dd_cudaGetDevice_fn, dd_cudaGetDeviceCount_fn, dd_cudaHostRegister_fn,
-    dd_cudaHostUnregister_fn, dd_cudaIpcCloseMemHandle_fn, dd_cudaIpcGetMemHandle_fn,
+    dd_cudaFreeHost_fn, dd_cudaGetDevice_fn, dd_cudaGetDeviceCount_fn, dd_cudaGetLastError_fn,
+    dd_cudaHostRegister_fn, dd_cudaHostUnregister_fn, dd_cudaIpcCloseMemHandle_fn, dd_cudaIpcGetMemHandle_fn,
     dd_cudaIpcOpenMemHandle_fn, dd_cudaMalloc_fn, dd_cudaMallocHost_fn, dd_cudaMemcpy_fn,
     dd_cudaMemcpyAsync_fn, dd_cudaMemcpyBatchAsync12_fn, dd_cudaMemcpyBatchAsync_fn,
     dd_cudaRuntimeGetVersion_fn, dd_cudaSetDevice_fn, dd_cudaStreamCreate_fn,
@@ -52,6 +52,13 @@ cdef struct CudaDevice:
     # Device memory the kernel reads its descriptor pieces from (grown on demand).
     void *pieces
     size_t pieces_bytes
+    # Host arrays of pieces whose copy to ``pieces`` is queued: freed once the stream is waited
+    # for (a cudaMemcpyAsync from pageable memory may read its source after it returns).
+    PendingPieces *pending
+
+
+cdef struct PendingPieces:
+    PendingPieces *next
 
 
 cdef struct CudaApi:
@@ -61,6 +68,8 @@ cdef struct CudaApi:
     dd_cudaMalloc_fn malloc
     dd_cudaFree_fn free
     dd_cudaMemcpy_fn memcpy
+    # cudaGetLastError (NULL where absent): clears the error a refused call left for this thread.
+    dd_cudaGetLastError_fn get_last_error
     dd_cudaStreamCreate_fn stream_create
     dd_cudaStreamSynchronize_fn stream_synchronize
     dd_cudaMemcpyAsync_fn memcpy_async
@@ -122,11 +131,14 @@ cdef int _cuda_current(CudaApi *api, CudaDevice **out) noexcept nogil:
 
 
 cdef bint _cuda_kernel_ready(CudaApi *api, CudaDevice *dev) noexcept nogil:
-    """Load the copy kernel into the device's context on first use (the stream's creation made
-    the runtime's primary context current); False, for good, if the driver refuses it."""
+    """Load the copy kernel into the device's primary context on first use; False, for good, if
+    the driver refuses it."""
     if dev.kernel_state == _UNTRIED:
         dev.kernel_state = _UNUSABLE
         if api.module_load != NULL and dd_copy_kernel_ptx[0] != 0:
+            # The stream may have been created on another thread: cudaFree(NULL) makes the device's
+            # primary context current to this one, as the driver API calls below need.
+            api.free(NULL)
             if (api.module_load(&dev.module, <const void *>dd_copy_kernel_ptx) == 0
                     and api.module_function(&dev.kernel, dev.module, DD_COPY_KERNEL_NAME) == 0):
                 dev.kernel_state = _READY
@@ -141,6 +153,7 @@ cdef int _cuda_launch_pieces(CudaApi *api, CudaDevice *dev, const dd_copy_desc *
     cdef size_t pieces = 0, i, k = 0
     cdef uint64_t off, take, piece = DD_COPY_KERNEL_PIECE_BYTES
     cdef dd_copy_desc *host
+    cdef PendingPieces *block
     cdef void *grown = NULL
     cdef unsigned long long n
     cdef void *params[2]
@@ -150,9 +163,10 @@ cdef int _cuda_launch_pieces(CudaApi *api, CudaDevice *dev, const dd_copy_desc *
         pieces += <size_t>((descs[i].nbytes + piece - 1) // piece)
     if pieces == 0:
         return 0
-    host = <dd_copy_desc *>malloc(pieces * sizeof(dd_copy_desc))
-    if host == NULL:
+    block = <PendingPieces *>malloc(sizeof(PendingPieces) + pieces * sizeof(dd_copy_desc))
+    if block == NULL:
         return -1
+    host = <dd_copy_desc *>(block + 1)
     for i in range(count):
         off = 0
         while off < descs[i].nbytes:
@@ -167,29 +181,51 @@ cdef int _cuda_launch_pieces(CudaApi *api, CudaDevice *dev, const dd_copy_desc *
     if dev.pieces_bytes < pieces * sizeof(dd_copy_desc):
         # The old buffer may still be read by a queued launch: wait for the stream first.
         rc = api.stream_synchronize(dev.stream)
+        _cuda_free_pending(dev.pending)  # every queued copy has run (the lock is held)
+        dev.pending = NULL
         if rc != 0:
-            free(host)
+            free(block)
             wait_rc[0] = rc
             return -1
         rc = api.malloc(&grown, pieces * sizeof(dd_copy_desc) * 2)
         if rc != 0:
-            free(host)
+            free(block)
             return rc
         if dev.pieces != NULL:
             api.free(dev.pieces)
         dev.pieces = grown
         dev.pieces_bytes = pieces * sizeof(dd_copy_desc) * 2
-    # From pageable memory the copy returns once the runtime has taken the bytes: host may go.
+    # An asynchronous copy from pageable memory "might be synchronous" (CUDA's API
+    # synchronization behavior): nothing promises the bytes were taken on return, so the host
+    # array lives until the stream is waited for.
     rc = api.memcpy_async(dev.pieces, host, pieces * sizeof(dd_copy_desc), DD_MEMCPY_HOST_TO_DEVICE,
                           dev.stream)
-    free(host)
     if rc != 0:
+        free(block)
         return rc
+    block.next = dev.pending
+    dev.pending = block
     n = pieces
     params[0] = &dev.pieces
     params[1] = &n
     grid = <unsigned int>(pieces if pieces < 65535 else 65535)
     return api.launch(dev.kernel, grid, 1, 1, DD_COPY_KERNEL_THREADS, 1, 1, 0, dev.stream, params, NULL)
+
+
+cdef void _cuda_free_pending(PendingPieces *block) noexcept nogil:
+    cdef PendingPieces *next
+    while block != NULL:
+        next = block.next
+        free(block)
+        block = next
+
+
+cdef void _cuda_clear_error(CudaApi *api) noexcept nogil:
+    """Reset the runtime's last error of this thread after a call whose refusal we handle: the
+    runtime keeps it for cudaGetLastError, where torch's next kernel launch check would take it
+    for its own (when torch uses the same libcudart)."""
+    if api.get_last_error != NULL:
+        api.get_last_error()
 
 
 cdef int _cuda_batch(CudaApi *api, CudaDevice *dev, const dd_copy_desc *descs,
@@ -241,11 +277,13 @@ cdef int _cuda_copy_batch(void *ctx, const dd_copy_desc *descs, size_t count, in
             pthread_mutex_unlock(&api.lock)
             return wait_rc
         if rc > 0:  # the driver refused the launch: do not try it again, copy another way
+            _cuda_clear_error(api)
             dev.kernel_state = _UNUSABLE
             rc = -1
     if rc == -1 and kind != DD_MEMCPY_HOST_TO_HOST and api.batch_state != _UNUSABLE:
         rc = _cuda_batch(api, dev, descs, count)
         if rc > 0:  # refused (nothing queued): per-descriptor copies from now on
+            _cuda_clear_error(api)
             api.batch_state = _UNUSABLE
             rc = -1
     if rc == -1:
@@ -265,12 +303,19 @@ cdef int _cuda_copy_batch(void *ctx, const dd_copy_desc *descs, size_t count, in
 cdef int _cuda_synchronize(void *ctx) noexcept nogil:
     cdef CudaApi *api = <CudaApi *>ctx
     cdef CudaDevice *dev = NULL
+    cdef PendingPieces *done = NULL
     pthread_mutex_lock(&api.lock)
     cdef int rc = _cuda_current(api, &dev)
+    if rc == 0:
+        # Taken before the wait: what other threads queue meanwhile stays for their own wait.
+        done = dev.pending
+        dev.pending = NULL
     pthread_mutex_unlock(&api.lock)
     if rc != 0:
         return rc
-    return api.stream_synchronize(dev.stream)
+    rc = api.stream_synchronize(dev.stream)
+    _cuda_free_pending(done)
+    return rc
 
 
 cdef int _cuda_malloc_host(void *ctx, void **ptr, size_t size) noexcept nogil:
@@ -282,7 +327,11 @@ cdef int _cuda_free_host(void *ctx, void *ptr) noexcept nogil:
 
 
 cdef int _cuda_host_register(void *ctx, void *ptr, size_t size) noexcept nogil:
-    return (<CudaApi *>ctx).host_register(ptr, size, DD_CUDA_HOST_REGISTER_PORTABLE)
+    cdef CudaApi *api = <CudaApi *>ctx
+    cdef int rc = api.host_register(ptr, size, DD_CUDA_HOST_REGISTER_PORTABLE)
+    if rc != 0:  # e.g. memory torch already pinned (cudaErrorHostMemoryAlreadyRegistered)
+        _cuda_clear_error(api)
+    return rc
 
 
 cdef int _cuda_host_unregister(void *ctx, void *ptr) noexcept nogil:
@@ -295,12 +344,15 @@ cdef int _cuda_ipc_export(void *ctx, void *ptr, dd_ipc_handle *handle, uint64_t 
     cdef dd_cuda_ipc_mem_handle h
     cdef dd_cu_deviceptr start = 0
     cdef size_t length = 0
-    cdef int rc = api.ipc_get(&h, ptr)
+    # cudaIpcGetMemHandle takes the base of a cudaMalloc allocation; ptr may lie inside one (a
+    # tensor of torch's caching allocator): find the base first. The peer maps the whole
+    # allocation at its own base and adds the offset.
+    cdef int rc = api.address_range(&start, &length, <dd_cu_deviceptr>ptr)
     if rc != 0:
         return rc
-    # The handle names the whole allocation holding ptr; the peer maps it at its own base.
-    rc = api.address_range(&start, &length, <dd_cu_deviceptr>ptr)
-    if rc != 0:
+    rc = api.ipc_get(&h, <void *>start)
+    if rc != 0:  # not exportable (VMM memory, e.g. torch's expandable segments)
+        _cuda_clear_error(api)
         return rc
     memcpy(handle.bytes, h.reserved, sizeof(h.reserved))
     base[0] = start
@@ -353,6 +405,7 @@ cdef int _bind_cuda(Runtime rt) except -1:
     api.malloc = <dd_cudaMalloc_fn>_resolve(rt.handle, rt.library, "cudaMalloc")
     api.free = <dd_cudaFree_fn>_resolve(rt.handle, rt.library, "cudaFree")
     api.memcpy = <dd_cudaMemcpy_fn>_resolve(rt.handle, rt.library, "cudaMemcpy")
+    api.get_last_error = <dd_cudaGetLastError_fn>_optional(rt.handle, "cudaGetLastError")
     api.stream_create = <dd_cudaStreamCreate_fn>_resolve(rt.handle, rt.library, "cudaStreamCreate")
     api.stream_synchronize = <dd_cudaStreamSynchronize_fn>_resolve(rt.handle, rt.library,
                                                                    "cudaStreamSynchronize")

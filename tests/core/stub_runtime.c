@@ -23,7 +23,7 @@
  *   - cudaMalloc memory is a memfd mapping: cudaIpcGetMemHandle names it (pid, fd, size) and
  *     cudaIpcOpenMemHandle in another process maps the same pages through /proc/<pid>/fd/<fd>,
  *     so CUDA IPC between processes really shares memory. Opening a handle of one's own process
- *     fails, as on CUDA.
+ *     fails, as on CUDA; cudaIpcGetMemHandle takes only an allocation's base, as documented.
  *   - The driver API loads "PTX" images naming an entry point (".entry <name>") and cuLaunchKernel
  *     of the copy kernel (parameters: a device pointer to dd_copy_desc pieces and their count)
  *     performs those copies on the stream, like the real kernel.
@@ -967,7 +967,9 @@ STUB_EXPORT int cudaIpcGetMemHandle(stub_ipc_handle *handle, void *dev_ptr)
     if (rc != 0) {
         return finish(entry, rc);
     }
-    if (handle == NULL || mem_find((uint64_t)(uintptr_t)dev_ptr, MEM_DEVICE, &m) != 0) {
+    /* CUDA documents devPtr as the base of a cudaMalloc allocation: an interior pointer is refused. */
+    if (handle == NULL || mem_find((uint64_t)(uintptr_t)dev_ptr, MEM_DEVICE, &m) != 0 ||
+        m.base != (uint64_t)(uintptr_t)dev_ptr) {
         return finish(entry, CUDA_ERROR_INVALID_VALUE);
     }
     memset(handle, 0, sizeof(*handle));

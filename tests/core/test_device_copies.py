@@ -538,11 +538,14 @@ def test_failed_acl_async_copy_names_descriptor_and_leaves_nothing_queued(stub):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. ordered=True: one synchronous copy per descriptor, in order
+# 5. ordered=True: one queued copy per descriptor, in list order on the device's one stream
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,memcpy", [("cuda", "cudaMemcpy"), ("acl", "aclrtMemcpy")])
-def test_ordered_chain_is_sequential_synchronous_copies(stub, name, memcpy):
+@pytest.mark.parametrize("name,copy,wait_fn", [("cuda", "cuLaunchKernel", "cudaStreamSynchronize"),
+                                               ("acl", "aclrtMemcpyAsync", "aclrtSynchronizeStream")])
+def test_ordered_chain_is_queued_one_descriptor_at_a_time_then_waited_for(stub, name, copy, wait_fn):
+    """Not synchronous copies: on CUDA, cudaMemcpy returns before a device-to-device copy (or one
+    from pageable memory) has completed, so the list would not be done when execute returns."""
     rt = loaded(stub, name)
     block = 4096
     alloc = _core.Allocation(rt, 4 * block, on_device=True)
@@ -553,12 +556,32 @@ def test_ordered_chain_is_sequential_synchronous_copies(stub, name, memcpy):
              (alloc.addr + 2 * block, alloc.addr + 3 * block, block)]
     stub.reset_log()
     _core.execute(make_plan(chain), rt, D2D, ordered=True)
-    calls = stub.calls()
-    assert [c.fn for c in calls] == [memcpy, memcpy]
-    assert [(c.src, c.dst, c.size, c.kind) for c in calls] == [d + (D2D,) for d in chain]
+    fns = [c.fn for c in stub.calls()]
+    assert fns.count(copy) == len(chain)
+    assert "cudaMemcpy" not in fns and "aclrtMemcpy" not in fns
+    assert fns[-1] == wait_fn
     # Block 1 -> 2, then the new block 2 -> 3: block 3 holds block 1's bytes.
     assert [int(mem[b * block]) for b in range(4)] == [1, 2, 2, 2]
     assert all((mem[b * block:(b + 1) * block] == mem[b * block]).all() for b in range(4))
+    assert stub.pending_copies() == 0
+
+
+@pytest.mark.parametrize("name", ["cuda", "acl"])
+def test_ordered_chain_without_wait_is_only_queued_and_in_order_once_waited_for(stub, name):
+    rt = loaded(stub, name)
+    block = 4096
+    alloc = _core.Allocation(rt, 4 * block, on_device=True)
+    mem = view(alloc.addr, 4 * block)
+    for b in range(4):
+        mem[b * block:(b + 1) * block] = b + 1
+    chain = [(alloc.addr + 1 * block, alloc.addr + 2 * block, block),
+             (alloc.addr + 2 * block, alloc.addr + 3 * block, block)]
+    _core.execute(make_plan(chain[:1]), rt, D2D, ordered=True)  # the kernel is loaded, its buffer grown
+    mem[2 * block:3 * block] = 3
+    _core.execute(make_plan(chain), rt, D2D, wait=False, ordered=True)
+    assert stub.pending_copies() > 0  # the last copy at least waits for the stream
+    rt.synchronize()
+    assert [int(mem[b * block]) for b in range(4)] == [1, 2, 2, 2]
 
 
 _CHILD_ORDERED = textwrap.dedent("""
@@ -601,7 +624,8 @@ _CHILD_ORDERED = textwrap.dedent("""
 
 def test_copy_blocks_in_one_cache_keeps_order_only_when_blocks_intersect(stub, tmp_path):
     """Through the public CacheManager API on the cuda stub: a copy list that reads blocks it also
-    writes runs as ordered cudaMemcpy calls; disjoint block sets run as one kernel launch."""
+    writes runs as one kernel launch per copy, in list order on the stream; disjoint block sets
+    run as one kernel launch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_DATADIST_")}
     env["LLM_DATADIST_DEVICE"] = "cuda"
     env["LLM_DATADIST_CUDA_LIBRARY"] = stub.path
@@ -615,8 +639,8 @@ def test_copy_blocks_in_one_cache_keeps_order_only_when_blocks_intersect(stub, t
     block = 8 * 4
     dev = result["dev"]
     ordered = result["intersecting"]
-    assert [c[0] for c in ordered["calls"]] == ["cudaMemcpy"] * 4
-    assert [tuple(c[1:]) for c in ordered["calls"]] == [
+    assert [c[0] for c in ordered["calls"]] == ["cuLaunchKernel", "(queued copy)"] * 4
+    assert [tuple(c[1:]) for c in ordered["calls"][1::2]] == [
         c for t in range(2) for c in ((dev[t] + block, dev[t] + 2 * block, block),
                                       (dev[t] + 2 * block, dev[t] + 3 * block, block))]
     # Sequential result: block 3 got the new block 2, which is block 1.
@@ -752,10 +776,13 @@ def test_ipc_export_names_the_allocation_and_the_offset(stub):
     magic, pid, _fd, hsize = struct.unpack_from("<8siiQ", handle)
     assert (magic, pid, hsize) == (b"DDSTUBIP", os.getpid(), size)
     calls = stub.calls()
-    assert [(c.fn, c.rc) for c in calls] == [("cudaIpcGetMemHandle", 0),
-                                             ("cuMemGetAddressRange_v2", 0)]
-    assert calls[0].src == calls[1].src == alloc.addr + 1000
-    assert (calls[1].dst, calls[1].size) == (alloc.addr, size)
+    # cudaIpcGetMemHandle takes the allocation's base (the stub refuses an interior pointer, as
+    # CUDA documents): the base is looked up first.
+    assert [(c.fn, c.rc) for c in calls] == [("cuMemGetAddressRange_v2", 0),
+                                             ("cudaIpcGetMemHandle", 0)]
+    assert calls[0].src == alloc.addr + 1000
+    assert (calls[0].dst, calls[0].size) == (alloc.addr, size)
+    assert calls[1].src == alloc.addr
     assert rt.ipc_export(alloc.addr) == (handle, 0, size)
     assert rt.ipc_export(alloc.addr + size - 1) == (handle, size - 1, size)
 

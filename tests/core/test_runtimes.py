@@ -306,7 +306,10 @@ def test_device_allocation_failure_is_device_out_of_memory(stub, name, code):
 
 @pytest.mark.parametrize("name", RUNTIMES)
 @pytest.mark.parametrize("kind_name", list(DEVICE_KINDS))
-def test_ordered_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_name):
+def test_ordered_execute_queues_one_copy_per_descriptor_in_order(stub, name, kind_name):
+    """ordered=True on a runtime with async copies: each descriptor is its own queued copy on the
+    device's one stream (which runs them in list order), then the stream is waited for; never the
+    synchronous memcpy, which on CUDA may return before the copy is done."""
     kind = DEVICE_KINDS[kind_name]
     rt = _loaded(stub, name)
     buffers = Buffers()
@@ -318,11 +321,12 @@ def test_ordered_execute_calls_runtime_memcpy_per_descriptor(stub, name, kind_na
     _core.execute(plan, rt, kind, ordered=True)
 
     calls = stub.calls()
-    assert [c.fn for c in calls] == [API[name]["memcpy"]] * len(expected)
-    assert [(c.src, c.dst, c.size) for c in calls] == expected
-    assert all(c.kind == kind and c.rc == 0 and c.device == 0 for c in calls)
-    if name == "acl":
-        assert all(c.dest_max == c.size for c in calls)
+    copies = [c for c in calls if c.fn in COPY_CALLS]
+    if name == "cuda":  # (acl's host<->device copies are synchronous aclrtMemcpy calls)
+        assert API[name]["memcpy"] not in [c.fn for c in calls]
+    assert [(c.src, c.dst, c.size) for c in copies] == expected
+    assert all(c.rc == 0 and c.device == 0 for c in calls)
+    assert stub.pending_copies() == 0
     buffers.assert_copied(tensors=range(NUM_TENSORS))
 
 
@@ -355,20 +359,23 @@ def test_execute_rejects_unknown_kind_before_any_copy(stub, name, kind):
 
 @pytest.mark.parametrize("name", RUNTIMES)
 def test_ordered_execute_failure_names_runtime_and_descriptor_and_stops(stub, name):
+    stub.set_runtime_version(12040)  # cuda: no batch call, one cudaMemcpyAsync per descriptor
     rt = _loaded(stub, name)
     buffers = Buffers()
     plan = buffers.plan()
     assert len(plan) == 4
-    stub.fail(API[name]["memcpy"], 507899, skip=2)  # descriptor 2 = first copy of tensor 1
+    queue = "aclrtMemcpy" if name == "acl" else "cudaMemcpyAsync"
+    stub.fail(queue, 507899, skip=2)  # descriptor 2 = first copy of tensor 1
     with pytest.raises(LLMException) as info:
         _core.execute(plan, rt, _core.MEMCPY_DEVICE_TO_HOST, ordered=True)
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     message = str(info.value)
     assert message.startswith(f"{name}: device-to-host copy failed with error 507899")
     assert "at descriptor 2 of 4" in message
-    calls = stub.calls()
+    calls = [c for c in stub.calls() if c.fn == queue]
     assert [c.rc for c in calls] == [0, 0, 507899]  # descriptor 3 was never attempted
     assert [(c.src, c.dst, c.size) for c in calls] == buffers.expected_descriptors()[:3]
+    assert stub.pending_copies() == 0  # what was queued before the error ran before the raise
     buffers.assert_copied(tensors=(0,))  # tensor 0 done; tensor 1 untouched
 
 
@@ -671,8 +678,8 @@ def test_a_registered_runtime_backs_device_caches(test_runtime, device_env, stub
     try:
         cache = dd.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 8], DataType.DT_INT32, Placement.DEVICE))
         # The device memory is allocated, then exported for the cuda_ipc plane's peers.
-        assert stub.names() == [*CUDA_LOAD_CALLS, "cudaSetDevice", "cudaMalloc", "cudaIpcGetMemHandle",
-                                "cuMemGetAddressRange_v2"]
+        assert stub.names() == [*CUDA_LOAD_CALLS, "cudaSetDevice", "cudaMalloc", "cuMemGetAddressRange_v2",
+                                "cudaIpcGetMemHandle"]
         assert stub.calls("cudaMalloc")[0].dst == cache.tensor_addrs[0]
         with pytest.raises(LLMException) as info:
             cache.as_numpy()

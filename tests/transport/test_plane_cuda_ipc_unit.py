@@ -118,6 +118,39 @@ def test_a_cache_the_peer_did_not_export_gets_no_span_and_its_transfer_finds_non
     assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
+class FakeStaging:
+    def __init__(self):
+        self.calls = []
+
+    def transfer_device(self, session, table, plan, write, deadline, local_device, remote_device):
+        self.calls.append((plan_rows(plan), write))
+
+
+def plan_rows(plan):
+    return [tuple(int(v) for v in row) for row in plan.descriptors()]
+
+
+def test_a_transfer_touching_a_cache_the_peer_could_not_export_goes_through_staging():
+    """VMM memory (torch's expandable segments) has no cudaIpcGetMemHandle: the owner lists no
+    export for it, and the transfer is staged through host memory instead of failing."""
+    runtime = FakeRuntime({H1: 1 << 20})
+    plane = _plane(runtime)
+    staging = plane._staging_plane = FakeStaging()
+    table = _table([(5, [0x1000], 4, 1024), (6, [0x100000], 4, 1024)])
+    session = _session([[5, 1, [[H1.hex(), 0]]]])  # cache 6 is not exported
+    local = _core.CacheLayout([0x200000], 4, 1024)
+    plan = _core.plan_rows(_core.CacheLayout([0x100000], 4, 1024), local, None, None, 0, 0, 0, 0, -1)
+    plane.transfer_device(session, table, plan, False, 0.0, True, True)
+    assert staging.calls == [(plan_rows(plan), False)]
+    assert runtime.opened == [H1]  # the exported cache is mapped as before, nothing else
+    # Memory outside every registered range still fails, staged or not.
+    stray = _core.plan_rows(_core.CacheLayout([0x900000], 4, 1024), local, None, None, 0, 0, 0, 0, -1)
+    with pytest.raises(LLMException) as info:
+        plane.transfer_device(session, table, stray, False, 0.0, True, True)
+    assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert len(staging.calls) == 1
+
+
 def test_mappings_the_peer_no_longer_lists_are_closed_and_close_releases_the_rest():
     runtime = FakeRuntime({H1: 1 << 20, H2: 1 << 20})
     plane = _plane(runtime)

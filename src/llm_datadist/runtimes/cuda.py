@@ -1,8 +1,9 @@
 """``cuda`` (alias ``gpu``): NVIDIA GPUs through the CUDA runtime, ``libcudart.so`` opened with
 dlopen (``LLM_DATADIST_CUDA_LIBRARY`` overrides the path); usable when it reports a GPU.
 
-Copies are synchronous ``cudaMemcpy`` calls, one per descriptor; device memory is not host
-memory and cannot move between processes yet (no IPC). Torch ``cuda`` tensors hold its memory."""
+Copies are queued on one stream per device (the copy kernel, ``cudaMemcpyBatchAsync`` or
+``cudaMemcpyAsync``, see ``_rt_cuda.pxi``) and waited for; ``cudaMalloc`` memory can be exported to
+other processes with CUDA IPC. Torch ``cuda`` tensors hold its memory."""
 
 from typing import Optional
 

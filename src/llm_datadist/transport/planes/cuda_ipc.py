@@ -13,8 +13,10 @@ the link.
 
 Carries transfers whose local and remote sides are both device memory (a cuda DEVICE cache on
 each side, same GPU or peer GPUs); other combinations go to the next device plane (staging).
-Memory the runtime cannot export (allocated with the VMM API, e.g. torch's expandable segments)
-is not listed, and transfers touching it fail with ``LLM_FEATURE_NOT_ENABLED`` naming the cache.
+Memory the runtime cannot export (allocated with the VMM API, e.g. torch's expandable segments:
+``cudaIpcGetMemHandle`` takes only ``cudaMalloc`` memory) is not listed; a transfer touching such a
+cache of the peer goes through the staging plane instead (the peer stages its own side, as it
+does for every link).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class CudaIpcPlane(DataPlane):
         self._exports: Dict[int, Optional[Tuple[int, List[Tuple[bytes, int]]]]] = {}
         self._serial = 0
         self._lock = threading.Lock()
+        self._staging_plane: Optional[DataPlane] = None
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -161,9 +164,35 @@ class CudaIpcPlane(DataPlane):
                                                  f"{session.cluster_id} has not registered")
         runtime = self._runtime()
         spans = self._spans(session, table, runtime)
-        moved = _core.translate_plan(plan, write, spans)
+        try:
+            moved = _core.translate_plan(plan, write, spans)
+        except LLMException as exc:
+            # Inside the peer's registered device ranges but in no mapped span: a cache the peer
+            # could not export (VMM memory). Staged through host memory instead.
+            if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST or not self._unexported(session, table):
+                raise
+            self._staging().transfer_device(session, table, plan, write, deadline, local_device,
+                                            remote_device)
+            return
         self.engine.bind_thread()
         _core.execute(moved, runtime, _core.MEMCPY_DEVICE_TO_DEVICE)
+
+    def _staging(self) -> DataPlane:
+        """The staging plane this plane hands transfers of unexported caches to (made once)."""
+        with self._lock:
+            if self._staging_plane is None:
+                from llm_datadist.transport.planes.staging import StagingPlane
+                self._staging_plane = StagingPlane(self.engine)
+            return self._staging_plane
+
+    @staticmethod
+    def _unexported(session, table) -> bool:
+        """Whether the peer's table has a device cache its exports do not cover."""
+        facts = getattr(session, "facts", None)
+        info = facts.get(_FACTS) if isinstance(facts, dict) else None
+        exports = _parse_exports(info, session.cluster_id)
+        return any(not cache.host_addressable and len(exports.get(cache.cache_id) or ()) != cache.num_tensors
+                   for cache in table.caches.values())
 
     def _spans(self, session, table, runtime) -> List[Tuple[int, int, int]]:
         """``(peer address, bytes, address here)`` of every exported device tensor of ``table``,
