@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import pytest
 from test_staging import (BLOCKS, CLIENT_ID, MODEL_ID, SERVER_ID, TENSORS, _blocks, c_allocate, c_fill, c_link,
-                          c_op, c_read, c_seen, c_spy, c_stub_calls, c_stub_reset)
+                          c_op, c_read, c_seen, c_spy, push_and_pull_blocks)
 
 import llm_datadist as ld
 from llm_datadist.status import LLMStatusCode
@@ -71,21 +71,7 @@ def test_device_to_device_transfers_take_cuda_ipc_and_move_every_byte(cuda_env):
         assert client.call(c_plane_of, SERVER_ID, True, False) == "staging"
         assert client.call(c_plane_of, SERVER_ID, False, True) == "staging"
         client.call(c_spy)
-        c_blocks = _blocks(client.call(c_fill, "blocks", 11))
-        s_blocks = _blocks(server.call(c_fill, "blocks", 12))
-        for cluster in (client, server):
-            cluster.call(c_stub_reset, cuda_env)
-        key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
-        client.call(c_op, "push_blocks", key, "blocks", [1, 2, 3], [4, 6, 0])
-        for t in range(TENSORS):
-            s_blocks[t][[4, 6, 0]] = c_blocks[t][[1, 2, 3]]
-        client.call(c_op, "pull_blocks", key, "blocks", [7, 5], [0, 1])
-        for t in range(TENSORS):
-            c_blocks[t][[0, 1]] = s_blocks[t][[7, 5]]
-        mine, theirs = client.call(c_stub_calls, cuda_env), server.call(c_stub_calls, cuda_env)
-        for got, want in zip(_blocks(client.call(c_read, "blocks")) + _blocks(server.call(c_read, "blocks")),
-                             c_blocks + s_blocks):
-            assert np.array_equal(got, want)
+        mine, theirs = push_and_pull_blocks(client, server, cuda_env, 11)
         assert client.call(c_seen) == [("cuda_ipc", "device")] * 2
         # The asking process mapped the owner's allocations (one per tensor) once and copied on
         # the device: one kernel launch per transfer, no page-locked staging buffer.

@@ -535,6 +535,28 @@ def _blocks(arrays: List[np.ndarray]) -> List[np.ndarray]:
     return [a.reshape(BLOCKS, BLOCK) for a in arrays]
 
 
+def push_and_pull_blocks(client, server, stub: str, seed: int):
+    """Fill both blocks caches, push blocks 1, 2, 3 to the server's 4, 6, 0 and pull its 7, 5 into
+    0, 1; check every byte of both caches (the moved blocks and the untouched others). Returns
+    the stub's log of each side for the transfers: ``(client's, server's)``."""
+    c_blocks = _blocks(client.call(c_fill, "blocks", seed))
+    s_blocks = _blocks(server.call(c_fill, "blocks", seed + 1))
+    for cluster in (client, server):
+        cluster.call(c_stub_reset, stub)
+    key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
+    client.call(c_op, "push_blocks", key, "blocks", [1, 2, 3], [4, 6, 0])
+    for t in range(TENSORS):
+        s_blocks[t][[4, 6, 0]] = c_blocks[t][[1, 2, 3]]
+    client.call(c_op, "pull_blocks", key, "blocks", [7, 5], [0, 1])
+    for t in range(TENSORS):
+        c_blocks[t][[0, 1]] = s_blocks[t][[7, 5]]
+    logs = client.call(c_stub_calls, stub), server.call(c_stub_calls, stub)
+    for got, want in zip(_blocks(client.call(c_read, "blocks")) + _blocks(server.call(c_read, "blocks")),
+                         c_blocks + s_blocks):
+        assert np.array_equal(got, want)
+    return logs
+
+
 PLACES = [("DEVICE", "DEVICE"), ("DEVICE", "HOST"), ("HOST", "DEVICE")]
 
 

@@ -73,6 +73,7 @@ Calls, in the order a link meets them:
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
 from llm_datadist.transport.engine_view import EngineView
@@ -153,3 +154,18 @@ class DataPlane:
 
     def __repr__(self) -> str:
         return f"<data plane {self.name}>"
+
+    def local_peer_refusal(self, session) -> Optional[str]:
+        """Why the peer of ``session`` is not a process of this host that the kernel proved,
+        other than this one, of this user, offering this plane; None when it is (the first
+        checks of the same-host planes' ``accept``)."""
+        if not session.unix:
+            return ("the link's connections are TCP: the peer is on another host or in another network "
+                    "namespace, or it uses tcp only")
+        if self.name not in session.planes:
+            return "the peer does not offer it"
+        if session.pid <= 0 or session.pid == os.getpid():
+            return "the peer is this process"
+        if session.uid != os.geteuid():
+            return f"the peer runs as another user (uid {session.uid})"
+        return None

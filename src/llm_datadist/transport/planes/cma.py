@@ -63,15 +63,9 @@ class CmaPlane(DataPlane):
                               "generation_fd": word.fd}}
 
     def accept(self, session, peer_facts: Dict[str, Any], deadline: float) -> Optional[str]:
-        if not session.unix:
-            return ("the link's connections are TCP: the peer is on another host or in another network "
-                    "namespace, or it uses tcp only")
-        if self.name not in session.planes:
-            return "the peer does not offer it"
-        if session.pid <= 0 or session.pid == os.getpid():
-            return "the peer is this process"
-        if session.uid != os.geteuid():
-            return f"the peer runs as another user (uid {session.uid})"
+        refusal = self.local_peer_refusal(session)
+        if refusal is not None:
+            return refusal
         info = peer_facts.get("same_host") if isinstance(peer_facts, dict) else None
         if not (isinstance(info, dict) and isinstance(info.get("probe"), list) and len(info["probe"]) == 2
                 and all(is_int(x) for x in info["probe"]) and is_int(info.get("generation_addr"))

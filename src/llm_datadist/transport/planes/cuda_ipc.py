@@ -21,7 +21,6 @@ does for every link).
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -105,14 +104,9 @@ class CudaIpcPlane(DataPlane):
 
     # -- the peer's side -----------------------------------------------------------------------
     def accept(self, session, peer_facts: Dict[str, Any], deadline: float) -> Optional[str]:
-        if not session.unix:
-            return "the link's connections are TCP: the peer is on another host or namespace"
-        if self.name not in session.planes:
-            return "the peer does not offer it"
-        if session.pid <= 0 or session.pid == os.getpid():
-            return "the peer is this process"
-        if session.uid != os.geteuid():
-            return f"the peer runs as another user (uid {session.uid})"
+        refusal = self.local_peer_refusal(session)
+        if refusal is not None:
+            return refusal
         if self._runtime() is None:
             return "this process's device runtime cannot map other processes' memory"
         info = peer_facts.get(_FACTS) if isinstance(peer_facts, dict) else None
