@@ -760,10 +760,15 @@ class Engine:
         before it copies device memory through ``self.runtime``."""
         self._bind_thread()
 
-    def _run(self, plan, src: CacheRecord, dst: CacheRecord, ordered: bool = False) -> None:
+    def _run(self, plan, src: CacheRecord, dst: CacheRecord, blocks: Optional[tuple] = None) -> None:
+        """Run ``plan``; ``blocks`` = ``(src_blocks, dst_blocks)`` of a block copy, whose order is
+        kept (``_needs_order``) where the runtime would run the list in parallel."""
         self._bind_thread()
-        _core.execute(plan, self.runtime, _KIND_BY_PLACEMENT[(src.placement, dst.placement)],
-                      ordered=ordered)
+        kind = _KIND_BY_PLACEMENT[(src.placement, dst.placement)]
+        # Host copies and synchronous runtimes run in list order anyway: no need to look.
+        ordered = (blocks is not None and kind != _core.MEMCPY_HOST_TO_HOST and self.runtime.async_copy
+                   and _needs_order(src, dst, *blocks))
+        _core.execute(plan, self.runtime, kind, ordered=ordered)
 
     def copy_rows(self, dst: CacheRecord, src: CacheRecord, dst_row: int, src_row: int,
                   offset: int, size: int) -> None:
@@ -782,7 +787,7 @@ class Engine:
         if src.num_tensors != dst.num_tensors:
             raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
-        self._run(plan, src, dst, _needs_order(src, dst, src_blocks, dst_blocks))
+        self._run(plan, src, dst, (src_blocks, dst_blocks))
 
     @staticmethod
     def swap_geometry(record: CacheRecord) -> Tuple[int, int]:
@@ -807,7 +812,7 @@ class Engine:
         src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
         dst_layout = _core.CacheLayout(dst.addrs, dst_count, dst_block)
         plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
-        self._run(plan, src, dst, _needs_order(src, dst, src_blocks, dst_blocks))
+        self._run(plan, src, dst, (src_blocks, dst_blocks))
 
     # -- transfers between clusters ----------------------------------------------------------------
     @staticmethod
