@@ -9,7 +9,7 @@ debug:        ## build with bounds checks and line tracing (LLM_DATADIST_DEBUG=1
 status:       ## regenerate the status table mirrors (_status_codes.py, _status.pxd) from dd_status.h
 	python tools/status_table.py
 
-kernel:       ## regenerate include/llm_datadist/dd_copy_kernel.h (the copy kernel's PTX) from kernels/dd_copy.cu; needs nvcc
+kernel:       ## regenerate include/llm_datadist/dd_copy_kernel.h (the copy kernel's PTX) from llm_datadist/runtimes/dd_copy.cu; needs nvcc
 	python tools/copy_kernel.py
 
 test:         ## the test suite (same command as the README and CI)
@@ -19,8 +19,8 @@ bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only
 
 lint:         ## ruff and cython-lint (pip install ruff cython-lint); .ci/run runs this target
-	ruff check setup.py tools src tests bench
-	cython-lint src/llm_datadist/*.pyx src/llm_datadist/*.pxd
+	ruff check setup.py tools llm_datadist tests bench
+	cython-lint llm_datadist/*.pyx llm_datadist/*.pxd llm_datadist/runtimes/*.pxd llm_datadist/runtimes/*.pxi
 
 clean:
-	rm -rf build dist *.egg-info src/llm_datadist/_core.c src/llm_datadist/_planes.c src/llm_datadist/*.so
+	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/_io.c llm_datadist/*.so

@@ -66,15 +66,15 @@ else:
 extensions = [
     Extension(
         "llm_datadist._core",
-        ["src/llm_datadist/_core.pyx"],
+        ["llm_datadist/_core.pyx"],
         include_dirs=["include", numpy.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
         libraries=["dl"],
     ),
     Extension(
-        "llm_datadist._planes",
-        ["src/llm_datadist/_planes.pyx"],
+        "llm_datadist._io",
+        ["llm_datadist/_io.pyx"],
         include_dirs=["include", numpy.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
@@ -114,12 +114,12 @@ class build_ext_recording(build_ext):
         text += [f"{name} = {value!r}\n" for name, value in info.items()]
         targets = [os.path.join(self.build_lib, "llm_datadist", BUILD_INFO)]
         if self.inplace:
-            targets.append(os.path.join(HERE, "src", "llm_datadist", BUILD_INFO))
+            targets.append(os.path.join(HERE, "llm_datadist", BUILD_INFO))
         for target in targets:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w") as f:
                 f.write("".join(text))
 
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["src"]),
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, include_path=["."]),
       cmdclass={"build_ext": build_ext_recording})

@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-from llm_datadist._workload import (  # noqa: E402
+from llm_datadist.cli.workload import (  # noqa: E402
     BULK_CASES,
     LATENCY_CASE,
     Case,

@@ -160,7 +160,7 @@ def _check_pip(words: List[str]) -> None:
 
 def _check_llm_datadist(args: List[str]) -> None:
     """Parse the arguments with the command line's own parser: every command, flag and value."""
-    from llm_datadist.__main__ import build_parser
+    from llm_datadist.cli.main import build_parser
     try:
         build_parser().parse_args(args)
     except SystemExit as exc:  # --help / --version exit 0 after printing; errors exit 2
@@ -252,10 +252,10 @@ def test_make_targets_the_readme_names_exist():
 
 
 def test_paths_the_readme_names_exist():
-    """Every repository path in backquotes or a link: at the root, or a package path under src/."""
+    """Every repository path in backquotes or a link exists at the root of the repository."""
     text = README.read_text()
     candidates = set(re.findall(r"`([\w.][\w./-]*/[\w./-]*)`", text)) | set(re.findall(r"\]\(([^)#:]+)\)", text))
     assert "docs/design.md" in candidates
     missing = [path for path in sorted(candidates)
-               if not ((REPO_ROOT / path).exists() or (REPO_ROOT / "src" / path).exists())]
+               if not (REPO_ROOT / path).exists()]
     assert not missing, f"README.md names paths that do not exist: {missing}"

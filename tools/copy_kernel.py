@@ -1,4 +1,4 @@
-"""The copy kernel's PTX: ``src/llm_datadist/kernels/dd_copy.cu`` -> ``include/llm_datadist/dd_copy_kernel.h``.
+"""The copy kernel's PTX: ``llm_datadist/runtimes/dd_copy.cu`` -> ``include/llm_datadist/dd_copy_kernel.h``.
 
 The package ships the descriptor-driven copy kernel as PTX text inside a C header, so that it builds
 with no CUDA toolkit: the cuda binding hands the string to ``cuModuleLoadData`` at run time and the
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "src" / "llm_datadist" / "kernels" / "dd_copy.cu"
+SOURCE = ROOT / "llm_datadist" / "runtimes" / "dd_copy.cu"
 HEADER = ROOT / "include" / "llm_datadist" / "dd_copy_kernel.h"
 KERNEL_NAME = "dd_copy_descs"
 #: The GPU generation the PTX declares (.target): Volta and newer.
@@ -202,7 +202,7 @@ def render_header(ptx: str, nvcc_arch: str, archs: Sequence[str], macros: Sequen
     defines = "".join(f"#define {name} {value}\n" for name, value in macros)
     return (
         "/*\n"
-        " * Generated from src/llm_datadist/kernels/dd_copy.cu by tools/copy_kernel.py: do not edit.\n"
+        " * Generated from llm_datadist/runtimes/dd_copy.cu by tools/copy_kernel.py: do not edit.\n"
         " * Regenerate with `make kernel` (python tools/copy_kernel.py); `python tools/copy_kernel.py --check`\n"
         " * and tests/core/test_copy_kernel.py check it against what nvcc gives.\n"
         f" * nvcc release: {release}\n"

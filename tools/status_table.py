@@ -3,10 +3,10 @@
 The header is the one place a status code is written. Two files are generated from it and kept in
 git, so that readers, linters and builds without this script see them:
 
-* ``src/llm_datadist/_status_codes.py``: ``STATUS_CODES``, C++ name -> value, in header order
+* ``llm_datadist/_status_codes.py``: ``STATUS_CODES``, C++ name -> value, in header order
   (``llm_datadist.status`` builds ``LLMStatusCode`` and ``CPP_STATUS_CODES`` from it, ``cpp`` its
   constants);
-* ``src/llm_datadist/_status.pxd``: the header's Cython declaration, plus
+* ``llm_datadist/_status.pxd``: the header's Cython declaration, plus
   ``compiled_status_codes()``, the same table as the C compiler read it (``_core.C_STATUS_CODES``).
 
 ``setup.py`` calls :func:`check` and stops the build when a generated file differs from what the
@@ -26,7 +26,7 @@ from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "include" / "llm_datadist" / "dd_status.h"
-PACKAGE = ROOT / "src" / "llm_datadist"
+PACKAGE = ROOT / "llm_datadist"
 PY_MIRROR = "_status_codes.py"
 PXD_MIRROR = "_status.pxd"
 #: status.py's tables of C++ names (renamed in, or left out of, the Python enum); check() makes

@@ -1,5 +1,5 @@
 /*
- * Generated from src/llm_datadist/kernels/dd_copy.cu by tools/copy_kernel.py: do not edit.
+ * Generated from llm_datadist/runtimes/dd_copy.cu by tools/copy_kernel.py: do not edit.
  * Regenerate with `make kernel` (python tools/copy_kernel.py); `python tools/copy_kernel.py --check`
  * and tests/core/test_copy_kernel.py check it against what nvcc gives.
  * nvcc release: 13.0

@@ -2,7 +2,7 @@
  * llm_datadist status codes: the single source of truth.
  *
  * Values follow CANN LLM-DataDist (base 0x5010B000). tools/status_table.py generates the mirrors
- * src/llm_datadist/_status_codes.py (read by status.py and cpp.py) and _status.pxd from the
+ * llm_datadist/_status_codes.py (read by status.py and cpp.py) and _status.pxd from the
  * `#define DD_LLM_<name> <value>u` lines below; setup.py refuses to build while a mirror differs
  * from this file (`make status` regenerates them) and tests/api/test_status_table.py checks them.
  */

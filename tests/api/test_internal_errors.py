@@ -9,7 +9,8 @@ import logging
 import numpy as np
 import pytest
 
-from llm_datadist import _core, _engine, cpp
+from llm_datadist import _core, cpp
+from llm_datadist.engine import engine as _engine
 
 DESC = dict(num_tensors=2, data_type=cpp.DT_INT32, shape=[4, 8])
 
@@ -30,7 +31,7 @@ def internal_error_records(caplog, method: str):
                                  TypeError("unsupported operand"), KeyError("cache 12"),
                                  ValueError("bad internal state"), RuntimeError("engine broke")])
 def test_an_engine_exception_is_llm_failed_with_its_traceback(dd, monkeypatch, caplog, exc):
-    monkeypatch.setattr(dd._engine, "allocate", raiser(exc))
+    monkeypatch.setattr(dd.engine, "allocate", raiser(exc))
     cache = cpp.Cache()
     with caplog.at_level(logging.ERROR, logger="llm_datadist"):
         assert dd.AllocateCache(cpp.CacheDesc(**DESC), cache) == cpp.LLM_FAILED
@@ -62,7 +63,7 @@ def test_a_fault_in_the_core_under_a_transfer_is_llm_failed(dd, monkeypatch, cap
 
 
 def test_a_fault_in_the_links_is_llm_failed(dd, monkeypatch, caplog):
-    monkeypatch.setattr(dd._engine.links, "link_many", raiser(KeyError(5)))
+    monkeypatch.setattr(dd.engine.links, "link_many", raiser(KeyError(5)))
     rets = []
     info = cpp.ClusterInfo(remote_cluster_id=5, remote_ip_infos=[cpp.IpInfo(ip="127.0.0.1", port=1)])
     with caplog.at_level(logging.ERROR, logger="llm_datadist"):
@@ -72,7 +73,7 @@ def test_a_fault_in_the_links_is_llm_failed(dd, monkeypatch, caplog):
 
 def test_the_engine_still_works_after_an_internal_error(dd, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(dd._engine, "allocate", raiser(AttributeError("x")))
+        patch.setattr(dd.engine, "allocate", raiser(AttributeError("x")))
         assert dd.AllocateCache(cpp.CacheDesc(**DESC), cpp.Cache()) == cpp.LLM_FAILED
     cache = cpp.Cache()
     assert dd.AllocateCache(cpp.CacheDesc(**DESC), cache) == cpp.LLM_SUCCESS and cache.cache_id > 0

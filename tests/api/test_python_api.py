@@ -309,7 +309,7 @@ def test_cache_keys_bind_rows_and_defer_release(py_api):
     desc = CacheDesc(1, [3, 4], DataType.DT_INT32, Placement.HOST)
     keys = [CacheKey(7, 1), CacheKey(7, 2**64 - 1), CacheKey(7, 3)]
     cache = cm.allocate_cache(desc, keys)
-    engine = py_api.dd._engine
+    engine = py_api.dd.engine
     assert engine.find_key(keys[0].owner_key())[1] == 0
     assert engine.find_key(keys[2].owner_key())[1] == 2
     assert status(cm.allocate_cache, desc, [CacheKey(7, 1)]) == PARAM_INVALID  # already bound

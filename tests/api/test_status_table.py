@@ -17,7 +17,7 @@ from llm_datadist.status import CPP_STATUS_CODES, raise_on_status, to_status_cod
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "llm_datadist" / "dd_status.h"
-PACKAGE = ROOT / "src" / "llm_datadist"
+PACKAGE = ROOT / "llm_datadist"
 # Python spells two codes differently from C++ (as CANN does).
 PYTHON_NAME = {"LLM_WAIT_PROC_TIMEOUT": "LLM_WAIT_PROCESS_TIMEOUT", "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT"}
 # Codes CANN's Python API does not name (they map to LLM_FAILED there).
@@ -186,12 +186,12 @@ def test_setup_py_stops_the_build_when_a_mirror_disagrees(tmp_path):
     """setup.py runs the check before anything is compiled (here: before it would look for the
     .pyx sources, which this copy of the tree does not have)."""
     (tmp_path / "include" / "llm_datadist").mkdir(parents=True)
-    (tmp_path / "src" / "llm_datadist").mkdir(parents=True)
+    (tmp_path / "llm_datadist").mkdir(parents=True)
     (tmp_path / "tools").mkdir()
     shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
     shutil.copy(ROOT / "tools" / "status_table.py", tmp_path / "tools" / "status_table.py")
     for name in ("_status_codes.py", "_status.pxd", "status.py"):
-        shutil.copy(PACKAGE / name, tmp_path / "src" / "llm_datadist" / name)
+        shutil.copy(PACKAGE / name, tmp_path / "llm_datadist" / name)
     header = tmp_path / "include" / "llm_datadist" / "dd_status.h"
     header.write_text(HEADER.read_text().replace("0x5010B005u", "0x5010B0F5u"))  # LLM_PARAM_INVALID
     result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=tmp_path, capture_output=True,

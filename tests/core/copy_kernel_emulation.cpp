@@ -1,5 +1,5 @@
 /*
- * src/llm_datadist/kernels/dd_copy.cu run on the CPU, for tests/core/test_copy_kernel.py.
+ * llm_datadist/runtimes/dd_copy.cu run on the CPU, for tests/core/test_copy_kernel.py.
  *
  * The kernel source itself is #included, unchanged, after the CUDA keywords are defined away and
  * its two memory primitives, DD_COPY_LOAD and DD_COPY_STORE, are defined as checked accesses.
@@ -13,7 +13,7 @@
  * to every byte it covers and records its width, so the test can prove that every destination byte
  * is written exactly once, with the width the descriptor's alignment calls for.
  *
- * Built with: g++ -std=c++17 -O2 -shared -fPIC -I src/llm_datadist/kernels
+ * Built with: g++ -std=c++17 -O2 -shared -fPIC -I llm_datadist/kernels
  */
 #include <stddef.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
-"""``_planes.BlockRoute``: the same-host latency path must move exactly the bytes the checked
-path (``_core.plan_blocks`` + ``_planes.cma_copy``) moves, and must decline — without writing a
+"""``_io.BlockRoute``: the same-host latency path must move exactly the bytes the checked
+path (``_core.plan_blocks`` + ``_io.cma_copy``) moves, and must decline — without writing a
 byte — every call it cannot prove valid: a stale peer generation, a closed link, a dead peer, an
 unlearnt selection, a block id that is not an exact int inside its cache, too many descriptors.
 
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llm_datadist import _core, _planes
+from llm_datadist import _core, _io
 
 TENSORS = 4
 BLOCKS = 16
@@ -60,9 +60,9 @@ class Peer:
         self.local[...] = rng.integers(0, 255, self.local.shape, dtype=np.uint8)
         self.remote[...] = GUARD
 
-    def route(self, write: bool, link: Link = None, generation: int = 3) -> _planes.BlockRoute:
+    def route(self, write: bool, link: Link = None, generation: int = 3) -> _io.BlockRoute:
         pidfd = os.dup(self.pidfd) if self.pidfd >= 0 else -1  # the route takes it over
-        route = _planes.BlockRoute(link or Link(), self.pid, pidfd, self.generation, generation,
+        route = _io.BlockRoute(link or Link(), self.pid, pidfd, self.generation, generation,
                                    self.layout(self.local), self.layout(self.remote), write)
         route.learn((None, None, 2), None, None)
         return route
@@ -114,7 +114,7 @@ def test_push_moves_what_the_checked_plan_moves(peer, data):
     peer.remote[...] = GUARD
     st_, dt_ = [p[0] for p in pairs], [p[1] for p in pairs]
     plan = _core.plan_blocks(peer.layout(peer.local), peer.layout(peer.remote), st_, dt_, src, dst)
-    assert _planes.cma_copy(peer.pid, plan, True, 1000, peer.pidfd) == (0, 0)
+    assert _io.cma_copy(peer.pid, plan, True, 1000, peer.pidfd) == (0, 0)
     np.testing.assert_array_equal(peer.remote, got)
 
 
@@ -182,7 +182,7 @@ def test_stale_generation_closed_link_and_too_many_descriptors_are_declined(peer
     link.closed = True
     assert not route.current and route.run([0], [0], None, None, 2) is False
     link.closed = False
-    many = list(range(BLOCKS)) * (_planes.ROUTE_MAX_DESCRIPTORS // (TENSORS * BLOCKS) + 1)
+    many = list(range(BLOCKS)) * (_io.ROUTE_MAX_DESCRIPTORS // (TENSORS * BLOCKS) + 1)
     assert route.run(many, many, None, None, 2) is False
     assert (peer.remote == GUARD).all()
     assert route.run([0], [0], None, None, 2)
@@ -196,7 +196,7 @@ def test_selections_and_block_sizes_are_checked_when_built(peer):
         route.learn((range(0, 1), None, 2), [0, TENSORS], [0, 1])
     small = _core.CacheLayout([peer.remote[t].ctypes.data for t in range(TENSORS)], BLOCKS, BLOCK // 2)
     with pytest.raises(ValueError):
-        _planes.BlockRoute(Link(), peer.pid, -1, peer.generation, 3, peer.layout(peer.local), small, True)
+        _io.BlockRoute(Link(), peer.pid, -1, peer.generation, 3, peer.layout(peer.local), small, True)
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open")
@@ -246,7 +246,7 @@ def test_a_close_racing_a_run_never_skips_the_liveness_check(peer):
     try:
         src, dst = [0] * 32, [k % BLOCKS for k in range(32)]
         for _ in range(1000):
-            route = _planes.BlockRoute(Link(), peer.pid, os.dup(dead), peer.generation, 3,
+            route = _io.BlockRoute(Link(), peer.pid, os.dup(dead), peer.generation, 3,
                                        peer.layout(peer.local), peer.layout(peer.remote), True)
             route.learn((None, None, 2), None, None)
             go = threading.Event()
@@ -287,10 +287,10 @@ def test_a_refused_construction_closes_the_taken_pidfd_and_nothing_else(peer):
     before = sorted(os.listdir("/proc/self/fd"))
     fd = os.dup(0)
     with pytest.raises(OverflowError):  # a generation outside uint64: the dup is the route's, closed
-        _planes.BlockRoute(Link(), peer.pid, fd, peer.generation, -1, peer.layout(peer.local),
+        _io.BlockRoute(Link(), peer.pid, fd, peer.generation, -1, peer.layout(peer.local),
                            peer.layout(peer.remote), True)
     with pytest.raises(TypeError):      # no descriptor taken: none closed (descriptor 0 included)
-        _planes.BlockRoute(Link(), peer.pid, "0", peer.generation, 3, peer.layout(peer.local),
+        _io.BlockRoute(Link(), peer.pid, "0", peer.generation, 3, peer.layout(peer.local),
                            peer.layout(peer.remote), True)
     os.fstat(0)
     assert sorted(os.listdir("/proc/self/fd")) == before

@@ -1,4 +1,4 @@
-"""The descriptor-driven copy kernel (``src/llm_datadist/kernels/dd_copy.cu``) and its generated header.
+"""The descriptor-driven copy kernel (``llm_datadist/runtimes/dd_copy.cu``) and its generated header.
 
 No GPU is needed:
 
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_DIR = ROOT / "src" / "llm_datadist" / "kernels"
+KERNEL_DIR = ROOT / "llm_datadist" / "runtimes"
 HEADER = ROOT / "include" / "llm_datadist" / "dd_copy_kernel.h"
 EMULATION = Path(__file__).with_name("copy_kernel_emulation.cpp")
 TOOL = ROOT / "tools" / "copy_kernel.py"

@@ -1,5 +1,5 @@
-"""Edges of the data-plane checks: the receiver's range check (``_planes.RangeSet``), the
-same-host copy (``_planes.cma_copy``) against a peer whose memory ends in an unmapped page, and
+"""Edges of the data-plane checks: the receiver's range check (``_io.RangeSet``), the
+same-host copy (``_io.cma_copy``) against a peer whose memory ends in an unmapped page, and
 the core planners' block / row / tensor index checks at exactly the first invalid index.
 
 Each test here is written to fail when its check is off by one byte or one index, or when a
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llm_datadist import _core, _planes
+from llm_datadist import _core, _io
 from llm_datadist.status import LLMException, LLMStatusCode
 from refusals import names
 
@@ -32,7 +32,7 @@ JUNK = 0  # the other side of a probe descriptor: never registered, never looked
 
 def wire_plan(*descs):
     """A CopyPlan holding exactly ``descs`` ((src, dst, nbytes) each), unmerged."""
-    return _planes.plan_from_wire(b"".join(struct.pack("<QQQ", *d) for d in descs))
+    return _io.plan_from_wire(b"".join(struct.pack("<QQQ", *d) for d in descs))
 
 
 def probe(addr, nbytes, dst_side):
@@ -69,7 +69,7 @@ SIDES = pytest.mark.parametrize("dst_side", [True, False], ids=["dst", "src"])
 
 @SIDES
 def test_range_set_refuses_one_byte_past_either_end(dst_side):
-    ranges = _planes.RangeSet([(1000, 100)])
+    ranges = _io.RangeSet([(1000, 100)])
     inside = [(1000, 100), (1000, 1), (1099, 1), (1050, 50), (1000, 0), (1099, 0)]
     outside = [(999, 101),   # starts one byte before
                (1000, 101),  # ends one byte past
@@ -86,12 +86,12 @@ def test_range_set_refuses_one_byte_past_either_end(dst_side):
 @SIDES
 def test_range_set_gaps_between_registrations(dst_side):
     # Two registrations with a one-byte gap, and two that touch (merged: one range).
-    gap = _planes.RangeSet([(1200, 100), (1000, 199)])
+    gap = _io.RangeSet([(1200, 100), (1000, 199)])
     assert gap.first_outside(probe(1000, 199, dst_side), dst_side) == -1
     assert gap.first_outside(probe(1200, 100, dst_side), dst_side) == -1
     for addr, n in [(1000, 200), (1198, 2), (1199, 1), (1199, 2), (1000, 300)]:
         assert gap.first_outside(probe(addr, n, dst_side), dst_side) == 0, (addr, n)
-    touching = _planes.RangeSet([(1100, 100), (1000, 100)])
+    touching = _io.RangeSet([(1100, 100), (1000, 100)])
     assert touching.first_outside(probe(1000, 200, dst_side), dst_side) == -1
     assert touching.first_outside(probe(1000, 201, dst_side), dst_side) == 0
     assert touching.first_outside(probe(999, 201, dst_side), dst_side) == 0
@@ -99,7 +99,7 @@ def test_range_set_gaps_between_registrations(dst_side):
 
 @SIDES
 def test_first_outside_names_the_first_bad_descriptor(dst_side):
-    ranges = _planes.RangeSet([(1000, 100)])
+    ranges = _io.RangeSet([(1000, 100)])
     good, bad = (1000, 50), (1050, 51)
     descs = [good, good, bad, good, bad]
     plan = wire_plan(*[((JUNK, a, n) if dst_side else (a, JUNK, n)) for a, n in descs])
@@ -107,7 +107,7 @@ def test_first_outside_names_the_first_bad_descriptor(dst_side):
     # The other side of the descriptors (JUNK) is not what was asked about.
     assert ranges.first_outside(wire_plan(*[((JUNK, a, n) if dst_side else (a, JUNK, n))
                                             for a, n in [good, good]]), dst_side) == -1
-    assert _planes.RangeSet([]).first_outside(probe(1000, 1, dst_side), dst_side) == 0
+    assert _io.RangeSet([]).first_outside(probe(1000, 1, dst_side), dst_side) == 0
 
 
 # Registrations of a small address space, in the shapes that matter: one range, a one-byte gap,
@@ -127,7 +127,7 @@ EXHAUSTIVE_LAYOUTS = [
 @pytest.mark.parametrize("layout", EXHAUSTIVE_LAYOUTS, ids=lambda r: str(r))
 def test_range_set_matches_oracle_exhaustively(layout):
     """Every range [addr, addr + n) of a 50-byte address space, both sides."""
-    ranges = _planes.RangeSet(layout)
+    ranges = _io.RangeSet(layout)
     registered = registered_bytes(layout)
     for addr in range(0, 50):
         for n in range(0, 50 - addr + 2):
@@ -146,7 +146,7 @@ probe_descs = st.lists(st.tuples(st.integers(0, 480), st.integers(0, 480), st.in
 @settings(max_examples=400, deadline=None)
 @given(ranges=small_ranges, descs=probe_descs, dst_side=st.booleans())
 def test_range_set_first_outside_matches_oracle(ranges, descs, dst_side):
-    assert _planes.RangeSet(ranges).first_outside(wire_plan(*descs), dst_side) == \
+    assert _io.RangeSet(ranges).first_outside(wire_plan(*descs), dst_side) == \
         oracle_first_outside(ranges, descs, dst_side)
 
 
@@ -155,7 +155,7 @@ def test_range_set_first_outside_matches_oracle(ranges, descs, dst_side):
 def test_range_set_edges_of_each_registration(ranges, data):
     """Around both ends of every registration: the range itself, one byte longer at either end,
     one byte shorter at either end."""
-    rs = _planes.RangeSet(ranges)
+    rs = _io.RangeSet(ranges)
     registered = registered_bytes(ranges)
     dst_side = data.draw(st.booleans())
     for addr, n in ranges:
@@ -172,7 +172,7 @@ TOP = 2**64
 
 def test_range_set_holds_a_range_ending_at_the_top_of_the_address_space():
     """A registration may end at 2**64 exactly: it is stored and checked like any other."""
-    ranges = _planes.RangeSet([(TOP - 1024, 1024), (TOP - 4096, 1024)])
+    ranges = _io.RangeSet([(TOP - 1024, 1024), (TOP - 4096, 1024)])
     assert ranges.spans() == [(TOP - 4096, TOP - 3072), (TOP - 1024, TOP)]
     assert ranges.contains(TOP - 1024, 1024) and ranges.contains(TOP - 1, 1)
     assert not ranges.contains(TOP - 1025, 2) and not ranges.contains(TOP - 3072, 1)
@@ -191,9 +191,9 @@ def test_range_set_holds_a_range_ending_at_the_top_of_the_address_space():
                                  (0, TOP + 1), (TOP + 5, 0)])
 def test_range_set_refuses_ranges_outside_the_address_space(bad):
     with pytest.raises(ValueError):
-        _planes.RangeSet([(4096, 16), bad])
+        _io.RangeSet([(4096, 16), bad])
     with pytest.raises(TypeError):
-        _planes.RangeSet([(4096.0, 16)])
+        _io.RangeSet([(4096.0, 16)])
 
 
 top_ranges = st.lists(st.tuples(st.integers(TOP - 400, TOP), st.integers(0, 60)).filter(
@@ -213,7 +213,7 @@ def interval_oracle_first_outside(ranges, probes):
 @settings(max_examples=300, deadline=None)
 @given(ranges=top_ranges, probes=top_probes, dst_side=st.booleans())
 def test_range_set_at_the_top_matches_an_interval_oracle(ranges, probes, dst_side):
-    rs = _planes.RangeSet(ranges)
+    rs = _io.RangeSet(ranges)
     plan = wire_plan(*[((JUNK, a, n) if dst_side else (a, JUNK, n)) for a, n in probes])
     assert rs.first_outside(plan, dst_side) == interval_oracle_first_outside(ranges, probes)
     assert rs.spans() == [tuple(m) for m in _merged(ranges)]
@@ -325,12 +325,12 @@ def hole_child():
     try:
         child.check_layout()
         local = np.zeros(16, np.uint8)
-        status, err = _planes.cma_copy(child.pid, wire_plan((child.addr, local.ctypes.data, 16)),
+        status, err = _io.cma_copy(child.pid, wire_plan((child.addr, local.ctypes.data, 16)),
                                        False, 5000)
-        if status == _planes.FEATURE_NOT_ENABLED:
+        if status == _io.FEATURE_NOT_ENABLED:
             pytest.skip(f"process_vm_readv of a child is not permitted here ({os.strerror(err)}; "
                         f"see /proc/sys/kernel/yama/ptrace_scope)")
-        assert (status, err) == (_planes.SUCCESS, 0)
+        assert (status, err) == (_io.SUCCESS, 0)
         assert (local == 0x5A).all()
         yield child
     finally:
@@ -372,35 +372,35 @@ def test_cma_copy_into_an_unmapped_page_reports_failure(hole_child, case, write,
         descs.append((local_addr, remote, n) if write else (remote, local_addr, n))
         offset += n
     try:
-        status, err = _planes.cma_copy(hole_child.pid, wire_plan(*descs), write, 5000, fd)
+        status, err = _io.cma_copy(hole_child.pid, wire_plan(*descs), write, 5000, fd)
     finally:
         if fd >= 0:
             os.close(fd)
     hole_child.check_layout()
-    assert status != _planes.SUCCESS, f"{case}: a copy that ran into an unmapped page reported success"
-    assert (status, err) == (_planes.PARAM_INVALID, errno.EFAULT), (case, status, err)
+    assert status != _io.SUCCESS, f"{case}: a copy that ran into an unmapped page reported success"
+    assert (status, err) == (_io.PARAM_INVALID, errno.EFAULT), (case, status, err)
 
 
 def test_cma_copy_inside_the_page_still_succeeds(hole_child):
     """The control case: the same calls within the mapped page move every byte."""
     page = hole_child.page
     out = np.arange(page, dtype=np.uint32).astype(np.uint8)
-    status = _planes.cma_copy(hole_child.pid, wire_plan((out.ctypes.data, hole_child.addr, 64),
+    status = _io.cma_copy(hole_child.pid, wire_plan((out.ctypes.data, hole_child.addr, 64),
                                                         (out.ctypes.data + 64, hole_child.addr + 64, page - 64)),
                               True, 5000)
-    assert status == (_planes.SUCCESS, 0)
+    assert status == (_io.SUCCESS, 0)
     back = np.zeros(page, np.uint8)
-    assert _planes.cma_copy(hole_child.pid, wire_plan((hole_child.addr, back.ctypes.data, page)),
-                            False, 5000) == (_planes.SUCCESS, 0)
+    assert _io.cma_copy(hole_child.pid, wire_plan((hole_child.addr, back.ctypes.data, page)),
+                            False, 5000) == (_io.SUCCESS, 0)
     assert np.array_equal(back, out)
     assert hole_child.page_bytes() == out.tobytes()
 
 
 def test_cma_read_bytes_across_the_boundary_reports_failure(hole_child):
-    status, err, _ = _planes.cma_read_bytes(hole_child.pid, hole_child.addr + hole_child.page - 8, 16)
-    assert (status, err) == (_planes.PARAM_INVALID, errno.EFAULT)
-    status, err, data = _planes.cma_read_bytes(hole_child.pid, hole_child.addr + hole_child.page - 8, 8)
-    assert (status, err, data) == (_planes.SUCCESS, 0, b"\x5a" * 8)
+    status, err, _ = _io.cma_read_bytes(hole_child.pid, hole_child.addr + hole_child.page - 8, 16)
+    assert (status, err) == (_io.PARAM_INVALID, errno.EFAULT)
+    status, err, data = _io.cma_read_bytes(hole_child.pid, hole_child.addr + hole_child.page - 8, 8)
+    assert (status, err, data) == (_io.SUCCESS, 0, b"\x5a" * 8)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import llm_datadist
-from llm_datadist import _core, _planes
+from llm_datadist import _core, _io
 from llm_datadist.status import LLMException, LLMStatusCode
 from runtime_stub import _StubCall
 
@@ -61,7 +61,7 @@ PROPERTY = settings(max_examples=150, deadline=None,
 
 def make_plan(descs):
     """A plan holding exactly ``descs`` (src, dst, nbytes), unmerged."""
-    return _planes.plan_from_wire(b"".join(struct.pack("<QQQ", *d) for d in descs))
+    return _io.plan_from_wire(b"".join(struct.pack("<QQQ", *d) for d in descs))
 
 
 def plan_descs(plan):
@@ -829,7 +829,7 @@ def test_ipc_is_not_enabled_without_the_runtime_support(stub, name):
 _CHILD_IPC = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from llm_datadist import _core, _planes
+    from llm_datadist import _core, _io
     from runtime_stub import StubRuntime
     import struct
 
@@ -843,10 +843,10 @@ _CHILD_IPC = textwrap.dedent("""
     mapped = rt.ipc_mapped
     # Read what the parent wrote, then write our bytes after it, through the runtime's copies.
     seen = np.zeros(64, dtype=np.uint8)
-    plan = _planes.plan_from_wire(struct.pack("<QQQ", base + offset, seen.ctypes.data, 64))
+    plan = _io.plan_from_wire(struct.pack("<QQQ", base + offset, seen.ctypes.data, 64))
     _core.execute(plan, rt, _core.MEMCPY_DEVICE_TO_HOST)
     mine = (np.arange(256) * 3 % 256).astype(np.uint8)
-    plan = _planes.plan_from_wire(struct.pack("<QQQ", mine.ctypes.data, base + offset + 64, 256))
+    plan = _io.plan_from_wire(struct.pack("<QQQ", mine.ctypes.data, base + offset + 64, 256))
     _core.execute(plan, rt, _core.MEMCPY_HOST_TO_DEVICE)
     rt.ipc_close(base)
     live_after_one_close = stub.live_mappings()

@@ -622,8 +622,8 @@ def test_runtime(device_env):
 
 def test_a_registered_runtime_is_selected_listed_and_offered(test_runtime, device_env, stub):
     """Selection, `info` and the CLI pick a new runtime up from its registration alone."""
-    from llm_datadist import _sysinfo
-    from llm_datadist.__main__ import build_parser
+    from llm_datadist.cli import info as _sysinfo
+    from llm_datadist.cli.main import build_parser
 
     assert runtimes.choices() == ("auto", "cpu", "acl", "cuda", "testrt")
     assert runtimes.auto_order()[0] == "testrt"

@@ -46,8 +46,8 @@ def rt():
 
 
 def _from(triples):
-    from llm_datadist import _planes
-    return _planes.plan_from_wire(np.array(triples, dtype="<u8").reshape(-1, 3).tobytes())
+    from llm_datadist import _io
+    return _io.plan_from_wire(np.array(triples, dtype="<u8").reshape(-1, 3).tobytes())
 
 
 def _upload(rt, data: np.ndarray):
@@ -199,7 +199,7 @@ def c_move(state, server_id: int, push, pull) -> str:
     key = ld.BlocksCacheKey(server_id, 1)
     state.cm.push_blocks(key, state.caches["dev"], *push)
     state.cm.pull_blocks(key, state.caches["dev"], *pull)
-    return state.dd._engine.data_plane(server_id, 5000, True, True)
+    return state.dd.engine.data_plane(server_id, 5000, True, True)
 
 
 @pytest.mark.parametrize("plane", [None, "staging"], ids=["auto-cuda_ipc", "staging"])

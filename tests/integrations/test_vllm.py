@@ -224,7 +224,7 @@ RELEASED_HERE = []
 def release_over_link(params: dict) -> dict:
     """Release a prefill request's blocks the way a decode worker does; the prefill side's answer."""
     with linked_to_prefill(params) as peer:
-        answer = peer._engine.links.notify(params["remote_cluster_id"],
+        answer = peer.engine.links.notify(params["remote_cluster_id"],
                                            {"op": "release", "request_id": params["remote_request_id"]}, 5000)
     RELEASED_HERE.append(params["remote_request_id"])
     return answer
@@ -430,7 +430,7 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     abandoned = prefill_for_remote_decode(prefill, ABANDONED)
     # a linked peer's notification that is not a release is answered without effect
     with linked_to_prefill(abandoned[0]) as stranger:
-        answer = stranger._engine.links.notify(abandoned[0]["remote_cluster_id"],
+        answer = stranger.engine.links.notify(abandoned[0]["remote_cluster_id"],
                                                {"op": "free all", "request_id": abandoned[0]["remote_request_id"]},
                                                5000)
     assert answer == {"released": False, "why": "not a block release"}
@@ -526,7 +526,7 @@ def test_link_secret_reaches_the_engine_and_no_log(caplog, monkeypatch):
     def engine_secret(extra: dict):
         worker = _Worker(config, "engine", _Options.parse(extra), None)
         try:
-            return worker.dd._engine.options.get("llm.LinkSecret")
+            return worker.dd.engine.options.get("llm.LinkSecret")
         finally:
             worker.close()
 

@@ -94,7 +94,7 @@ def test_cuda_kv_tensors_register_by_address_as_device_caches(stub_cuda):
         worker.register(kv)
         desc = worker.cache.cache_desc
         assert desc.placement.name == "DEVICE" and desc.num_tensors == 4 and list(desc.shape) == [BLOCKS, BLOCK_ELEMS]
-        assert worker.dd._engine.runtime.name == "cuda" and not worker.dd._engine.runtime.host_addressable
+        assert worker.dd.engine.runtime.name == "cuda" and not worker.dd.engine.runtime.host_addressable
         # K and V halves of each layer, at the stub addresses: registered where they are, no copy
         expected = [t.data_ptr() + half * BLOCKS * BLOCK_ELEMS * 2 for t in kv.values() for half in (0, 1)]
         assert worker.cache.tensor_addrs == expected
@@ -132,7 +132,7 @@ def prefill_side(state, tensors: int, seed: int) -> list:
     ``tensors`` tensors of runtime memory, filled with seeded bytes through the runtime; answers
     block releases as a prefill worker does. Returns the bytes of every tensor."""
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement, _core
-    runtime = state.dd._engine.runtime
+    runtime = state.dd.engine.runtime
     runtime.set_device(0)
     rng = np.random.default_rng(seed)
     nbytes = BLOCKS * BLOCK_ELEMS * 2
@@ -144,7 +144,7 @@ def prefill_side(state, tensors: int, seed: int) -> list:
     desc = CacheDesc(tensors, [BLOCKS, BLOCK_ELEMS], DataType.DT_FLOAT16, Placement.DEVICE)
     state.caches["kv"] = state.cm.register_blocks_cache(desc, [m.addr for m in memory],
                                                         BlocksCacheKey(state.cluster_id, 0))
-    state.dd._engine.set_notify_handler(_release_ok)
+    state.dd.engine.set_notify_handler(_release_ok)
     return data
 
 

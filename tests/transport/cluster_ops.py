@@ -318,13 +318,13 @@ def answer_notifications(state, fail_on: Optional[str] = None) -> None:
         state.notes.append((peer_id, message))
         return {"echo": message, "from": peer_id}
 
-    state.dd._engine.links.set_notify_handler(handler)
+    state.dd.engine.links.set_notify_handler(handler)
 
 
 def notify(state, remote_id: int, message: Dict[str, Any], timeout_ms: int = 3000):
     """The peer's reply, or ``("error", status name)``."""
     try:
-        return state.dd._engine.links.notify(remote_id, message, timeout_ms)
+        return state.dd.engine.links.notify(remote_id, message, timeout_ms)
     except ld.LLMException as exc:
         return ["error", exc.status_code.name]
 

@@ -140,13 +140,13 @@ class Child:
         return {"addrs": [a.ctypes.data for a in arrays], "tensor_bytes": arrays[0].nbytes}
 
     def plane(self, remote_id: int) -> dict:
-        return {"plane": self.dd._engine.links.data_plane(remote_id)}
+        return {"plane": self.dd.engine.links.data_plane(remote_id)}
 
     def host(self) -> dict:
         return {"host": host_identity()}
 
     def linked(self) -> dict:
-        return {"linked": self.dd._engine.links.linked_clusters()}
+        return {"linked": self.dd.engine.links.linked_clusters()}
 
 
 def emit(message: dict) -> None:

@@ -206,15 +206,15 @@ def unlink(state, remote_id: int, ip: str = "127.0.0.1", port: int = 0, force: b
 
 
 def linked(state) -> List[int]:
-    return state.dd._engine.links.linked_clusters()
+    return state.dd.engine.links.linked_clusters()
 
 
 def peer_plane(state, remote_id: int) -> str:
-    return state.dd._engine.links.data_plane(remote_id)
+    return state.dd.engine.links.data_plane(remote_id)
 
 
 def protocol_errors(state) -> int:
-    return state.dd._engine.protocol_errors
+    return state.dd.engine.protocol_errors
 
 
 def record_thread_exceptions(state) -> None:
@@ -715,7 +715,7 @@ def tcp_server_with_client():
 def private_addresses(state) -> Dict[str, int]:
     """Addresses of this process's own words that no peer may touch (its registry generation and
     its same-host probe cookie)."""
-    engine = state.dd._engine
+    engine = state.dd.engine
     return {"generation": engine.generation_word.addr, "probe": engine.links.planes["cma"].cookie.addr}
 
 
@@ -1185,7 +1185,7 @@ def test_link_to_a_broken_listener_fails_in_time(lonely_client, behaviour):
 def delay_unlink_drops(state, seconds: float) -> None:
     """Fault injection: a connection thread that drops a peer first sleeps ``seconds`` (as a
     thread descheduled at that point on a busy machine would)."""
-    links = state.dd._engine.links
+    links = state.dd.engine.links
     drop = links._drop_peer
 
     def slow_drop(*args, **kwargs) -> None:

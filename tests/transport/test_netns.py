@@ -338,7 +338,7 @@ def test_cma_never_writes_to_a_process_that_took_a_dead_peers_pid(pid_namespace,
 
     Found before commit b923a13 (which added the pidfd liveness check; this test fails on
     49a2fcf): the cma plane addressed the peer by pid alone -- LinkManager._cma called
-    ``_planes.cma_copy(peer.pid, plan, write, ...)`` without a pidfd, and the staleness check
+    ``_io.cma_copy(peer.pid, plan, write, ...)`` without a pidfd, and the staleness check
     read the generation word through a mapping of the dead peer's memfd, which outlives the
     peer. Once the pid was reused, the push succeeded and its bytes landed in the unrelated
     process."""

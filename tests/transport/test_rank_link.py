@@ -102,11 +102,11 @@ def query(state, comm_id: int) -> str:
 
 
 def plane(state, remote: int) -> str:
-    return state.dd._engine.links.data_plane(remote)
+    return state.dd.engine.links.data_plane(remote)
 
 
 def linked(state) -> List[int]:
-    return state.dd._engine.links.linked_clusters()
+    return state.dd.engine.links.linked_clusters()
 
 
 def register_remote_accessible_after_link(state) -> str:
@@ -233,7 +233,7 @@ def _vllm_ascend_worker(role_name: str, cluster_id: int, peer_id: int, table: st
         if role_name == "kv_consumer":
             remote_ids, local_ids = [3, 4, 5], [0, 6, 7]
             cm.pull_blocks(BlocksCacheKey(cluster_id=peer_id), cache, remote_ids, local_ids)
-            conn.send(("plane", dd._engine.links.data_plane(peer_id)))
+            conn.send(("plane", dd.engine.links.data_plane(peer_id)))
             conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in local_ids]))
         else:
             conn.send(("blocks", [b"".join(t[i].tobytes() for t in kv) for i in (3, 4, 5)]))

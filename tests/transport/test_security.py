@@ -55,8 +55,8 @@ def register_guarded(state, seed: int) -> Dict[str, int]:
     cache = state.cm.register_blocks_cache(desc, addrs, BlocksCacheKey(state.cluster_id, 0))
     state.cache = cache
     return {"tensors": addrs, "guard": backing[0].ctypes.data, "secret": state.secret.ctypes.data,
-            "generation": state.dd._engine.generation_word.addr,
-            "probe": state.dd._engine.links.planes["cma"].cookie.addr}
+            "generation": state.dd.engine.generation_word.addr,
+            "probe": state.dd.engine.links.planes["cma"].cookie.addr}
 
 
 def untouched(state, blocks_changed: List[int] = ()) -> bool:
@@ -96,7 +96,7 @@ def pull(state, remote_id: int, src: List[int], dst: List[int]) -> int:
 
 
 def linked(state) -> List[int]:
-    return state.dd._engine.links.linked_clusters()
+    return state.dd.engine.links.linked_clusters()
 
 
 def lost(state) -> Dict[int, str]:
@@ -104,11 +104,11 @@ def lost(state) -> Dict[int, str]:
 
 
 def data_plane(state, remote_id: int) -> str:
-    return state.dd._engine.links.data_plane(remote_id)
+    return state.dd.engine.links.data_plane(remote_id)
 
 
 def stats(state) -> Dict[str, int]:
-    return dict(state.dd._engine.links.stats)
+    return dict(state.dd.engine.links.stats)
 
 
 def limit_descriptors(state, headroom: int) -> int:
@@ -280,7 +280,7 @@ def test_server_proves_itself_to_the_client():
 
 
 def _link_to(state, remote_id: int, ip: str, port: int) -> int:
-    return int(state.dd._engine.links.link(remote_id, ip, port, 3000))
+    return int(state.dd.engine.links.link(remote_id, ip, port, 3000))
 
 
 def test_warning_for_a_non_loopback_listener_without_secret(caplog):
@@ -386,7 +386,7 @@ def test_same_host_plane_only_towards_the_proven_pid():
 
 
 def _peer_pid(state, remote_id: int) -> int:
-    return state.dd._engine.links.peer(remote_id).pid
+    return state.dd.engine.links.peer(remote_id).pid
 
 
 def test_connections_of_one_link_from_two_processes_are_refused():
@@ -686,11 +686,11 @@ def test_a_peer_of_another_user_gets_tcp():
 
 
 def _peer_uid(state, remote_id: int) -> int:
-    return state.dd._engine.links.peer(remote_id).uid
+    return state.dd.engine.links.peer(remote_id).uid
 
 
 def _plane_if_same_user(state, remote_id: int) -> str:
-    links = state.dd._engine.links
+    links = state.dd.engine.links
     peer = links.peer(remote_id)
     _, info = links._fetch_table(peer, 3000)
     peer.uid = os.geteuid()

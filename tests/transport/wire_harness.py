@@ -122,7 +122,7 @@ class FuzzServer:
             raise
 
     def _register(self) -> None:
-        self.engine = self.dd._engine
+        self.engine = self.dd.engine
         self.links = self.engine.links
         self.cookie = self.links.planes["cma"].cookie  # the same-host plane's probe word
         rng = np.random.default_rng(20240610)

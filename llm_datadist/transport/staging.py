@@ -1,0 +1,269 @@
+"""Staged payloads: device memory that the host cannot address (cuda, acl), sent and received on a
+link's connections through pinned host bounce buffers.
+
+``send_staged`` sends a frame's head and then the source bytes of a plan, copying them device ->
+host chunk by chunk (``STAGING_CHUNK_BYTES``) into two bounce buffers: the copy of chunk k+1 is
+queued on the device before chunk k goes to the socket, so copy and send overlap.
+``recv_staged`` receives chunk k into one bounce buffer while the host -> device copy of chunk k-1
+runs from the other. Both use the plan's own descriptors (``_core.stage_plan``), so no byte is
+copied outside the plan; the plan was checked against the owner's registry before (the owner's
+server) or made by this side from its own cache (the client).
+
+Used by both ends of a staged transfer: the ``staging`` plane on the side that asks (its local
+cache) and the server on the side that owns the memory (``transport.server``). The caller binds
+its thread to the engine's device first (``EngineView.bind_thread``).
+
+A copy that fails raises ``CopyFailed``; ``in_step`` says whether the connection is still in step
+with the frame: a send that failed before its first byte went out, or a receive that read (and
+dropped) the rest of the frame. Otherwise the frame is cut short and the connection must go (as
+for a truncated payload). Socket failures are returned as statuses, as ``_io.send_plan`` /
+``recv_plan`` return them.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import weakref
+from typing import Any, List, Tuple
+
+from llm_datadist import _core, _io
+from llm_datadist.status import LLMException
+from llm_datadist.transport import deadline as dl
+from llm_datadist.transport.errors import CopyFailed
+
+__all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "pool_of", "drop_pool", "send_staged", "recv_staged",
+           "HostPayload", "StagedPayload", "HOST_PAYLOAD", "CopyFailed"]
+
+#: Bytes per bounce buffer: the unit of one device copy and one socket send or receive.
+STAGING_CHUNK_BYTES = 4 << 20
+#: Most idle bounce buffers a pool keeps (each transfer in flight holds two).
+POOL_KEEP = 8
+
+_DESC = struct.Struct("<3Q")
+
+
+class BouncePool:
+    """Pinned host buffers of ``chunk_bytes`` (``_core.Allocation(runtime, n, on_device=False,
+    pinned=True)``: page-locked where the runtime has it), made on demand, kept for the next
+    transfer (at most ``keep`` idle ones), freed with the pool."""
+
+    def __init__(self, runtime: Any, chunk_bytes: int = STAGING_CHUNK_BYTES, keep: int = POOL_KEEP) -> None:
+        self.runtime = runtime
+        self.chunk_bytes = chunk_bytes
+        self.keep = keep
+        self._free: List[Any] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self, count: int = 2) -> List[Any]:
+        with self._lock:
+            taken, self._free = self._free[:count], self._free[count:]
+        while len(taken) < count:
+            taken.append(_core.Allocation(self.runtime, self.chunk_bytes, on_device=False, pinned=True))
+        return taken
+
+    def release(self, buffers: List[Any]) -> None:
+        """Give buffers back (no copy may be queued on them any more)."""
+        with self._lock:
+            if not self._closed:
+                self._free.extend(buffers[:max(0, self.keep - len(self._free))])
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def close(self) -> None:
+        """Free the idle buffers; buffers in use are freed when given back."""
+        with self._lock:
+            self._closed = True
+            self._free = []
+
+
+_pools: "weakref.WeakKeyDictionary[Any, BouncePool]" = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def pool_of(engine: Any) -> BouncePool:
+    """The bounce-buffer pool of an engine (for its current runtime), made on first use and
+    shared by its planes and its server."""
+    with _pools_lock:
+        pool = _pools.get(engine)
+        if pool is None or pool.runtime is not engine.runtime or pool._closed:
+            pool = _pools[engine] = BouncePool(engine.runtime)
+        return pool
+
+
+def drop_pool(engine: Any) -> None:
+    """Free an engine's bounce buffers (its links are closing)."""
+    with _pools_lock:
+        pool = _pools.pop(engine, None)
+    if pool is not None:
+        pool.close()
+
+
+def _bounce_plan(buffer: Any, nbytes: int) -> Any:
+    """A one-descriptor plan of the first ``nbytes`` of a bounce buffer (as source and destination,
+    for ``send_plan`` and ``recv_plan``)."""
+    return _io.plan_from_wire(_DESC.pack(buffer.addr, buffer.addr, nbytes))
+
+
+def _settle(runtime: Any) -> None:
+    """Wait for queued copies after a failure, so that no copy still uses a buffer given back."""
+    try:
+        runtime.synchronize()
+    except LLMException:
+        pass
+
+
+def send_staged(fd: int, head: bytes, plan: Any, runtime: Any, pool: BouncePool,
+                timeout_ms: int) -> Tuple[int, int]:
+    """Send ``head`` then the source bytes of ``plan`` (device memory of ``runtime``), staged
+    through two bounce buffers of ``pool``: ``(status, errno)`` of the socket; ``CopyFailed``
+    for a device copy that failed."""
+    deadline = dl.after(timeout_ms)
+    total = plan.total_bytes
+    if total == 0:
+        return _io.send_bytes(fd, head, dl.left_ms(deadline)) if head else (0, 0)
+    chunk = pool.chunk_bytes
+    try:
+        buffers = pool.acquire(2)
+    except LLMException as exc:  # no page-locked memory: nothing sent
+        raise CopyFailed(exc, True) from exc
+    pending = False  # copies queued and not yet waited for
+    sent = False     # some of the frame went out
+    try:
+        try:
+            _core.execute(_core.stage_plan(plan, 0, min(chunk, total), buffers[0].addr, True), runtime,
+                          _core.MEMCPY_DEVICE_TO_HOST, wait=False)
+            pending = True
+            runtime.synchronize()
+            pending = False
+        except LLMException as exc:
+            raise CopyFailed(exc, True) from exc
+        start, k = 0, 0
+        while start < total:
+            nbytes = min(chunk, total - start)
+            following = start + nbytes
+            if following < total:  # the next chunk's copy runs while this one is sent
+                try:
+                    _core.execute(_core.stage_plan(plan, following, min(chunk, total - following),
+                                                   buffers[(k + 1) % 2].addr, True),
+                                  runtime, _core.MEMCPY_DEVICE_TO_HOST, wait=False)
+                    pending = True
+                except LLMException as exc:
+                    raise CopyFailed(exc, not sent) from exc
+            st, err = _io.send_plan(fd, b"" if sent else head, _bounce_plan(buffers[k % 2], nbytes), False,
+                                        dl.left_ms(deadline))
+            sent = True
+            if st != 0:
+                return st, err
+            if pending:
+                try:
+                    runtime.synchronize()
+                    pending = False
+                except LLMException as exc:
+                    raise CopyFailed(exc, False) from exc
+            start, k = following, k + 1
+        return 0, 0
+    finally:
+        if pending:
+            _settle(runtime)
+        pool.release(buffers)
+
+
+def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: int) -> Tuple[int, int, int]:
+    """Receive ``plan.total_bytes`` and copy them to the destinations of ``plan`` (device memory
+    of ``runtime``) through two bounce buffers of ``pool``: ``(status, errno, received)`` of the
+    socket. A device copy that fails stops the copies; the rest of the payload is read and
+    dropped, then ``CopyFailed`` (in step) is raised."""
+    deadline = dl.after(timeout_ms)
+    total = plan.total_bytes
+    if total == 0:
+        return 0, 0, 0
+    chunk = pool.chunk_bytes
+    try:
+        buffers = pool.acquire(2)
+    except LLMException as exc:  # no page-locked memory: read the payload, drop it
+        return _drained(fd, total, deadline, exc)
+    pending = False
+    failure = None
+    start, k = 0, 0
+    try:
+        while start < total:
+            nbytes = min(chunk, total - start)
+            buffer = buffers[k % 2]
+            st, err, got = _io.recv_plan(fd, _bounce_plan(buffer, nbytes), False, dl.left_ms(deadline))
+            if st != 0:
+                return st, err, start + got
+            try:
+                if pending:  # chunk k-1 is on the device: its buffer takes chunk k+1
+                    runtime.synchronize()
+                    pending = False
+                _core.execute(_core.stage_plan(plan, start, nbytes, buffer.addr, False), runtime,
+                              _core.MEMCPY_HOST_TO_DEVICE, wait=False)
+                pending = True
+            except LLMException as exc:
+                failure = exc
+            start, k = start + nbytes, k + 1
+            if failure is not None:
+                break
+        if failure is None and pending:
+            try:
+                runtime.synchronize()
+                pending = False
+            except LLMException as exc:
+                failure = exc
+    finally:
+        if pending:
+            _settle(runtime)
+        pool.release(buffers)
+    if failure is not None:
+        st, err, got = _drained(fd, total - start, deadline, failure)  # raises once in step
+        return st, err, start + got
+    return 0, 0, total
+
+
+def _drained(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tuple[int, int, int]:
+    """After a failure, keep the connection in step: read the rest of the frame (``nbytes``) and
+    drop it, then raise ``CopyFailed`` (in step); the socket status if that read fails."""
+    if nbytes:
+        st, err, got = _io.recv_discard(fd, nbytes, dl.left_ms(deadline))
+        if st != 0:
+            return st, err, got
+    raise CopyFailed(failure, True) from failure
+
+
+class HostPayload:
+    """A frame's payload straight from and into memory the host addresses (the tcp plane)."""
+
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
+        return _io.send_plan(fd, head, plan, False, timeout_ms)
+
+    def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
+        return _io.recv_plan(fd, plan, False, timeout_ms)
+
+
+HOST_PAYLOAD = HostPayload()
+
+
+class StagedPayload(HostPayload):
+    """A frame's payload from and into device memory of an engine's runtime, staged through its
+    bounce pool (``send_staged`` / ``recv_staged``) on a thread bound to its device."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:  # nothing sent
+            raise CopyFailed(exc, True) from exc
+        return send_staged(fd, head, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
+
+    def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:
+            return _drained(fd, plan.total_bytes, dl.after(timeout_ms), exc)
+        return recv_staged(fd, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
