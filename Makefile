@@ -1,4 +1,4 @@
-.PHONY: build debug status kernel test bench lint clean
+.PHONY: build debug status kernel test test-quick bench lint clean
 
 build:        ## compile the Cython core in place
 	python setup.py build_ext --inplace
@@ -14,6 +14,9 @@ kernel:       ## regenerate include/llm_datadist/dd_copy_kernel.h (the copy kern
 
 test:         ## the test suite (same command as the README and CI)
 	python -m pytest
+
+test-quick:   ## the quick tier: the core, API and engine tests (well under a minute on 2 cores)
+	python -m pytest -q tests/core tests/api tests/engine
 
 bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only

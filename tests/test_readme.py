@@ -26,7 +26,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 #: The README's run command, exactly as a user types it at the root of a clone (issue 11).
-RUN_COMMAND = "pip install . && python -m llm_datadist demo"
+RUN_COMMAND = "pip install -e . && python -m llm_datadist demo"
 TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
 BLOCK_TIMEOUT_S = 120
 
