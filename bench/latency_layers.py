@@ -11,7 +11,7 @@
   ``range(0, 1)`` in the call does (their construction is inside the timing).
 
 Completion is included (the cma plane copies synchronously). The script only imports what every
-version of the package has, so ``PYTHONPATH=<another checkout>/src python bench/latency_layers.py``
+version of the package has, so ``PYTHONPATH=<another checkout> python bench/latency_layers.py``
 measures another commit the same way.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 if "PYTHONPATH" not in os.environ:  # the checkout's package (the Cython core is built in place)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SERVER, CLIENT, MODEL = 1, 2, 9
 KINDS = ("plain", "layer args", "layer args, new ranges")

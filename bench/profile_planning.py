@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-SRC_ROOT = Path(__file__).resolve().parent.parent / "src"
-if str(SRC_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
-    sys.path.insert(0, str(SRC_ROOT))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
+    sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 

@@ -7,7 +7,7 @@
     python bench/report_transport.py --profile        # plus cProfile of the 4 KiB cma push
 
 Same workload, processes and timing as ``test_bench_transport.py`` (see
-``llm_datadist/_workload.py``). Per case, the measurements are interleaved: every kind (memcpy
+``llm_datadist/cli/workload.py``). Per case, the measurements are interleaved: every kind (memcpy
 baseline, cma push/pull, tcp push/pull) runs one batch in turn until each has its repetitions, so
 the baseline and the transfers share the same stretches of a noisy machine.
 
@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-SRC_ROOT = Path(__file__).resolve().parent.parent / "src"
-if str(SRC_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
-    sys.path.insert(0, str(SRC_ROOT))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
+    sys.path.insert(0, str(REPO_ROOT))
 
 from llm_datadist.cli.workload import (  # noqa: E402
     BULK_CASES,

@@ -1,7 +1,7 @@
 """GPU rows: device copies, swaps and transfers against a baseline of the same bytes.
 
 The workload, processes, baselines and fences are those of ``python -m llm_datadist bench``'s GPU
-rows (``llm_datadist/_device_workload.py``): a 256 MiB-class paged cache (one tensor, twice
+rows (``llm_datadist/cli/device_workload.py``): a 256 MiB-class paged cache (one tensor, twice
 the moved blocks, random block ids), 128 MiB a call at 2 MiB and 16 KiB blocks. One
 pytest-benchmark group per (row, block size) holds the measurement and its baseline:
 

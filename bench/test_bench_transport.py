@@ -1,7 +1,7 @@
 """Block transfers between two processes: ``push_blocks`` / ``pull_blocks`` on the same-host
 (``cma``) and TCP planes, against a single-process memcpy of the same descriptors.
 
-The workload, the processes and the baselines are described in ``llm_datadist/_workload.py``
+The workload, the processes and the baselines are described in ``llm_datadist/cli/workload.py``
 (shared with ``report_transport.py`` and ``python -m llm_datadist bench``). Groups, so that
 ``--benchmark-only`` compares like with like:
 

@@ -1,6 +1,6 @@
 """``python -m llm_datadist bench``: block size x data plane x direction, against an in-run memcpy.
 
-The processes, caches and timing are those of the transport benchmarks (``_workload.py``): a
+The processes, caches and timing are those of the transport benchmarks (``workload.py``): a
 server cluster and a client cluster per plane between processes (``cma``: same-host
 ``process_vm_writev``/``readv``; ``tcp``: loopback), linked, each owning a one-tensor HOST blocks
 cache of twice the blocks a transfer moves; sources and destinations are random non-adjacent block
@@ -13,7 +13,7 @@ ids, so every block is one descriptor. For each block size:
 * ``<plane> push`` / ``<plane> pull``: ``push_blocks`` (client -> server) and ``pull_blocks``
   (server -> client), completion included.
 
-GPU rows (``--gpu``, ``_device_workload.py``): where a runtime whose memory the host cannot
+GPU rows (``--gpu``, ``device_workload.py``): where a runtime whose memory the host cannot
 address is usable (cuda on a GPU machine), ``copy_blocks`` device-to-device, ``swap_blocks`` both
 ways, ``push_blocks`` / ``pull_blocks`` over ``cuda_ipc`` and over ``staging`` between processes
 on this host, each against a baseline of the same bytes in the same run (one runtime memcpy, one

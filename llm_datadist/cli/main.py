@@ -1,9 +1,9 @@
 """Command line: ``python -m llm_datadist {demo,bench,info}``.
 
 * ``demo``: a prefill and a decode process on this host, a paged KV cache of a 7B-class model,
-  a batch of requests moved and verified byte for byte (``_demo.py``);
-* ``bench``: block size x data plane x direction against an in-run memcpy (``_bench.py``);
-* ``info``: version, build, device runtimes, data planes of this host (``_sysinfo.py``).
+  a batch of requests moved and verified byte for byte (``demo.py``);
+* ``bench``: block size x data plane x direction against an in-run memcpy (``bench.py``);
+* ``info``: version, build, device runtimes, data planes of this host (``info.py``).
 
 Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run;
 130 interrupted (Ctrl-C), after the command's processes were stopped.
