@@ -697,11 +697,13 @@ def test_torch_devices_accepted_come_from_the_runtime(test_runtime):
 
     meta = torch.empty(4, dtype=torch.int32, device="meta")
     with pytest.raises(LLMException, match="a torch tensor on meta cannot be used with the cuda runtime"):
-        resolve_address(meta, 16, "cuda", "addrs[0]")
+        resolve_address(meta, 16, "cuda", "addrs[0]", runtimes.tensor_devices("cuda"))
     runtimes.unregister("testrt")
     try:
         runtimes.register(dataclasses.replace(test_runtime, tensor_devices=("meta",)))
-        assert resolve_address(meta, 16, "testrt", "addrs[0]")[1] is meta
+        # the engine asks the registry (the base helper _memory does not import it)
+        assert runtimes.tensor_devices("testrt") == ("meta",)
+        assert resolve_address(meta, 16, "testrt", "addrs[0]", runtimes.tensor_devices("testrt"))[1] is meta
     finally:
         runtimes.unregister("testrt")
         runtimes.register(test_runtime)
