@@ -1,4 +1,4 @@
-.PHONY: build debug status kernel test test-quick bench lint clean
+.PHONY: build debug status kernel test test-quick wheels bench lint clean
 
 build:        ## compile the Cython core in place
 	python setup.py build_ext --inplace
@@ -18,6 +18,9 @@ test:         ## the test suite (same command as the README and CI)
 test-quick:   ## the quick tier: the core, API and engine tests (well under a minute on 2 cores)
 	python -m pytest -q tests/core tests/api tests/engine
 
+wheels:       ## manylinux_2_28 wheels for CPython 3.10-3.13 in wheelhouse/, each installed without a compiler and run through the quick tier
+	python tools/build_wheels.py
+
 bench:        ## pytest-benchmark suites
 	python -m pytest bench/ --benchmark-only
 
@@ -26,4 +29,4 @@ lint:         ## ruff and cython-lint (pip install ruff cython-lint); .ci/run ru
 	cython-lint llm_datadist/*.pyx llm_datadist/*.pxd llm_datadist/runtimes/*.pxd llm_datadist/runtimes/*.pxi
 
 clean:
-	rm -rf build dist *.egg-info llm_datadist/_core.c llm_datadist/_io.c llm_datadist/*.so
+	rm -rf build dist wheelhouse *.egg-info llm_datadist/_core.c llm_datadist/_io.c llm_datadist/*.so

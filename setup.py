@@ -11,6 +11,12 @@ Every build first checks the status table: the mirrors generated from
 ``include/llm_datadist/dd_status.h`` (``_status_codes.py``, ``_status.pxd``) must match it, and
 ``status.py`` must name only codes it defines; otherwise the build stops and says to run
 ``python tools/status_table.py`` (``make status``).
+
+Wheels target glibc 2.28 and later (manylinux_2_28, ``tools/build_wheels.py``) whatever glibc builds
+them: ``include/llm_datadist/dd_glibc.h`` binds dlopen, dlsym, dlclose and dlerror to the symbol
+versions every glibc exports, and on glibc 2.34 or later, where ``-ldl`` finds only an empty
+libdl.a, ``_core`` is linked against libdl.so.2 by file name so that it names it as a needed
+library, as a build on glibc 2.28 does: before 2.34 those functions live in libdl.so.2.
 """
 
 import importlib.util
@@ -63,6 +69,19 @@ if DEBUG:
 else:
     compile_args = ["-O3"]
 
+
+def libdl_link_args():
+    """On glibc 2.34 or later: libdl.so.2 by file name, needed even if unused (module docstring)."""
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"
+    except (AttributeError, ValueError, OSError):  # not Linux
+        return []
+    name, _, version = libc.partition(" ")
+    if name != "glibc" or tuple(int(part) for part in version.split(".")[:2]) < (2, 34):
+        return []
+    return ["-Wl,--push-state,--no-as-needed", "-l:libdl.so.2", "-Wl,--pop-state"]
+
+
 extensions = [
     Extension(
         "llm_datadist._core",
@@ -71,6 +90,7 @@ extensions = [
         define_macros=macros,
         extra_compile_args=compile_args,
         libraries=["dl"],
+        extra_link_args=libdl_link_args(),
     ),
     Extension(
         "llm_datadist._io",

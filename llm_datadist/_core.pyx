@@ -16,6 +16,11 @@ from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memmove, memset
 from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
+# Binds the dl* calls above to the symbol versions every glibc exports (GLIBC_2.2.5 on x86_64), not
+# to the GLIBC_2.34 ones a build on a newer glibc would get: see include/llm_datadist/dd_glibc.h.
+cdef extern from "llm_datadist/dd_glibc.h":
+    pass
+
 cimport numpy as cnp
 
 cdef extern from "<stdlib.h>" nogil:

@@ -1,7 +1,7 @@
 """README.md cannot rot: every ```python block runs as written, every command of a ```bash block is
 checked against the code it names (the command line's parser, pytest's options, the extras in
-pyproject.toml, the Makefile's targets), the paths it mentions exist, and ``.ci/run`` runs the
-"Run it" and "Test it" commands verbatim.
+pyproject.toml, the Makefile's targets, the options of the scripts in tools/), the paths it
+mentions exist, and ``.ci/run`` runs the "Run it" and "Test it" commands verbatim.
 
 A shell command this file does not know how to check fails the test: teach ``check_command`` about
 it rather than leave it unchecked.
@@ -195,6 +195,19 @@ def _check_pytest_benchmark(args: List[str]) -> None:
             assert arg.split("=", 1)[0] in help_text, f"pytest-benchmark compare has no option {arg}"
 
 
+def _check_tool(args: List[str]) -> None:
+    """``python tools/NAME.py ...``: the script exists and its --help names every option used."""
+    script = REPO_ROOT / args[0]
+    assert script.is_file(), f"python {args[0]}: no such script"
+    help_text = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO_ROOT, capture_output=True,
+                               text=True, timeout=60).stdout
+    for arg in args[1:]:
+        if arg.startswith("-"):
+            option = arg.split("=", 1)[0]
+            assert re.search(rf"(^|[\s,\[]){re.escape(option)}([\s=,\]]|$)", help_text, re.M), \
+                f"python {args[0]} has no option {option}"
+
+
 def _check_vllm_serve(args: List[str]) -> None:
     """vLLM itself may be absent: check what is ours, the connector named by the JSON config."""
     import importlib.util
@@ -214,6 +227,8 @@ def check_command(words: List[str]) -> None:
         _check_llm_datadist(words[3:])
     elif words[:3] == ["python", "-m", "pytest"]:
         _check_pytest(words[3:])
+    elif words[0] == "python" and len(words) > 1 and re.fullmatch(r"tools/\w+\.py", words[1]):
+        _check_tool(words[1:])
     elif words[0] == "pytest-benchmark":
         _check_pytest_benchmark(words[1:])
     elif words[0] == "vllm":
@@ -238,6 +253,10 @@ def test_the_checks_catch_what_they_are_for():
         _check_pip(["pip", "install", ".[no_such_extra]"])
     with pytest.raises(AssertionError):
         _check_pytest(["no_such_dir/"])
+    with pytest.raises(AssertionError):
+        _check_tool(["tools/build_wheels.py", "--no-such-flag"])
+    with pytest.raises(AssertionError):
+        _check_tool(["tools/no_such_tool.py"])
     with pytest.raises(pytest.fail.Exception):
         check_command(["curl", "http://example.invalid"])
     assert shell_commands('a b && c "d\ne" # note\nf\n') == [["a", "b"], ["c", "d\ne"], ["f"]]
