@@ -1,5 +1,7 @@
 """The engine: one per process, shared by the Python-style and the C++-style API.
 
+Its values (references, block specs, records, pools) and option parsers are in ``values``.
+
 It owns the cache registry (cache_id counter, keys, blocks keys), memory allocated per placement,
 the device runtime and the links (``transport.links.LinkManager``), and turns local copy requests
 into one core plan + one execution each. It speaks in plain values (placements as ``Place``,
@@ -11,21 +13,22 @@ maps errors to its own surface. It imports nothing of either API style.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _core, _io, runtimes
 from llm_datadist.runtimes import select_runtime
-from llm_datadist._memory import (
-    ADDRESS_SPACE, Place, check_address_range, host_view, resolve_addresses, tensor_bytes,
-)
-from llm_datadist._validate import INT32_MAX, is_instance_strict, param_invalid
+from llm_datadist._memory import Place, check_address_range, host_view, resolve_addresses
+from llm_datadist._validate import is_instance_strict, param_invalid
 from llm_datadist.data_type import DataType
+from llm_datadist.engine.values import (
+    BLOCKS, DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, CacheRowRef, KeyRef, LayerTarget,
+    MemoryPool, RemoteRef, cache_geometry, is_blocks, is_rows, not_exist as _not_exist, parse_pool as _parse_pool,
+)
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
 from llm_datadist.transport.links import LinkManager
@@ -33,17 +36,10 @@ from llm_datadist.transport.shm import SharedCounter
 
 logger = logging.getLogger("llm_datadist")
 
-DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 #: How long ``finalize`` waits in all for the ``transfer_cache_async`` threads still running (a
 #: transfer in flight ends at the link's timeout; a synchronizer that never returns is abandoned,
 #: and its thread starts no transfer after it returns).
 FINALIZE_JOIN_S = 10.0
-
-# Cache kinds: a contiguous cache (rows = batch), a blocks cache (rows = blocks), or MIX (the
-# C++ RegisterKvCache kind, usable both ways).
-CONTIGUOUS = "cache"
-BLOCKS = "blocks"
-MIX = "mix"
 
 _KIND_BY_PLACEMENT = {
     (Place.HOST, Place.HOST): _core.MEMCPY_HOST_TO_HOST,
@@ -61,178 +57,6 @@ def _needs_order(src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> 
     if len(set(written)) != len(written):
         return True
     return src is dst and not set(written).isdisjoint(int(b) for b in src_blocks)
-
-
-# -- what the API styles hand the engine --------------------------------------------------------
-@dataclass(frozen=True)
-class CacheRowRef:
-    """A peer's cache row by cache id (``CacheKeyByIdAndIndex``, ``cpp.CacheIndex``)."""
-
-    cache_id: int
-    row: int = 0
-
-
-@dataclass(frozen=True)
-class KeyRef:
-    """A peer's cache row bound to an owner key (``CacheKey.owner_key()``)."""
-
-    owner_key: tuple
-
-
-@dataclass(frozen=True)
-class BlocksRef:
-    """A peer's blocks cache by the model id it was registered under (``BlocksCacheKey``)."""
-
-    model_id: int
-
-
-RemoteRef = Union[CacheRowRef, KeyRef, BlocksRef]
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """The block lists of one transfer, converted and element-checked once by the core
-    (``block_array``: 1-D uint64 arrays); the planners check them against the geometry.
-    ``src_blocks`` None: a row cut into ``block_bytes`` chunks, chunk k -> ``dst_blocks[k]``.
-    ``block_bytes`` -1: the source block size."""
-
-    src_blocks: Any
-    dst_blocks: Any
-    block_bytes: int = -1
-
-    @property
-    def row_to_blocks(self) -> bool:
-        return self.src_blocks is None
-
-
-@dataclass(frozen=True)
-class LayerTarget:
-    """One destination of ``transfer_cache_async`` (one ``TransferConfig``): source layers
-    ``src_layers`` of row ``src_row`` go to ``ref`` from layer ``dst_layer_start`` on, or to the
-    raw tensor addresses ``dst_addrs`` (two per layer)."""
-
-    remote_id: int
-    src_layers: range
-    src_row: int
-    ref: Optional[RemoteRef] = None
-    dst_layer_start: Optional[int] = None
-    dst_addrs: Optional[Tuple[int, ...]] = None
-
-
-def block_array(values: Any, name: str, cann_errors: bool = False) -> Any:
-    """A block list as a checked uint64 array (see ``_core.as_block_array``): errors are
-    LLM_PARAM_INVALID, or with ``cann_errors`` the CANN Python API's TypeError/ValueError."""
-    return _core.as_block_array(values, name, _core.BLOCK_ERRORS_CANN if cann_errors
-                                else _core.BLOCK_ERRORS_STATUS)
-
-
-def block_map_arrays(mapping: Any, one_to_many: bool = False) -> Optional[Tuple[Any, Any]]:
-    """``(src, dst)`` block arrays of a ``{src: dst}`` / ``{src: [dst, ...]}`` dict of plain ints,
-    or None when the dict holds anything else (see ``_core.block_map_arrays``)."""
-    return _core.block_map_arrays(mapping, one_to_many)
-
-
-def layer_tensors(src_range: Any, dst_range: Any, tensor_num_per_layer: int, inclusive: bool = False):
-    """The tensor selection of a pair of layer ranges, as ``tensors(src_n, dst_n)``: Python ranges
-    (None = all layers) or, ``inclusive``, C++ inclusive pairs (``(-1, -1)`` = all layers)."""
-    def tensors(src_n: int, dst_n: int):
-        return _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, tensor_num_per_layer,
-                                          inclusive)
-    return tensors
-
-
-def is_blocks(record: "CacheRecord") -> bool:
-    """Whether the cache was registered or allocated as a blocks cache (or MIX)."""
-    return record.kind != CONTIGUOUS
-
-
-def is_rows(record: "CacheRecord") -> bool:
-    """Whether the cache was registered or allocated as a contiguous cache (or MIX)."""
-    return record.kind != BLOCKS
-
-
-def _not_exist(message: str) -> LLMException:
-    return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-
-
-@dataclass(eq=False)
-class CacheRecord:
-    """One cache known to the engine (or a transient one, cache_id -1, for staging buffers)."""
-
-    cache_id: int
-    num_tensors: int
-    shape: Tuple[int, ...]
-    data_type: DataType
-    placement: Place
-    kind: str
-    addrs: List[int]
-    tensor_bytes: int
-    layout: Any  # _core.CacheLayout: rows = shape[0], row bytes = tensor_bytes // shape[0]
-    registered: bool
-    batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
-    allocations: List[Any] = field(default_factory=list)
-    keepalive: List[Any] = field(default_factory=list)
-    #: Tensors of a registered HOST cache page-locked for the device (``Engine._pin_host``).
-    pinned_addrs: List[int] = field(default_factory=list)
-    owner_keys: set = field(default_factory=set)
-    pool_bytes: int = 0
-    id_released: bool = False
-    delivered: dict = field(default_factory=dict)  # owner key -> tensor indices pulled by peers
-
-    @property
-    def row_bytes(self) -> int:
-        return self.layout.row_bytes
-
-    @property
-    def num_rows(self) -> int:
-        return self.layout.num_rows
-
-
-@dataclass
-class MemoryPool:
-    """Byte accounting for a configured pool (``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig``)."""
-
-    capacity: int
-    used: int = 0
-
-
-def parse_listen_ip_info(value: str) -> Tuple[str, int]:
-    """``"ip:port"`` (or ``"[ipv6]:port"``) as (ip, port); LLM_PARAM_INVALID if malformed."""
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise param_invalid(f"listen ip info {value!r} must look like 'ip:port'")
-    return host, int(port)
-
-
-def cache_geometry(shape: Sequence[int], data_type: DataType) -> Tuple[Tuple[int, ...], int]:
-    """``(shape as a tuple, bytes of one tensor)``, the shape read exactly once: a caller's list
-    may change after (or while) it is checked, so the engine keeps and uses only this copy. A
-    tensor must fit the 64-bit address space."""
-    dims = tuple(shape)
-    for dim in dims:
-        if not is_instance_strict(dim, int):
-            raise TypeError(f"shape {list(dims)} must hold ints, got {type(dim).__name__}")
-    nbytes = tensor_bytes(dims, data_type)
-    if nbytes >= ADDRESS_SPACE:
-        raise param_invalid(f"a tensor of shape {list(dims)} ({nbytes} bytes) does not fit the "
-                            f"64-bit address space")
-    return dims, nbytes
-
-
-def _parse_pool(options: Dict[str, str], key: str) -> Optional[MemoryPool]:
-    text = options.get(key, "")
-    if not text:
-        return None
-    try:
-        cfg = json.loads(text)
-        size = int(cfg["memory_size"])
-    except (ValueError, KeyError, TypeError):
-        raise param_invalid(f"option {key} must be JSON with a memory_size, got {text!r}") from None
-    if size <= 0:
-        raise param_invalid(f"option {key}: memory_size must be > 0, got {size}")
-    return MemoryPool(size)
 
 
 _active_lock = threading.Lock()
@@ -1091,35 +915,3 @@ class Engine:
             table.forget_key(key)  # released by the owner; a later pull by it must miss
 
 
-def _all_tensors(src_n: int, dst_n: int):
-    return None, None
-
-
-def whole_caches(tensor_num_per_layer: int):
-    """The tensor selection of a transfer without layer ranges: every tensor, positionally. A
-    ``tensor_num_per_layer`` other than the default must still lie in [1, num_tensors] of both
-    caches (the default is accepted whatever the tensor count, e.g. for one-tensor caches)."""
-    if tensor_num_per_layer == 2:
-        return _all_tensors
-
-    def tensors(src_n: int, dst_n: int):
-        for side, count in (("source", src_n), ("destination", dst_n)):
-            if not 1 <= tensor_num_per_layer <= count:
-                raise param_invalid(f"tensor_num_per_layer {tensor_num_per_layer} must be in [1, {count}] "
-                                    f"(the number of tensors of the {side} cache)")
-        return None, None
-    return tensors
-
-
-def check_device_id(text: str) -> int:
-    """Device id option (``"0"``); llm_datadist binds exactly one device per process."""
-    parts = [p for p in text.split(";") if p != ""]
-    if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) > INT32_MAX:
-        raise param_invalid(f"device id option {text!r} must name exactly one device id")
-    return int(parts[0])
-
-
-def check_sync_timeout(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) <= INT32_MAX:
-        raise param_invalid(f"llm.SyncKvCacheWaitTime must be a positive int32 in ms, got {text!r}")
-    return int(text)
