@@ -26,7 +26,7 @@ from llm_datadist.data_type import DataType
 from llm_datadist.engine.layerwise import FINALIZE_JOIN_S, LayerRunner
 from llm_datadist.engine.registry import Registry
 from llm_datadist.engine.values import (
-    DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, Planned, RemoteRef,
+    DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, RemoteRef,
     cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, swap_geometry,
 )
 from llm_datadist.status import LLMException, LLMStatusCode
@@ -451,15 +451,17 @@ class Engine:
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms,
                                    local_device=self.device_only(local))
 
-    def _transfer_planned(self, remote_id: int, local: CacheRecord, write: bool, planner) -> Planned:
-        """``_transfer`` with ``planner(table) -> Planned``; returns what the planner resolved
-        for the plan that ran (the links may plan twice, against a refreshed table)."""
+    def _transfer_planned(self, remote_id: int, local: CacheRecord, write: bool, planner) -> tuple:
+        """``_transfer`` with ``planner(table) -> (plan, table, remote cache, row, src_tensors,
+        dst_tensors)``: returns that tuple for the plan that ran (the links may plan twice,
+        against a refreshed table), so the caller learns what the plan resolved. A plain tuple:
+        this is the per-call path of every checked block transfer."""
         planned = None
 
         def make(table):
             nonlocal planned
             planned = planner(table)
-            return planned.plan
+            return planned[0]
         self._transfer(remote_id, local, write, make)
         return planned
 
@@ -472,11 +474,10 @@ class Engine:
         tensor_num_per_layer)`` when it takes the route path (``routes``) for later calls."""
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
 
-        def planner(table) -> Planned:
+        def planner(table):
             cache, _ = resolve_remote(table, remote_id, ref)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
-            return Planned(_core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks),
-                           table, cache, 0, st, dt)
+            return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
         planned = self._transfer_planned(remote_id, src, True, planner)
         if route_key is not None and type(ref) is BlocksRef:
             self._learn_route((remote_id, ref.model_id, src.cache_id, True), src, route_key, planned)
@@ -491,23 +492,23 @@ class Engine:
             return
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
 
-        def planner(table) -> Planned:
+        def planner(table):
             cache, _ = resolve_remote(table, remote_id, ref)
             if cache.row_bytes != dst.row_bytes:
                 raise param_invalid(f"block sizes differ: remote cache {cache.cache_id} has "
                                     f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            return Planned(_core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks),
-                           table, cache, 0, st, dt)
+            return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
         planned = self._transfer_planned(remote_id, dst, False, planner)
         if route_key is not None and type(ref) is BlocksRef:
             self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, planned)
 
-    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, planned: Planned) -> None:
-        """After a checked block transfer: keep (or build) the route of ``key`` and teach it the
-        tensor selection the layer arguments ``selection`` resolved to. A plane without routes,
-        a transient (``create_cpu_cache``) cache or one that left the registry meanwhile: none."""
-        table, cache = planned.table, planned.cache
+    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, planned: tuple) -> None:
+        """After a checked block transfer (``planned`` as ``_transfer_planned`` returns it): keep
+        (or build) the route of ``key`` and teach it the tensor selection the layer arguments
+        ``selection`` resolved to. A plane without routes, a transient (``create_cpu_cache``)
+        cache or one that left the registry meanwhile: none."""
+        _, table, cache, _, st, dt = planned
         if local.cache_id <= 0 or self.device_only(local) or not cache.host_addressable:
             return  # routes copy host memory (device memory moves through its device plane)
         registry = self.registry
@@ -522,16 +523,16 @@ class Engine:
                     self.routes.pop(key, None)
                     return
                 self.routes[key] = route
-            route.learn(selection, planned.src_tensors, planned.dst_tensors)
+            route.learn(selection, st, dt)
 
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
         the owner if the row was bound to a key it may release."""
-        def planner(table) -> Planned:
+        def planner(table):
             cache, row = resolve_remote(table, remote_id, ref)
             check_row_in_range(cache, row, remote_id)
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            return Planned(plan_row(cache, row, st, dt), table, cache, row, st, dt)
+            return plan_row(cache, row, st, dt), table, cache, row, st, dt
         self._release_pulled_key(remote_id, self._transfer_planned(remote_id, dst, False, planner))
 
     def pull_row_to_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, dst_blocks,
@@ -559,12 +560,12 @@ class Engine:
             return _core.plan_rows(src.layout, cache.layout, st, dt, src_row, row, 0, 0, -1)
         self._transfer(remote_id, src, True, make)
 
-    def _release_pulled_key(self, remote_id: int, planned: Planned) -> None:
+    def _release_pulled_key(self, remote_id: int, planned: tuple) -> None:
         """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""
         if self.links.remote_accessible:
             return  # one-sided reads: the owner takes no part, its keys stay bound
-        table, cache, src_tensors = planned.table, planned.cache, planned.src_tensors
-        key = table.row_keys.get((cache.cache_id, planned.row))
+        _, table, cache, row, src_tensors, _ = planned
+        key = table.row_keys.get((cache.cache_id, row))
         if key is None or key not in table.consumable:
             return
         pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]

@@ -3,15 +3,15 @@
 What the API styles hand the engine (remote references ``CacheRowRef`` / ``KeyRef`` /
 ``BlocksRef``, block lists as ``BlockSpec``, layer-wise destinations as ``LayerTarget``, tensor
 selections from ``layer_tensors`` / ``whole_caches``), what the registry keeps (``CacheRecord``,
-``MemoryPool``), what a planner made against a peer's table (``Planned``), and the parsers and
-checks of the engine's options and geometry. Every other engine module builds on this one.
+``MemoryPool``), remote references resolved in a peer's table, and the parsers and checks of
+the engine's options and geometry. Every other engine module builds on this one.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from llm_datadist import _core
 from llm_datadist._memory import ADDRESS_SPACE, Place, check_address_range, tensor_bytes
@@ -206,20 +206,7 @@ class MemoryPool:
     used: int = 0
 
 
-# -- what a planner made against a peer's table -------------------------------------------------
-class Planned(NamedTuple):
-    """A plan made against a peer's table, with what it resolved on the way: the table, the
-    remote cache and row, and the tensor selection (``src_tensors`` / ``dst_tensors``, None =
-    all) -- what the engine needs after the transfer (block routes, key releases)."""
-
-    plan: Any
-    table: Any
-    cache: Any
-    row: int
-    src_tensors: Any
-    dst_tensors: Any
-
-
+# -- a peer's table -----------------------------------------------------------------------------------
 def resolve_remote(table, remote_id: int, ref: RemoteRef):
     """Resolve a remote reference in a peer's ``table`` -> ``(RemoteCache, row)``."""
     kind = type(ref)
