@@ -6,7 +6,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from llm_datadist.engine import engine as _engine
+from llm_datadist.engine import values
+from llm_datadist.engine.engine import Engine
 from llm_datadist._memory import Place
 from llm_datadist._validate import (
     check_int64,
@@ -49,7 +50,7 @@ class CacheManager:
     failures (e.g. ``LLM_KV_CACHE_NOT_EXIST`` for an unknown cache).
     """
 
-    def __init__(self, llm_datadist, engine: "_engine.Engine", options: Dict[str, str]) -> None:
+    def __init__(self, llm_datadist, engine: "Engine", options: Dict[str, str]) -> None:
         self._llm_datadist = llm_datadist
         self._engine = engine
         self._initialized = True
@@ -82,7 +83,7 @@ class CacheManager:
                            "the cache has no tensors (was it released?)")
             return self._engine.transient(geometry.num_tensors, geometry.shape, geometry.data_type,
                                           _PLACEMENT[geometry.placement], cache._tensor_addrs,
-                                          _engine.BLOCKS if cache.is_blocks_cache else _engine.CONTIGUOUS,
+                                          values.BLOCKS if cache.is_blocks_cache else values.CONTIGUOUS,
                                           geometry.batch_dim)
         return self._engine.lookup(cache.cache_id)
 
@@ -90,7 +91,7 @@ class CacheManager:
     def _is_kind(cache: Cache, record, blocks: bool) -> bool:
         """Whether ``cache`` is a blocks cache (``blocks``) or a contiguous one, as the caller's
         object says and as the engine recorded it: both must agree."""
-        recorded = _engine.is_blocks(record) if blocks else _engine.is_rows(record)
+        recorded = values.is_blocks(record) if blocks else values.is_rows(record)
         return cache.is_blocks_cache == blocks and recorded
 
     def _tensor_views(self, cache: Cache) -> list:
@@ -136,7 +137,7 @@ class CacheManager:
         check_isinstance("cache_keys", cache_keys, [list, tuple], CacheKey, allow_none=False)
         self._remote_accessible(cache_desc, remote_accessible)
         record = self._engine.register(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
-                                       _PLACEMENT[cache_desc.placement], addrs, _engine.CONTIGUOUS,
+                                       _PLACEMENT[cache_desc.placement], addrs, values.CONTIGUOUS,
                                        [key.owner_key() for key in cache_keys],
                                        batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, True, False)
@@ -152,7 +153,7 @@ class CacheManager:
         self._remote_accessible(cache_desc, remote_accessible)
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
         record = self._engine.register(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
-                                       _PLACEMENT[cache_desc.placement], addrs, _engine.BLOCKS,
+                                       _PLACEMENT[cache_desc.placement], addrs, values.BLOCKS,
                                        blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, True, True)
 
@@ -187,7 +188,7 @@ class CacheManager:
         check_isinstance("cache_keys", cache_keys, [list, tuple], CacheKey, allow_none=False)
         self._check_pool(cache_desc)
         record = self._engine.allocate(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
-                                       _PLACEMENT[cache_desc.placement], _engine.CONTIGUOUS,
+                                       _PLACEMENT[cache_desc.placement], values.CONTIGUOUS,
                                        [key.owner_key() for key in cache_keys],
                                        batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, False, False)
@@ -201,7 +202,7 @@ class CacheManager:
         self._check_pool(cache_desc)
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
         record = self._engine.allocate(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
-                                       _PLACEMENT[cache_desc.placement], _engine.BLOCKS,
+                                       _PLACEMENT[cache_desc.placement], values.BLOCKS,
                                        blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)
         return Cache(record.cache_id, cache_desc, record.addrs, self, False, True)
 
@@ -260,7 +261,7 @@ class CacheManager:
         check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
         # The core flattens a dict of plain ints in one pass; anything else is checked here, as
         # CANN checks it (the core then refuses what is out of range).
-        arrays = _engine.block_map_arrays(copy_block_info, one_to_many=True)
+        arrays = values.block_map_arrays(copy_block_info, one_to_many=True)
         if arrays is None:
             for src_block, dst_blocks in copy_block_info.items():
                 check_isinstance("copy_block_info key", src_block, int, allow_none=False)
@@ -282,7 +283,7 @@ class CacheManager:
                 raise AttributeError(f"{name} is None")
             check_isinstance(name, cache, Cache)
             raise_if_false(cache.is_blocks_cache, f"swap_blocks: {name} should be a blocks cache")
-        arrays = _engine.block_map_arrays(src_to_dst)
+        arrays = values.block_map_arrays(src_to_dst)
         if arrays is None:
             check_isinstance("src_to_dst", src_to_dst, dict, int, allow_none=False)
             arrays = (list(src_to_dst.keys()), list(src_to_dst.values()))
@@ -321,7 +322,7 @@ class CacheManager:
         """Checks the layer arguments now; returns ``tensors(src_n, dst_n)`` for the engine."""
         if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
                 and tensor_num_per_layer > 0:
-            return _engine.whole_caches(tensor_num_per_layer)
+            return values.whole_caches(tensor_num_per_layer)
         for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
             check_isinstance(name, value, range)
             if value is not None:
@@ -330,9 +331,9 @@ class CacheManager:
         check_isinstance("tensor_num_per_layer", tensor_num_per_layer, int, allow_none=False)
         raise_if_false(tensor_num_per_layer > 0, f"tensor_num_per_layer must be > 0, got {tensor_num_per_layer}")
         if src_layer_range is None and dst_layer_range is None:
-            return _engine.whole_caches(tensor_num_per_layer)
+            return values.whole_caches(tensor_num_per_layer)
 
-        return _engine.layer_tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        return values.layer_tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
 
     @staticmethod
     def _block_list(name: str, blocks) -> np.ndarray:
@@ -341,28 +342,28 @@ class CacheManager:
         CANN's errors (TypeError for a non-integer or a bool, ValueError outside uint64)."""
         if type(blocks) is not list and type(blocks) is not tuple and not isinstance(blocks, np.ndarray):
             check_isinstance(name, blocks, [list, tuple], allow_none=False)
-        return _engine.block_array(blocks, name, cann_errors=True)
+        return values.block_array(blocks, name, cann_errors=True)
 
     @staticmethod
-    def _row_ref(key) -> "_engine.RemoteRef":
+    def _row_ref(key) -> "values.RemoteRef":
         """A remote row reference from a CacheKeyByIdAndIndex or a CacheKey."""
         if isinstance(key, CacheKeyByIdAndIndex):
-            return _engine.CacheRowRef(key.cache_id, key.batch_index)
+            return values.CacheRowRef(key.cache_id, key.batch_index)
         raise_if_false((key.req_id != INVALID_ID) != (key.prefix_id != INVALID_ID),
                        f"{key}: exactly one of req_id and prefix_id must be set")
-        return _engine.KeyRef(key.owner_key())
+        return values.KeyRef(key.owner_key())
 
     @staticmethod
-    def _layer_target(cfg, src_layers: range) -> "_engine.LayerTarget":
+    def _layer_target(cfg, src_layers: range) -> "values.LayerTarget":
         """A ``TransferConfig`` / ``TransferWithCacheKeyConfig`` as the engine's LayerTarget."""
         if isinstance(cfg, TransferConfig):
-            return _engine.LayerTarget(cfg.dst_cluster_id, src_layers, cfg.src_batch_index,
+            return values.LayerTarget(cfg.dst_cluster_id, src_layers, cfg.src_batch_index,
                                        dst_addrs=tuple(cfg.dst_addrs))
         key = cfg.cache_key
-        ref = (_engine.BlocksRef(key.model_id) if isinstance(key, BlocksCacheKey)
-               else _engine.CacheRowRef(key.cache_id, key.batch_index))
+        ref = (values.BlocksRef(key.model_id) if isinstance(key, BlocksCacheKey)
+               else values.CacheRowRef(key.cache_id, key.batch_index))
         dst_start = None if cfg.dst_layer_range is None else cfg.dst_layer_range.start
-        return _engine.LayerTarget(key.cluster_id, src_layers, cfg.src_batch_index, ref=ref,
+        return values.LayerTarget(key.cluster_id, src_layers, cfg.src_batch_index, ref=ref,
                                    dst_layer_start=dst_start)
 
     def _local(self, cache: Cache, name: str):
@@ -451,12 +452,12 @@ class CacheManager:
             if len(src_list) != len(dst_list):
                 raise param_invalid(f"pull_blocks: src_blocks has {len(src_list)} entries, "
                                     f"dst_blocks {len(dst_list)}")
-            self._engine.pull_blocks(remote, _engine.BlocksRef(src_cache_key.model_id), dst,
-                                     _engine.BlockSpec(src_list, dst_list), tensors, (src_range, dst_range, n))
+            self._engine.pull_blocks(remote, values.BlocksRef(src_cache_key.model_id), dst,
+                                     values.BlockSpec(src_list, dst_list), tensors, (src_range, dst_range, n))
         else:
             raise_if_false(len(src_list) == 0, "pull_blocks: src_blocks must be empty when pulling a "
                            "contiguous cache row into blocks")
-            self._engine.pull_blocks(remote, self._row_ref(src_cache_key), dst, _engine.BlockSpec(None, dst_list),
+            self._engine.pull_blocks(remote, self._row_ref(src_cache_key), dst, values.BlockSpec(None, dst_list),
                                      tensors)
 
     def _check_push_mode(self, method: str) -> None:
@@ -519,8 +520,8 @@ class CacheManager:
         if len(src_list) != len(dst_list):
             raise param_invalid(f"push_blocks: src_blocks has {len(src_list)} entries, dst_blocks {len(dst_list)}")
         tensors = self._tensors(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), _engine.BlocksRef(dst_cache_key.model_id),
-                                 src, _engine.BlockSpec(src_list, dst_list), tensors,
+        self._engine.push_blocks(self._remote_id(dst_cache_key.cluster_id), values.BlocksRef(dst_cache_key.model_id),
+                                 src, values.BlockSpec(src_list, dst_list), tensors,
                                  (src_layer_range, dst_layer_range, tensor_num_per_layer))
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
@@ -573,12 +574,12 @@ class CacheManager:
         blocks = None
         if has_src:
             raise_if_false(self._is_kind(src_cache, src, True), "src_block_indices needs a blocks source cache")
-            blocks = _engine.BlockSpec(src_arr, dst_arr, dst_block_memory_size or src.row_bytes)
+            blocks = values.BlockSpec(src_arr, dst_arr, dst_block_memory_size or src.row_bytes)
         elif has_dst:
             raise_if_false(0 < dst_block_memory_size < src.tensor_bytes,
                            f"dst_block_memory_size ({dst_block_memory_size}) must be > 0 and < the tensor "
                            f"size ({src.tensor_bytes}) when transferring from a contiguous cache to blocks")
-            blocks = _engine.BlockSpec(None, dst_arr, dst_block_memory_size)
+            blocks = values.BlockSpec(None, dst_arr, dst_block_memory_size)
         targets = [self._layer_target(cfg, cfg.src_layer_range) for cfg in transfer_configs]
         jobs = self._engine.layer_jobs(src, targets, blocks)
         thread, results = self._engine.start_layer_transfer(src, layer_synchronizer, jobs)

@@ -37,7 +37,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from llm_datadist import _validate
-from llm_datadist.engine import engine as _engine
+from llm_datadist.engine import values
+from llm_datadist.engine.engine import Engine
 from llm_datadist._memory import Place
 from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
 from llm_datadist.data_type import DataType
@@ -296,12 +297,12 @@ def _desc_values(desc: CacheDesc) -> Tuple[int, List[int], DataType, Place]:
     return num_tensors, shape, _data_type(desc.data_type), _placement(desc.placement)
 
 
-def _block_list(name: str, values: Sequence[int]) -> np.ndarray:
+def _block_list(name: str, blocks: Sequence[int]) -> np.ndarray:
     """A ``std::vector<uint64_t>`` of block indices as the core's checked uint64 array: the
     container is checked here, every element once by the core (LLM_PARAM_INVALID if bad)."""
-    if not isinstance(values, (list, tuple, np.ndarray)):
+    if not isinstance(blocks, (list, tuple, np.ndarray)):
         raise param_invalid(f"{name} must be a list of uint64")
-    return _engine.block_array(values, name)
+    return values.block_array(blocks, name)
 
 
 class LlmDataDist:
@@ -312,14 +313,14 @@ class LlmDataDist:
             raise ValueError(f"cluster_id must be a uint64, got {cluster_id!r}")
         self._cluster_id = cluster_id
         self._role = LlmRole(role)
-        self._engine = _engine.Engine(cluster_id, _ROLE_NAMES.get(self._role, "Mix"))
+        self._engine = Engine(cluster_id, _ROLE_NAMES.get(self._role, "Mix"))
 
     @property
     def cluster_id(self) -> int:
         return self._cluster_id
 
     @property
-    def engine(self) -> _engine.Engine:
+    def engine(self) -> Engine:
         """The engine below this cluster: the documented seam of ``LLMDataDist.engine`` (not part
         of CANN's API), for tests, diagnostics and integrations."""
         return self._engine
@@ -338,11 +339,11 @@ class LlmDataDist:
         device = options.get(OPTION_DEVICE_ID, options.get("ge.exec.deviceId"))
         if device is None:
             raise param_invalid(f"option {OPTION_DEVICE_ID} is required")
-        device_id = _engine.check_device_id(device)
-        timeout = _engine.check_sync_timeout(options.get(OPTION_SYNC_CACHE_WAIT_TIME,
-                                                         str(_engine.DEFAULT_SYNC_KV_TIMEOUT_MS)))
+        device_id = values.check_device_id(device)
+        timeout = values.check_sync_timeout(options.get(OPTION_SYNC_CACHE_WAIT_TIME,
+                                                         str(values.DEFAULT_SYNC_KV_TIMEOUT_MS)))
         listen_text = options.get(OPTION_LISTEN_IP_INFO, options.get("llm.listenIpInfo", ""))
-        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        listen = values.parse_listen_ip_info(listen_text) if listen_text else None
         opts = dict(options)
         opts["llm.Role"] = _ROLE_NAMES[self._role]
         opts["llm.EnableRemoteCacheAccessible"] = "1"
@@ -359,7 +360,7 @@ class LlmDataDist:
             raise param_invalid(f"role {role!r} is not kPrompt, kDecoder or kMix")
         options = options or {}
         listen_text = options.get(OPTION_LISTEN_IP_INFO, "")
-        listen = _engine.parse_listen_ip_info(listen_text) if listen_text else None
+        listen = values.parse_listen_ip_info(listen_text) if listen_text else None
         self._engine.switch_role(_ROLE_NAMES[LlmRole(role)], listen)
         self._role = LlmRole(role)
         return LLM_SUCCESS
@@ -383,7 +384,7 @@ class LlmDataDist:
         num_tensors, shape, data_type, placement = _desc_values(cache_desc)
         if not isinstance(cache, Cache):
             raise param_invalid(f"cache must be a cpp.Cache output object, got {type(cache).__name__}")
-        record = self._engine.allocate(num_tensors, shape, data_type, placement, _engine.MIX)
+        record = self._engine.allocate(num_tensors, shape, data_type, placement, values.MIX)
         cache.cache_id = record.cache_id
         cache.tensor_addrs = list(record.addrs)
         cache.cache_desc = cache_desc
@@ -403,7 +404,7 @@ class LlmDataDist:
             raise param_invalid("addrs must be a non-empty list of addresses")
         if len(addrs) != num_tensors:
             raise param_invalid(f"{len(addrs)} addresses for num_tensors {num_tensors}")
-        record = self._engine.register(num_tensors, shape, data_type, placement, list(addrs), _engine.MIX)
+        record = self._engine.register(num_tensors, shape, data_type, placement, list(addrs), values.MIX)
         _set_output(cache_id, record.cache_id)
         return LLM_SUCCESS
 
@@ -528,8 +529,8 @@ class LlmDataDist:
             raise param_invalid("tensor_num_per_layer must be > 0")
         src_range, dst_range = tuple(ext.src_layer_range), tuple(ext.dst_layer_range)
         if src_range == (-1, -1) and dst_range == (-1, -1):
-            return _engine.whole_caches(n)
-        return _engine.layer_tensors(src_range, dst_range, n, inclusive=True)
+            return values.whole_caches(n)
+        return values.layer_tensors(src_range, dst_range, n, inclusive=True)
 
     def _index(self, index: Any, name: str) -> Tuple[int, int, int]:
         if not isinstance(index, CacheIndex):
@@ -556,7 +557,7 @@ class LlmDataDist:
             raise param_invalid(f"size {size!r} must be -1 or in [1, {dst.row_bytes}]")
         if batch_index >= dst.num_rows:
             raise param_invalid(f"batch_index {batch_index} is out of range for {dst.num_rows} rows")
-        self._engine.pull_rows(cluster_id, _engine.CacheRowRef(cache_id, row), dst, batch_index, size,
+        self._engine.pull_rows(cluster_id, values.CacheRowRef(cache_id, row), dst, batch_index, size,
                                self._ext(ext_param))
         return LLM_SUCCESS
 
@@ -569,8 +570,8 @@ class LlmDataDist:
             raise param_invalid("src_cache_index.batch_index must be 0 for block transfers")
         dst = self._record(dst_cache, "dst_cache")
         src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
-        self._engine.pull_blocks(cluster_id, _engine.CacheRowRef(cache_id, 0), dst,
-                                 _engine.BlockSpec(src_list, dst_list), self._ext(ext_param))
+        self._engine.pull_blocks(cluster_id, values.CacheRowRef(cache_id, 0), dst,
+                                 values.BlockSpec(src_list, dst_list), self._ext(ext_param))
         return LLM_SUCCESS
 
     @_returns_status
@@ -586,7 +587,7 @@ class LlmDataDist:
             raise param_invalid(f"size must be -1 (one row), got {size!r}")
         if src_batch_index >= src.num_rows:
             raise param_invalid(f"src_batch_index {src_batch_index} is out of range for {src.num_rows} rows")
-        self._engine.push_rows(cluster_id, _engine.CacheRowRef(cache_id, row), src, src_batch_index,
+        self._engine.push_rows(cluster_id, values.CacheRowRef(cache_id, row), src, src_batch_index,
                                self._ext(ext_param))
         return LLM_SUCCESS
 
@@ -601,8 +602,8 @@ class LlmDataDist:
             raise param_invalid("dst_cache_index.batch_index must be 0 for block transfers")
         src = self._record(src_cache, "src_cache")
         src_list, dst_list = self._block_lists(src_blocks, dst_blocks)
-        self._engine.push_blocks(cluster_id, _engine.CacheRowRef(cache_id, 0), src,
-                                 _engine.BlockSpec(src_list, dst_list), self._ext(ext_param))
+        self._engine.push_blocks(cluster_id, values.CacheRowRef(cache_id, 0), src,
+                                 values.BlockSpec(src_list, dst_list), self._ext(ext_param))
         return LLM_SUCCESS
 
     @staticmethod

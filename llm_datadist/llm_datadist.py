@@ -6,7 +6,8 @@ import atexit
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from llm_datadist.engine import engine as _engine
+from llm_datadist.engine import values
+from llm_datadist.engine.engine import Engine
 from llm_datadist._validate import check_int32, check_isinstance, check_uint32, check_uint64, raise_if_false
 from llm_datadist.cache_manager import CacheManager
 from llm_datadist.configs import ROLE_NAMES, LLMClusterInfo, LLMRole, unpack_ip
@@ -48,7 +49,7 @@ def _parse_listen_ip_info(text: str) -> Tuple[str, int]:
         raise_if_false(False, f'llm.listenIpInfo "{text}" is invalid, format should be "ip:port"')
     int(port)
     try:
-        return _engine.parse_listen_ip_info(text)
+        return values.parse_listen_ip_info(text)
     except LLMException as exc:
         raise LLMException(f'llm.listenIpInfo "{text}" is invalid, format should be "ip:port" '
                            f"({exc.args[0] if exc.args else exc})", status_code=exc.status_code) from None
@@ -72,7 +73,7 @@ class LLMDataDist:
         check_uint64("cluster_id", cluster_id)
         self._role = role
         self._cluster_id = cluster_id
-        self._engine: Optional[_engine.Engine] = None
+        self._engine: Optional[Engine] = None
         self._cache_manager: Optional[CacheManager] = None
         self._is_v2 = False
 
@@ -85,7 +86,7 @@ class LLMDataDist:
         return self._role
 
     @property
-    def engine(self) -> Optional[_engine.Engine]:
+    def engine(self) -> Optional[Engine]:
         """The engine below this cluster (``llm_datadist.engine.engine.Engine``): the one
         documented seam for the CLI, the integrations and tests, as h5py's ``.id`` (design §2,
         "The engine seam"). None before ``init``; after ``finalize`` an engine that refuses work.
@@ -133,10 +134,10 @@ class LLMDataDist:
             listen = _parse_listen_ip_info(opts["llm.listenIpInfo"])
             if is_v2:
                 opts["llm.ListenIp"], opts["llm.ListenPort"] = listen[0], str(listen[1])
-        device_id = _engine.check_device_id(opts.get("ge.exec.deviceId", "0"))
-        timeout = _engine.check_sync_timeout(opts.get("llm.SyncKvCacheWaitTime",
-                                                      str(_engine.DEFAULT_SYNC_KV_TIMEOUT_MS)))
-        engine = _engine.Engine(self._cluster_id, ROLE_NAMES[self._role])
+        device_id = values.check_device_id(opts.get("ge.exec.deviceId", "0"))
+        timeout = values.check_sync_timeout(opts.get("llm.SyncKvCacheWaitTime",
+                                                      str(values.DEFAULT_SYNC_KV_TIMEOUT_MS)))
+        engine = Engine(self._cluster_id, ROLE_NAMES[self._role])
         engine.initialize(opts, device_id, timeout, listen)
         self._engine = engine
         self._is_v2 = is_v2

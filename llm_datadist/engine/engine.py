@@ -1,49 +1,39 @@
 """The engine: one per process, shared by the Python-style and the C++-style API.
 
-It owns the cache registry (cache_id counter, keys, blocks keys), memory allocated per placement,
-the device runtime and the links (``transport.links.LinkManager``), and turns local copy requests
-into one core plan + one execution each. It speaks in plain values (placements as ``Place``,
-shapes as tuples, remote caches as ``RemoteRef`` values, block lists as ``BlockSpec``) and raises
-``LLMException`` carrying a status; each API style converts its own types at its boundary and
-maps errors to its own surface. It imports nothing of either API style.
+``Engine`` is a facade over parts that own their state: the cache registry (``registry.Registry``:
+records, keys, pools, pins, shared ranges, generation), the links (``transport.links.LinkManager``)
+and the layer-wise runner (``layerwise.LayerRunner``). It keeps the life cycle (initialize /
+finalize / switch_role), the device runtime and thread binding, the memory it allocates or
+registers, local copies (one core plan + one execution each) and transfers to linked clusters
+with their same-host block routes. It speaks in plain values (``values``: placements as
+``Place``, shapes as tuples, remote caches as ``RemoteRef`` values, block lists as ``BlockSpec``)
+and raises ``LLMException`` carrying a status; each API style converts its own types at its
+boundary and maps errors to its own surface. It imports nothing of either API style.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from llm_datadist import _core, _io, runtimes
+from llm_datadist import _core, runtimes
 from llm_datadist.runtimes import select_runtime
-from llm_datadist._memory import (
-    ADDRESS_SPACE, Place, check_address_range, host_view, resolve_addresses, tensor_bytes,
-)
-from llm_datadist._validate import INT32_MAX, is_instance_strict, param_invalid
+from llm_datadist._memory import Place, host_view, resolve_addresses
+from llm_datadist._validate import param_invalid
 from llm_datadist.data_type import DataType
+from llm_datadist.engine.layerwise import FINALIZE_JOIN_S, LayerRunner
+from llm_datadist.engine.registry import Registry
+from llm_datadist.engine.values import (
+    DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, RemoteRef,
+    cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, swap_geometry,
+)
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
 from llm_datadist.transport.links import LinkManager
-from llm_datadist.transport.shm import SharedCounter
 
 logger = logging.getLogger("llm_datadist")
-
-DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
-#: How long ``finalize`` waits in all for the ``transfer_cache_async`` threads still running (a
-#: transfer in flight ends at the link's timeout; a synchronizer that never returns is abandoned,
-#: and its thread starts no transfer after it returns).
-FINALIZE_JOIN_S = 10.0
-
-# Cache kinds: a contiguous cache (rows = batch), a blocks cache (rows = blocks), or MIX (the
-# C++ RegisterKvCache kind, usable both ways).
-CONTIGUOUS = "cache"
-BLOCKS = "blocks"
-MIX = "mix"
 
 _KIND_BY_PLACEMENT = {
     (Place.HOST, Place.HOST): _core.MEMCPY_HOST_TO_HOST,
@@ -63,184 +53,12 @@ def _needs_order(src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> 
     return src is dst and not set(written).isdisjoint(int(b) for b in src_blocks)
 
 
-# -- what the API styles hand the engine --------------------------------------------------------
-@dataclass(frozen=True)
-class CacheRowRef:
-    """A peer's cache row by cache id (``CacheKeyByIdAndIndex``, ``cpp.CacheIndex``)."""
-
-    cache_id: int
-    row: int = 0
-
-
-@dataclass(frozen=True)
-class KeyRef:
-    """A peer's cache row bound to an owner key (``CacheKey.owner_key()``)."""
-
-    owner_key: tuple
-
-
-@dataclass(frozen=True)
-class BlocksRef:
-    """A peer's blocks cache by the model id it was registered under (``BlocksCacheKey``)."""
-
-    model_id: int
-
-
-RemoteRef = Union[CacheRowRef, KeyRef, BlocksRef]
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """The block lists of one transfer, converted and element-checked once by the core
-    (``block_array``: 1-D uint64 arrays); the planners check them against the geometry.
-    ``src_blocks`` None: a row cut into ``block_bytes`` chunks, chunk k -> ``dst_blocks[k]``.
-    ``block_bytes`` -1: the source block size."""
-
-    src_blocks: Any
-    dst_blocks: Any
-    block_bytes: int = -1
-
-    @property
-    def row_to_blocks(self) -> bool:
-        return self.src_blocks is None
-
-
-@dataclass(frozen=True)
-class LayerTarget:
-    """One destination of ``transfer_cache_async`` (one ``TransferConfig``): source layers
-    ``src_layers`` of row ``src_row`` go to ``ref`` from layer ``dst_layer_start`` on, or to the
-    raw tensor addresses ``dst_addrs`` (two per layer)."""
-
-    remote_id: int
-    src_layers: range
-    src_row: int
-    ref: Optional[RemoteRef] = None
-    dst_layer_start: Optional[int] = None
-    dst_addrs: Optional[Tuple[int, ...]] = None
-
-
-def block_array(values: Any, name: str, cann_errors: bool = False) -> Any:
-    """A block list as a checked uint64 array (see ``_core.as_block_array``): errors are
-    LLM_PARAM_INVALID, or with ``cann_errors`` the CANN Python API's TypeError/ValueError."""
-    return _core.as_block_array(values, name, _core.BLOCK_ERRORS_CANN if cann_errors
-                                else _core.BLOCK_ERRORS_STATUS)
-
-
-def block_map_arrays(mapping: Any, one_to_many: bool = False) -> Optional[Tuple[Any, Any]]:
-    """``(src, dst)`` block arrays of a ``{src: dst}`` / ``{src: [dst, ...]}`` dict of plain ints,
-    or None when the dict holds anything else (see ``_core.block_map_arrays``)."""
-    return _core.block_map_arrays(mapping, one_to_many)
-
-
-def layer_tensors(src_range: Any, dst_range: Any, tensor_num_per_layer: int, inclusive: bool = False):
-    """The tensor selection of a pair of layer ranges, as ``tensors(src_n, dst_n)``: Python ranges
-    (None = all layers) or, ``inclusive``, C++ inclusive pairs (``(-1, -1)`` = all layers)."""
-    def tensors(src_n: int, dst_n: int):
-        return _core.resolve_layer_ranges(src_range, dst_range, src_n, dst_n, tensor_num_per_layer,
-                                          inclusive)
-    return tensors
-
-
-def is_blocks(record: "CacheRecord") -> bool:
-    """Whether the cache was registered or allocated as a blocks cache (or MIX)."""
-    return record.kind != CONTIGUOUS
-
-
-def is_rows(record: "CacheRecord") -> bool:
-    """Whether the cache was registered or allocated as a contiguous cache (or MIX)."""
-    return record.kind != BLOCKS
-
-
-def _not_exist(message: str) -> LLMException:
-    return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-
-
-@dataclass(eq=False)
-class CacheRecord:
-    """One cache known to the engine (or a transient one, cache_id -1, for staging buffers)."""
-
-    cache_id: int
-    num_tensors: int
-    shape: Tuple[int, ...]
-    data_type: DataType
-    placement: Place
-    kind: str
-    addrs: List[int]
-    tensor_bytes: int
-    layout: Any  # _core.CacheLayout: rows = shape[0], row bytes = tensor_bytes // shape[0]
-    registered: bool
-    batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
-    allocations: List[Any] = field(default_factory=list)
-    keepalive: List[Any] = field(default_factory=list)
-    #: Tensors of a registered HOST cache page-locked for the device (``Engine._pin_host``).
-    pinned_addrs: List[int] = field(default_factory=list)
-    owner_keys: set = field(default_factory=set)
-    pool_bytes: int = 0
-    id_released: bool = False
-    delivered: dict = field(default_factory=dict)  # owner key -> tensor indices pulled by peers
-
-    @property
-    def row_bytes(self) -> int:
-        return self.layout.row_bytes
-
-    @property
-    def num_rows(self) -> int:
-        return self.layout.num_rows
-
-
-@dataclass
-class MemoryPool:
-    """Byte accounting for a configured pool (``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig``)."""
-
-    capacity: int
-    used: int = 0
-
-
-def parse_listen_ip_info(value: str) -> Tuple[str, int]:
-    """``"ip:port"`` (or ``"[ipv6]:port"``) as (ip, port); LLM_PARAM_INVALID if malformed."""
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise param_invalid(f"listen ip info {value!r} must look like 'ip:port'")
-    return host, int(port)
-
-
-def cache_geometry(shape: Sequence[int], data_type: DataType) -> Tuple[Tuple[int, ...], int]:
-    """``(shape as a tuple, bytes of one tensor)``, the shape read exactly once: a caller's list
-    may change after (or while) it is checked, so the engine keeps and uses only this copy. A
-    tensor must fit the 64-bit address space."""
-    dims = tuple(shape)
-    for dim in dims:
-        if not is_instance_strict(dim, int):
-            raise TypeError(f"shape {list(dims)} must hold ints, got {type(dim).__name__}")
-    nbytes = tensor_bytes(dims, data_type)
-    if nbytes >= ADDRESS_SPACE:
-        raise param_invalid(f"a tensor of shape {list(dims)} ({nbytes} bytes) does not fit the "
-                            f"64-bit address space")
-    return dims, nbytes
-
-
-def _parse_pool(options: Dict[str, str], key: str) -> Optional[MemoryPool]:
-    text = options.get(key, "")
-    if not text:
-        return None
-    try:
-        cfg = json.loads(text)
-        size = int(cfg["memory_size"])
-    except (ValueError, KeyError, TypeError):
-        raise param_invalid(f"option {key} must be JSON with a memory_size, got {text!r}") from None
-    if size <= 0:
-        raise param_invalid(f"option {key}: memory_size must be > 0, got {size}")
-    return MemoryPool(size)
-
-
 _active_lock = threading.Lock()
 _active_engine: Optional["Engine"] = None
 
 
 class Engine:
-    """Cache registry, memory and local transfers of one cluster (one process)."""
+    """The caches, memory, local copies and transfers of one cluster (one process)."""
 
     def __init__(self, cluster_id: int, role: str) -> None:
         self.cluster_id = cluster_id
@@ -252,30 +70,18 @@ class Engine:
         self.listen: Optional[Tuple[str, int]] = None
         self.runtime = None
         self.runtime_reason = ""
-        self.pools: Dict[int, Optional[MemoryPool]] = {Place.HOST: None, Place.DEVICE: None}
-        self._lock = threading.RLock()
-        self._caches: Dict[int, CacheRecord] = {}
-        self._keys: Dict[tuple, Tuple[CacheRecord, int]] = {}
-        self._blocks_keys: Dict[int, CacheRecord] = {}
-        self._next_cache_id = 1
         self._thread_state = threading.local()
-        # Peers read the generation word (same-host plane) to notice memory leaving the registry;
-        # TCP receives pin the shared ranges so memory is not released under them.
-        self.generation_word = SharedCounter(1)
-        self._shared_ranges = _io.RangeSet(())
-        self._shared_device_ranges = _io.RangeSet(())
-        self._pin_cond = threading.Condition()
-        self._pinned: Dict[int, Tuple[Any, bool]] = {}
-        self._pin_serial = 0
         self.protocol_errors = 0
+        self._stats_lock = threading.Lock()
         self.links: Optional[LinkManager] = None
+        self.registry = Registry(cluster_id, self._registered, self._unregistered)
+        self.layers = LayerRunner(cluster_id, self._transfer)
         # Same-host block routes, the latency path of repeated block pushes/pulls:
         # (remote cluster id, model_id, local cache_id, push?) -> _io.BlockRoute. Built after a
         # checked transfer went through (``_learn_route``), dropped with the local cache and at
-        # finalize; a route notices a closed link or a changed peer registry by itself.
+        # finalize; a route notices a closed link or a changed peer registry by itself. Guarded
+        # by the registry's lock, so that a route never outlives its local cache.
         self.routes: Dict[tuple, Any] = {}
-        self._async_threads: List[threading.Thread] = []
-        self._stopping = threading.Event()
 
     # -- life cycle ----------------------------------------------------------------------------
     def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
@@ -288,19 +94,19 @@ class Engine:
             if _active_engine is not None:
                 raise LLMException("another llm_datadist instance is already initialized in this "
                                    "process; finalize it first", status_code=LLMStatusCode.LLM_FAILED)
-            pools = {Place.DEVICE: _parse_pool(options, "llm.MemPoolConfig"),
-                     Place.HOST: _parse_pool(options, "llm.HostMemPoolConfig")}
+            pools = {Place.DEVICE: parse_pool(options, "llm.MemPoolConfig"),
+                     Place.HOST: parse_pool(options, "llm.HostMemPoolConfig")}
             runtime, reason = select_runtime()
             runtime.set_device(device_id)
             self._thread_state = threading.local()
             self._thread_state.device_bound = True
-            self._stopping = threading.Event()
+            self.layers.restart()
             self.options = dict(options)
             self.device_id = device_id
             self.sync_kv_timeout_ms = sync_kv_timeout_ms
             self.listen = listen
             self.runtime, self.runtime_reason = runtime, reason
-            self.pools = pools
+            self.registry.open(runtime, pools)
             links = LinkManager(self)
             if listen is not None:
                 links.start_listener(*listen)
@@ -318,334 +124,19 @@ class Engine:
         with _active_lock:
             if not self.initialized:
                 return
-            self._stop_async_threads()
-            with self._lock:
+            self.layers.stop(FINALIZE_JOIN_S)
+            with self.registry.lock:
                 self.routes.clear()
             # Memory is leaving: peers on the same-host plane see the generation move and stop
             # writing through their copy of our table.
-            self.generation_word.value = self.generation_word.value + 1
+            self.registry.bump_generation()
             if self.links is not None:
                 self.links.close()
-            self.generation_word.close()
-            with self._lock:
-                for record in self._caches.values():
-                    self._unpin_host(record)
-                self._caches.clear()
-                self._keys.clear()
-                self._blocks_keys.clear()
-                self._shared_ranges = _io.RangeSet(())
-                self._shared_device_ranges = _io.RangeSet(())
-                for pool in self.pools.values():
-                    if pool is not None:
-                        pool.used = 0
+            for record in self.registry.close():
+                self._unpin_host(record)
             self.initialized = False
             if _active_engine is self:
                 _active_engine = None
-
-    # -- registry ------------------------------------------------------------------------------
-    def _new_record(self, num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type: DataType,
-                    placement: Place, kind: str, addrs: List[int], registered: bool,
-                    cache_id: int, batch_dim: int = 0) -> CacheRecord:
-        """A record over ``addrs`` with the geometry of ``cache_geometry`` (checked here: every
-        tensor is a valid range of the address space). Every later operation on the cache plans
-        against this record, never against the caller's objects."""
-        if len(addrs) != num_tensors:
-            raise param_invalid(f"{len(addrs)} addresses given for {num_tensors} tensors")
-        if not is_instance_strict(batch_dim, int) or not 0 <= batch_dim < len(shape):
-            raise param_invalid(f"batch_dim_index {batch_dim!r} must be in [0, {len(shape)})")
-        for i, addr in enumerate(addrs):
-            check_address_range(addr, nbytes, f"addrs[{i}]")
-        layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
-        return CacheRecord(cache_id, num_tensors, shape, data_type, Place(placement), kind,
-                           list(addrs), nbytes, layout, registered, batch_dim)
-
-    def _checked_keys(self, record: CacheRecord, owner_keys: Sequence[Optional[tuple]]) -> List[tuple]:
-        """``(row, key)`` for the row keys to bind (k-th key -> row k; None = placeholder), after
-        checking that none is bound already (lock held)."""
-        if len(owner_keys) > record.num_rows:
-            raise param_invalid(f"{len(owner_keys)} cache keys given for a batch of {record.num_rows}")
-        seen = set()
-        for key in owner_keys:
-            if key is None:
-                continue
-            if key in seen or key in self._keys:
-                raise param_invalid(f"cache key {key} is already bound")
-            seen.add(key)
-        return [(row, key) for row, key in enumerate(owner_keys) if key is not None]
-
-    def _commit(self, record: CacheRecord, owner_keys, blocks_model_id) -> CacheRecord:
-        """Enter ``record`` into the registry: everything that can fail (key checks, the new
-        shared ranges) happens before the first table changes, so a failure leaves the registry
-        and the ranges peers may touch exactly as they were."""
-        with self._lock:
-            keys = self._checked_keys(record, owner_keys)
-            ranges = self._ranges_of([*self._caches.values(), record])
-            record.cache_id = self._next_cache_id
-            self._next_cache_id += 1
-            self._caches[record.cache_id] = record
-            for row, key in keys:
-                self._keys[key] = (record, row)
-                record.owner_keys.add(key)
-            if blocks_model_id is not None:
-                self._blocks_keys[blocks_model_id] = record
-            self._shared_ranges, self._shared_device_ranges = ranges
-        if self.links is not None:
-            self.links.registered(record)  # the data planes hear of it (transport.engine_view)
-        return record
-
-    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
-                 addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
-        """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
-        self.check_initialized()
-        if not addrs:
-            raise param_invalid("addrs must not be empty")
-        shape, nbytes = cache_geometry(shape, data_type)
-        resolved, keepalive = resolve_addresses(addrs, nbytes, self.runtime.name,
-                                                runtimes.tensor_devices(self.runtime.name))
-        record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1,
-                                  batch_dim)
-        record.keepalive = keepalive
-        if record.placement == Place.HOST:
-            record.pinned_addrs = self._pin_host(resolved, nbytes)
-        try:
-            return self._commit(record, owner_keys, blocks_model_id)
-        except BaseException:
-            self._unpin_host(record)
-            raise
-
-    def _pin_host(self, addrs: Sequence[int], nbytes: int) -> List[int]:
-        """Page-lock the tensors of a registered HOST cache for a device runtime whose memory the
-        host cannot address (``cudaHostRegister``), so swaps and staged transfers copy them at
-        full speed; tensors the runtime refuses (already page-locked, say) stay as they are."""
-        runtime = self.runtime
-        if runtime.host_addressable:
-            return []
-        self._bind_thread()
-        return [addr for addr in addrs if runtime.host_register(addr, nbytes)]
-
-    def _unpin_host(self, record: CacheRecord) -> None:
-        pinned, record.pinned_addrs = record.pinned_addrs, []
-        for addr in pinned:
-            self.runtime.host_unregister(addr)
-
-    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
-                 kind: str, owner_keys: Sequence[Optional[tuple]] = (),
-                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
-        """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
-        memory starts zeroed, acl/cuda device memory is uninitialised as aclrtMalloc's is)."""
-        self.check_initialized()
-        self._bind_thread()
-        if num_tensors <= 0:
-            raise param_invalid(f"num_tensors must be > 0, got {num_tensors}")
-        shape, nbytes = cache_geometry(shape, data_type)
-        total = nbytes * num_tensors
-        pool = self.pools.get(placement)
-        with self._lock:
-            if pool is not None:
-                if pool.used + total > pool.capacity:
-                    raise LLMException(f"memory pool exhausted: {total} bytes asked, "
-                                       f"{pool.capacity - pool.used} of {pool.capacity} free",
-                                       status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
-                pool.used += total
-        try:
-            # HOST caches of a device runtime are page-locked memory from it (cudaMallocHost,
-            # aclrtMallocHost): what its copies reach at full speed.
-            pinned = placement == Place.HOST and not self.runtime.host_addressable
-            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE, pinned)
-                           for _ in range(num_tensors)]
-            record = self._new_record(num_tensors, shape, nbytes, data_type, placement, kind,
-                                      [a.addr for a in allocations], False, -1, batch_dim)
-            record.allocations = allocations
-            record.pool_bytes = total if pool is not None else 0
-            return self._commit(record, owner_keys, blocks_model_id)
-        except BaseException:
-            if pool is not None:
-                with self._lock:
-                    pool.used -= total
-            raise
-
-    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
-                  addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
-        """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
-        shape, nbytes = cache_geometry(shape, data_type)
-        return self._new_record(num_tensors, shape, nbytes, data_type, placement, kind, list(addrs), True, -1,
-                                batch_dim)
-
-    def lookup(self, cache_id: int) -> CacheRecord:
-        with self._lock:
-            record = self._caches.get(cache_id)
-        if record is None or record.id_released:
-            raise _not_exist(f"cache_id {cache_id} is not registered or allocated in cluster "
-                             f"{self.cluster_id}")
-        return record
-
-    def _prepare_drop(self, record: CacheRecord) -> Tuple[Any, Any]:
-        """What the registry looks like without ``record``: ``((shared host ranges, shared device
-        ranges), its memory)``,
-        computed before anything changes, as everything that can fail (lock held)."""
-        ranges = self._ranges_of([r for r in self._caches.values() if r is not record])
-        removed = _io.RangeSet((addr, record.tensor_bytes) for addr in record.addrs)
-        return ranges, removed
-
-    def _drop(self, record: CacheRecord, prepared: Optional[Tuple[Any, Any]] = None) -> Any:
-        """Remove a record and everything that names it (lock held); returns its memory as a
-        RangeSet for ``_wait_unpinned``. Nothing changes if this raises."""
-        ranges, removed = prepared if prepared is not None else self._prepare_drop(record)
-        self._caches.pop(record.cache_id, None)
-        for key in [k for k in self.routes if k[2] == record.cache_id]:
-            del self.routes[key]
-        for key in record.owner_keys:
-            self._keys.pop(key, None)
-        record.owner_keys.clear()
-        for model_id in [m for m, r in self._blocks_keys.items() if r is record]:
-            del self._blocks_keys[model_id]
-        pool = self.pools.get(record.placement)
-        if pool is not None and record.pool_bytes:
-            pool.used -= record.pool_bytes
-            record.pool_bytes = 0
-        self.generation_word.value = self.generation_word.value + 1
-        self._shared_ranges, self._shared_device_ranges = ranges
-        if self.links is not None:
-            self.links.unregistered(record)
-        self._unpin_host(record)
-        return removed
-
-    def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:
-        """Drop the id reference of an allocated cache; memory goes when no key is bound to it.
-        ``blocks``: the kind the caller means (None = either); the record must be of it."""
-        self.check_initialized()
-        with self._lock:
-            record = self._caches.get(cache_id)
-            if record is None or record.id_released:
-                return
-            if record.registered:
-                raise param_invalid(f"cache {cache_id} is registered memory; use unregister_cache")
-            if blocks is not None and not (is_blocks(record) if blocks else is_rows(record)):
-                raise param_invalid(f"cache {cache_id} is a {'contiguous' if blocks else 'blocks'} cache; "
-                                    f"use {'deallocate_cache' if blocks else 'deallocate_blocks_cache'}")
-            if record.owner_keys:
-                record.id_released = True
-                return
-            removed = self._drop(record)
-        self._wait_unpinned(removed)
-
-    def unregister(self, cache_id: int) -> None:
-        self.check_initialized()
-        with self._lock:
-            record = self._caches.get(cache_id)
-            if record is None:
-                return
-            if not record.registered:
-                raise param_invalid(f"cache {cache_id} was allocated; use deallocate_cache")
-            removed = self._drop(record)
-        self._wait_unpinned(removed)
-
-    def remove_key(self, owner_key: Optional[tuple]) -> None:
-        self.check_initialized()
-        with self._lock:
-            entry = self._keys.get(owner_key)
-            if entry is None or entry[0].registered:
-                return
-            record = entry[0]
-            last = record.id_released and record.owner_keys == {owner_key}
-            prepared = self._prepare_drop(record) if last else None
-            del self._keys[owner_key]
-            record.owner_keys.discard(owner_key)
-            self.generation_word.value = self.generation_word.value + 1
-            if not last:
-                return
-            removed = self._drop(record, prepared)
-        self._wait_unpinned(removed)
-
-    def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
-        with self._lock:
-            entry = self._keys.get(owner_key)
-        if entry is None:
-            raise _not_exist(f"no cache is bound to key {owner_key} in cluster {self.cluster_id}")
-        return entry
-
-    def find_blocks_key(self, model_id: int) -> CacheRecord:
-        with self._lock:
-            record = self._blocks_keys.get(model_id)
-        if record is None:
-            raise _not_exist(f"no blocks cache is registered with model_id {model_id} in cluster "
-                             f"{self.cluster_id}")
-        return record
-
-    # -- what peers see ----------------------------------------------------------------------------
-    def _ranges_of(self, records) -> Tuple[Any, Any]:
-        """The memory peers may read or write with ``records`` registered, as two RangeSets:
-        the tensors of those caches that the host can address (moved by any plane), and the
-        others, device memory of a runtime whose memory the host cannot address (moved by
-        staging it through host memory: ``transport.staging``)."""
-        host = [(addr, record.tensor_bytes) for record in records if not self.device_only(record)
-                for addr in record.addrs]
-        device = [(addr, record.tensor_bytes) for record in records if self.device_only(record)
-                  for addr in record.addrs]
-        return _io.RangeSet(host), _io.RangeSet(device)
-
-    def device_only(self, record: CacheRecord) -> bool:
-        """Whether a cache is device memory that the host cannot address (cuda, acl)."""
-        return record.placement == Place.DEVICE and self.runtime is not None and not self.runtime.host_addressable
-
-    @contextlib.contextmanager
-    def pinned(self, plan, dst_side: bool):
-        """``(shared host ranges, registry generation, shared device ranges)``, held while a
-        peer's bytes move through the ``dst_side`` (or source) ranges of ``plan``: memory they
-        touch does not leave the registry until they are done."""
-        with self._pin_cond:
-            self._pin_serial += 1
-            token = self._pin_serial
-            self._pinned[token] = (plan, dst_side)
-            ranges, device = self._shared_ranges, self._shared_device_ranges
-            generation = self.generation_word.value
-        try:
-            yield ranges, generation, device
-        finally:
-            with self._pin_cond:
-                del self._pinned[token]
-                self._pin_cond.notify_all()
-
-    def _wait_unpinned(self, removed, timeout: float = 90.0) -> None:
-        """Wait until no transfer pinned before now touches the ``removed`` ranges (transfers
-        into other memory, and later ones, which are refused these ranges, do not hold it up).
-        A stalled peer's transfer ends at the frame timeout, well inside ``timeout``."""
-        with self._pin_cond:
-            waiting = {token for token, (plan, side) in self._pinned.items() if removed.overlaps(plan, side)}
-            self._pin_cond.wait_for(lambda: not waiting.intersection(self._pinned), timeout)
-
-    def count_protocol_error(self) -> None:
-        with self._lock:
-            self.protocol_errors += 1
-
-    def export_table(self) -> Dict[str, Any]:
-        """This cluster's cache table as peers receive it (see transport.table)."""
-        with self._lock:
-            caches = [[r.cache_id, r.kind, int(r.placement), r.num_tensors, r.num_rows, r.row_bytes,
-                       list(r.addrs), not self.device_only(r)] for r in self._caches.values()]
-            blocks = [[model_id, r.cache_id] for model_id, r in self._blocks_keys.items()]
-            keys = [[key[0], key[1], key[2], r.cache_id, row, not r.registered]
-                    for key, (r, row) in self._keys.items()]
-            generation = self.generation_word.value
-        return {"generation": generation, "caches": caches, "blocks": blocks, "keys": keys}
-
-    def consume_key(self, owner_key: tuple, tensors: Sequence[int]) -> bool:
-        """A peer pulled ``tensors`` of the row bound to ``owner_key``: once every tensor of the
-        row has been pulled, the key of an allocated cache is released (prefix keys never are).
-        Returns whether it was released."""
-        with self._lock:
-            entry = self._keys.get(owner_key)
-            if entry is None or entry[0].registered or owner_key[0] == "prefix":
-                return False
-            record = entry[0]
-            delivered = record.delivered.setdefault(owner_key, set())
-            delivered.update(t for t in tensors if 0 <= t < record.num_tensors)
-            if len(delivered) < record.num_tensors:
-                return False
-            record.delivered.pop(owner_key, None)
-        self.remove_key(owner_key)
-        return True
 
     def switch_role(self, role_name: str, listen: Optional[Tuple[str, int]]) -> None:
         """Shared by both API styles: refuse while linked, then move (or stop) the listener."""
@@ -737,6 +228,151 @@ class Engine:
         if not self.initialized:
             raise LLMException("llm_datadist is not initialized", status_code=LLMStatusCode.LLM_FAILED)
 
+    # -- memory and the registry ---------------------------------------------------------------
+    def register(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
+                 addrs: Sequence[Any], kind: str, owner_keys: Sequence[Optional[tuple]] = (),
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
+        """Register caller-owned memory (ints, numpy arrays or torch tensors) as a cache."""
+        self.check_initialized()
+        if not addrs:
+            raise param_invalid("addrs must not be empty")
+        shape, nbytes = cache_geometry(shape, data_type)
+        resolved, keepalive = resolve_addresses(addrs, nbytes, self.runtime.name,
+                                                runtimes.tensor_devices(self.runtime.name))
+        record = new_record(num_tensors, shape, nbytes, data_type, placement, kind, resolved, True, -1,
+                            batch_dim)
+        record.keepalive = keepalive
+        if record.placement == Place.HOST:
+            record.pinned_addrs = self._pin_host(resolved, nbytes)
+        try:
+            return self.registry.commit(record, owner_keys, blocks_model_id)
+        except BaseException:
+            self._unpin_host(record)
+            raise
+
+    def _pin_host(self, addrs: Sequence[int], nbytes: int) -> List[int]:
+        """Page-lock the tensors of a registered HOST cache for a device runtime whose memory the
+        host cannot address (``cudaHostRegister``), so swaps and staged transfers copy them at
+        full speed; tensors the runtime refuses (already page-locked, say) stay as they are."""
+        runtime = self.runtime
+        if runtime.host_addressable:
+            return []
+        self._bind_thread()
+        return [addr for addr in addrs if runtime.host_register(addr, nbytes)]
+
+    def _unpin_host(self, record: CacheRecord) -> None:
+        pinned, record.pinned_addrs = record.pinned_addrs, []
+        for addr in pinned:
+            self.runtime.host_unregister(addr)
+
+    def allocate(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
+                 kind: str, owner_keys: Sequence[Optional[tuple]] = (),
+                 blocks_model_id: Optional[int] = None, batch_dim: int = 0) -> CacheRecord:
+        """Allocate ``num_tensors`` tensors (device memory through the runtime; host and cpu-runtime
+        memory starts zeroed, acl/cuda device memory is uninitialised as aclrtMalloc's is)."""
+        self.check_initialized()
+        self._bind_thread()
+        if num_tensors <= 0:
+            raise param_invalid(f"num_tensors must be > 0, got {num_tensors}")
+        shape, nbytes = cache_geometry(shape, data_type)
+        total = nbytes * num_tensors
+        charged = self.registry.reserve(placement, total)
+        try:
+            # HOST caches of a device runtime are page-locked memory from it (cudaMallocHost,
+            # aclrtMallocHost): what its copies reach at full speed.
+            pinned = placement == Place.HOST and not self.runtime.host_addressable
+            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE, pinned)
+                           for _ in range(num_tensors)]
+            record = new_record(num_tensors, shape, nbytes, data_type, placement, kind,
+                                [a.addr for a in allocations], False, -1, batch_dim)
+            record.allocations = allocations
+            record.pool_bytes = charged
+            return self.registry.commit(record, owner_keys, blocks_model_id)
+        except BaseException:
+            self.registry.release(placement, charged)
+            raise
+
+    def transient(self, num_tensors: int, shape: Sequence[int], data_type: DataType, placement: Place,
+                  addrs: Sequence[int], kind: str, batch_dim: int = 0) -> CacheRecord:
+        """A record for memory the engine does not track (``Cache.create_cpu_cache``)."""
+        shape, nbytes = cache_geometry(shape, data_type)
+        return new_record(num_tensors, shape, nbytes, data_type, placement, kind, list(addrs), True, -1,
+                          batch_dim)
+
+    def _registered(self, record: CacheRecord) -> None:
+        """The registry took ``record``: the data planes hear of it (transport.engine_view)."""
+        if self.links is not None:
+            self.links.registered(record)
+
+    def _unregistered(self, record: CacheRecord) -> None:
+        """``record`` left the registry (its lock held): its routes go, the data planes hear of
+        it, and host memory page-locked for it is unlocked."""
+        for key in [k for k in self.routes if k[2] == record.cache_id]:
+            del self.routes[key]
+        if self.links is not None:
+            self.links.unregistered(record)
+        self._unpin_host(record)
+
+    def lookup(self, cache_id: int) -> CacheRecord:
+        return self.registry.lookup(cache_id)
+
+    def deallocate(self, cache_id: int, blocks: Optional[bool] = None) -> None:
+        """Drop the id reference of an allocated cache; memory goes when no key is bound to it.
+        ``blocks``: the kind the caller means (None = either); the record must be of it."""
+        self.check_initialized()
+        self.registry.deallocate(cache_id, blocks)
+
+    def unregister(self, cache_id: int) -> None:
+        self.check_initialized()
+        self.registry.unregister(cache_id)
+
+    def remove_key(self, owner_key: Optional[tuple]) -> None:
+        self.check_initialized()
+        self.registry.remove_key(owner_key)
+
+    def find_key(self, owner_key: tuple) -> Tuple[CacheRecord, int]:
+        return self.registry.find_key(owner_key)
+
+    def find_blocks_key(self, model_id: int) -> CacheRecord:
+        return self.registry.find_blocks_key(model_id)
+
+    @property
+    def pools(self) -> Dict[int, Any]:
+        """The configured memory pools by placement (``values.MemoryPool`` or None)."""
+        return self.registry.pools
+
+    # -- what the transport sees (transport.engine_view.EngineView) -------------------------------
+    @property
+    def generation_word(self):
+        return self.registry.generation_word
+
+    def export_table(self) -> Dict[str, Any]:
+        """This cluster's cache table as peers receive it (see transport.table)."""
+        return self.registry.export_table()
+
+    def consume_key(self, owner_key: tuple, tensors: Sequence[int]) -> bool:
+        """A peer pulled ``tensors`` of the row bound to ``owner_key`` (see
+        ``Registry.consume_key``); returns whether the key was released."""
+        return self.registry.consume_key(owner_key, tensors)
+
+    def pinned(self, plan, dst_side: bool):
+        """``(shared host ranges, registry generation, shared device ranges)``, held while a
+        peer's bytes move through ``plan`` (see ``Registry.pinned``)."""
+        return self.registry.pinned(plan, dst_side)
+
+    def device_only(self, record: CacheRecord) -> bool:
+        """Whether a cache is device memory that the host cannot address (cuda, acl)."""
+        return self.registry.device_only(record)
+
+    def count_protocol_error(self) -> None:
+        with self._stats_lock:
+            self.protocol_errors += 1
+
+    def bind_thread(self) -> None:
+        """Bind the calling thread to the engine's device before it copies device memory through
+        ``self.runtime``."""
+        self._bind_thread()
+
     # -- views -----------------------------------------------------------------------------------
     def tensor_views(self, record: CacheRecord) -> list:
         """Zero-copy numpy views of a record's tensors (host-addressable memory only)."""
@@ -755,11 +391,6 @@ class Engine:
             return
         self.runtime.set_device(self.device_id)
         self._thread_state.device_bound = True
-
-    def bind_thread(self) -> None:
-        """For the transport (``EngineView``): bind the calling thread to the engine's device
-        before it copies device memory through ``self.runtime``."""
-        self._bind_thread()
 
     def _run(self, plan, src: CacheRecord, dst: CacheRecord, blocks: Optional[tuple] = None) -> None:
         """Run ``plan``; ``blocks`` = ``(src_blocks, dst_blocks)`` of a block copy, whose order is
@@ -790,18 +421,11 @@ class Engine:
         plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
         self._run(plan, src, dst, (src_blocks, dst_blocks))
 
-    @staticmethod
-    def swap_geometry(record: CacheRecord) -> Tuple[int, int]:
-        """``(blocks, block bytes)`` of a cache as swap_blocks sees it: the blocks are
-        ``shape[batch_dim]`` and one block is ``tensor bytes // blocks``, as recorded."""
-        blocks = record.shape[record.batch_dim]
-        return blocks, record.tensor_bytes // blocks
-
     def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> None:
         """Copy blocks between a host and a device cache, block ``src_blocks[k]`` to
         ``dst_blocks[k]`` of every tensor, with the geometry recorded for each cache."""
         self.check_initialized()
-        (src_count, src_block), (dst_count, dst_block) = self.swap_geometry(src), self.swap_geometry(dst)
+        (src_count, src_block), (dst_count, dst_block) = swap_geometry(src), swap_geometry(dst)
         if src_block != dst_block:
             raise param_invalid(f"src block size {src_block} and dst block size {dst_block} must be equal")
         if src.num_tensors != dst.num_tensors:
@@ -815,42 +439,31 @@ class Engine:
         plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
         self._run(plan, src, dst, (src_blocks, dst_blocks))
 
+
     # -- transfers between clusters ----------------------------------------------------------------
-    @staticmethod
-    def _remote(table, remote_id: int, ref: RemoteRef):
-        """Resolve a remote reference in ``table`` -> ``(RemoteCache, row)``."""
-        kind = type(ref)
-        if kind is BlocksRef:
-            cache = table.blocks_cache(ref.model_id)
-            if cache is None:
-                raise _not_exist(f"cluster {remote_id} has no blocks cache with model_id {ref.model_id}")
-            return cache, 0
-        if kind is CacheRowRef:
-            cache = table.cache(ref.cache_id)
-            if cache is None:
-                raise _not_exist(f"cache_id {ref.cache_id} is not registered in cluster {remote_id}")
-            return cache, ref.row
-        if kind is KeyRef:
-            entry = table.key(ref.owner_key)
-            if entry is None:
-                raise _not_exist(f"no cache of cluster {remote_id} is bound to key {ref.owner_key}")
-            return entry
-        raise param_invalid(f"{ref!r} is not a remote cache reference")
-
-    @staticmethod
-    def _row_in_range(cache, row: int, remote_id: int) -> None:
-        if row >= cache.num_rows:
-            raise _not_exist(f"batch index {row} is out of range: cache {cache.cache_id} of "
-                             f"cluster {remote_id} has {cache.num_rows} rows")
-
     def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
-        """Plan against the peer's table and move the bytes (``write``: ``local`` -> the peer).
-        A ``local`` cache in device memory that the host cannot address, or a remote one, is
-        moved by the link's device plane (``transport.links``)."""
+        """Plan against the peer's table with ``make_plan(table) -> plan`` and move the bytes
+        (``write``: ``local`` -> the peer); returns the plan that ran. A ``local`` cache in device
+        memory that the host cannot address, or a remote one, is moved by the link's device plane
+        (``transport.links``)."""
         self.check_initialized()
         self._bind_thread()
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms,
                                    local_device=self.device_only(local))
+
+    def _transfer_planned(self, remote_id: int, local: CacheRecord, write: bool, planner) -> tuple:
+        """``_transfer`` with ``planner(table) -> (plan, table, remote cache, row, src_tensors,
+        dst_tensors)``: returns that tuple for the plan that ran (the links may plan twice,
+        against a refreshed table), so the caller learns what the plan resolved. A plain tuple:
+        this is the per-call path of every checked block transfer."""
+        planned = None
+
+        def make(table):
+            nonlocal planned
+            planned = planner(table)
+            return planned[0]
+        self._transfer(remote_id, local, write, make)
+        return planned
 
     def push_blocks(self, remote_id: int, ref: RemoteRef, src: CacheRecord, blocks: BlockSpec,
                     tensors, route_key: Optional[tuple] = None) -> None:
@@ -860,16 +473,14 @@ class Engine:
         ``route_key``: the caller's layer arguments ``(src_layer_range, dst_layer_range,
         tensor_num_per_layer)`` when it takes the route path (``routes``) for later calls."""
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
-        used = []
 
-        def make(table):
-            cache, _ = self._remote(table, remote_id, ref)
+        def planner(table):
+            cache, _ = resolve_remote(table, remote_id, ref)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
-            used[:] = (table, cache, st, dt)
-            return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks)
-        self._transfer(remote_id, src, True, make)
+            return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
+        planned = self._transfer_planned(remote_id, src, True, planner)
         if route_key is not None and type(ref) is BlocksRef:
-            self._learn_route((remote_id, ref.model_id, src.cache_id, True), src, route_key, *used)
+            self._learn_route((remote_id, ref.model_id, src.cache_id, True), src, route_key, planned)
 
     def pull_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, blocks: BlockSpec,
                     tensors, route_key: Optional[tuple] = None) -> None:
@@ -880,28 +491,29 @@ class Engine:
             self.pull_row_to_blocks(remote_id, ref, dst, blocks.dst_blocks, tensors)
             return
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
-        used = []
 
-        def make(table):
-            cache, _ = self._remote(table, remote_id, ref)
+        def planner(table):
+            cache, _ = resolve_remote(table, remote_id, ref)
             if cache.row_bytes != dst.row_bytes:
                 raise param_invalid(f"block sizes differ: remote cache {cache.cache_id} has "
                                     f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            used[:] = (table, cache, st, dt)
-            return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
-        self._transfer(remote_id, dst, False, make)
+            return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
+        planned = self._transfer_planned(remote_id, dst, False, planner)
         if route_key is not None and type(ref) is BlocksRef:
-            self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, *used)
+            self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, planned)
 
-    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, table, cache, st, dt) -> None:
-        """After a checked block transfer: keep (or build) the route of ``key`` and teach it the
-        tensor selection the layer arguments ``selection`` resolved to. A plane without routes,
-        a transient (``create_cpu_cache``) cache or one that left the registry meanwhile: none."""
+    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, planned: tuple) -> None:
+        """After a checked block transfer (``planned`` as ``_transfer_planned`` returns it): keep
+        (or build) the route of ``key`` and teach it the tensor selection the layer arguments
+        ``selection`` resolved to. A plane without routes, a transient (``create_cpu_cache``)
+        cache or one that left the registry meanwhile: none."""
+        _, table, cache, _, st, dt = planned
         if local.cache_id <= 0 or self.device_only(local) or not cache.host_addressable:
             return  # routes copy host memory (device memory moves through its device plane)
-        with self._lock:
-            if not self.initialized or self._stopping.is_set() or self._caches.get(local.cache_id) is not local:
+        registry = self.registry
+        with registry.lock:
+            if not self.initialized or self.layers.stopping or not registry.holds(local):
                 return
             route = self.routes.get(key)
             if (route is None or not route.current or route.generation != table.generation
@@ -916,16 +528,12 @@ class Engine:
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
         the owner if the row was bound to a key it may release."""
-        used = []
-
-        def make(table):
-            cache, row = self._remote(table, remote_id, ref)
-            self._row_in_range(cache, row, remote_id)
+        def planner(table):
+            cache, row = resolve_remote(table, remote_id, ref)
+            check_row_in_range(cache, row, remote_id)
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            used[:] = [table, cache, row, st]
-            return plan_row(cache, row, st, dt)
-        self._transfer(remote_id, dst, False, make)
-        self._release_pulled_key(remote_id, *used)
+            return plan_row(cache, row, st, dt), table, cache, row, st, dt
+        self._release_pulled_key(remote_id, self._transfer_planned(remote_id, dst, False, planner))
 
     def pull_row_to_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, dst_blocks,
                            tensors) -> None:
@@ -946,143 +554,17 @@ class Engine:
     def push_rows(self, remote_id: int, ref: RemoteRef, src: CacheRecord, src_row: int, tensors) -> None:
         """Local row ``src_row`` (one source row of bytes) -> a remote row."""
         def make(table):
-            cache, row = self._remote(table, remote_id, ref)
-            self._row_in_range(cache, row, remote_id)
+            cache, row = resolve_remote(table, remote_id, ref)
+            check_row_in_range(cache, row, remote_id)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
             return _core.plan_rows(src.layout, cache.layout, st, dt, src_row, row, 0, 0, -1)
         self._transfer(remote_id, src, True, make)
 
-    # -- layer-wise asynchronous transfer (transfer_cache_async) -----------------------------------
-    def layer_jobs(self, src: CacheRecord, targets: Sequence[LayerTarget], blocks: Optional[BlockSpec]) -> list:
-        """One job per target: ``(remote cluster, {source layer: plan maker})``. ``blocks`` None
-        moves rows; a spec moves blocks, or (``row_to_blocks``) cuts the row into blocks."""
-        num_layers = src.num_tensors // 2
-        if src.kind == BLOCKS and (blocks is None or blocks.row_to_blocks):
-            # A blocks source read as rows, as CANN reads it: one row (batch size 1) of one block
-            # for a row transfer (block 0 goes), of the whole tensor when cut into blocks.
-            row_bytes = src.row_bytes if blocks is None else src.tensor_bytes
-            src = replace(src, layout=_core.CacheLayout(list(src.addrs), 1, row_bytes))
-        jobs = []
-        for target in targets:
-            src_range = target.src_layers
-            if src_range.stop > num_layers:
-                raise param_invalid(f"src_layer_range {src_range} exceeds the {num_layers} layers of the source")
-            if target.dst_addrs is not None:
-                addrs = target.dst_addrs
-                if len(addrs) != 2 * len(src_range):
-                    raise param_invalid(f"dst_addrs needs {2 * len(src_range)} addresses, got {len(addrs)}")
-                makers = {layer: self._raw_layer_maker(src, target, layer, addrs[2 * k:2 * k + 2], blocks)
-                          for k, layer in enumerate(src_range)}
-            else:
-                # No dst_layer_range (a setter allows None): each layer into the same layer, as in CANN.
-                dst_start = src_range.start if target.dst_layer_start is None else target.dst_layer_start
-                makers = {layer: self._keyed_layer_maker(src, target, layer, dst_start + k, blocks)
-                          for k, layer in enumerate(src_range)}
-            if target.remote_id == self.cluster_id:
-                raise param_invalid(f"transfer config names this cluster ({target.remote_id}) as its destination")
-            jobs.append((target.remote_id, makers))
-        return jobs
-
-    @staticmethod
-    def _layer_plan(src: CacheRecord, dst_layout, st, dt, row: int, dst_row: int, blocks: Optional[BlockSpec]):
-        if blocks is None:
-            return _core.plan_rows(src.layout, dst_layout, st, dt, row, dst_row, 0, 0, -1)
-        if not blocks.row_to_blocks:
-            return _core.plan_blocks(src.layout, dst_layout, st, dt, blocks.src_blocks, blocks.dst_blocks,
-                                     blocks.block_bytes)
-        return _core.plan_row_to_blocks(src.layout, dst_layout, st, dt, row, blocks.dst_blocks)
-
-    def _raw_layer_maker(self, src: CacheRecord, target: LayerTarget, layer: int, addrs,
-                         blocks: Optional[BlockSpec]):
-        if blocks is None:
-            layout = _core.CacheLayout(list(addrs), 1, src.row_bytes)
-        else:
-            top = int(blocks.dst_blocks.max()) + 1 if len(blocks.dst_blocks) else 1
-            layout = _core.CacheLayout(list(addrs), top, blocks.block_bytes)
-        tensors = [2 * layer, 2 * layer + 1]
-        return lambda table: self._layer_plan(src, layout, tensors, [0, 1], target.src_row, 0, blocks)
-
-    def _keyed_layer_maker(self, src: CacheRecord, target: LayerTarget, layer: int, dst_layer: int,
-                           blocks: Optional[BlockSpec]):
-        remote_id, ref = target.remote_id, target.ref
-
-        def make(table):
-            cache, row = self._remote(table, remote_id, ref)
-            if 2 * dst_layer + 1 >= cache.num_tensors:
-                raise param_invalid(f"destination layer {dst_layer} exceeds the {cache.num_tensors // 2} "
-                                    f"layers of remote cache {cache.cache_id}")
-            if blocks is not None and blocks.row_to_blocks and blocks.block_bytes != cache.row_bytes:
-                raise param_invalid(f"dst_block_memory_size {blocks.block_bytes} differs from the remote block "
-                                    f"size {cache.row_bytes}")
-            return self._layer_plan(src, cache.layout, [2 * layer, 2 * layer + 1],
-                                    [2 * dst_layer, 2 * dst_layer + 1], target.src_row, row, blocks)
-        return make
-
-    def start_layer_transfer(self, src: CacheRecord, synchronizer, jobs: list
-                             ) -> Tuple[threading.Thread, List[Optional[LLMStatusCode]]]:
-        """Run ``jobs`` layer by layer in a background thread: ``synchronizer.synchronize_layer(L,
-        None)`` gates layer ``L``. Returns ``(thread, results)``: ``results[i]`` becomes job
-        ``i``'s status (None while its last layer is not done). ``finalize`` waits for the
-        thread (bounded) and, once it is finalizing, the thread starts no further transfer."""
-        results: List[Optional[LLMStatusCode]] = [None] * len(jobs)
-        layers = sorted({layer for _, makers in jobs for layer in makers})
-        stopping = self._stopping
-
-        def run() -> None:
-            failed = [False] * len(jobs)
-            for layer in layers:
-                covering = [i for i, (_, makers) in enumerate(jobs) if layer in makers and not failed[i]]
-                if not covering:
-                    continue
-                if stopping.is_set():
-                    for i in covering:
-                        results[i] = LLMStatusCode.LLM_ENGINE_FINALIZED
-                    return
-                try:
-                    ready = bool(synchronizer.synchronize_layer(layer, None))
-                except Exception:  # a synchronizer that raises stops the job like one returning False
-                    logger.exception("synchronize_layer(%d) raised", layer)
-                    ready = False
-                if not ready or stopping.is_set():
-                    status = LLMStatusCode.LLM_PARAM_INVALID if not ready else LLMStatusCode.LLM_ENGINE_FINALIZED
-                    for i in covering:
-                        results[i] = status
-                    return
-                for i in covering:
-                    remote, makers = jobs[i]
-                    try:
-                        self._transfer(remote, src, True, makers[layer])
-                    except LLMException as exc:
-                        results[i], failed[i] = exc.status_code, True
-                        continue
-                    if layer == max(makers):
-                        results[i] = LLMStatusCode.LLM_SUCCESS
-
-        thread = threading.Thread(target=run, daemon=True, name="llm_datadist-transfer")
-        with self._lock:
-            self._async_threads = [t for t in self._async_threads if t.is_alive()]
-            self._async_threads.append(thread)
-        thread.start()
-        return thread, results
-
-    def _stop_async_threads(self, timeout_s: float = FINALIZE_JOIN_S) -> None:
-        """Tell the ``transfer_cache_async`` threads to start nothing more and wait for them, at
-        most ``timeout_s`` in all (the links are still up, so a transfer in flight ends normally)."""
-        self._stopping.set()
-        with self._lock:
-            threads, self._async_threads = self._async_threads, []
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                logger.warning("finalize: a transfer_cache_async thread is still waiting in its layer "
-                               "synchronizer; it will not transfer anything more")
-
-    def _release_pulled_key(self, remote_id: int, table, cache, row: int, src_tensors) -> None:
+    def _release_pulled_key(self, remote_id: int, planned: tuple) -> None:
         """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""
         if self.links.remote_accessible:
             return  # one-sided reads: the owner takes no part, its keys stay bound
+        _, table, cache, row, src_tensors, _ = planned
         key = table.row_keys.get((cache.cache_id, row))
         if key is None or key not in table.consumable:
             return
@@ -1090,36 +572,14 @@ class Engine:
         if self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms):
             table.forget_key(key)  # released by the owner; a later pull by it must miss
 
+    # -- layer-wise asynchronous transfer (transfer_cache_async): the LayerRunner's ----------------
+    def layer_jobs(self, src: CacheRecord, targets: Sequence[LayerTarget], blocks: Optional[BlockSpec]) -> list:
+        """One job per target: ``(remote cluster, {source layer: plan maker})`` (``LayerRunner.jobs``)."""
+        return self.layers.jobs(src, targets, blocks)
 
-def _all_tensors(src_n: int, dst_n: int):
-    return None, None
-
-
-def whole_caches(tensor_num_per_layer: int):
-    """The tensor selection of a transfer without layer ranges: every tensor, positionally. A
-    ``tensor_num_per_layer`` other than the default must still lie in [1, num_tensors] of both
-    caches (the default is accepted whatever the tensor count, e.g. for one-tensor caches)."""
-    if tensor_num_per_layer == 2:
-        return _all_tensors
-
-    def tensors(src_n: int, dst_n: int):
-        for side, count in (("source", src_n), ("destination", dst_n)):
-            if not 1 <= tensor_num_per_layer <= count:
-                raise param_invalid(f"tensor_num_per_layer {tensor_num_per_layer} must be in [1, {count}] "
-                                    f"(the number of tensors of the {side} cache)")
-        return None, None
-    return tensors
-
-
-def check_device_id(text: str) -> int:
-    """Device id option (``"0"``); llm_datadist binds exactly one device per process."""
-    parts = [p for p in text.split(";") if p != ""]
-    if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) > INT32_MAX:
-        raise param_invalid(f"device id option {text!r} must name exactly one device id")
-    return int(parts[0])
-
-
-def check_sync_timeout(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) <= INT32_MAX:
-        raise param_invalid(f"llm.SyncKvCacheWaitTime must be a positive int32 in ms, got {text!r}")
-    return int(text)
+    def start_layer_transfer(self, src: CacheRecord, synchronizer, jobs: list
+                             ) -> Tuple[threading.Thread, List[Optional[LLMStatusCode]]]:
+        """Run ``jobs`` layer by layer in a background thread (``LayerRunner.start``): returns
+        ``(thread, results)``. ``finalize`` waits for the thread (bounded) and, once it is
+        finalizing, the thread starts no further transfer."""
+        return self.layers.start(src, synchronizer, jobs)

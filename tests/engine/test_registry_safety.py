@@ -194,14 +194,14 @@ class Model:
 
 def check_engine(engine, model: Model) -> None:
     """The engine's records, keys, exported table and shared ranges all match the model."""
-    assert sorted(engine._caches) == sorted(model.caches)
+    assert sorted(engine.registry._caches) == sorted(model.caches)
     table = engine.export_table()
     exported = {entry[0]: entry for entry in table["caches"]}
     assert sorted(exported) == sorted(model.caches)
     for cache_id, m in model.caches.items():
         _, _, _, num_tensors, rows, row_bytes, addrs, _ = exported[cache_id]
         assert (num_tensors, rows, row_bytes * rows, addrs) == (len(m.addrs), m.rows, m.tensor_bytes, m.addrs)
-        record = engine._caches[cache_id]
+        record = engine.registry._caches[cache_id]
         assert (record.addrs, record.tensor_bytes, record.id_released) == (m.addrs, m.tensor_bytes, m.released)
     assert {m: c for m, c in table["blocks"]} == model.blocks
     assert {tuple(k[:3]): (k[3], k[4]) for k in table["keys"]} == model.keys()
@@ -256,11 +256,11 @@ def test_a_tensor_may_end_exactly_at_2_64(api):
     assert status == SUCCESS
     model.add(cache_id, ModelCache([TOP - 1024, TOP - 4096], 1024, 4, True, True), None)
     check_engine(api.engine, model)
-    assert api.engine._shared_ranges.spans() == [(TOP - 4096, TOP - 3072), (TOP - 1024, TOP)]
+    assert api.engine.registry._shared_ranges.spans() == [(TOP - 4096, TOP - 3072), (TOP - 1024, TOP)]
     assert api.unregister(cache_id, None) == SUCCESS
     model.drop(cache_id)
     check_engine(api.engine, model)
-    assert api.engine._shared_ranges.spans() == []
+    assert api.engine.registry._shared_ranges.spans() == []
 
 
 def test_a_tensor_larger_than_the_address_space_is_refused(api):
@@ -282,10 +282,10 @@ def test_finalize_clears_the_shared_ranges():
         status, _, _ = api.register(1, [4096], [memory.ctypes.data], True, False)
         assert status == SUCCESS
         engine = api.engine
-        assert engine._shared_ranges.contains(memory.ctypes.data, 4096)
-    assert not engine._shared_ranges.contains(memory.ctypes.data, 1)
+        assert engine.registry._shared_ranges.contains(memory.ctypes.data, 4096)
+    assert not engine.registry._shared_ranges.contains(memory.ctypes.data, 1)
     with started("python") as api:
-        assert not api.engine._shared_ranges.contains(memory.ctypes.data, 1)
+        assert not api.engine.registry._shared_ranges.contains(memory.ctypes.data, 1)
 
 
 @contextlib.contextmanager
@@ -456,7 +456,7 @@ class Runner:
         if status == OUT_OF_MEMORY and self.style == "python":
             return  # the pool is full of this run's caches
         self.expect(status, SUCCESS, op)
-        record = self.api.engine._caches[cache_id]
+        record = self.api.engine.registry._caches[cache_id]
         cache = ModelCache(list(record.addrs), shape[0] * shape[1], shape[0], False, op["blocks"], handle,
                            {("req", k, 0): row for row, k in enumerate(keys)})
         self.model.add(cache_id, cache, None)
@@ -587,7 +587,7 @@ def test_random_registry_sequences_keep_registry_table_and_ranges_consistent(sty
                 runner.run(ops)
             finally:
                 runner.clean_up()
-                assert not api.engine._caches, "the sequence left caches behind"
-                assert len(api.engine._shared_ranges) == 0
+                assert not api.engine.registry._caches, "the sequence left caches behind"
+                assert len(api.engine.registry._shared_ranges) == 0
 
         run()

@@ -178,8 +178,8 @@ class Checker:
         if left != (self.live, {}, set(), 0):
             raise Mismatch(f"left in the link table: peers {left[0]}, pending {left[1]}, incoming {left[2]}, "
                            f"handshakes {left[3]}")
-        if server.engine._pinned:
-            raise Mismatch(f"transfers still pinned: {server.engine._pinned}")
+        if server.engine.registry._pinned:
+            raise Mismatch(f"transfers still pinned: {server.engine.registry._pinned}")
         now = _resources()
         if now != self.baseline:
             gc.collect()
@@ -404,9 +404,9 @@ class LegitimatePeer:
         # The client has every byte of its pull once the server's last send returns; the
         # server's thread unpins the transfer just after.
         deadline = time.monotonic() + 5
-        while server.engine._pinned and time.monotonic() < deadline:
+        while server.engine.registry._pinned and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert not server.engine._pinned, f"after case {when}: a legitimate transfer stays pinned"
+        assert not server.engine.registry._pinned, f"after case {when}: a legitimate transfer stays pinned"
         assert server.guards_intact() and server.private_words_intact()
         assert server.links.linked_clusters() == [CLIENT_ID] and server.links.lost_links().get(CLIENT_ID) is None
         self.rounds += 1
