@@ -222,7 +222,7 @@ class LinkManager:
             peer.table, peer.facts = table, facts
             peer.plane = plane
             if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-                plane.close(peer)
+                peer.release_plane(plane)
 
     def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000, local_device: bool = False,
                    remote_device: bool = False) -> str:
@@ -248,9 +248,7 @@ class LinkManager:
             peer.plane_state[plane.name] = state
         reason = plane.accept(peer, facts, deadline)
         if reason is not None:
-            plane.close(peer)
-            if peer.plane_state.get(plane.name) is state:
-                peer.plane_state.pop(plane.name, None)
+            peer.release_plane(plane)
         return reason
 
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
@@ -296,7 +294,7 @@ class LinkManager:
                 plane = self._choose_device_plane(peer, local_device, remote_device, deadline)
                 peer.device_planes[combination] = plane
         if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-            plane.close(peer)
+            peer.release_plane(plane)
         return plane
 
     def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,

@@ -228,7 +228,9 @@ class Peer:
     channels: List[Channel] = field(default_factory=list)        # this side's requests
     incoming: List[socket.socket] = field(default_factory=list)  # the peer's requests
     # Each plane's state for this link, by plane name (``DataPlane.link_state``): made just
-    # before the plane's accept, dropped when it refuses and when the link ends.
+    # before the plane's accept, dropped (``release_plane``) when it refuses and when the link
+    # ends -- by whoever closes the plane last, so that a plane still accepting while the link
+    # closes finds its state to release.
     plane_state: Dict[str, Any] = field(default_factory=dict)
     closed: bool = False
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
@@ -267,13 +269,17 @@ class Peer:
             return True
         return any(event & flags for _, event in poller.poll(0))
 
+    def release_plane(self, plane: Any) -> None:
+        """Let ``plane`` release what it holds for this link, then drop its state object."""
+        plane.close(self)
+        self.plane_state.pop(plane.name, None)
+
     def close(self) -> None:
         self.closed = True
         if self.plane is not None:
-            self.plane.close(self)
+            self.release_plane(self.plane)
         for plane in list(self.extra_planes):
-            plane.close(self)
-        self.plane_state.clear()
+            self.release_plane(plane)
         self.workers.close()
         for channel in list(self.channels):
             channel.close()
