@@ -1,4 +1,14 @@
-"""Links between clusters: ``LinkManager``, the facade the engine uses.
+"""Links between clusters: ``LinkManager``, the facade the engine uses, and the link table.
+
+``LinkManager`` is composed of parts that own their state: a ``listener.Listener`` (its sockets,
+accept loops, pending-handshake accounting), handed ``_serve_accepted`` as its accept callback; the
+handshake's plain functions (``handshake``), which say what a connection agreed and leave the
+decision to the manager; a ``server.Server`` (its connection threads), handed the dispatch table
+(``server.Requests`` for what the engine answers, the manager's own handlers for notifications and
+unlinks) and the ``EngineView``; and the engine's ``planes.PlaneSet``. The manager keeps the link
+table (links made, pending, lost) and the choice of each link's planes; each plane's per-link
+state lives in the link (``Peer.plane_state``, made by ``DataPlane.link_state`` before the plane's
+``accept`` and dropped when it refuses or the link ends).
 
 A link between a client (the side calling ``link_clusters``) and a server (the side with
 ``listen_ip_info``) is made of connections that the client opens (``handshake``): a *link*
@@ -32,22 +42,22 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from llm_datadist import _io
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import auth, wire
+from llm_datadist.transport import auth, handshake, server, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.comms import Comm
 from llm_datadist.transport.engine_view import EngineView
-from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, fail, status_of
-from llm_datadist.transport.handshake import Handshakes
+from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
 from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS, DEFAULT_MAX_PENDING,
-                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_PENDING_ENV, Listeners,
-                                             close_socket, env_int)
-from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane
-from llm_datadist.transport.server import Server
-from llm_datadist.transport.session import MAX_LOST_RECORDS, Peer
-from llm_datadist.transport.staging import StagedPayload, drop_pool
+                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_PENDING_ENV, Listener,
+                                             close_socket, env_int, is_loopback, warn_once)
+from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
+from llm_datadist.transport.server import Requests, Server
+from llm_datadist.transport.session import MAX_CONNECTIONS, MAX_LOST_RECORDS, Channel, Peer, peer_credentials
 from llm_datadist.transport.table import RemoteTable
+from llm_datadist.transport.threads import Threads
 
 __all__ = ["LinkManager", "Peer", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
@@ -62,23 +72,18 @@ def resolve_plane(options: Dict[str, str]) -> str:
     return plane_registry.resolve(options)
 
 
-class LinkManager(Listeners, Handshakes, Server):
-    """The link table of one engine, its listeners and its connection threads."""
+class LinkManager:
+    """The link table of one engine, and the facade over its listener, server and planes."""
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
         #: ``auto`` or the plane ``llm.DataPlane`` forces.
         self.plane = resolve_plane(engine.options)
-        #: One instance of every registered plane, for this engine.
-        self.planes: Dict[str, DataPlane] = {name: plane_registry.get(name)(engine)
-                                             for name in plane_registry.names()}
-        self.plane_objects: Tuple[DataPlane, ...] = tuple(self.planes.values())
-        #: The payload of peers' transfers into and out of this engine's device memory (server).
-        self._staged = StagedPayload(engine)
+        #: One instance of every registered plane, for this engine (a mapping by name).
+        self.planes = PlaneSet(engine)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self.secret = auth.resolve_secret(engine.options)
         self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
-        self.max_pending = env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING)
         self.handshake_ms = env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
         self._lock = threading.RLock()
         self._peers: Dict[int, Peer] = {}
@@ -88,21 +93,55 @@ class LinkManager(Listeners, Handshakes, Server):
         self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
         self._self_peers: List[Peer] = []     # server side of links this cluster made to its own listener
         self._joining: Dict[Tuple[str, str], set] = {}  # two-sided links being made -> ids expected to link here
-        self._comm_listeners: Dict[Tuple[str, int], List[Any]] = {}  # (ip, port) -> [socket, users]
-        self._comm_unix_name: Optional[str] = None  # the Unix socket of the comm listeners
         self.comms: Dict[int, Comm] = {}
         self._next_comm_id = 1
-        self._listeners: List[socket.socket] = []
-        self._listen_threads: List[threading.Thread] = []
-        self.unix_name: Optional[str] = None
-        self._threads: List[threading.Thread] = []
-        self._incoming: set = set()  # accepted connections still in their handshake
-        self._handshakes = 0
         self._closed = False
         self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
         #: Counters of refused or failed connections (``link_stats``).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "auth_failures": 0, "handshake_failures": 0,
                       "links_lost": 0}
+        #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
+        self.listener = Listener(engine.cluster_id, self._serve_accepted,
+                                 env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count)
+        device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
+        handlers = Requests(engine, lambda: self.planes.all, device_payload).handlers()
+        handlers[wire.OP_NOTIFY] = self._on_notify
+        handlers[wire.OP_UNLINK] = self._on_unlink
+        #: Serves the peers' requests on the links' incoming connections.
+        self.server = Server(engine, handlers, self._lose)
+        self._threads = Threads("llm_datadist-conn")  # the manager's background work (_prepare_comm)
+
+    def _count(self, counter: str) -> int:
+        with self._lock:
+            self.stats[counter] += 1
+            return self.stats[counter]
+
+    # -- listening --------------------------------------------------------------------------------
+    @property
+    def listen_address(self) -> Optional[Tuple[str, int]]:
+        return self.listener.listen_address
+
+    @property
+    def unix_name(self) -> Optional[str]:
+        """The abstract name of this cluster's Unix socket (learnt by authenticated peers)."""
+        return self.listener.unix_name
+
+    def start_listener(self, ip: str, port: int) -> None:
+        """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``), and on a Unix
+        socket of a random abstract name that same-host peers learn after authenticating."""
+        self.listener.start(ip, port)
+        host, bound = self.listen_address
+        logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, host, bound)
+        self._warn_open(ip, bound)
+
+    def stop_listener(self) -> None:
+        self.listener.stop()
+
+    def _warn_open(self, ip: str, port: int) -> None:
+        if self.secret is None and not is_loopback(ip):
+            warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{port} without a link secret: "
+                      f"any process that reaches this address can link, read and write the registered "
+                      f"caches (set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
 
     # -- client side ------------------------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int,
@@ -142,6 +181,8 @@ class LinkManager(Listeners, Handshakes, Server):
         except MutualLink:
             status = self._await_mutual(remote_cluster_id, deadline)
         except LLMException as exc:
+            if isinstance(exc, handshake.AuthRefused):
+                self._count("auth_failures")
             log("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id, ip, port, exc)
             status = exc.status_code
         except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
@@ -181,7 +222,7 @@ class LinkManager(Listeners, Handshakes, Server):
             peer.table, peer.facts = table, facts
             peer.plane = plane
             if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-                plane.close(peer)
+                peer.release_plane(plane)
 
     def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000, local_device: bool = False,
                    remote_device: bool = False) -> str:
@@ -195,11 +236,20 @@ class LinkManager(Listeners, Handshakes, Server):
         return peer.plane.name
 
     def _plane(self, name: str) -> DataPlane:
-        plane = self.planes.get(name)
-        if plane is None:  # registered after this manager was made
-            plane = self.planes[name] = plane_registry.get(name)(self.engine)
-            self.plane_objects = tuple(self.planes.values())
-        return plane
+        return self.planes.instance(name)  # made now if registered after this manager was
+
+    @staticmethod
+    def _accept_plane(peer: Peer, plane: DataPlane, facts: Any, deadline: float) -> Optional[str]:
+        """Give ``plane`` its state for the link (``DataPlane.link_state``, kept in
+        ``peer.plane_state``) and ask it to accept the link; a plane that refuses is closed and
+        its state dropped. None, or why it refused."""
+        state = plane.link_state(peer)
+        if state is not None:
+            peer.plane_state[plane.name] = state
+        reason = plane.accept(peer, facts, deadline)
+        if reason is not None:
+            peer.release_plane(plane)
+        return reason
 
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
         """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
@@ -220,10 +270,9 @@ class LinkManager(Listeners, Handshakes, Server):
             names = (self.plane,)
         for name in names:
             plane = self._plane(name)
-            reason = plane.accept(peer, facts, deadline)
+            reason = self._accept_plane(peer, plane, facts, deadline)
             if reason is None:
                 return plane
-            plane.close(peer)
             if name == self.plane:
                 raise fail(S.LLM_LINK_FAILED, f"{DATA_PLANE_OPTION}={name} but {reason}")
             logger.warning("cluster %d -> %d: data plane %s not usable (%s); trying the next one",
@@ -245,7 +294,7 @@ class LinkManager(Listeners, Handshakes, Server):
                 plane = self._choose_device_plane(peer, local_device, remote_device, deadline)
                 peer.device_planes[combination] = plane
         if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-            plane.close(peer)
+            peer.release_plane(plane)
         return plane
 
     def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,
@@ -264,9 +313,8 @@ class LinkManager(Listeners, Handshakes, Server):
         reasons = []
         for plane in candidates:
             if plane is not peer.plane and not any(p is plane for p in peer.extra_planes):
-                reason = plane.accept(peer, peer.facts, deadline)
+                reason = self._accept_plane(peer, plane, peer.facts, deadline)
                 if reason is not None:
-                    plane.close(peer)
                     reasons.append(f"{plane.name}: {reason}")
                     continue
                 peer.extra_planes.append(plane)
@@ -281,12 +329,12 @@ class LinkManager(Listeners, Handshakes, Server):
     # -- registry changes ---------------------------------------------------------------------------
     def registered(self, record: Any) -> None:
         """The engine registered (or allocated) a cache: every plane hears of it."""
-        for plane in self.plane_objects:
+        for plane in self.planes.all:
             plane.on_register(record)
 
     def unregistered(self, record: Any) -> None:
         """A cache left the engine's registry: every plane hears of it."""
-        for plane in self.plane_objects:
+        for plane in self.planes.all:
             plane.on_unregister(record)
 
     # -- unlink, loss ------------------------------------------------------------------------------
@@ -502,7 +550,8 @@ class LinkManager(Listeners, Handshakes, Server):
         lower = [m for m in comm.others if m.rank < comm.me.rank]
         listen_at = (comm.me.device_ip, comm.me.port) if higher else None
         if listen_at is not None:
-            self._open_comm_listener(*listen_at)
+            self.listener.open_extra(*listen_at)
+            self._warn_open(*listen_at)
         with self._lock:
             self._joining[comm.key] = {m.cluster_id for m in higher}
         try:
@@ -534,10 +583,10 @@ class LinkManager(Listeners, Handshakes, Server):
             with self._lock:
                 self._joining.pop(comm.key, None)
             if listen_at is not None:
-                self._close_comm_listener(listen_at)
+                self.listener.close_extra(listen_at)
         with self._lock:
             self.comms[comm.comm_id] = comm
-        self._spawn(self._prepare_comm, comm)
+        self._threads.spawn(self._prepare_comm, comm)
 
     def _linked_now(self, cluster_id: int) -> bool:
         with self._lock:
@@ -604,39 +653,258 @@ class LinkManager(Listeners, Handshakes, Server):
                                 f"{status_of(status).name} ({reply.get('error', '')})")
         return reply
 
+    def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+        """The server's handler of ``OP_NOTIFY``."""
+        message = wire.decode_json(server.recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "notification"))
+        status, answer = self._answer_notification(peer.cluster_id, message)
+        return server.reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
+
+    def _answer_notification(self, peer_id: int, message: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+        handler = self._notify_handler
+        if handler is None:
+            return S.LLM_FEATURE_NOT_ENABLED, {"error": "this cluster takes no notifications"}
+        try:
+            answer = handler(peer_id, message)
+            if not isinstance(answer, dict):
+                raise TypeError(f"the notification handler returned {type(answer).__name__}, not a dict")
+            return S.LLM_SUCCESS, answer
+        except Exception:  # the application's handler: its failure is the peer's answer, not ours
+            logger.exception("cluster %d: the handler of a notification from cluster %d failed",
+                             self.engine.cluster_id, peer_id)
+            return S.LLM_FAILED, {"error": "the handler failed"}
+
+    def _on_unlink(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+        """The server's handler of ``OP_UNLINK``: the peer ends the link."""
+        peer_id = peer.cluster_id
+        server.recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "unlink")
+        # Forget the link before answering, so that a relink right after the answer is not
+        # mistaken for this one; close the connections after answering.
+        with self._lock:
+            peer.unlinked_by_peer = True
+            if self._peers.get(peer_id) is peer:
+                del self._peers[peer_id]
+                if not peer.unlinking:
+                    self._unlinked_by_peer.add(peer_id)
+                    while len(self._unlinked_by_peer) > MAX_LOST_RECORDS:
+                        self._unlinked_by_peer.pop()
+            self._self_peers = [p for p in self._self_peers if p is not peer]
+        server.reply(fd, wire.OP_UNLINK_DONE, req_id, 0)
+        peer.close()
+        logger.info("cluster %d: cluster %d unlinked", self.engine.cluster_id, peer_id)
+        return False
+
+    # -- the handshake of accepted connections ------------------------------------------------------
+    def _serve_accepted(self, conn: socket.socket, name: str) -> None:
+        """The listener's accept callback: the handshake of an accepted connection, then serve it
+        (or hand it to a Channel). The socket is closed on every other way out."""
+        handed_over = False
+        try:
+            handed_over = self._handshake_accepted(conn, name)
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s: %s", name, exc)
+            self.engine.count_protocol_error()
+        except LLMException as exc:  # closed, silent or too slow
+            self._count("handshake_failures")
+            logger.info("closing connection from %s: %s", name, exc)
+        finally:
+            self.listener.handshake_done(conn)
+            if not handed_over:
+                close_socket(conn)
+
+    def _handshake_accepted(self, conn: socket.socket, name: str) -> bool:
+        """hello -> challenge -> auth -> reply; then what the connection is for. True if the
+        socket now belongs to a link."""
+        fd = conn.fileno()
+        deadline = dl.after(self.handshake_ms)
+        mine = self.engine.cluster_id
+        admission = handshake.accept_hello(conn, mine, self.secret, deadline)
+        peer_id = admission.peer_id
+        if admission.refused is not None:
+            if admission.auth_failure:
+                self._count("auth_failures")
+                logger.warning("cluster %d refused a connection from %s claiming cluster %d: %s", mine, name,
+                               peer_id, admission.refused)
+            return False
+        purpose = admission.purpose
+        if purpose == "link":
+            status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name)
+            sent = handshake.send_reply(conn, reply, status, deadline)
+            if status != 0:
+                return False
+            self.listener.handshake_done(conn)
+            # The client opens the link's data connections, then closes this one: wait for that
+            # (or the deadline); a link whose connections did not all arrive is dropped.
+            if sent:
+                _io.recv_discard(fd, 1, max(1, dl.left_ms(deadline)))
+            with self._lock:
+                complete = peer.ready
+            if not complete:
+                self._lose(peer, "its connections did not arrive", quiet=True)
+                return False
+            try:  # choose this side's plane now rather than on the first transfer
+                self._settle(peer, dl.after(self.handshake_ms))
+            except LLMException as exc:
+                self._lose(peer, f"no data plane: {exc}")
+            return False
+        if purpose in ("forward", "reverse"):
+            status, reply, peer = self._accept_data(peer_id, purpose, admission.request.get("token"), conn)
+            if not handshake.send_reply(conn, reply, status, deadline) or status != 0:
+                if peer is not None:
+                    self._lose(peer, f"its {purpose} connection failed", quiet=True)
+                return False
+            self.listener.handshake_done(conn)
+            if purpose == "forward":
+                self.server.serve(conn, name, peer)
+            return True  # serve closed it, or a Channel holds it
+        raise ProtocolError(f"unknown purpose {brief(purpose)}")
+
+    def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str):
+        """Decide on an authenticated link request: ``(status, reply, pending Peer or None)``."""
+        mine = self.engine.cluster_id
+        reply: Dict[str, Any] = {"cluster_id": mine}
+
+        def refuse(status: int, why: str):
+            logger.warning("cluster %d refused a link from %s (cluster %d): %s", mine, name, peer_id, why)
+            return status, dict(reply, error=why), None
+
+        comm = request.comm
+        if comm is None and request.remote_accessible != self.remote_accessible:
+            return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
+        peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
+                    want=request.want, comm=comm)
+        if peer_id == mine:  # a link to our own listener: its server side is kept apart from the client side
+            with self._lock:
+                if len(self._self_peers) >= MAX_CONNECTIONS:
+                    return refuse(S.LLM_LINK_FAILED, "too many links to itself")
+                self._self_peers.append(peer)
+                self._pending[peer.token] = peer
+            return S.LLM_SUCCESS, self._link_reply(peer), peer
+        with self._lock:
+            if comm is not None and peer_id not in self._joining.get(comm, ()):
+                return S.LLM_NOT_YET_LINK, dict(reply, error="this cluster is not making that link now"), None
+            old = self._peers.get(peer_id)
+            mutual = "this cluster is linking to you at the same time; one link serves both"
+            if old is None and peer_id in self._linking and peer_id > mine:
+                # Both sides link to each other at once: the link of the lower cluster id is kept.
+                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
+            if old is not None and old.ready and old.is_client and not old.hung_up():
+                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
+            if old is not None and (not old.ready or not old.hung_up()):
+                # A live link is never replaced; one whose connections are gone is (force_link).
+                return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
+            if len(self._peers) - (old is not None) >= self.max_links:
+                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links} links ({MAX_LINKS_ENV})")
+            if old is not None:
+                self._forget(old, "replaced by a new link: its connections were closed")
+            self._peers[peer_id] = peer
+            self._pending[peer.token] = peer
+        if old is not None:
+            old.close()
+        return S.LLM_SUCCESS, self._link_reply(peer), peer
+
+    def _link_reply(self, peer: Peer) -> Dict[str, Any]:
+        return handshake.link_reply(self.engine.cluster_id, self.engine.role, self._offered_planes(),
+                                    self.remote_accessible, peer.token, self.listener.unix_name)
+
+    def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket):
+        """A data connection of a link being made: ``(status, reply, Peer or None)``."""
+        refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None
+        unix = conn.family == socket.AF_UNIX
+        pid, uid = peer_credentials(conn) if unix else (0, -1)
+        with self._lock:
+            peer = self._pending.get(token) if isinstance(token, str) else None
+            if peer is None or peer.cluster_id != peer_id or not self._holds(peer):
+                return refused
+            first = not peer.channels and not peer.incoming
+            if first:
+                peer.unix, peer.pid, peer.uid = unix, pid, uid
+            elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
+                # Every connection of a link comes from one process, over one kind of socket.
+                return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer
+            if purpose == "forward":
+                if len(peer.incoming) >= peer.want[0]:
+                    return refused
+                peer.incoming.append(conn)
+            else:
+                if len(peer.channels) >= peer.want[1]:
+                    return refused
+                peer.channels.append(Channel(conn, f"cluster {peer_id} ({peer.address[0]})"))
+            if len(peer.incoming) == peer.want[0] and len(peer.channels) == peer.want[1]:
+                peer.ready = True
+                del self._pending[token]
+                logger.info("cluster %d: cluster %d linked from %s", self.engine.cluster_id, peer_id,
+                            "this host" if unix else peer.address[0])
+        return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer
+
+    def _holds(self, peer: Peer) -> bool:
+        return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
+
+    def _offered_planes(self) -> List[str]:
+        """The planes this side names in its link request or reply."""
+        return list(plane_registry.offered(self.plane))
+
+    def _wants_local_sockets(self) -> bool:
+        """Whether a plane this side may use wants the link's connections on Unix sockets."""
+        return any(plane_registry.get(name).local_sockets for name in plane_registry.offered(self.plane))
+
+    # -- the client's side of a link ----------------------------------------------------------------
+    def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
+              sockets: List[socket.socket], comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
+        """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
+        unless the link is made, in which case ``sockets`` is emptied)."""
+        mine = self.engine.cluster_id
+        first = handshake.connect_tcp(ip, port, deadline)
+        sockets.append(first)
+        agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
+                                           self._offered_planes(), self.remote_accessible,
+                                           self._wants_local_sockets(), deadline, comm)
+        made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
+                                          sockets)
+        name = f"cluster {remote_cluster_id} ({ip}:{port})"
+        peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm)
+        peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
+        peer.channels = [Channel(sock, name) for sock in made.forward]
+        peer.incoming = made.reverse
+        peer.ready = True
+        sockets.remove(first)
+        close_socket(first)  # the server now holds the link as made
+        self._settle(peer, deadline)
+        with self._lock:
+            if self._closed:
+                raise fail(S.LLM_LINK_FAILED, "finalized while linking")
+            self._peers[remote_cluster_id] = peer
+            self._lost.pop(remote_cluster_id, None)
+        sockets.clear()  # they belong to the link now
+        for sock in made.reverse:
+            self.server.serve_in_thread(sock, f"{ip}:{port}", peer)
+        logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
+                    remote_cluster_id, ip, port, peer.plane_name)
+        return S.LLM_SUCCESS
+
     # -- life cycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Tell every linked peer that its link ends (as CANN's finalize unlinks everything, so
         that the peers see an unlink rather than a lost link), stop listening, drop every link
-        and join the connection threads."""
+        and join the connection threads; the planes release their per-engine state last."""
         with self._lock:
             linked = [cid for cid, peer in self._peers.items() if peer.ready and not peer.hung_up()]
         _parallel(lambda cid: self.unlink(cid, FINALIZE_UNLINK_MS, force=False), linked)
-        self._closed = True
-        self.stop_listener()
+        with self._lock:
+            self._closed = True
+        self.server.stop()
+        self.listener.close()
         with self._lock:
             peers = list(self._peers.values()) + self._self_peers
             self._peers.clear()
             self._self_peers = []
             self._pending.clear()
-            comm_listeners = [entry[0] for entry in self._comm_listeners.values()]
-            self._comm_listeners.clear()
-        for sock in comm_listeners:
-            close_socket(sock)
-        with self._lock:
-            threads = list(self._threads)
-            incoming = list(self._incoming)
         for peer in peers:
             peer.close()
-        for sock in incoming:  # connections still in their handshake
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=2)
-        drop_pool(self.engine)
+        self.listener.drain()  # connections still in their handshake, and its threads
+        self.server.join()
+        self._threads.join()
+        for plane in self.planes.all:
+            plane.shutdown()
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:

@@ -1,11 +1,15 @@
-"""The listeners of a cluster: its TCP listener (``listen_ip_info``, and those of two-sided links)
-and an abstract Unix socket that same-host peers learn after authenticating; the accept loop,
-which survives transient ``accept()`` failures (backing off up to a second), bounds the
-connections still in their handshake (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``) and hands each
-accepted connection to its own thread (``handshake.Handshakes._serve_accepted``).
+"""The listening part of a cluster's links: ``Listener`` owns its listening sockets (the TCP one of
+``listen_ip_info``, those of two-sided links, and an abstract Unix socket that same-host peers
+learn after authenticating), their accept loops, the threads it starts for accepted connections
+and the accounting of the connections still in their handshake.
 
-``Listeners`` is a part of ``links.LinkManager``: it uses the manager's lock, counters and
-threads (set up in ``LinkManager.__init__``).
+The accept loop survives transient ``accept()`` failures (backing off up to a second), closes a
+connection at once when ``LLM_DATADIST_MAX_PENDING_HANDSHAKES`` are already pending, and hands
+each accepted connection to the accept callback it was given, on a thread of its own; the
+callback says when the handshake is over (``handshake_done``). The listener knows nothing of
+links: the link manager (``links``) gives it the callback and a counter of refused connections.
+
+Also the socket helpers every part uses (``tune``, ``close_socket``, the listening sockets).
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException
-from llm_datadist.transport import auth
 from llm_datadist.transport.errors import S, fail
+from llm_datadist.transport.threads import Threads
 
 logger = logging.getLogger("llm_datadist")
 
@@ -44,74 +48,130 @@ def env_int(name: str, default: int, lo: int = 1) -> int:
         return default
 
 
-class Listeners:
-    """Listening and accepting, as part of ``LinkManager``."""
+#: ``on_accept(connection, name)``: run the handshake of an accepted connection (and whatever
+#: follows on it); called on a thread of the listener. ``name`` is the peer's address.
+AcceptCallback = Callable[[socket.socket, str], None]
+#: ``count(counter)``: add one to a counter of the link statistics, return its new value.
+CountCallback = Callable[[str], int]
 
-    engine: Any
-    secret: Optional[bytes]
-    max_pending: int
-    stats: Dict[str, int]
-    unix_name: Optional[str]
-    _lock: Any
-    _listeners: List[socket.socket]
-    _listen_threads: List[threading.Thread]
-    _comm_listeners: Dict[Tuple[str, int], List[Any]]
-    _comm_unix_name: Optional[str]
-    _threads: List[threading.Thread]
-    _incoming: set
-    _handshakes: int
-    _closed: bool
-    _serve_accepted: Callable[[socket.socket, str], None]
 
-    # -- listener ---------------------------------------------------------------------------------
+class Listener:
+    """The listening sockets of one cluster and the connections accepted on them until their
+    handshake is over.
+
+    ``on_accept`` gets each accepted connection; ``max_pending`` bounds the connections in their
+    handshake; ``count`` is told of ``accept_errors`` and ``refused_busy``."""
+
+    def __init__(self, cluster_id: int, on_accept: AcceptCallback, max_pending: int, count: CountCallback) -> None:
+        self.cluster_id = cluster_id
+        self.max_pending = max_pending
+        self._on_accept = on_accept
+        self._count = count
+        self._lock = threading.Lock()
+        self._sockets: List[socket.socket] = []      # listen_ip_info's, and its Unix socket
+        self._loops: List[threading.Thread] = []     # their accept loops
+        self._unix_name: Optional[str] = None
+        self._extra: Dict[Tuple[str, int], List[Any]] = {}  # (ip, port) -> [socket, users]
+        self._extra_unix_name: Optional[str] = None  # the Unix socket of the extra listeners
+        self._extra_loops = Threads("llm_datadist-listen")
+        self._incoming: Set[socket.socket] = set()  # accepted connections still in their handshake
+        self._closed = False
+        self._threads = Threads("llm_datadist-conn")
+
+    # -- what it listens on ---------------------------------------------------------------------
     @property
     def listen_address(self) -> Optional[Tuple[str, int]]:
-        for sock in self._listeners:
+        for sock in self._sockets:
             if sock.family != socket.AF_UNIX:
                 host, port = sock.getsockname()[:2]
                 return host, port
         return None
 
-    def start_listener(self, ip: str, port: int) -> None:
+    @property
+    def unix_name(self) -> Optional[str]:
+        """The abstract name of the Unix socket that same-host peers connect to, or None."""
+        return self._unix_name or self._extra_unix_name
+
+    def start(self, ip: str, port: int) -> None:
         """Listen on ``ip:port`` (port 0 = any free port; see ``listen_address``), and on a Unix
-        socket of a random abstract name that same-host peers learn after authenticating."""
-        self.stop_listener()
+        socket of a random abstract name. ``LLMException(LLM_PARAM_INVALID)`` if it cannot."""
+        self.stop()
         try:
             sock = tcp_listener(ip, port)
         except OSError as exc:
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
-        listeners = [sock]
+        sockets = [sock]
         local, unix_name = unix_listener()
         if local is not None:
-            listeners.append(local)
-        self._listeners, self.unix_name = listeners, unix_name
-        self._listen_threads = []
-        for listener in listeners:
+            sockets.append(local)
+        loops = []
+        for listener in sockets:
             listener.settimeout(0.2)
-            thread = threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
-                                      name=f"llm_datadist-listen-{port}")
-            self._listen_threads.append(thread)
+            loops.append(threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                                          name=f"llm_datadist-listen-{port}"))
+        with self._lock:
+            self._sockets, self._unix_name, self._loops = sockets, unix_name, loops
+        for thread in loops:
             thread.start()
-        host, bound = self.listen_address
-        logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, host, bound)
-        if self.secret is None and not is_loopback(ip):
-            warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{bound} without a link secret: "
-                       f"any process that reaches this address can link, read and write the registered "
-                       f"caches (set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
 
-    def stop_listener(self) -> None:
-        listeners, threads = self._listeners, self._listen_threads
-        self._listeners, self._listen_threads, self.unix_name = [], [], None
-        for sock in listeners:
+    def stop(self) -> None:
+        """Stop listening on ``listen_ip_info`` (the extra listeners stay)."""
+        with self._lock:
+            sockets, loops = self._sockets, self._loops
+            self._sockets, self._loops, self._unix_name = [], [], None
+        for sock in sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             sock.close()
-        for thread in threads:
+        for thread in loops:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
 
+    def open_extra(self, ip: str, port: int) -> None:
+        """Listen on ``ip:port`` too (a two-sided link's address), or count one more user of it;
+        with a Unix socket if there is none yet. ``LLMException(LLM_LINK_FAILED)`` if it cannot."""
+        with self._lock:
+            entry = self._extra.get((ip, port))
+            if entry is not None:
+                entry[1] += 1
+                return
+        try:
+            sock = tcp_listener(ip, port)
+        except OSError as exc:
+            raise fail(S.LLM_LINK_FAILED, f"cannot listen on {ip}:{port}, this member's rank-table address "
+                                           f"(device_ip, port base + 16 x device_id + rank_id): {exc}") from None
+        unix = None
+        with self._lock:
+            self._extra[(ip, port)] = [sock, 1]
+            if self._unix_name is None and self._extra_unix_name is None:
+                unix, self._extra_unix_name = unix_listener()
+                if unix is not None:
+                    self._extra[("", 0)] = [unix, 1]
+        for listener in [sock] + ([unix] if unix is not None else []):
+            listener.settimeout(0.2)
+            self._extra_loops.spawn(self._accept_loop, listener)
+
+    def close_extra(self, key: Tuple[str, int]) -> None:
+        """One user less of the extra listener ``(ip, port)``; closed with its last user (and the
+        extra Unix socket with the last extra listener)."""
+        with self._lock:
+            entry = self._extra.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._extra[key]
+            closing = [entry[0]]
+            if list(self._extra) == [("", 0)]:  # the last one: its Unix socket goes too
+                closing.append(self._extra.pop(("", 0))[0])
+                self._extra_unix_name = None
+        for sock in closing:
+            close_socket(sock)
+
+    # -- accepting ------------------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
         failures = 0
         while self._listening(listener):
@@ -125,101 +185,81 @@ class Listeners:
                 # Out of descriptors or buffers, or a connection reset before it was accepted: a
                 # transient state; back off (up to a second) and go on listening.
                 failures += 1
-                with self._lock:
-                    self.stats["accept_errors"] += 1
+                errors = self._count("accept_errors")
                 delay = min(1.0, 0.01 * (2 ** min(failures, 7)))
                 if failures == 1 or failures % 100 == 0:
                     logger.warning("cluster %d: accept() failed (%s, %d so far); retrying in %.2f s",
-                                   self.engine.cluster_id, exc, self.stats["accept_errors"], delay)
+                                   self.cluster_id, exc, errors, delay)
                 time.sleep(delay)
                 continue
             failures = 0
             name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
-            with self._lock:
-                busy = self._handshakes >= self.max_pending or self._closed
-                if not busy:
-                    self._handshakes += 1
-                    self._incoming.add(conn)
-                else:
-                    self.stats["refused_busy"] += 1
-            if busy:
-                if self.stats["refused_busy"] in (1, 10, 100) or self.stats["refused_busy"] % 1000 == 0:
+            if not self.admit(conn):
+                refused = self._count("refused_busy")
+                if refused in (1, 10, 100) or refused % 1000 == 0:
                     logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                   "(%s)", self.engine.cluster_id, self.stats["refused_busy"], self.max_pending,
-                                   MAX_PENDING_ENV)
+                                   "(%s)", self.cluster_id, refused, self.max_pending, MAX_PENDING_ENV)
                 close_socket(conn)
                 continue
             try:
                 tune(conn)
                 conn.setblocking(False)
-                self._spawn(self._serve_accepted, conn, name)
+                self._threads.spawn(self._run, conn, name)
             except (OSError, RuntimeError) as exc:  # no thread could be started
-                logger.warning("cluster %d: dropping a connection from %s: %s", self.engine.cluster_id, name, exc)
-                self._handshake_done(conn)
+                logger.warning("cluster %d: dropping a connection from %s: %s", self.cluster_id, name, exc)
+                self.handshake_done(conn)
                 close_socket(conn)
+
+    def _run(self, conn: socket.socket, name: str) -> None:
+        try:
+            self._on_accept(conn, name)
+        finally:
+            self.handshake_done(conn)
 
     def _listening(self, listener: socket.socket) -> bool:
         with self._lock:
-            return listener in self._listeners or any(entry[0] is listener
-                                                      for entry in self._comm_listeners.values())
+            return listener in self._sockets or any(entry[0] is listener for entry in self._extra.values())
 
-    def _spawn(self, target: Callable, *args) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True, name="llm_datadist-conn")
+    def admit(self, conn: socket.socket) -> bool:
+        """Count ``conn`` as a connection in its handshake; False (not counted) when
+        ``max_pending`` are already or the listener is closed."""
         with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(thread)
-        thread.start()
-        return thread
+            if len(self._incoming) >= self.max_pending or self._closed:
+                return False
+            self._incoming.add(conn)
+            return True
 
-    def _handshake_done(self, conn: socket.socket) -> None:
+    def handshake_done(self, conn: socket.socket) -> None:
+        """``conn`` is through its handshake (or gone): it no longer counts as pending."""
         with self._lock:
-            if conn in self._incoming:
-                self._incoming.discard(conn)
-                self._handshakes -= 1
+            self._incoming.discard(conn)
 
-    def _open_comm_listener(self, ip: str, port: int) -> None:
+    def pending(self) -> Set[socket.socket]:
+        """The accepted connections still in their handshake."""
         with self._lock:
-            entry = self._comm_listeners.get((ip, port))
-            if entry is not None:
-                entry[1] += 1
-                return
-        try:
-            sock = tcp_listener(ip, port)
-        except OSError as exc:
-            raise fail(S.LLM_LINK_FAILED, f"cannot listen on {ip}:{port}, this member's rank-table address "
-                                           f"(device_ip, port base + 16 x device_id + rank_id): {exc}") from None
-        sock.settimeout(0.2)
-        unix = None
-        with self._lock:
-            self._comm_listeners[(ip, port)] = [sock, 1]
-            if self.unix_name is None and self._comm_unix_name is None:
-                unix, self._comm_unix_name = unix_listener()
-                if unix is not None:
-                    self._comm_listeners[("", 0)] = [unix, 1]
-        for listener in [sock] + ([unix] if unix is not None else []):
-            listener.settimeout(0.2)
-            threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
-                             name=f"llm_datadist-listen-{port}").start()
-        if self.secret is None and not is_loopback(ip):
-            warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{port} without a link secret: any "
-                       f"process that reaches this address can link, read and write the registered caches "
-                       f"(set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
+            return set(self._incoming)
 
-    def _close_comm_listener(self, key: Tuple[str, int]) -> None:
+    # -- the end ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Accept nothing more: stop every listening socket (new connections are refused)."""
         with self._lock:
-            entry = self._comm_listeners.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] > 0:
-                return
-            del self._comm_listeners[key]
-            closing = [entry[0]]
-            if list(self._comm_listeners) == [("", 0)]:  # the last one: its Unix socket goes too
-                closing.append(self._comm_listeners.pop(("", 0))[0])
-                self._comm_unix_name = None
-        for sock in closing:
+            self._closed = True
+            extra = [entry[0] for entry in self._extra.values()]
+            self._extra.clear()
+            self._extra_unix_name = None
+        self.stop()
+        for sock in extra:
             close_socket(sock)
+
+    def drain(self) -> None:
+        """After ``close``: end the connections still in their handshake and join the threads."""
+        for sock in self.pending():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._threads.join()
+        self._extra_loops.join()
 
 
 def tcp_listener(ip: str, port: int) -> socket.socket:

@@ -1,7 +1,7 @@
 """A link's state on this side: its connections (``Channel``, the peer's ``incoming`` ones), what
-the kernel proved about the peer, the data plane chosen and its per-link state (``Peer``), the
-one frame reader every part of the transport uses, and the link's worker threads for striped
-transfers.
+the kernel proved about the peer, the data planes chosen and their per-link state objects
+(``Peer.plane_state``), the one frame reader every part of the transport uses, and the link's
+worker threads for striped transfers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from llm_datadist.status import LLMException
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import wire
 from llm_datadist.transport.errors import S, ProtocolError, StaleTable, fail, status_of
-from llm_datadist.transport.shm import PeerCounter
 from llm_datadist.transport.table import RemoteTable
 
 #: How long a started frame may take to arrive whole (and a reply to be sent), on the serving
@@ -228,11 +227,11 @@ class Peer:
     extra_planes: List[Any] = field(default_factory=list)
     channels: List[Channel] = field(default_factory=list)        # this side's requests
     incoming: List[socket.socket] = field(default_factory=list)  # the peer's requests
-    # Per-link state a plane's accept sets up (and its close releases): the peer's mapped
-    # registry generation counter (or its address, read through the plane), a pidfd of it.
-    generation: Optional[PeerCounter] = None
-    generation_addr: int = 0
-    pidfd: int = -1
+    # Each plane's state for this link, by plane name (``DataPlane.link_state``): made just
+    # before the plane's accept, dropped (``release_plane``) when it refuses and when the link
+    # ends -- by whoever closes the plane last, so that a plane still accepting while the link
+    # closes finds its state to release.
+    plane_state: Dict[str, Any] = field(default_factory=dict)
     closed: bool = False
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
     unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
@@ -270,12 +269,17 @@ class Peer:
             return True
         return any(event & flags for _, event in poller.poll(0))
 
+    def release_plane(self, plane: Any) -> None:
+        """Let ``plane`` release what it holds for this link, then drop its state object."""
+        plane.close(self)
+        self.plane_state.pop(plane.name, None)
+
     def close(self) -> None:
         self.closed = True
         if self.plane is not None:
-            self.plane.close(self)
+            self.release_plane(self.plane)
         for plane in list(self.extra_planes):
-            plane.close(self)
+            self.release_plane(plane)
         self.workers.close()
         for channel in list(self.channels):
             channel.close()

@@ -10,8 +10,9 @@ copied outside the plan; the plan was checked against the owner's registry befor
 server) or made by this side from its own cache (the client).
 
 Used by both ends of a staged transfer: the ``staging`` plane on the side that asks (its local
-cache) and the server on the side that owns the memory (``transport.server``). The caller binds
-its thread to the engine's device first (``EngineView.bind_thread``).
+cache) and the server on the side that owns the memory (``transport.server``), both with the
+staging plane's ``StagedPayload`` and bounce pool (one per engine, freed at finalize). The caller
+binds its thread to the engine's device first (``EngineView.bind_thread``).
 
 A copy that fails raises ``CopyFailed``; ``in_step`` says whether the connection is still in step
 with the frame: a send that failed before its first byte went out, or a receive that read (and
@@ -24,15 +25,14 @@ from __future__ import annotations
 
 import struct
 import threading
-import weakref
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.status import LLMException
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import CopyFailed
 
-__all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "pool_of", "drop_pool", "send_staged", "recv_staged",
+__all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "send_staged", "recv_staged",
            "HostPayload", "StagedPayload", "HOST_PAYLOAD", "CopyFailed"]
 
 #: Bytes per bounce buffer: the unit of one device copy and one socket send or receive.
@@ -69,6 +69,10 @@ class BouncePool:
             if not self._closed:
                 self._free.extend(buffers[:max(0, self.keep - len(self._free))])
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def idle(self) -> int:
         with self._lock:
             return len(self._free)
@@ -78,28 +82,6 @@ class BouncePool:
         with self._lock:
             self._closed = True
             self._free = []
-
-
-_pools: "weakref.WeakKeyDictionary[Any, BouncePool]" = weakref.WeakKeyDictionary()
-_pools_lock = threading.Lock()
-
-
-def pool_of(engine: Any) -> BouncePool:
-    """The bounce-buffer pool of an engine (for its current runtime), made on first use and
-    shared by its planes and its server."""
-    with _pools_lock:
-        pool = _pools.get(engine)
-        if pool is None or pool.runtime is not engine.runtime or pool._closed:
-            pool = _pools[engine] = BouncePool(engine.runtime)
-        return pool
-
-
-def drop_pool(engine: Any) -> None:
-    """Free an engine's bounce buffers (its links are closing)."""
-    with _pools_lock:
-        pool = _pools.pop(engine, None)
-    if pool is not None:
-        pool.close()
 
 
 def _bounce_plan(buffer: Any, nbytes: int) -> Any:
@@ -248,22 +230,24 @@ HOST_PAYLOAD = HostPayload()
 
 
 class StagedPayload(HostPayload):
-    """A frame's payload from and into device memory of an engine's runtime, staged through its
-    bounce pool (``send_staged`` / ``recv_staged``) on a thread bound to its device."""
+    """A frame's payload from and into device memory of an engine's runtime, staged through the
+    bounce pool that ``pool()`` returns (``send_staged`` / ``recv_staged``: the staging plane's,
+    for the engine's current runtime) on a thread bound to its device."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, pool: Callable[[], BouncePool]) -> None:
         self.engine = engine
+        self.pool = pool
 
     def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
         try:
             self.engine.bind_thread()
         except LLMException as exc:  # nothing sent
             raise CopyFailed(exc, True) from exc
-        return send_staged(fd, head, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
+        return send_staged(fd, head, plan, self.engine.runtime, self.pool(), timeout_ms)
 
     def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
         try:
             self.engine.bind_thread()
         except LLMException as exc:
             return _drained(fd, plan.total_bytes, dl.after(timeout_ms), exc)
-        return recv_staged(fd, plan, self.engine.runtime, pool_of(self.engine), timeout_ms)
+        return recv_staged(fd, plan, self.engine.runtime, self.pool(), timeout_ms)

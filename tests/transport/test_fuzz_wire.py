@@ -174,10 +174,10 @@ class Checker:
             raise Mismatch("the server's generation word or probe cookie changed")
         links = server.links
         with links._lock:
-            left = (dict(links._peers), dict(links._pending), set(links._incoming), links._handshakes)
-        if left != (self.live, {}, set(), 0):
-            raise Mismatch(f"left in the link table: peers {left[0]}, pending {left[1]}, incoming {left[2]}, "
-                           f"handshakes {left[3]}")
+            left = (dict(links._peers), dict(links._pending), links.listener.pending())
+        if left != (self.live, {}, set()):
+            raise Mismatch(f"left in the link table: peers {left[0]}, pending {left[1]}, connections still in "
+                           f"their handshake {left[2]}")
         if server.engine.registry._pinned:
             raise Mismatch(f"transfers still pinned: {server.engine.registry._pinned}")
         now = _resources()

@@ -7,7 +7,7 @@ server's own connection code.
 the peer's end of an ``AF_UNIX`` socket pair gets the case's bytes (then ``SHUT_WR``), the
 server's end goes, non-blocking and tuned like an accepted one, to
 ``LinkManager._serve_accepted`` (a handshake, then requests on a forward connection) or, for a
-link forged in the link table, straight to ``LinkManager._serve``, on a worker thread, while
+link forged in the link table, straight to ``LinkManager.server.serve``, on a worker thread, while
 this thread writes the input and reads every reply until the server closes its end.
 """
 
@@ -235,7 +235,7 @@ class FuzzServer:
                 peer.ready = True
                 with links._lock:
                     links._peers[case.peer_id] = peer
-                job = lambda: links._serve(conn, "fuzz", peer)  # noqa: E731
+                job = lambda: links.server.serve(conn, "fuzz", peer)  # noqa: E731
             else:
                 # A link whose handshake is done and whose data connections are awaited, and the
                 # listener's bookkeeping of a connection in its handshake (_accept_loop).
@@ -243,8 +243,7 @@ class FuzzServer:
                 with links._lock:
                     links._peers[case.peer_id] = staged
                     links._pending[case.token] = staged
-                    links._handshakes += 1
-                    links._incoming.add(conn)
+                assert links.listener.admit(conn)
                 job = lambda: links._serve_accepted(conn, "fuzz")  # noqa: E731
             return self._pump(client, case.data, job, staged, reply_bytes)
         finally:

@@ -4,6 +4,11 @@ Every module of this package (other than ``base``) is imported once and register
 with ``register``; code elsewhere (a test, an integration) may register more. Everything that
 lists planes -- ``llm.DataPlane`` values, the CLI's choices, ``info``, the benchmarks -- asks
 this registry, so adding a plane is adding its module.
+
+The registry holds plane *classes*; ``PlaneSet`` holds the *instances* of one engine (one of each
+registered plane, made on first use). The link manager owns an engine's set, and a plane that
+hands some transfers to another (cuda_ipc -> staging) reaches that plane's instance through the set
+(``DataPlane.sibling``) rather than making its own.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-from typing import Dict, Mapping, Optional, Tuple, Type
+import threading
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Type
 
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport.planes.base import DataPlane
 
 __all__ = ["DataPlane", "register", "unregister", "names", "host_names", "get", "choices", "auto_order", "offered",
-           "resolve", "fallbacks", "lookup", "AUTO", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
+           "resolve", "fallbacks", "lookup", "PlaneSet", "AUTO", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
 AUTO = "auto"
 DATA_PLANE_OPTION = "llm.DataPlane"
@@ -97,6 +103,56 @@ def resolve(options: Mapping[str, str]) -> str:
         raise LLMException(f"{DATA_PLANE_OPTION} must be one of {', '.join(choices())}, got {value!r}",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     return value
+
+
+class PlaneSet(Mapping[str, DataPlane]):
+    """The plane instances of one engine: one of every registered plane, made when the set is
+    (``eager``) or on first use (``instance``), never twice. As a mapping it holds the instances
+    made so far, by name."""
+
+    def __init__(self, engine: Any, eager: bool = True) -> None:
+        self.engine = engine
+        self._planes: Dict[str, DataPlane] = {}
+        self._all: Tuple[DataPlane, ...] = ()
+        self._lock = threading.Lock()
+        if eager:
+            for name in names():
+                self.instance(name)
+
+    def instance(self, name: str) -> DataPlane:
+        """This engine's instance of the plane ``name``, made now if it was not yet (a plane
+        registered after the set was made); KeyError if no such plane is registered."""
+        plane = self._planes.get(name)
+        if plane is not None:
+            return plane
+        with self._lock:
+            plane = self._planes.get(name)
+            if plane is None:
+                plane = get(name)(self.engine)
+                plane.join(self)
+                self._planes[name] = plane
+                self._all = tuple(self._planes.values())
+            return plane
+
+    def adopt(self, plane: DataPlane) -> None:
+        """Take ``plane`` (made alone) as this set's instance of its name."""
+        with self._lock:
+            self._planes.setdefault(plane.name, plane)
+            self._all = tuple(self._planes.values())
+
+    @property
+    def all(self) -> Tuple[DataPlane, ...]:
+        """Every instance made so far (a snapshot)."""
+        return self._all
+
+    def __getitem__(self, name: str) -> DataPlane:
+        return self._planes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([plane.name for plane in self._all])
+
+    def __len__(self) -> int:
+        return len(self._all)
 
 
 def _discover() -> None:

@@ -24,14 +24,27 @@ Calls, in the order a link meets them:
     peer needs to use this plane towards us (cma: where to probe, where our registry generation
     lives), or ``{}``. Runs for every table request, on the connection's thread. Which planes a
     side *names* in its link request/reply is the manager's (``planes.offered``).
+``link_state(session)``
+    A new object of a class the plane declares, holding *all* of the plane's state for the link
+    of ``session``, or ``None`` (the default) for a plane that keeps none. Called once per link
+    and plane, just before ``accept``; the link keeps it (``session.plane_state[plane.name]``)
+    and the plane reads it from there (``self.state(session)``: one dict lookup, fine per
+    transfer). ``accept`` fills it in, ``on_table`` updates it, ``close`` releases what it holds;
+    the link drops it when ``accept`` refuses and when the link ends (after ``close``), so a
+    transfer racing the end of its link finds ``None``: the plane then fails the transfer
+    (``LLM_LINK_FAILED``), it never recreates the state. Nothing of a plane's goes on the session
+    itself. Examples: cma keeps the peer's mapped generation counter, a pidfd and the link's block
+    routes (``cma.CmaLink``); cuda_ipc the mapped generation counter and the peer's allocations
+    mapped here (``cuda_ipc.IpcLink``); a NIXL plane would keep the peer's remote agent (loaded
+    by ``accept`` from the agent metadata in ``peer_facts``) and its prepared descriptor lists
+    (remade by ``on_table`` for the new table, released with the agent by ``close``).
 ``accept(session, peer_facts, deadline)``
     Whether this plane can carry this side's transfers on the link, judged from what the kernel
     proved about the peer (``session.unix``, ``session.pid``, ``session.uid``: ``SO_PEERCRED`` of
     its Unix connections), the planes it named (``session.planes``) and ``peer_facts`` (the
     peer's authenticated table reply, a dict of untrusted JSON: check every field). Returns
-    ``None`` once the plane is set up for the link (per-link state lives on the session: pid,
-    pidfd, mapped generation counter ...), or a sentence saying why not. ``deadline`` is a
-    ``transport.deadline`` instant. Must not raise for hostile facts.
+    ``None`` once the plane is set up for the link (in its ``link_state``), or a sentence saying
+    why not. ``deadline`` is a ``transport.deadline`` instant. Must not raise for hostile facts.
 ``on_register(record)`` / ``on_unregister(record)``
     The engine's registry gained or lost a cache (``record``: the engine's cache record, with
     ``cache_id``, ``addrs``, ``tensor_bytes``, ``placement``). For planes that export memory
@@ -68,7 +81,21 @@ Calls, in the order a link meets them:
     per call what can change between calls (see ``BlockRoute``).
 ``close(session)``
     Release the per-link state ``accept`` set up; called once the link ends (possibly more than
-    once, and possibly for a link it never accepted): must be idempotent.
+    once, and possibly for a link it never accepted or whose state is already dropped): must be
+    idempotent.
+
+Per engine rather than per link:
+
+``device_payload`` (optional attribute)
+    The payload mover (``transport.staging.HostPayload``) with which this side's *server* moves
+    a peer's frames into and out of its own device memory (the staging plane's bounce-buffer
+    payload); ``None`` by default. The manager hands the first plane's to its server.
+``sibling(name)``
+    The same engine's instance of another plane (``planes.PlaneSet``), or None if no such plane
+    is registered: how a plane hands some transfers to another (cuda_ipc -> staging).
+``shutdown()``
+    The engine's links are closing (finalize): release per-engine state (staging: its bounce
+    buffers). The default does nothing.
 """
 
 from __future__ import annotations
@@ -109,8 +136,38 @@ class DataPlane:
     #: plane ``auto`` picks.
     host_memory: ClassVar[bool] = True
 
+    #: See ``device_payload`` in the module docstring.
+    device_payload: Any = None
+
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
+        self._set: Any = None  # the engine's planes.PlaneSet, given by join
+
+    def join(self, planes) -> None:
+        """Become a member of ``planes`` (the engine's ``PlaneSet``): ``sibling`` asks it."""
+        self._set = planes
+
+    def sibling(self, name: str) -> Optional["DataPlane"]:
+        """The same engine's instance of the plane ``name`` (None if none is registered)."""
+        if self._set is None:  # made alone (a test): a set of its own, holding this plane
+            from llm_datadist.transport.planes import PlaneSet
+            planes = PlaneSet(self.engine, eager=False)
+            planes.adopt(self)
+            self.join(planes)
+        try:
+            return self._set.instance(name)
+        except KeyError:
+            return None
+
+    def link_state(self, session) -> Any:
+        return None
+
+    def state(self, session) -> Any:
+        """This plane's state for the link of ``session`` (``link_state``), or None."""
+        return session.plane_state.get(self.name)
+
+    def shutdown(self) -> None:
+        pass
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _io
@@ -45,9 +46,6 @@ class CmaPlane(DataPlane):
         super().__init__(engine)
         #: A word of this process that a peer reads to prove it reaches our memory.
         self.cookie = _io.Word(int.from_bytes(os.urandom(8), "little") | 1)
-        # The block routes of each link (by id of its session), closed with the link.
-        self._routes: Dict[int, "weakref.WeakSet[Any]"] = {}
-        self._routes_lock = threading.Lock()
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -62,6 +60,9 @@ class CmaPlane(DataPlane):
         return {"same_host": {"probe": [self.cookie.addr, self.cookie.value], "generation_addr": word.addr,
                               "generation_fd": word.fd}}
 
+    def link_state(self, session) -> "CmaLink":
+        return CmaLink()
+
     def accept(self, session, peer_facts: Dict[str, Any], deadline: float) -> Optional[str]:
         refusal = self.local_peer_refusal(session)
         if refusal is not None:
@@ -75,23 +76,33 @@ class CmaPlane(DataPlane):
         st, err, data = _io.cma_read_bytes(session.pid, addr, 8)
         if st != 0 or int.from_bytes(data, "little") != value:
             return f"a probe read of the peer failed ({os.strerror(err) if err else 'mismatch'})"
+        state = self.state(session)
+        if state is None:
+            return "the link is closed"
         # Map the peer's generation counter and hold a pidfd of it.
-        session.generation_addr = info["generation_addr"]
-        session.generation = PeerCounter.open(session.pid, info["generation_fd"])
+        state.generation_addr = info["generation_addr"]
+        state.generation = PeerCounter.open(session.pid, info["generation_fd"])
         try:
-            session.pidfd = os.pidfd_open(session.pid)
+            state.pidfd = os.pidfd_open(session.pid)
         except (AttributeError, OSError):
-            session.pidfd = -1
+            state.pidfd = -1
         return None
 
+    def _live_state(self, session) -> "CmaLink":
+        state = session.plane_state.get(self.name)
+        if state is None:
+            raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
+        return state
+
     def table_is_current(self, session, table) -> bool:
-        counter = session.generation
+        state = self._live_state(session)
+        counter = state.generation
         if counter is not None:
             value = counter.value
             if value is None:
                 raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
             return value == table.generation
-        st, err, generation = _io.cma_read_u64(session.pid, session.generation_addr)
+        st, err, generation = _io.cma_read_u64(session.pid, state.generation_addr)
         if st != 0:
             raise fail(S.LLM_LINK_FAILED, f"cluster {session.cluster_id} (pid {session.pid}) is not "
                                           f"reachable: {os.strerror(err) if err else status_of(st).name}")
@@ -102,9 +113,10 @@ class CmaPlane(DataPlane):
         if bad >= 0:
             raise fail(S.LLM_KV_CACHE_NOT_EXIST, f"descriptor {bad} names memory that cluster "
                                                  f"{session.cluster_id} has not registered")
+        pidfd = self._live_state(session).pidfd
         if plan.total_bytes >= PARALLEL_CMA_BYTES and len(plan) > 1:
             timeout_ms = dl.left_ms(deadline)
-            pid, pidfd = session.pid, session.pidfd
+            pid = session.pid
             results = session.workers.map(lambda half: _io.cma_copy(pid, half, write, timeout_ms, pidfd),
                                           _core.split_plan(plan, 2))
             for result in results:
@@ -112,7 +124,7 @@ class CmaPlane(DataPlane):
                     raise result
             st, err = next((r for r in results if r[0] != 0), results[0])
         else:
-            st, err = _io.cma_copy(session.pid, plan, write, dl.left_ms(deadline), session.pidfd)
+            st, err = _io.cma_copy(session.pid, plan, write, dl.left_ms(deadline), pidfd)
         if st != 0:
             what = os.strerror(err) if err else status_of(st).name
             code = st if st in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED) else S.LLM_LINK_FAILED
@@ -121,9 +133,12 @@ class CmaPlane(DataPlane):
 
     def block_route(self, session, table, remote_layout, local_layout, write: bool):
         """A route that checks the link, the peer's mapped generation and its pidfd per call."""
-        counter = session.generation
+        state = self.state(session)
+        if state is None:
+            return None  # the link ended
+        counter = state.generation
         view = None if counter is None else counter.view
-        pidfd = session.pidfd  # read once: a concurrent close sets it to -1 and closes it
+        pidfd = state.pidfd  # read once: a concurrent close sets it to -1 and closes it
         if view is None or pidfd < 0 or session.closed or session.table is not table:
             return None  # no mapped generation (checked through a system call) or going away
         try:
@@ -133,27 +148,46 @@ class CmaPlane(DataPlane):
         # The route owns the dup from its first line on (closed with it, even if it refuses).
         route = _io.BlockRoute(session, session.pid, pidfd, view, table.generation,
                                    local_layout, remote_layout, write)
-        with self._routes_lock:
-            self._routes.setdefault(id(session), weakref.WeakSet()).add(route)
+        with state.lock:
+            state.routes.add(route)
         if session.closed:  # the link ended meanwhile: its close may have run before the add
-            self.close(session)
+            state.release()
             return None
         return route
 
     def close(self, session) -> None:
         """Close the pidfd and unmap the generation counter of the peer, and release the same of
         every block route of the link that still exists."""
-        with self._routes_lock:
-            routes = self._routes.pop(id(session), ())
-        for route in list(routes):
+        state = self.state(session)
+        if state is not None:
+            state.release()
+
+
+@dataclass(eq=False)
+class CmaLink:
+    """cma's state for one link: the peer's registry generation counter mapped read-only (or,
+    where it cannot be mapped, its address, read with ``process_vm_readv``), a pidfd of the peer
+    (-1: none), and the block routes made for the link (closed with it)."""
+
+    generation: Optional[PeerCounter] = None
+    generation_addr: int = 0
+    pidfd: int = -1
+    routes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        """Close the routes, the pidfd and the counter (idempotent)."""
+        with self.lock:
+            routes, self.routes = list(self.routes), weakref.WeakSet()
+        for route in routes:
             route.close()
-        pidfd, session.pidfd = session.pidfd, -1
+        pidfd, self.pidfd = self.pidfd, -1
         if pidfd >= 0:
             try:
                 os.close(pidfd)
             except OSError:
                 pass
-        counter, session.generation = session.generation, None
+        counter, self.generation = self.generation, None
         if counter is not None:
             counter.close()
 

@@ -22,6 +22,7 @@ does for every link).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from llm_datadist import _core, runtimes
@@ -33,6 +34,8 @@ from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.shm import PeerCounter
 
 _FACTS = "cuda_ipc"
+#: The plane that moves transfers touching caches the peer could not export.
+STAGING = "staging"
 #: At most this many exported tensors are read from a peer's table reply.
 MAX_EXPORTS = 1 << 16
 
@@ -56,7 +59,6 @@ class CudaIpcPlane(DataPlane):
         self._exports: Dict[int, Optional[Tuple[int, List[Tuple[bytes, int]]]]] = {}
         self._serial = 0
         self._lock = threading.Lock()
-        self._staging_plane: Optional[DataPlane] = None
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -103,6 +105,9 @@ class CudaIpcPlane(DataPlane):
         return {_FACTS: {"generation_fd": word.fd, "exports": exports}}
 
     # -- the peer's side -----------------------------------------------------------------------
+    def link_state(self, session) -> "IpcLink":
+        return IpcLink()
+
     def accept(self, session, peer_facts: Dict[str, Any], deadline: float) -> Optional[str]:
         refusal = self.local_peer_refusal(session)
         if refusal is not None:
@@ -113,17 +118,19 @@ class CudaIpcPlane(DataPlane):
         if not (isinstance(info, dict) and is_int(info.get("generation_fd"), 0, 2**31 - 1)
                 and isinstance(info.get("exports"), list)):
             return "the peer exports no GPU memory"
+        state = self.state(session)
+        if state is None:
+            return "the link is closed"
         counter = PeerCounter.open(session.pid, info["generation_fd"])
         if counter is None:
             return "the peer's registry generation cannot be mapped"
-        session.ipc_generation = counter
-        session.ipc_maps = {}  # (handle, export id) -> (base here, mapped bytes)
-        session.ipc_spans = None  # (table, facts, spans) of the last transfer
-        session.ipc_lock = threading.Lock()
+        with state.lock:
+            state.generation = counter
         return None
 
     def table_is_current(self, session, table) -> bool:
-        counter = getattr(session, "ipc_generation", None)
+        state = session.plane_state.get(self.name)
+        counter = None if state is None else state.generation
         value = None if counter is None else counter.value
         if value is None:
             raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
@@ -131,21 +138,21 @@ class CudaIpcPlane(DataPlane):
 
     def on_table(self, session, table) -> None:
         """Close the mappings of allocations the peer no longer exports (it unregistered them)."""
-        lock = getattr(session, "ipc_lock", None)
-        if lock is None:
+        state = self.state(session)
+        if state is None:
             return
         facts = getattr(session, "facts", None)
         info = facts.get(_FACTS) if isinstance(facts, dict) else None
         listed = {handle for tensors in _parse_exports(info, session.cluster_id).values()
                   for handle, _ in tensors}
         runtime = self._runtime()
-        with lock:
-            stale = [h for h in session.ipc_maps if h not in listed]
+        with state.lock:
+            stale = [h for h in state.maps if h not in listed]
             for handle in stale:
-                base, _ = session.ipc_maps.pop(handle)
+                base, _ = state.maps.pop(handle)
                 if runtime is not None:
                     runtime.ipc_close(base)
-            session.ipc_spans = None
+            state.spans = None
 
     def carries(self, session, local_device: bool, remote_device: bool) -> bool:
         return local_device and remote_device
@@ -165,19 +172,13 @@ class CudaIpcPlane(DataPlane):
             # could not export (VMM memory). Staged through host memory instead.
             if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST or not self._unexported(session, table):
                 raise
-            self._staging().transfer_device(session, table, plan, write, deadline, local_device,
-                                            remote_device)
+            staging = self.sibling(STAGING)  # this engine's staging plane, from its plane set
+            if staging is None:
+                raise
+            staging.transfer_device(session, table, plan, write, deadline, local_device, remote_device)
             return
         self.engine.bind_thread()
         _core.execute(moved, runtime, _core.MEMCPY_DEVICE_TO_DEVICE)
-
-    def _staging(self) -> DataPlane:
-        """The staging plane this plane hands transfers of unexported caches to (made once)."""
-        with self._lock:
-            if self._staging_plane is None:
-                from llm_datadist.transport.planes.staging import StagingPlane
-                self._staging_plane = StagingPlane(self.engine)
-            return self._staging_plane
 
     @staticmethod
     def _unexported(session, table) -> bool:
@@ -191,9 +192,12 @@ class CudaIpcPlane(DataPlane):
     def _spans(self, session, table, runtime) -> List[Tuple[int, int, int]]:
         """``(peer address, bytes, address here)`` of every exported device tensor of ``table``,
         mapping what is new and closing what the peer no longer lists."""
-        with session.ipc_lock:
+        state = self.state(session)
+        if state is None:
+            raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
+        with state.lock:
             facts = getattr(session, "facts", None)
-            cached = session.ipc_spans
+            cached = state.spans
             if cached is not None and cached[0] is table and cached[1] is facts:
                 return cached[2]
             info = facts.get(_FACTS) if isinstance(facts, dict) else None
@@ -206,40 +210,54 @@ class CudaIpcPlane(DataPlane):
                 if tensors is None or len(tensors) != cache.num_tensors:
                     continue  # not exported: a transfer touching it finds no span
                 for addr, (handle, offset) in zip(cache.addrs, tensors):
-                    base, size = self._map(session, runtime, handle)
+                    base, size = self._map(state, runtime, handle)
                     used.add(handle)
                     if offset > size or cache.tensor_bytes > size - offset:
                         raise fail(S.LLM_LINK_FAILED, f"cluster {session.cluster_id} exported cache "
                                                       f"{cache.cache_id} beyond its GPU allocation")
                     spans.append((addr, cache.tensor_bytes, base + offset))
-            for handle in [h for h in session.ipc_maps if h not in used]:
-                base, _ = session.ipc_maps.pop(handle)
+            for handle in [h for h in state.maps if h not in used]:
+                base, _ = state.maps.pop(handle)
                 runtime.ipc_close(base)
-            session.ipc_spans = (table, facts, spans)
+            state.spans = (table, facts, spans)
             return spans
 
     @staticmethod
-    def _map(session, runtime, key: Tuple[bytes, int]) -> Tuple[int, int]:
-        mapped = session.ipc_maps.get(key)
+    def _map(state: "IpcLink", runtime, key: Tuple[bytes, int]) -> Tuple[int, int]:
+        mapped = state.maps.get(key)
         if mapped is None:
             base = runtime.ipc_open(key[0])
-            mapped = session.ipc_maps[key] = (base, runtime.ipc_size(base))
+            mapped = state.maps[key] = (base, runtime.ipc_size(base))
         return mapped
 
     def close(self, session) -> None:
-        lock = getattr(session, "ipc_lock", None)
-        if lock is None:
+        state = self.state(session)
+        if state is None:
             return
-        with lock:
-            maps, session.ipc_maps = getattr(session, "ipc_maps", {}), {}
-            session.ipc_spans = None
-            counter, session.ipc_generation = getattr(session, "ipc_generation", None), None
+        with state.lock:
+            maps, state.maps = state.maps, {}
+            state.spans = None
+            counter, state.generation = state.generation, None
         runtime = self._runtime()
         for base, _ in maps.values():
             if runtime is not None:
                 runtime.ipc_close(base)
         if counter is not None:
             counter.close()
+
+
+@dataclass(eq=False)
+class IpcLink:
+    """cuda_ipc's state for one link: the peer's registry generation counter mapped read-only
+    (set by ``accept``), the peer's allocations mapped here, and the spans of the last transfer;
+    ``lock`` guards all three."""
+
+    generation: Optional[PeerCounter] = None
+    #: (handle, export id) -> (base here, mapped bytes)
+    maps: Dict[Tuple[bytes, int], Tuple[int, int]] = field(default_factory=dict)
+    #: (table, facts, spans) of the last transfer, or None
+    spans: Optional[Tuple[Any, Any, List[Tuple[int, int, int]]]] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _parse_exports(info: Any, cluster_id: int) -> Dict[int, List[Tuple[Tuple[bytes, int], int]]]:

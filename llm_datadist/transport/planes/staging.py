@@ -8,15 +8,20 @@ the other (``transport.staging``): this side stages its local cache, the owner s
 its registry as for tcp, so the plane accepts every link; it is the device plane of links where
 no same-host device plane applies (acl everywhere, cuda across hosts or namespaces). Forced
 (``llm.DataPlane=staging``), it carries host memory too, as plain tcp frames.
+
+It keeps no per-link state; its per-engine state is the bounce-buffer pool (made on first use for
+the engine's current runtime, freed at ``shutdown``) and the payload that stages through it, which
+the engine's server uses too (``device_payload``) for peers' frames into its device memory.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.tcp import TcpPlane, probe_loopback
-from llm_datadist.transport.staging import HOST_PAYLOAD, STAGING_CHUNK_BYTES, StagedPayload
+from llm_datadist.transport.staging import HOST_PAYLOAD, STAGING_CHUNK_BYTES, BouncePool, StagedPayload
 
 
 @register
@@ -30,7 +35,27 @@ class StagingPlane(TcpPlane):
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
-        self.staged = StagedPayload(engine)
+        self._pool: Optional[BouncePool] = None
+        self._pool_lock = threading.Lock()
+        #: Device memory of this engine staged through ``pool()``: this side's transfers and its
+        #: server's (``device_payload``).
+        self.staged = self.device_payload = StagedPayload(engine, self.pool)
+
+    def pool(self) -> BouncePool:
+        """The bounce buffers of this engine's current runtime, made on first use (and anew when
+        the runtime changed or the pool was freed)."""
+        with self._pool_lock:
+            pool = self._pool
+            if pool is None or pool.runtime is not self.engine.runtime or pool.closed:
+                pool = self._pool = BouncePool(self.engine.runtime)
+            return pool
+
+    def shutdown(self) -> None:
+        """Free the bounce buffers (the engine's links are closing)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:

@@ -7,7 +7,6 @@ Mappings are opened once per handle and closed when the peer stops listing them 
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -56,8 +55,15 @@ def _plane(runtime):
 
 
 def _session(exports):
-    return SimpleNamespace(cluster_id=7, facts={"cuda_ipc": {"generation_fd": 3, "exports": exports}},
-                           ipc_maps={}, ipc_spans=None, ipc_lock=threading.Lock(), ipc_generation=None)
+    """A link whose cuda_ipc state was made at link time (the counter is left unmapped)."""
+    session = SimpleNamespace(cluster_id=7, facts={"cuda_ipc": {"generation_fd": 3, "exports": exports}},
+                              plane_state={})
+    session.plane_state["cuda_ipc"] = cuda_ipc.IpcLink()
+    return session
+
+
+def _maps(session):
+    return session.plane_state["cuda_ipc"].maps
 
 
 def test_spans_map_each_allocation_once_at_the_offsets_the_peer_gave():
@@ -135,7 +141,8 @@ def test_a_transfer_touching_a_cache_the_peer_could_not_export_goes_through_stag
     export for it, and the transfer is staged through host memory instead of failing."""
     runtime = FakeRuntime({H1: 1 << 20})
     plane = _plane(runtime)
-    staging = plane._staging_plane = FakeStaging()
+    staging = FakeStaging()
+    plane.sibling = {"staging": staging}.get  # the engine's staging plane, as its plane set gives it
     table = _table([(5, [0x1000], 4, 1024), (6, [0x100000], 4, 1024)])
     session = _session([[5, 1, [[H1.hex(), 0]]]])  # cache 6 is not exported
     local = _core.CacheLayout([0x200000], 4, 1024)
@@ -161,10 +168,10 @@ def test_mappings_the_peer_no_longer_lists_are_closed_and_close_releases_the_res
     session.facts = {"cuda_ipc": {"generation_fd": 3, "exports": [[5, 1, [[H1.hex(), 0]]]]}}
     plane._spans(session, _table([(5, [0x1000], 4, 1024)], generation=2), runtime)
     assert runtime.closed == [runtime.bases[H2]]
-    assert list(session.ipc_maps) == [(H1, 1)]
+    assert list(_maps(session)) == [(H1, 1)]
     plane.close(session)
     assert sorted(runtime.closed) == sorted([runtime.bases[H1], runtime.bases[H2]])
-    assert session.ipc_maps == {}
+    assert _maps(session) == {}
     plane.close(session)  # idempotent
     assert len(runtime.closed) == 2
 
@@ -178,9 +185,9 @@ def test_a_new_registration_is_mapped_afresh_even_with_the_same_handle_bytes():
     plane._spans(session, _table([(5, [0x1000], 4, 1024)]), runtime)
     session.facts = {"cuda_ipc": {"generation_fd": 3, "exports": [[5, 7, [[H1.hex(), 0]]]]}}
     plane.on_table(session, None)
-    assert runtime.closed == [runtime.bases[H1]] and session.ipc_maps == {}
+    assert runtime.closed == [runtime.bases[H1]] and _maps(session) == {}
     plane._spans(session, _table([(5, [0x1000], 4, 1024)], generation=2), runtime)
-    assert runtime.opened == [H1, H1] and list(session.ipc_maps) == [(H1, 7)]
+    assert runtime.opened == [H1, H1] and list(_maps(session)) == [(H1, 7)]
 
 
 def test_the_plane_carries_only_device_memory_on_both_sides():

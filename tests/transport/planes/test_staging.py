@@ -31,6 +31,7 @@ from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import ChildError, Cluster
 from llm_datadist.transport import staging, wire
 from llm_datadist.transport.errors import CopyFailed
+from llm_datadist.transport.planes.staging import StagingPlane
 
 CHUNK = 4096
 D2H, H2D = _core.MEMCPY_DEVICE_TO_HOST, _core.MEMCPY_HOST_TO_DEVICE
@@ -344,16 +345,22 @@ def test_the_pool_keeps_few_idle_buffers_and_frees_them_at_close(model):
     assert pool.idle() == 0
 
 
-def test_an_engine_has_one_pool_per_runtime(model):
+def test_an_engine_has_one_pool_per_runtime_held_by_its_staging_plane(model):
     class Engine:
         runtime = model
     engine = Engine()
-    pool = staging.pool_of(engine)
-    assert staging.pool_of(engine) is pool and pool.runtime is model
+    plane = StagingPlane(engine)
+    pool = plane.pool()
+    assert plane.pool() is pool and pool.runtime is model
+    assert plane.device_payload is plane.staged and plane.staged.pool() is pool  # the server's too
+    pool.release(pool.acquire(2))
+    assert pool.idle() == 2
+    plane.shutdown()  # finalize: the idle buffers go
+    assert pool.closed and pool.idle() == 0
+    again = plane.pool()
+    assert again is not pool and not again.closed
     engine.runtime = AsyncRuntime()
-    assert staging.pool_of(engine) is not pool
-    staging.drop_pool(engine)
-    assert staging.pool_of(engine) is not pool
+    assert plane.pool() is not again and plane.pool().runtime is engine.runtime
 
 
 def test_the_model_stage_plan_cuts_the_stream():

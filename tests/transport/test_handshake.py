@@ -1,0 +1,246 @@
+"""The link handshake's functions (``transport.handshake``) over a socket pair, without processes:
+what two sides agree on, and the precise refusal of a wrong or missing secret, a wrong protocol
+version, a malformed hello or link request, a wrong cluster and a link made at the same moment.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import pytest
+
+from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport import auth, handshake, wire
+from llm_datadist.transport import deadline as dl
+from llm_datadist.transport.errors import MutualLink, ProtocolError
+
+SERVER, CLIENT = 5, 9
+SECRET, OTHER_SECRET = b"the link secret", b"another secret"
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def soon() -> float:
+    return dl.after(3000)
+
+
+def in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn`` on a thread; the returned call gives its result (or raises its exception)."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def result() -> Any:
+        thread.join(10)
+        assert not thread.is_alive()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    return result
+
+
+def grant(sock: socket.socket, secret: Optional[bytes], planes=("tcp",), unix: Optional[str] = None
+          ) -> Tuple[handshake.Admission, Optional[handshake.LinkRequest]]:
+    """The server side: admit the connection and, for a link request, grant it."""
+    admission = handshake.accept_hello(sock, SERVER, secret, soon())
+    if admission.refused is not None:
+        return admission, None
+    request = handshake.read_link_request(admission.request)
+    reply = handshake.link_reply(SERVER, "PROMPT", planes, True, "t0ken", unix)
+    assert handshake.send_reply(sock, reply, 0, soon())
+    return admission, request
+
+
+def ask(sock: socket.socket, secret: Optional[bytes], planes=("cma", "tcp"), local_sockets: bool = False,
+        remote_id: int = SERVER, comm=None) -> handshake.LinkAgreement:
+    return handshake.request_link(sock, CLIENT, secret, remote_id, "DECODER", planes, True, local_sockets, soon(),
+                                  comm)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, secret, planes=("tcp",)))
+    agreement = ask(client_end, secret, planes=("cma", "tcp"), comm=("comm", "digest"))
+    admission, request = served()
+    assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
+    assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True)
+    # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
+    assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None)
+
+
+def test_a_same_host_peer_names_its_unix_socket_when_a_plane_wants_one(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, None, planes=("cma", "tcp"), unix="llm_datadist.test"))
+    agreement = ask(client_end, None, local_sockets=True)
+    served()
+    assert agreement.unix_name == "llm_datadist.test" and agreement.planes == ["cma", "tcp"]
+
+
+def test_a_wrong_secret_is_refused_by_the_client_before_it_says_anything(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, SECRET))
+    with pytest.raises(handshake.AuthRefused) as refused:
+        ask(client_end, OTHER_SECRET)
+    assert refused.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert refused.value.args[0] == "the peer does not know the link secret"
+    client_end.shutdown(socket.SHUT_RDWR)  # what the client does next: close the connection
+    with pytest.raises(LLMException) as silent:
+        served()
+    assert silent.value.status_code == LLMStatusCode.LLM_LINK_FAILED and "no authentication" in str(silent.value)
+
+
+def test_a_wrong_proof_is_refused_by_the_server(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, SECRET))
+    fd = client_end.fileno()
+    nonce = auth.new_nonce()
+    assert handshake.send_frame(fd, wire.OP_HELLO, {"cluster_id": CLIENT, "nonce": nonce, "auth": True}, soon())
+    status, challenge = handshake.receive_frame(fd, wire.OP_CHALLENGE, soon(), "challenge")
+    assert status == 0 and challenge["cluster_id"] == SERVER
+    proof = auth.proof(OTHER_SECRET, "client", nonce, challenge["nonce"], CLIENT, SERVER)
+    assert handshake.send_frame(fd, wire.OP_AUTH, {"purpose": "link", "proof": proof}, soon())
+    status, reply = handshake.receive_frame(fd, wire.OP_HELLO_REPLY, soon(), "reply")
+    assert (status, reply) == (LLMStatusCode.LLM_LINK_FAILED, {"error": "authentication failed"})
+    admission, request = served()
+    assert admission == handshake.Admission(CLIENT, refused="wrong link secret", auth_failure=True)
+    assert request is None
+
+
+@pytest.mark.parametrize("server_secret, client_secret, said", [
+    (SECRET, None, "this cluster requires a link secret"),
+    (None, SECRET, "this cluster has no link secret"),
+])
+def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, client_secret, said):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, server_secret))
+    with pytest.raises(LLMException) as refused:
+        ask(client_end, client_secret)
+    assert refused.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert refused.value.args[0] == f"refused: {said}"
+    admission, request = served()
+    assert admission == handshake.Admission(CLIENT, refused=said, auth_failure=True) and request is None
+
+
+def test_a_hello_of_another_protocol_version_is_a_protocol_error(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
+    payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
+    head = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION + 1, wire.OP_HELLO, 0, 1, len(payload))
+    client_end.sendall(head + payload)
+    with pytest.raises(ProtocolError) as bad:
+        served()
+    assert "version" in str(bad.value)
+    with pytest.raises(BlockingIOError):  # nothing was answered (the caller closes the connection)
+        client_end.recv(1)
+
+
+@pytest.mark.parametrize("hello", [
+    {"nonce": "00" * 16, "auth": False},                     # no cluster id
+    {"cluster_id": "9", "nonce": "00" * 16, "auth": False},  # not an int
+    {"cluster_id": CLIENT, "nonce": "short", "auth": False},
+    {"cluster_id": CLIENT, "nonce": "00" * 16, "auth": 1},   # auth must be a bool
+])
+def test_a_malformed_hello_is_a_protocol_error_and_nothing_is_answered(pair, hello):
+    server_end, client_end = pair
+    if "nonce" in hello and hello["nonce"] == "00" * 16:
+        hello = dict(hello, nonce=auth.new_nonce())
+    served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
+    assert handshake.send_frame(client_end.fileno(), wire.OP_HELLO, hello, soon())
+    with pytest.raises(ProtocolError) as bad:
+        served()
+    assert str(bad.value).startswith("malformed hello")
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"connections": [2]}, "connections"),
+    ({"connections": [2, 5]}, "connections"),
+    ({"planes": "tcp"}, "planes"),
+    ({"planes": ["tcp", 3]}, "planes"),
+    ({"role": 7}, "role or host"),
+    ({"host": None}, "role or host"),
+    ({"comm": ["only one"]}, "comm"),
+])
+def test_a_malformed_link_request_is_a_protocol_error(change, what):
+    request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "connections": [2, 2]}
+    with pytest.raises(ProtocolError) as bad:
+        handshake.read_link_request(dict(request, **change))
+    assert str(bad.value).startswith(f"link request: {what}")
+
+
+def test_a_link_request_is_cut_to_size():
+    request = handshake.read_link_request({"role": "R" * 100, "planes": [f"p{i}" for i in range(20)], "host": {},
+                                           "connections": [1, 4]})
+    assert request == handshake.LinkRequest("R" * 64, [f"p{i}" for i in range(8)], (1, 4), None, False)
+
+
+def test_the_client_refuses_a_server_of_another_cluster_id(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, None))
+    with pytest.raises(LLMException) as wrong:
+        ask(client_end, None, remote_id=SERVER + 1)
+    assert wrong.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert wrong.value.args[0] == f"expected cluster {SERVER + 1}, found cluster {SERVER}"
+    client_end.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(LLMException):
+        served()
+
+
+def test_a_mutual_link_reply_raises_mutual_link_and_a_refusal_its_status(pair):
+    server_end, client_end = pair
+
+    def refuse(status: int, reply: Dict[str, Any]) -> None:
+        admission = handshake.accept_hello(server_end, SERVER, None, soon())
+        assert admission.purpose == "link"
+        handshake.send_reply(server_end, reply, status, soon())
+
+    served = in_thread(lambda: refuse(LLMStatusCode.LLM_ALREADY_LINK, {"error": "both", "mutual": True}))
+    with pytest.raises(MutualLink):
+        ask(client_end, None)
+    served()
+
+
+def test_a_refused_link_request_raises_the_servers_status(pair):
+    server_end, client_end = pair
+
+    def refuse() -> None:
+        handshake.accept_hello(server_end, SERVER, None, soon())
+        handshake.send_reply(server_end, {"error": "already linked"}, LLMStatusCode.LLM_ALREADY_LINK, soon())
+
+    served = in_thread(refuse)
+    with pytest.raises(LLMException) as refused:
+        ask(client_end, None)
+    assert refused.value.status_code == LLMStatusCode.LLM_ALREADY_LINK
+    assert refused.value.args[0] == "refused: already linked"
+    served()
+
+
+def test_a_reply_without_a_token_is_a_protocol_error(pair):
+    server_end, client_end = pair
+
+    def bad_reply() -> None:
+        handshake.accept_hello(server_end, SERVER, None, soon())
+        handshake.send_reply(server_end, {"cluster_id": SERVER, "role": "PROMPT", "planes": ["tcp"]}, 0, soon())
+
+    served = in_thread(bad_reply)
+    with pytest.raises(ProtocolError) as bad:
+        ask(client_end, None)
+    assert "lacks token" in str(bad.value)
+    served()
