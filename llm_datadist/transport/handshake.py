@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException
@@ -95,8 +95,16 @@ class Admission:
         return self.request.get("purpose")
 
 
-def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], deadline: float) -> Admission:
-    """HELLO -> CHALLENGE -> AUTH on an accepted connection of the cluster ``cluster_id``."""
+def _ignore_failure(peer_id: int, why: str) -> None:
+    pass
+
+
+def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], deadline: float,
+                 on_auth_failure: Callable[[int, str], None] = _ignore_failure) -> Admission:
+    """HELLO -> CHALLENGE -> AUTH on an accepted connection of the cluster ``cluster_id``.
+
+    ``on_auth_failure(peer_id, why)`` runs for a failed authentication *before* the refusal is
+    sent, so that whoever counts failures has counted this one by the time the peer holds it."""
     fd = sock.fileno()
     _, hello = receive_frame(fd, wire.OP_HELLO, deadline, "hello")
     peer_id, client_nonce = hello.get("cluster_id"), hello.get("nonce")
@@ -106,6 +114,7 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     challenge: Dict[str, Any] = {"cluster_id": cluster_id, "nonce": server_nonce, "auth": secret is not None}
     if hello["auth"] != (secret is not None):
         why = "this cluster requires a link secret" if secret else "this cluster has no link secret"
+        on_auth_failure(peer_id, why)
         send_frame(fd, wire.OP_CHALLENGE, dict(challenge, error=why), deadline, S.LLM_LINK_FAILED)
         return Admission(peer_id, refused=why, auth_failure=True)
     if secret is not None:
@@ -115,6 +124,7 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     _, message = receive_frame(fd, wire.OP_AUTH, deadline, "authentication")
     if secret is not None and not auth.verify(secret, "client", client_nonce, server_nonce, peer_id, cluster_id,
                                               message.get("proof")):
+        on_auth_failure(peer_id, "wrong link secret")
         send_frame(fd, wire.OP_HELLO_REPLY, {"error": "authentication failed"}, deadline, S.LLM_LINK_FAILED)
         return Admission(peer_id, refused="wrong link secret", auth_failure=True)
     return Admission(peer_id, message)

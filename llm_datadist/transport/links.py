@@ -717,13 +717,14 @@ class LinkManager:
         fd = conn.fileno()
         deadline = dl.after(self.handshake_ms)
         mine = self.engine.cluster_id
-        admission = handshake.accept_hello(conn, mine, self.secret, deadline)
+        def auth_failed(peer_id: int, why: str) -> None:  # counted before the peer is told
+            self._count("auth_failures")
+            logger.warning("cluster %d refused a connection from %s claiming cluster %d: %s", mine, name,
+                           peer_id, why)
+
+        admission = handshake.accept_hello(conn, mine, self.secret, deadline, auth_failed)
         peer_id = admission.peer_id
         if admission.refused is not None:
-            if admission.auth_failure:
-                self._count("auth_failures")
-                logger.warning("cluster %d refused a connection from %s claiming cluster %d: %s", mine, name,
-                               peer_id, admission.refused)
             return False
         purpose = admission.purpose
         if purpose == "link":

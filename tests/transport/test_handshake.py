@@ -5,6 +5,7 @@ version, a malformed hello or link request, a wrong cluster and a link made at t
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -244,3 +245,38 @@ def test_a_reply_without_a_token_is_a_protocol_error(pair):
         ask(client_end, None)
     assert "lacks token" in str(bad.value)
     served()
+
+
+@pytest.mark.parametrize("proof_secret", [OTHER_SECRET, None])
+def test_a_failed_authentication_is_reported_before_the_peer_holds_the_refusal(pair, proof_secret):
+    """Whoever counts failures (the link manager's ``auth_failures``) has counted one by the time the
+    peer can read its refusal: the callback runs before the refusal is sent, not after. The peer
+    reads nothing until the callback has looked at its socket."""
+    server_end, client_end = pair
+    calls = []
+    looked = threading.Event()
+
+    def on_failure(peer_id: int, why: str) -> None:  # has the refusal reached the peer's socket yet?
+        calls.append((peer_id, why, bool(select.select([client_end], [], [], 0)[0])))
+        looked.set()
+
+    served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, SECRET, soon(), on_failure))
+    fd = client_end.fileno()
+    nonce = auth.new_nonce()
+    hello = {"cluster_id": CLIENT, "nonce": nonce, "auth": proof_secret is not None}
+    assert handshake.send_frame(fd, wire.OP_HELLO, hello, soon())
+    if proof_secret is None:  # refused at the challenge: the hello says it has no secret
+        assert looked.wait(5)
+        status, _ = handshake.receive_frame(fd, wire.OP_CHALLENGE, soon(), "challenge")
+        why = "this cluster requires a link secret"
+    else:
+        status, challenge = handshake.receive_frame(fd, wire.OP_CHALLENGE, soon(), "challenge")
+        assert status == 0
+        proof = auth.proof(proof_secret, "client", nonce, challenge["nonce"], CLIENT, SERVER)
+        assert handshake.send_frame(fd, wire.OP_AUTH, {"purpose": "link", "proof": proof}, soon())
+        assert looked.wait(5)
+        status, _ = handshake.receive_frame(fd, wire.OP_HELLO_REPLY, soon(), "reply")
+        why = "wrong link secret"
+    assert status == LLMStatusCode.LLM_LINK_FAILED
+    assert served().refused == why
+    assert calls == [(CLIENT, why, False)]
