@@ -1500,12 +1500,13 @@ def shorten_transfer_deadlines(state, seconds: float) -> None:
 
 def test_unregister_behind_a_stalled_push_waits_at_most_its_deadline_and_fails_it(tcp_server_with_client):
     """A peer stops half way through a push into ``scratch``; unregistering ``scratch`` returns
-    soon after the push's deadline (2 s here, see ``shorten_transfer_deadlines``), not when the
-    receive would have given up by itself (30 s): the push is failed first (its connection is
+    soon after the push's deadline (1 s here, see ``shorten_transfer_deadlines``), not when the
+    receive would have given up by itself (30 s), nor when the raw peer's link is dropped for
+    never answering the server's table request (about 5 s after linking): the push is failed first (its connection is
     shut down, the peer sees it closed, the rest of its bytes never land) and the server goes on
     serving its other link."""
     server, client = tcp_server_with_client
-    server.call(shorten_transfer_deadlines, 2.0)
+    server.call(shorten_transfer_deadlines, 1.0)
     peer = RawPeer(server.address)
     try:
         addrs, _ = peer.cache(2)
@@ -1514,7 +1515,7 @@ def test_unregister_behind_a_stalled_push_waits_at_most_its_deadline_and_fails_i
         peer.send(head + b"\x77" * SMALL_BLOCK)  # half of the payload, then nothing
         time.sleep(0.2)
         took = server.call(timed_unregister, "scratch", 8.0)
-        assert took is not None and 1.5 < took < 2.0 + 3.0, took
+        assert took is not None and 0.5 < took < 2.5, took
         peer.sock.settimeout(5)
         try:
             closed = peer.sock.recv(1) == b""
