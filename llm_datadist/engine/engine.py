@@ -355,10 +355,12 @@ class Engine:
         ``Registry.consume_key``); returns whether the key was released."""
         return self.registry.consume_key(owner_key, tensors)
 
-    def pinned(self, plan, dst_side: bool):
+    def pinned(self, plan, dst_side: bool, deadline: Optional[float] = None,
+               cancel: Optional[Callable[[], None]] = None):
         """``(shared host ranges, registry generation, shared device ranges)``, held while a
-        peer's bytes move through ``plan`` (see ``Registry.pinned``)."""
-        return self.registry.pinned(plan, dst_side)
+        peer's bytes move through ``plan``, until ``deadline`` at the latest, after which
+        unregistering that memory calls ``cancel()`` (see ``Registry.pinned``)."""
+        return self.registry.pinned(plan, dst_side, deadline, cancel)
 
     def device_only(self, record: CacheRecord) -> bool:
         """Whether a cache is device memory that the host cannot address (cuda, acl)."""

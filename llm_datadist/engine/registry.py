@@ -15,7 +15,9 @@ its part there (telling the links, dropping routes, unpinning host memory).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _io
@@ -25,9 +27,13 @@ from llm_datadist.engine.values import CacheRecord, MemoryPool, is_blocks, is_ro
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport.shm import SharedCounter
 
-#: How long unregistering waits for transfers pinned on the memory it removes (a stalled peer's
-#: transfer ends at the frame timeout, well inside this).
+logger = logging.getLogger("llm_datadist")
+
+#: How long unregistering waits for a transfer pinned on the memory it removes that has no
+#: deadline of its own (the transport's pins always have one: their frame's deadline).
 UNPIN_WAIT_S = 90.0
+#: How long unregistering waits, after cancelling a transfer past its deadline, for it to let go.
+CANCEL_WAIT_S = 5.0
 
 
 def _ignore(record: CacheRecord) -> None:
@@ -60,7 +66,8 @@ class Registry:
         self._shared_ranges = _io.RangeSet(())
         self._shared_device_ranges = _io.RangeSet(())
         self._pin_cond = threading.Condition()
-        self._pinned: Dict[int, Tuple[Any, bool]] = {}
+        # token -> (plan, dst_side, deadline on time.monotonic(), cancel callable or None)
+        self._pinned: Dict[int, Tuple[Any, bool, float, Optional[Callable[[], None]]]] = {}
         self._pin_serial = 0
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -295,14 +302,20 @@ class Registry:
         return {"generation": generation, "caches": caches, "blocks": blocks, "keys": keys}
 
     @contextlib.contextmanager
-    def pinned(self, plan, dst_side: bool):
+    def pinned(self, plan, dst_side: bool, deadline: Optional[float] = None,
+               cancel: Optional[Callable[[], None]] = None):
         """``(shared host ranges, registry generation, shared device ranges)``, held while a
         peer's bytes move through the ``dst_side`` (or source) ranges of ``plan``: memory they
-        touch does not leave the registry until they are done."""
+        touch does not leave the registry until they are done. ``deadline`` (``time.monotonic()``):
+        when the transfer ends at the latest; ``cancel()``: fail it now, so that it lets go of the
+        pin without another byte moving (unregistering memory under it calls it once the
+        deadline has passed)."""
+        if deadline is None:
+            deadline = time.monotonic() + UNPIN_WAIT_S
         with self._pin_cond:
             self._pin_serial += 1
             token = self._pin_serial
-            self._pinned[token] = (plan, dst_side)
+            self._pinned[token] = (plan, dst_side, deadline, cancel)
             ranges, device = self._shared_ranges, self._shared_device_ranges
             generation = self.generation_word.value
         try:
@@ -312,9 +325,35 @@ class Registry:
                 del self._pinned[token]
                 self._pin_cond.notify_all()
 
-    def _wait_unpinned(self, removed, timeout: float = UNPIN_WAIT_S) -> None:
+    def _wait_unpinned(self, removed) -> None:
         """Wait until no transfer pinned before now touches the ``removed`` ranges (transfers
-        into other memory, and later ones, which are refused these ranges, do not hold it up)."""
+        into other memory, and later ones, which are refused these ranges, do not hold it up).
+        A transfer still pinned at its own deadline is cancelled (its connection is shut down:
+        it fails, and not another byte of it moves), then awaited ``CANCEL_WAIT_S`` more."""
         with self._pin_cond:
-            waiting = {token for token, (plan, side) in self._pinned.items() if removed.overlaps(plan, side)}
-            self._pin_cond.wait_for(lambda: not waiting.intersection(self._pinned), timeout)
+            waiting = {token for token, (plan, side, _, _) in self._pinned.items() if removed.overlaps(plan, side)}
+            given_up: Dict[int, float] = {}  # cancelled -> when to stop waiting for it
+            while True:
+                waiting.intersection_update(self._pinned)
+                if not waiting:
+                    return
+                now = time.monotonic()
+                if any(given_up.get(token, now + 1) <= now for token in waiting):
+                    logger.error("cluster %d: a transfer cancelled %.0f s ago still holds memory being "
+                                 "unregistered; going on", self.cluster_id, CANCEL_WAIT_S)
+                    return
+                due = [token for token in waiting if token not in given_up and self._pinned[token][2] <= now]
+                for token in due:
+                    given_up[token] = now + CANCEL_WAIT_S
+                    cancel = self._pinned[token][3]
+                    logger.warning("cluster %d: a transfer into memory being unregistered passed its deadline; "
+                                   "cancelling it", self.cluster_id)
+                    if cancel is not None:
+                        try:
+                            cancel()  # shuts its connection down: no lock of ours is taken
+                        except Exception as exc:  # noqa: BLE001 - the wait for it is bounded anyway
+                            logger.warning("cluster %d: cancelling a transfer failed: %s", self.cluster_id, exc)
+                if due:
+                    continue
+                wake = min(given_up.get(token, self._pinned[token][2]) for token in waiting)
+                self._pin_cond.wait(max(0.0, wake - now))

@@ -6,6 +6,11 @@ server id)``, where the label differs between the two directions (so a proof can
 back) and both nonces are fresh (so a recorded proof cannot be replayed). The secret itself never
 crosses the wire. Proofs are compared in constant time.
 
+A link of a cluster to its own listener (a *self-link*) is proven otherwise: the process keeps a
+random key in memory only (``new_self_key``) and its link request carries
+``HMAC-SHA256(key, self label | client nonce | server nonce)`` (``self_proof``), so that only this
+very process can claim this cluster's own id, with or without a secret.
+
 The secret comes from the option ``llm.LinkSecret`` (``LLMConfig.link_secret``) or, when the
 option is absent, the environment variable ``LLM_DATADIST_LINK_SECRET``. Without one, links are
 not authenticated (CANN's behaviour): any process that reaches the listener may link.
@@ -21,7 +26,8 @@ from typing import Any, Dict, Optional
 SECRET_OPTION = "llm.LinkSecret"
 SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 NONCE_BYTES = 32
-_LABELS = {"client": b"llm_datadist link v3 client proof", "server": b"llm_datadist link v3 server proof"}
+_LABELS = {"client": b"llm_datadist link v3 client proof", "server": b"llm_datadist link v3 server proof",
+           "self": b"llm_datadist link v3 self proof"}
 
 
 def resolve_secret(options: Dict[str, str]) -> Optional[bytes]:
@@ -61,4 +67,23 @@ def verify(secret: bytes, side: str, client_nonce: str, server_nonce: str, clien
     if not isinstance(received, str):
         return False
     expected = proof(secret, side, client_nonce, server_nonce, client_id, server_id)
+    return hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))
+
+
+def new_self_key() -> bytes:
+    """A key that never leaves this process: it proves that a self-link comes from it."""
+    return os.urandom(32)
+
+
+def self_proof(key: bytes, client_nonce: str, server_nonce: str) -> str:
+    """What a self-link request carries to prove that it comes from the process holding ``key``."""
+    message = b"|".join([_LABELS["self"], bytes.fromhex(client_nonce), bytes.fromhex(server_nonce)])
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def verify_self(key: bytes, client_nonce: str, server_nonce: str, received: Any) -> bool:
+    """Whether ``received`` is the self-link proof of the process holding ``key`` (constant time)."""
+    if not isinstance(received, str) or not (is_nonce(client_nonce) and is_nonce(server_nonce)):
+        return False
+    expected = self_proof(key, client_nonce, server_nonce)
     return hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))

@@ -8,7 +8,7 @@ manager passes to every data plane (``DataPlane.on_register`` / ``on_unregister`
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Dict, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Protocol, Sequence, Tuple
 
 
 class SharedWord(Protocol):
@@ -40,11 +40,14 @@ class EngineView(Protocol):
     #: The device runtime (``_core.Runtime``) of the engine's DEVICE caches.
     runtime: Any
 
-    def pinned(self, plan: Any, dst_side: bool) -> ContextManager[Tuple[Any, int, Any]]:
+    def pinned(self, plan: Any, dst_side: bool, deadline: Optional[float] = None,
+               cancel: Optional[Callable[[], None]] = None) -> ContextManager[Tuple[Any, int, Any]]:
         """``(shared host RangeSet, registry generation, shared device RangeSet)``, held while a
         peer's bytes move through the ``dst_side`` (or source) ranges of ``plan``. The host
         ranges are memory the host addresses; the device ranges are device memory it does not
-        (moved only through ``runtime``'s copies)."""
+        (moved only through ``runtime``'s copies). ``deadline`` (``time.monotonic()``): when the
+        transfer ends at the latest; memory being unregistered under a transfer past it calls
+        ``cancel()``, which must make the transfer fail and let go at once."""
 
     def bind_thread(self) -> None:
         """Bind the calling thread to the engine's device (before it uses ``runtime``)."""

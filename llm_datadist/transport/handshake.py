@@ -83,12 +83,14 @@ def receive_frame(fd: int, expect: int, deadline: float, what: str) -> Tuple[int
 class Admission:
     """The outcome of ``accept_hello``: the cluster the peer claims to be (proved when a secret is
     set) and its ``AUTH`` message, or why it was refused (the refusal was sent when it could be;
-    ``auth_failure``: the refusal is a failed authentication)."""
+    ``auth_failure``: the refusal is a failed authentication); ``nonces``: the connection's
+    (client nonce, server nonce), to check a self-link's proof (``auth.verify_self``)."""
 
     peer_id: int
     request: Dict[str, Any] = field(default_factory=dict)
     refused: Optional[str] = None
     auth_failure: bool = False
+    nonces: Tuple[str, str] = ("", "")
 
     @property
     def purpose(self) -> Any:
@@ -127,7 +129,7 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
         on_auth_failure(peer_id, "wrong link secret")
         send_frame(fd, wire.OP_HELLO_REPLY, {"error": "authentication failed"}, deadline, S.LLM_LINK_FAILED)
         return Admission(peer_id, refused="wrong link secret", auth_failure=True)
-    return Admission(peer_id, message)
+    return Admission(peer_id, message, nonces=(client_nonce, server_nonce))
 
 
 @dataclass(frozen=True)
@@ -176,9 +178,10 @@ def send_reply(sock: socket.socket, reply: Dict[str, Any], status: int, deadline
 
 # -- the connecting side ----------------------------------------------------------------------------
 def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: int,
-                     request: Dict[str, Any], deadline: float) -> Dict[str, Any]:
-    """HELLO -> CHALLENGE -> AUTH (carrying ``request``) -> HELLO_REPLY with the cluster
-    ``remote_id``; the reply, or LLMException."""
+                     request: Dict[str, Any], deadline: float, self_key: Optional[bytes] = None) -> Dict[str, Any]:
+    """HELLO -> CHALLENGE -> AUTH (carrying ``request``, and with ``self_key`` the proof that
+    this is a self-link of this process) -> HELLO_REPLY with the cluster ``remote_id``; the
+    reply, or LLMException."""
     fd = sock.fileno()
     nonce = auth.new_nonce()
     if not send_frame(fd, wire.OP_HELLO, {"cluster_id": cluster_id, "nonce": nonce, "auth": secret is not None},
@@ -201,6 +204,8 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
         if not auth.verify(secret, "server", nonce, server_nonce, cluster_id, remote_id, challenge.get("proof")):
             raise AuthRefused("the peer does not know the link secret")
         message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
+    if self_key is not None:
+        message["self_proof"] = auth.self_proof(self_key, nonce, server_nonce)
     if not send_frame(fd, wire.OP_AUTH, message, deadline):
         raise fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
     status, reply = receive_frame(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
@@ -226,15 +231,16 @@ class LinkAgreement:
 
 def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: int, role: str,
                  planes: Sequence[str], remote_accessible: bool, local_sockets: bool, deadline: float,
-                 comm: Optional[Tuple[str, str]] = None) -> LinkAgreement:
+                 comm: Optional[Tuple[str, str]] = None, self_key: Optional[bytes] = None) -> LinkAgreement:
     """Ask the cluster ``remote_id`` at the other end of ``sock`` for a link (``planes``: those
-    this side offers; ``local_sockets``: one of them wants Unix sockets on this host)."""
+    this side offers; ``local_sockets``: one of them wants Unix sockets on this host;
+    ``self_key``: a link to this cluster's own listener, proven with this process's key)."""
     request = dict(purpose="link", role=role, planes=list(planes), host=host_identity(),
                    remote_cache_accessible=remote_accessible,
                    connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
     if comm is not None:
         request["comm"] = list(comm)
-    reply = client_handshake(sock, cluster_id, secret, remote_id, request, deadline)
+    reply = client_handshake(sock, cluster_id, secret, remote_id, request, deadline, self_key)
     token, unix_name = reply.get("token"), reply.get("unix")
     offered, their_role = reply.get("planes"), reply.get("role")
     if not isinstance(token, str) or not isinstance(their_role, str) or not (

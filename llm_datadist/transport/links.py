@@ -29,8 +29,10 @@ per combination on first use (``DataPlane`` in ``planes.base``).
 A connection that closes or breaks ends its whole link on both sides (``lost_links`` says why);
 a new link from a cluster that is still linked is refused unless the old link's connections
 are already closed. The listeners survive transient ``accept()`` failures, and handshakes,
-links and threads are bounded (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``,
-``LLM_DATADIST_MAX_LINKS``, ``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``).
+links and threads are bounded, in all and per source -- one IP address over TCP, one uid over
+the Unix socket (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``, ``LLM_DATADIST_MAX_PENDING_PER_SOURCE``,
+``LLM_DATADIST_MAX_LINKS``, ``LLM_DATADIST_MAX_LINKS_PER_SOURCE``,
+``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.comms import Comm
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
-from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS, DEFAULT_MAX_PENDING,
-                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_PENDING_ENV, Listener,
-                                             close_socket, env_int, is_loopback, warn_once)
+from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
+                                             DEFAULT_MAX_LINKS_PER_SOURCE, DEFAULT_MAX_PENDING,
+                                             DEFAULT_MAX_PENDING_PER_SOURCE, HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV,
+                                             MAX_LINKS_PER_SOURCE_ENV, MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV,
+                                             Listener, close_socket, describe, env_int, is_loopback, source_of,
+                                             warn_once)
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
 from llm_datadist.transport.server import Requests, Server
 from llm_datadist.transport.session import MAX_CONNECTIONS, MAX_LOST_RECORDS, Channel, Peer, peer_credentials
@@ -83,7 +88,11 @@ class LinkManager:
         self.planes = PlaneSet(engine)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self.secret = auth.resolve_secret(engine.options)
+        #: Proves this process's own self-links: a connection claiming this cluster's id without
+        #: a proof made with it is refused (``refused_self``).
+        self._self_key = auth.new_self_key()
         self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
+        self.max_links_per_source = env_int(MAX_LINKS_PER_SOURCE_ENV, DEFAULT_MAX_LINKS_PER_SOURCE)
         self.handshake_ms = env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
         self._lock = threading.RLock()
         self._peers: Dict[int, Peer] = {}
@@ -97,12 +106,18 @@ class LinkManager:
         self._next_comm_id = 1
         self._closed = False
         self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
-        #: Counters of refused or failed connections (``link_stats``).
-        self.stats = {"accept_errors": 0, "refused_busy": 0, "auth_failures": 0, "handshake_failures": 0,
+        #: Counters of refused or failed connections (``link_stats``): ``refused_busy`` and
+        #: ``refused_source``, connections closed at once by the pending-handshake caps (global,
+        #: per source); ``refused_links`` and ``refused_source_links``, link requests refused by
+        #: the link caps (global, per source); ``refused_self``, link requests claiming this
+        #: cluster's id without proving that they come from this process.
+        self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
+                      "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
                       "links_lost": 0}
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
         self.listener = Listener(engine.cluster_id, self._serve_accepted,
-                                 env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count)
+                                 env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
+                                 env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE))
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
         handlers = Requests(engine, lambda: self.planes.all, device_payload).handlers()
         handlers[wire.OP_NOTIFY] = self._on_notify
@@ -728,7 +743,10 @@ class LinkManager:
             return False
         purpose = admission.purpose
         if purpose == "link":
-            status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name)
+            proven_self = peer_id == mine and auth.verify_self(self._self_key, *admission.nonces,
+                                                               admission.request.get("self_proof"))
+            status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
+                                                    source_of(conn), proven_self)
             sent = handshake.send_reply(conn, reply, status, deadline)
             if status != 0:
                 return False
@@ -759,8 +777,11 @@ class LinkManager:
             return True  # serve closed it, or a Channel holds it
         raise ProtocolError(f"unknown purpose {brief(purpose)}")
 
-    def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str):
-        """Decide on an authenticated link request: ``(status, reply, pending Peer or None)``."""
+    def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str, source: Any = None,
+                     proven_self: bool = False):
+        """Decide on an authenticated link request from ``source`` (``listener.source_of``;
+        ``proven_self``: it carries this process's self-link proof): ``(status, reply, pending
+        Peer or None)``."""
         mine = self.engine.cluster_id
         reply: Dict[str, Any] = {"cluster_id": mine}
 
@@ -772,8 +793,14 @@ class LinkManager:
         if comm is None and request.remote_accessible != self.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
-                    want=request.want, comm=comm)
+                    want=request.want, comm=comm, source=source)
         if peer_id == mine:  # a link to our own listener: its server side is kept apart from the client side
+            if not proven_self:  # only this very process may link to its own listener under its own id
+                refused = self._count("refused_self")
+                if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
+                    logger.warning("cluster %d refused %d link request(s) claiming its own cluster id without "
+                                   "proof that they come from this process (the last from %s)", mine, refused, name)
+                return S.LLM_LINK_FAILED, dict(reply, error="a self-link of another process"), None
             with self._lock:
                 if len(self._self_peers) >= MAX_CONNECTIONS:
                     return refuse(S.LLM_LINK_FAILED, "too many links to itself")
@@ -794,7 +821,13 @@ class LinkManager:
                 # A live link is never replaced; one whose connections are gone is (force_link).
                 return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
             if len(self._peers) - (old is not None) >= self.max_links:
+                self.stats["refused_links"] += 1
                 return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links} links ({MAX_LINKS_ENV})")
+            if source is not None and sum(p.source == source and p is not old for p in self._peers.values()) \
+                    >= self.max_links_per_source:
+                self.stats["refused_source_links"] += 1
+                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links_per_source} links from "
+                                                 f"{describe(source)} ({MAX_LINKS_PER_SOURCE_ENV})")
             if old is not None:
                 self._forget(old, "replaced by a new link: its connections were closed")
             self._peers[peer_id] = peer
@@ -816,6 +849,8 @@ class LinkManager:
             peer = self._pending.get(token) if isinstance(token, str) else None
             if peer is None or peer.cluster_id != peer_id or not self._holds(peer):
                 return refused
+            if unix and peer_id == self.engine.cluster_id and pid != os.getpid():
+                return refused  # a self-link's connections come from this process (the kernel says so)
             first = not peer.channels and not peer.incoming
             if first:
                 peer.unix, peer.pid, peer.uid = unix, pid, uid
@@ -858,7 +893,8 @@ class LinkManager:
         sockets.append(first)
         agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
                                            self._offered_planes(), self.remote_accessible,
-                                           self._wants_local_sockets(), deadline, comm)
+                                           self._wants_local_sockets(), deadline, comm,
+                                           self._self_key if remote_cluster_id == mine else None)
         made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
                                           sockets)
         name = f"cluster {remote_cluster_id} ({ip}:{port})"

@@ -4,10 +4,12 @@ learn after authenticating), their accept loops, the threads it starts for accep
 and the accounting of the connections still in their handshake.
 
 The accept loop survives transient ``accept()`` failures (backing off up to a second), closes a
-connection at once when ``LLM_DATADIST_MAX_PENDING_HANDSHAKES`` are already pending, and hands
-each accepted connection to the accept callback it was given, on a thread of its own; the
-callback says when the handshake is over (``handshake_done``). The listener knows nothing of
-links: the link manager (``links``) gives it the callback and a counter of refused connections.
+connection at once when ``LLM_DATADIST_MAX_PENDING_HANDSHAKES`` are already pending, or
+``LLM_DATADIST_MAX_PENDING_PER_SOURCE`` from its source (``source_of``: the peer's IP address
+over TCP, its uid over the Unix socket), and hands each accepted connection to the accept
+callback it was given, on a thread of its own; the callback says when the handshake is over
+(``handshake_done``). The listener knows nothing of links: the link manager (``links``) gives it
+the callback and a counter of refused connections.
 
 Also the socket helpers every part uses (``tune``, ``close_socket``, the listening sockets).
 """
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from llm_datadist import _io
 from llm_datadist.status import LLMException
 from llm_datadist.transport.errors import S, fail
+from llm_datadist.transport.session import peer_credentials
 from llm_datadist.transport.threads import Threads
 
 logger = logging.getLogger("llm_datadist")
@@ -36,9 +39,17 @@ HANDSHAKE_TIMEOUT_ENV = "LLM_DATADIST_HANDSHAKE_TIMEOUT_MS"
 #: Connections accepted but not yet through their handshake; more are closed at once.
 DEFAULT_MAX_PENDING = 64
 MAX_PENDING_ENV = "LLM_DATADIST_MAX_PENDING_HANDSHAKES"
+#: Of those, the most from one source (one IP address over TCP, one uid over the Unix socket), so
+#: that one stranger cannot hold every pending slot.
+DEFAULT_MAX_PENDING_PER_SOURCE = 32
+MAX_PENDING_PER_SOURCE_ENV = "LLM_DATADIST_MAX_PENDING_PER_SOURCE"
 #: Links a cluster holds (each costs a thread per incoming connection, two by default).
 DEFAULT_MAX_LINKS = 256
 MAX_LINKS_ENV = "LLM_DATADIST_MAX_LINKS"
+#: Of those, the most that one source may hold (links it asked for; see ``source_of``): room for
+#: every rank of several engines on one host, and still room for others.
+DEFAULT_MAX_LINKS_PER_SOURCE = 128
+MAX_LINKS_PER_SOURCE_ENV = "LLM_DATADIST_MAX_LINKS_PER_SOURCE"
 
 
 def env_int(name: str, default: int, lo: int = 1) -> int:
@@ -51,6 +62,31 @@ def env_int(name: str, default: int, lo: int = 1) -> int:
 #: ``on_accept(connection, name)``: run the handshake of an accepted connection (and whatever
 #: follows on it); called on a thread of the listener. ``name`` is the peer's address.
 AcceptCallback = Callable[[socket.socket, str], None]
+#: Where a connection comes from, for the per-source caps: ``("ip", address)`` over TCP (every
+#: peer on this host is a loopback address), ``("uid", uid)`` over a Unix socket (as the kernel
+#: has it).
+Source = Tuple[str, Any]
+
+
+def source_of(conn: socket.socket, address: Any = None) -> Source:
+    """The source of an accepted connection (``address``: what ``accept()`` returned)."""
+    if conn.family == socket.AF_UNIX:
+        try:
+            return "uid", peer_credentials(conn)[1]
+        except OSError:
+            return "uid", -1
+    if address is None:
+        try:
+            address = conn.getpeername()
+        except OSError:
+            return "ip", "?"
+    return "ip", str(address[0])
+
+
+def describe(source: Source) -> str:
+    return f"uid {source[1]}" if source[0] == "uid" else str(source[1])
+
+
 #: ``count(counter)``: add one to a counter of the link statistics, return its new value.
 CountCallback = Callable[[str], int]
 
@@ -60,11 +96,15 @@ class Listener:
     handshake is over.
 
     ``on_accept`` gets each accepted connection; ``max_pending`` bounds the connections in their
-    handshake; ``count`` is told of ``accept_errors`` and ``refused_busy``."""
+    handshake, ``max_pending_per_source`` those of one source; ``count`` is told of
+    ``accept_errors``, ``refused_busy`` (the global cap) and ``refused_source`` (the per-source
+    one)."""
 
-    def __init__(self, cluster_id: int, on_accept: AcceptCallback, max_pending: int, count: CountCallback) -> None:
+    def __init__(self, cluster_id: int, on_accept: AcceptCallback, max_pending: int, count: CountCallback,
+                 max_pending_per_source: Optional[int] = None) -> None:
         self.cluster_id = cluster_id
         self.max_pending = max_pending
+        self.max_pending_per_source = max_pending if max_pending_per_source is None else max_pending_per_source
         self._on_accept = on_accept
         self._count = count
         self._lock = threading.Lock()
@@ -74,7 +114,8 @@ class Listener:
         self._extra: Dict[Tuple[str, int], List[Any]] = {}  # (ip, port) -> [socket, users]
         self._extra_unix_name: Optional[str] = None  # the Unix socket of the extra listeners
         self._extra_loops = Threads("llm_datadist-listen")
-        self._incoming: Set[socket.socket] = set()  # accepted connections still in their handshake
+        self._incoming: Dict[socket.socket, Source] = {}  # accepted connections still in their handshake
+        self._by_source: Dict[Source, int] = {}  # how many of them from each source
         self._closed = False
         self._threads = Threads("llm_datadist-conn")
 
@@ -194,12 +235,19 @@ class Listener:
                 continue
             failures = 0
             name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
-            if not self.admit(conn):
-                refused = self._count("refused_busy")
-                if refused in (1, 10, 100) or refused % 1000 == 0:
-                    logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                   "(%s)", self.cluster_id, refused, self.max_pending, MAX_PENDING_ENV)
-                close_socket(conn)
+            source = source_of(conn, addr)
+            why = self.admit(conn, source)
+            if why is not None:
+                close_socket(conn)  # at once: the peer sees its connection closed, without a byte
+                refused = self._count(why)
+                if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
+                    if why == "refused_busy":
+                        logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
+                                       "(%s)", self.cluster_id, refused, self.max_pending, MAX_PENDING_ENV)
+                    else:
+                        logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
+                                       "from %s (%s)", self.cluster_id, refused, self.max_pending_per_source,
+                                       describe(source), MAX_PENDING_PER_SOURCE_ENV)
                 continue
             try:
                 tune(conn)
@@ -220,24 +268,43 @@ class Listener:
         with self._lock:
             return listener in self._sockets or any(entry[0] is listener for entry in self._extra.values())
 
-    def admit(self, conn: socket.socket) -> bool:
-        """Count ``conn`` as a connection in its handshake; False (not counted) when
-        ``max_pending`` are already or the listener is closed."""
+    def admit(self, conn: socket.socket, source: Optional[Source] = None) -> Optional[str]:
+        """Count ``conn`` (from ``source``, ``source_of(conn)`` if not given) as a connection in
+        its handshake; or, not counted, the counter of why not: ``refused_busy`` when
+        ``max_pending`` are already pending or the listener is closed, ``refused_source`` when
+        ``max_pending_per_source`` are pending from that source."""
+        if source is None:
+            source = source_of(conn)
         with self._lock:
             if len(self._incoming) >= self.max_pending or self._closed:
-                return False
-            self._incoming.add(conn)
-            return True
+                return "refused_busy"
+            held = self._by_source.get(source, 0)
+            if held >= self.max_pending_per_source:
+                return "refused_source"
+            self._incoming[conn] = source
+            self._by_source[source] = held + 1
+            return None
 
     def handshake_done(self, conn: socket.socket) -> None:
         """``conn`` is through its handshake (or gone): it no longer counts as pending."""
         with self._lock:
-            self._incoming.discard(conn)
+            source = self._incoming.pop(conn, None)
+            if source is not None:
+                left = self._by_source[source] - 1
+                if left:
+                    self._by_source[source] = left
+                else:
+                    del self._by_source[source]
 
     def pending(self) -> Set[socket.socket]:
         """The accepted connections still in their handshake."""
         with self._lock:
             return set(self._incoming)
+
+    def pending_from(self, source: Source) -> int:
+        """How many connections from ``source`` are in their handshake."""
+        with self._lock:
+            return self._by_source.get(source, 0)
 
     # -- the end ----------------------------------------------------------------------------------
     def close(self) -> None:

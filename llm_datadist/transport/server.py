@@ -12,6 +12,10 @@ plane's, ``transport.staging``) on a thread bound to the engine's device; one wi
 refused like unregistered memory. A device copy that fails is answered ``LLM_FAILED`` when the
 connection is still in step with the frame, else the link goes.
 
+A push or pull holds its memory in the registry (``EngineView.pinned``) until its frame's
+deadline at the latest: unregistering that memory waits for it until then and then shuts its
+connection down (the transfer fails, the link ends) before the memory is released.
+
 A handler is ``handler(fd, req_id, length, peer) -> bool``: it reads the ``length`` bytes of the
 request's body (``recv_exact``), answers (``reply``), and returns whether the connection goes on.
 """
@@ -19,7 +23,9 @@ request's body (``recv_exact``), answers (``reply``), and returns whether the co
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import time
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from llm_datadist import _io
@@ -45,6 +51,22 @@ def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
     if st != 0:
         raise ProtocolError(f"{what} truncated ({status_of(st).name})")
     return body
+
+
+def _pin_terms(fd: int) -> Tuple[float, Callable[[], None]]:
+    """The deadline of a transfer that starts now on ``fd`` (its frame's, ``FRAME_TIMEOUT_MS``)
+    and how to cancel it: shut its connection down, which fails the transfer (and ends the link)
+    before another byte of it moves. Called with the transfer's pin held, so ``fd`` is still its
+    connection."""
+
+    def cancel() -> None:
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+    return time.monotonic() + _session.FRAME_TIMEOUT_MS / 1000, cancel
 
 
 def reply(fd: int, op: int, req_id: int, status: int, payload: bytes = b"") -> bool:
@@ -159,7 +181,7 @@ class Requests:
         if plan.total_bytes != data_len:
             raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
         drained = False
-        with engine.pinned(plan, True) as (ranges, current, device_ranges):
+        with engine.pinned(plan, True, *_pin_terms(fd)) as (ranges, current, device_ranges):
             refusal, device = self._refusal(plan, True, generation, ranges, device_ranges, current, peer_id, "push")
             if refusal == 0 and device:
                 try:
@@ -185,7 +207,7 @@ class Requests:
             raise ProtocolError(f"pull: frame length {length}")
         (generation,) = wire.U64.unpack(recv_exact(fd, 8, 8, "pull"))
         plan = self._wire_plan(recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-        with engine.pinned(plan, False) as (ranges, current, device_ranges):
+        with engine.pinned(plan, False, *_pin_terms(fd)) as (ranges, current, device_ranges):
             refusal, device = self._refusal(plan, False, generation, ranges, device_ranges, current, peer_id, "pull")
             if refusal == 0:
                 head = wire.pack_header(wire.OP_PULL_DATA, req_id, plan.total_bytes, 0)

@@ -236,6 +236,7 @@ class Peer:
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
     unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
     comm: Optional[Tuple[str, str]] = None  # the two-sided link (name, digest) it was made for
+    source: Any = None   # server side: where its link request came from (``listener.source_of``)
     table_lock: threading.Lock = field(default_factory=threading.Lock)
     settle_lock: threading.Lock = field(default_factory=threading.Lock)
     workers: Workers = field(default_factory=Workers)

@@ -208,6 +208,37 @@ def test_unregister_waits_for_a_transfer_pinned_on_that_memory(owner):
     waiter.join(10)
 
 
+def test_unregister_behind_a_stalled_transfer_waits_for_its_deadline_then_cancels_it(owner):
+    """A transfer pinned on the memory being unregistered that is still going at its deadline
+    (0.5 s) is cancelled -- the transfer then fails and lets go -- and the unregister returns
+    right after: not before the deadline, and not when the stalled transfer would have ended
+    by itself (10 s)."""
+    import time
+    registry = owner.registry
+    busy = registry.commit(record(0))
+    layout = _core.CacheLayout(busy.addrs, 4, 1024)
+    plan = _core.plan_blocks(layout, layout, None, None, values.block_array([0], "s"),
+                             values.block_array([1], "d"))
+    pinned, cancelled = threading.Event(), threading.Event()
+    held_after_cancel = []
+
+    def transfer() -> None:
+        with registry.pinned(plan, True, time.monotonic() + 0.5, cancelled.set):
+            pinned.set()
+            cancelled.wait(10)  # a stalled receive, until its connection is shut down
+            held_after_cancel.append(registry.holds(busy))
+    thread = threading.Thread(target=transfer)
+    thread.start()
+    assert pinned.wait(10)
+    started = time.monotonic()
+    registry.unregister(busy.cache_id)
+    took = time.monotonic() - started
+    assert cancelled.is_set(), "the stalled transfer was not cancelled"
+    assert 0.3 < took < 3, took
+    thread.join(10)
+    assert held_after_cancel == [False]
+
+
 def test_close_returns_the_records_and_forgets_everything(owner):
     registry = owner.registry
     registry.open(None, {Place.HOST: values.MemoryPool(1 << 20), Place.DEVICE: None})

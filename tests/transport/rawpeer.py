@@ -45,13 +45,16 @@ def read_frame(sock: socket.socket, timeout: float = TIMEOUT_S) -> Tuple[int, in
     return op, status, req_id, read_exact(sock, length)
 
 
-def connect(address, unix_name: Optional[str] = None) -> socket.socket:
+def connect(address, unix_name: Optional[str] = None, source: Optional[str] = None) -> socket.socket:
+    """A TCP connection to ``address`` (from the local address ``source``, e.g. another loopback
+    address such as 127.0.0.2), or one to the abstract Unix socket ``unix_name``."""
     if unix_name is not None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(TIMEOUT_S)
         sock.connect("\0" + unix_name)
         return sock
-    return socket.create_connection(address, timeout=TIMEOUT_S)
+    return socket.create_connection(address, timeout=TIMEOUT_S,
+                                    source_address=None if source is None else (source, 0))
 
 
 class Refused(Exception):
@@ -99,15 +102,17 @@ class RawLink:
     connection (never served: the server's own requests would wait on it)."""
 
     def __init__(self, address, cluster_id: int, secret: Optional[bytes] = None, unix: bool = False,
-                 **changes) -> None:
+                 source: Optional[str] = None, first_unix: Optional[str] = None, **changes) -> None:
+        """``source``: the local address of its TCP connections; ``first_unix``: send the link
+        request over this abstract Unix socket rather than TCP."""
         self.cluster_id = cluster_id
-        first = connect(address)
+        first = connect(address, first_unix, source)
         try:
             self.reply = handshake(first, cluster_id, link_request(**changes), secret)
             unix_name = self.reply.get("unix") if unix else None
             self.sockets: List[socket.socket] = []
             for purpose in ("forward", "reverse"):
-                sock = connect(address, unix_name)
+                sock = connect(address, unix_name, source)
                 self.sockets.append(sock)
                 handshake(sock, cluster_id, {"purpose": purpose, "token": self.reply["token"]}, secret)
         finally:

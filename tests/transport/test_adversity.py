@@ -1482,3 +1482,46 @@ def test_stalled_push_does_not_block_unregistering_another_cache(tcp_server_with
         peer.close()
     assert took is not None, "unregistering an unrelated cache waited for the stalled push"
     check_still_serving(server, client)
+
+
+def shorten_transfer_deadlines(state, seconds: float) -> None:
+    """Fault injection: the server's pushes and pulls get a deadline of ``seconds`` for their pin
+    (``server._pin_terms``) while their receives keep the 30 s frame timeout -- a stalled
+    transfer then outlives its own deadline unless unregistering cancels it."""
+    from llm_datadist.transport import server as _server
+    terms = _server._pin_terms
+
+    def shorter(fd: int):
+        _, cancel = terms(fd)
+        return time.monotonic() + seconds, cancel
+
+    _server._pin_terms = shorter
+
+
+def test_unregister_behind_a_stalled_push_waits_at_most_its_deadline_and_fails_it(tcp_server_with_client):
+    """A peer stops half way through a push into ``scratch``; unregistering ``scratch`` returns
+    soon after the push's deadline (1 s here, see ``shorten_transfer_deadlines``), not when the
+    receive would have given up by itself (30 s), nor when the raw peer's link is dropped for
+    never answering the server's table request (about 5 s after linking): the push is failed first (its connection is
+    shut down, the peer sees it closed, the rest of its bytes never land) and the server goes on
+    serving its other link."""
+    server, client = tcp_server_with_client
+    server.call(shorten_transfer_deadlines, 1.0)
+    peer = RawPeer(server.address)
+    try:
+        addrs, _ = peer.cache(2)
+        head = push_frame([(0, addrs[0], 2 * SMALL_BLOCK)], b"", peer.generation,
+                          length=push_length(24, 2 * SMALL_BLOCK))
+        peer.send(head + b"\x77" * SMALL_BLOCK)  # half of the payload, then nothing
+        time.sleep(0.2)
+        took = server.call(timed_unregister, "scratch", 8.0)
+        assert took is not None and 0.5 < took < 2.5, took
+        peer.sock.settimeout(5)
+        try:
+            closed = peer.sock.recv(1) == b""
+        except ConnectionError:
+            closed = True
+        assert closed, "the stalled push's connection was not shut down"
+    finally:
+        peer.close()
+    check_still_serving(server, client)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import threading
@@ -505,6 +506,80 @@ def test_link_cap(monkeypatch):
         peers.append(rawpeer.RawLink(server.address, 200))
         for peer in peers:
             peer.close()
+
+
+def test_one_source_cannot_hold_every_pending_handshake(monkeypatch):
+    """A stranger opening 70 connections from one address (127.0.0.2) that never say a word gets
+    LLM_DATADIST_MAX_PENDING_PER_SOURCE (32) of the 64 pending-handshake places: the others are
+    closed at once and counted, and a client from another address (127.0.0.1) still links."""
+    monkeypatch.setenv("LLM_DATADIST_HANDSHAKE_TIMEOUT_MS", "20000")  # the stranger's places stay held
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        client = start(stack, CLIENT_ID)
+        idle = [rawpeer.connect(server.address, source="127.0.0.2") for _ in range(70)]
+        try:
+            assert wait_for(lambda: server.call(stats)["refused_source"] >= 70 - 32, 5), server.call(stats)
+            readable, _, _ = select.select(idle, [], [], 0.5)  # the refused ones: closed, without a byte
+            assert len(readable) == 70 - 32 and all(sock.recv(1) == b"" for sock in readable)
+            assert link(client, server, 3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            assert server.call(stats)["refused_busy"] == 0
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+@pytest.mark.parametrize("over", ["tcp", "unix"])
+def test_one_source_cannot_hold_every_link(monkeypatch, over):
+    """Links are capped per source too (LLM_DATADIST_MAX_LINKS_PER_SOURCE, here 3 of 8): the
+    fourth link request from one address (127.0.0.2), or from one uid over the Unix socket, is
+    refused (LLM_LINK_FAILED, counted), while another source still links; a source whose link
+    ends may link again."""
+    monkeypatch.setenv("LLM_DATADIST_MAX_LINKS", "8")
+    monkeypatch.setenv("LLM_DATADIST_MAX_LINKS_PER_SOURCE", "3")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        other = rawpeer.RawLink(server.address, 99, source="127.0.0.3")  # learns the Unix socket's name
+        stack.callback(other.close)
+        unix_name = other.reply["unix"]
+        extra = {"source": "127.0.0.2"} if over == "tcp" else {"first_unix": unix_name}
+        flood = [rawpeer.RawLink(server.address, 100 + i, **extra) for i in range(3)]
+        with pytest.raises(rawpeer.Refused) as refused:
+            rawpeer.RawLink(server.address, 200, **extra)
+        assert refused.value.status == S.LLM_LINK_FAILED and "per_source" in refused.value.message["error"].lower()
+        assert server.call(stats)["refused_source_links"] == 1
+        # Another source (the TCP address 127.0.0.1, or a TCP address for the uid's flood) links.
+        stranger = rawpeer.RawLink(server.address, 201, source="127.0.0.1")
+        stack.callback(stranger.close)
+        flood.pop().close()
+        assert wait_for(lambda: 102 not in server.call(linked))
+        flood.append(rawpeer.RawLink(server.address, 202, **extra))
+        for peer in flood:
+            peer.close()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_impostor_self_links_cannot_deny_the_real_one(secret):
+    """Connections claiming the server's own cluster id (six, more than the four self-links a
+    cluster may hold; with or without the link secret, with a forged proof) are refused and
+    counted; the server's own link to its own listener still succeeds afterwards."""
+    key = None if secret is None else secret.encode()
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=secret)
+        impostors = []
+        for i in range(6):
+            changes = {"self_proof": "ab" * 32} if i % 2 else {}
+            try:
+                impostors.append(rawpeer.RawLink(server.address, SERVER_ID, secret=key, **changes))
+            except rawpeer.Refused as exc:
+                assert exc.status == S.LLM_LINK_FAILED
+        try:
+            assert impostors == [], "a connection of another process made a self-link"
+            assert server.call(stats)["refused_self"] == 6
+            assert link(server, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            assert SERVER_ID in server.call(linked)
+        finally:
+            for peer in impostors:
+                peer.close()
 
 
 # ==================================================================================================

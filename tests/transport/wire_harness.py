@@ -243,7 +243,7 @@ class FuzzServer:
                 with links._lock:
                     links._peers[case.peer_id] = staged
                     links._pending[case.token] = staged
-                assert links.listener.admit(conn)
+                assert links.listener.admit(conn) is None
                 job = lambda: links._serve_accepted(conn, "fuzz")  # noqa: E731
             return self._pump(client, case.data, job, staged, reply_bytes)
         finally:

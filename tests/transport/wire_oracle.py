@@ -268,8 +268,8 @@ class ServerModel:
             raise protocol_error("link request: comm")
         if comm is None and bool(message.get("remote_cache_accessible")) != self.remote_accessible:
             refusal = S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters"
-        elif peer_id == self.cluster_id:
-            pass  # a link to its own listener: accepted like any other (as in CANN)
+        elif peer_id == self.cluster_id:  # only the server's own process may link to its own listener
+            refusal = S.LLM_LINK_FAILED, "a self-link of another process"
         elif comm is not None:  # this server makes no two-sided link while it is fuzzed
             refusal = S.LLM_NOT_YET_LINK, "this cluster is not making that link now"
         elif session.staged is not None and session.staged[0] == peer_id:  # still being linked
