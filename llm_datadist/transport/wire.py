@@ -9,11 +9,12 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Every connection starts with a handshake of four JSON frames (protocol version 3): HELLO from the
+Every connection starts with a handshake of four JSON frames (protocol version 4): HELLO from the
 connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
 ``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
-"forward"/"reverse" with the link's ``token``), and HELLO_REPLY (a status; for a link the server's
+"forward"/"reverse" with the link's ``token``; a link to this cluster's own listener also carries
+``self_proof``, version 4), and HELLO_REPLY (a status; for a link the server's
 role, planes, token and Unix socket name). See ``auth`` for the proofs.
 
 Control payloads (handshake, tables, unlink, key release, notifications) are UTF-8 JSON of at most
@@ -33,7 +34,7 @@ import sys
 from typing import Any, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")
