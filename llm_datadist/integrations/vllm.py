@@ -56,6 +56,18 @@ that did not arrive.
     Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
     engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
     start-up, so prefer the environment variable there. The connector never logs it.
+``lease_tokens`` (``true``)
+    A prefill engine hands out ``remote_request_id`` as ``"<request id>.<lease token>"`` and frees a
+    request's blocks only for a release that names it so (the token is an HMAC of the request id
+    and its issue time under a key only this engine holds); a release without it, or with another
+    request's, is refused and the lease stays. ``false``: plain request ids, any linked peer may
+    release any lease (for routers or decode sides that rewrite ``remote_request_id``). The token
+    guards releases only: block reads never reach the connector.
+``release_records_bytes`` (``16 MiB``)
+    Budget of what a prefill worker remembers about releases (freed requests, releases before
+    their lease): each record counts its id's bytes plus 256; records age out ``kv_lease_s`` + 30 s
+    after they were made; a release that finds no room is refused. Request ids are at most
+    ``MAX_REQUEST_ID_BYTES`` (256) bytes.
 
 KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime of the registry
 claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's
