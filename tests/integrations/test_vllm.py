@@ -92,6 +92,8 @@ class Engine:
         self.role, self.log = role, log
         self._log_file = open(log, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # the engines import the llm_datadist under test, not another checkout installed with -e
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
                                       json.dumps(extra or {}), json.dumps(engine_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
