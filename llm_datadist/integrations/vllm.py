@@ -56,6 +56,18 @@ that did not arrive.
     Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
     engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
     start-up, so prefer the environment variable there. The connector never logs it.
+``lease_tokens`` (``true``)
+    A prefill engine hands out ``remote_request_id`` as ``"<request id>.<lease token>"`` and frees a
+    request's blocks only for a release that names it so (the token is an HMAC of the request id
+    and its issue time under a key only this engine holds); a release without it, or with another
+    request's, is refused and the lease stays. ``false``: plain request ids, any linked peer may
+    release any lease (for routers or decode sides that rewrite ``remote_request_id``). The token
+    guards releases only: block reads never reach the connector.
+``release_records_bytes`` (``16 MiB``)
+    Budget of what a prefill worker remembers about releases (freed requests, releases before
+    their lease): each record counts its id's bytes plus 256; records age out ``kv_lease_s`` + 30 s
+    after they were made; a release that finds no room is refused. Request ids are at most
+    ``MAX_REQUEST_ID_BYTES`` (256) bytes.
 
 KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime of the registry
 claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's
@@ -75,8 +87,13 @@ layer-by-layer pipelining.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -114,9 +131,33 @@ REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_clust
 #: it there too).
 LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 
-#: Request ids whose blocks a prefill worker freed, remembered to refuse late releases; and prefill
-#: requests a decode worker has already settled, remembered to skip a twin's release.
-_GONE_REMEMBERED = 1 << 16
+#: Prefill requests a decode worker has already settled, remembered to skip a twin's release.
+_SETTLED_REMEMBERED = 1 << 16
+
+#: The longest request id (UTF-8 bytes) a prefill engine hands out for a decode side to release; a
+#: request with a longer id is not handed out (the decode side computes its prompt), and a release
+#: naming a longer one is refused.
+MAX_REQUEST_ID_BYTES = 256
+
+#: A lease token: base64url (no padding) of 5 bytes of issue time (Unix seconds, big-endian) and
+#: the first 16 bytes of HMAC-SHA256 over the request id and that time, under a key the prefill
+#: worker draws at start and hands only to its own scheduler. It travels after the request id in
+#: ``remote_request_id``: ``"<request id>.<token>"``.
+_TOKEN_SEPARATOR = "."
+_TOKEN_TIME_BYTES = 5
+_TOKEN_MAC_BYTES = 16
+_TOKEN_CHARS = 4 * (_TOKEN_TIME_BYTES + _TOKEN_MAC_BYTES) // 3
+_TOKEN_LABEL = b"llm_datadist vllm lease v1\0"
+
+#: The longest ``remote_request_id`` a release may name: a request id, the separator and a token.
+MAX_RELEASE_ID_BYTES = MAX_REQUEST_ID_BYTES + len(_TOKEN_SEPARATOR) + _TOKEN_CHARS
+
+#: What one release record (a freed or early-released request) is counted as, beyond its id's
+#: bytes: the dict slot and links of an OrderedDict entry, the str header, the value.
+_RECORD_OVERHEAD_BYTES = 256
+
+#: Release records outlive a lease by this much (clock steps, a lease that started late).
+_RECORD_SLACK_S = 30.0
 
 #: Statuses of a transfer or notification that mean the link itself is gone.
 _LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
@@ -162,6 +203,8 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
     cluster_id: int
     host: str
     port: int
+    #: hex key the scheduler makes lease tokens with (never leaves this engine's processes)
+    lease_key: str = field(default="", repr=False)
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
@@ -185,6 +228,8 @@ class _Options:
     link_timeout_ms: int = 10000
     kv_lease_s: float = 120.0
     link_secret: Optional[str] = field(default=None, repr=False)
+    lease_tokens: bool = True
+    release_records_bytes: int = 16 << 20
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "_Options":
@@ -198,6 +243,12 @@ class _Options:
         if opts.data_plane not in plane_choices():
             raise ValueError(f"LLMDataDistConnector: data_plane must be one of {', '.join(plane_choices())}, "
                              f"got {opts.data_plane!r}")
+        if not isinstance(opts.lease_tokens, bool):
+            raise ValueError(f"LLMDataDistConnector: lease_tokens must be true or false, got {opts.lease_tokens!r}")
+        if isinstance(opts.release_records_bytes, bool) or not isinstance(opts.release_records_bytes, int) or \
+                opts.release_records_bytes < 0:
+            raise ValueError("LLMDataDistConnector: release_records_bytes must be a byte count >= 0, "
+                             f"got {opts.release_records_bytes!r}")
         if opts.link_secret is None:
             opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:
@@ -224,10 +275,52 @@ def _recv_spec(params: Any) -> Optional[_Recv]:
             blocks = blocks[0]
         if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
             return None
+        remote_id = params["remote_request_id"]
+        if not isinstance(remote_id, str) or _utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
+            return None  # the prefill side would refuse its release
         return _Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                     int(params["remote_cluster_id"]), str(params["remote_request_id"]))
+                     int(params["remote_cluster_id"]), remote_id)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (lone surrogates, which JSON can carry, count as 3)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _record_bytes(req_id: str) -> int:
+    """What one release record of ``req_id`` counts against ``release_records_bytes``."""
+    return _utf8_len(req_id) + _RECORD_OVERHEAD_BYTES
+
+
+def _lease_mac(key: bytes, req_id: str, issued: bytes) -> bytes:
+    message = _TOKEN_LABEL + issued + req_id.encode("utf-8", "surrogatepass")
+    return hmac.new(key, message, hashlib.sha256).digest()[:_TOKEN_MAC_BYTES]
+
+
+def lease_request_id(key: bytes, req_id: str, issued_s: Optional[int] = None) -> str:
+    """``"<req_id>.<token>"``: what a prefill engine hands out in ``remote_request_id`` for a
+    decode side to release ``req_id`` with (``issued_s``: Unix seconds, now by default)."""
+    issued = int(time.time() if issued_s is None else issued_s).to_bytes(_TOKEN_TIME_BYTES, "big")
+    token = base64.urlsafe_b64encode(issued + _lease_mac(key, req_id, issued)).decode("ascii")
+    return f"{req_id}{_TOKEN_SEPARATOR}{token}"
+
+
+def _check_lease(key: bytes, remote_id: str) -> Optional[Tuple[str, int]]:
+    """``(request id, issue time)`` if ``remote_id`` carries this key's token for its request id,
+    else None (the MAC compared in constant time)."""
+    req_id, separator, token = remote_id.rpartition(_TOKEN_SEPARATOR)
+    if not separator or len(token) != _TOKEN_CHARS:
+        return None
+    try:
+        raw = base64.b64decode(token, altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    issued, mac = raw[:_TOKEN_TIME_BYTES], raw[_TOKEN_TIME_BYTES:]
+    if len(mac) != _TOKEN_MAC_BYTES or not hmac.compare_digest(mac, _lease_mac(key, req_id, issued)):
+        return None
+    return req_id, int.from_bytes(issued, "big")
 
 
 class LLMDataDistConnector(KVConnectorBase_V1):
@@ -310,9 +403,16 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> Dict[str, int]:
         """Worker counters: links made, requests pulled / failed, blocks pulled, releases sent (``notified``)
-        and received (``released``; ``refused`` when too late), leases that ran out (``expired``) or were
-        cut short because the engine began to shut down (``freed_at_shutdown``)."""
-        return dict(self._worker.stats) if self._worker is not None else {}
+        and received (``released``; ``refused`` when too late, or for one of the reasons also counted in
+        ``bad_token``: no valid lease token, ``too_long``: a request id over ``MAX_RELEASE_ID_BYTES``,
+        ``over_budget``: no room in ``release_records_bytes``), leases that ran out (``expired``) or were
+        cut short because the engine began to shut down (``freed_at_shutdown``), release records
+        dropped early to stay within the budget (``records_dropped``); and ``release_record_bytes``,
+        what the release records count now."""
+        if self._worker is None:
+            return {}
+        with self._worker._lock:
+            return dict(self._worker.stats, release_record_bytes=self._worker.record_bytes)
 
     @property
     def registration(self) -> Optional[Dict[str, Any]]:
@@ -389,6 +489,8 @@ class _Scheduler:
     def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
         if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
             raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
+        if metadata is not None and self.options.lease_tokens and len(metadata.lease_key) < 32:
+            raise ValueError("LLMDataDistConnector: the worker's handshake carries no lease key")
         self.worker = metadata
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
@@ -454,13 +556,22 @@ class _Scheduler:
             logger.warning("request %s: no llm_datadist worker address yet; its KV cannot be handed "
                            "to a decode engine", request.request_id)
             return False, None
+        if _utf8_len(request.request_id) > MAX_REQUEST_ID_BYTES:
+            logger.warning("request %s: its id is longer than %d bytes, which no release may name; its KV is "
+                           "not handed to a decode engine", request.request_id[:64] + "...", MAX_REQUEST_ID_BYTES)
+            return False, None
+        remote_id = request.request_id
+        if self.options.lease_tokens:
+            # Only the decode side the proxy hands these params to can release the blocks; the
+            # token rides in remote_request_id, which every NIXL-style proxy forwards.
+            remote_id = lease_request_id(bytes.fromhex(self.worker.lease_key), request.request_id)
         self._send[request.request_id] = self.options.kv_lease_s
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": ids,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": remote_id,
             "remote_host": self.worker.host,
             "remote_port": self.worker.port,
             "remote_cluster_id": self.worker.cluster_id,
@@ -517,7 +628,8 @@ class _Worker:
         self.cache: Optional[ld.Cache] = None
         self.device: Optional[str] = None
         self.stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0,
-                      "notified": 0, "released": 0, "refused": 0, "expired": 0, "freed_at_shutdown": 0}
+                      "notified": 0, "released": 0, "refused": 0, "bad_token": 0, "too_long": 0,
+                      "over_budget": 0, "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0}
         self._lock = threading.Lock()
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
@@ -531,8 +643,12 @@ class _Worker:
         self._load_errors: Set[int] = set()
         # prefill side
         self._leases: Dict[str, float] = {}  # request id -> monotonic deadline
-        self._released: Dict[str, float] = {}  # notified before the lease arrived -> when
-        self._gone: "OrderedDict[str, str]" = OrderedDict()  # blocks freed -> why
+        # Release records, oldest first, within release_records_bytes together (record_bytes):
+        self._released: "OrderedDict[str, float]" = OrderedDict()  # released before its lease came -> when
+        self._gone: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()  # blocks freed -> (why, when)
+        self.record_bytes = 0
+        # The key of this worker's lease tokens; its scheduler gets it with the handshake.
+        self._lease_key = secrets.token_bytes(32)
         self._sent: Set[str] = set()
         self._stopping = False
         if self.producer:
@@ -604,7 +720,8 @@ class _Worker:
 
     def handshake(self) -> LLMDataDistHandshakeMetadata:
         port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
-        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port)
+        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port,
+                                            lease_key=self._lease_key.hex())
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
@@ -621,7 +738,9 @@ class _Worker:
                 self._leases.clear()
             for req_id, seconds in meta.reqs_to_send.items():
                 if self._released.pop(req_id, None) is not None:
+                    self.record_bytes -= _record_bytes(req_id)
                     self._sent.add(req_id)  # its decode side was done before the lease came
+                    self._forget(req_id, "released")
                 elif self._stopping:
                     self._free_at_shutdown(req_id)
                     freed += 1
@@ -637,7 +756,7 @@ class _Worker:
                                  spec.remote_request_id, self._settled[key])
                     continue
                 self._settled[key] = req_id
-                while len(self._settled) > _GONE_REMEMBERED:
+                while len(self._settled) > _SETTLED_REMEMBERED:
                     self._settled.popitem(last=False)
                 pulls.append((req_id, spec))
         if began_stopping:
@@ -663,9 +782,7 @@ class _Worker:
                     self.stats["expired"] += 1
                     logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
                                    "blocks", req_id, self.options.kv_lease_s)
-            for req_id, when in list(self._released.items()):
-                if now - when > self.options.kv_lease_s:
-                    del self._released[req_id]  # a release for a request this engine never leased
+            self._age_records(now)
             out = KVConnectorTransferResults(finished_sending=self._sent, finished_recving=self._recved,
                                              failed_recving=self._failed)
             self._sent, self._recved, self._failed = set(), set(), set()
@@ -814,35 +931,102 @@ class _Worker:
 
     # -- prefill side -----------------------------------------------------------------------------
     def _on_notification(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A linked decode worker's ``{"op": "release", "request_id": id}`` ->
-        ``{"request_id": id, "released": bool, "why": str}`` (on the link's thread: quick)."""
-        req_id = message.get("request_id")
-        if message.get("op") != "release" or not isinstance(req_id, str):
+        """A linked decode worker's ``{"op": "release", "request_id": remote_request_id}`` ->
+        ``{"request_id": remote_request_id, "released": bool, "why": str}`` (on the link's thread:
+        quick). With lease tokens (the default) ``remote_request_id`` must be the one this engine
+        handed out, token included; anything else is refused and the lease stays."""
+        remote_id = message.get("request_id") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or message.get("op") != "release" or not isinstance(remote_id, str):
             logger.warning("llm_datadist: cluster %d sent a notification that is not a block release; ignored",
                            peer_cluster_id)
             return {"released": False, "why": "not a block release"}
-        released, why = self._release(req_id)
-        return {"request_id": req_id, "released": released, "why": why}
+        if len(remote_id) > MAX_RELEASE_ID_BYTES or _utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
+            self._refuse("too_long", peer_cluster_id, "a request id longer than %d bytes", MAX_RELEASE_ID_BYTES)
+            return {"released": False, "why": f"request id longer than {MAX_RELEASE_ID_BYTES} bytes"}
+        issued = None
+        req_id = remote_id
+        if self.options.lease_tokens:
+            checked = _check_lease(self._lease_key, remote_id)
+            if checked is None:
+                self._refuse("bad_token", peer_cluster_id, "a release without this engine's lease token for it")
+                return {"request_id": remote_id, "released": False, "why": "no valid lease token for this request"}
+            req_id, issued = checked
+        released, why = self._release(req_id, issued)
+        return {"request_id": remote_id, "released": released, "why": why}
 
-    def _release(self, req_id: str) -> Tuple[bool, str]:
+    def _refuse(self, reason: str, peer_cluster_id: int, what: str, *args: Any) -> None:
+        """Count a refused release; say so in the log the first time and then every 1000th."""
         with self._lock:
+            self.stats["refused"] += 1
+            self.stats[reason] += 1
+            count = self.stats[reason]
+        if count % 1000 == 1:
+            logger.warning("llm_datadist: cluster %d sent " + what + "; refused (%d such so far; the lease stays)",
+                           peer_cluster_id, *args, count)
+
+    def _release(self, req_id: str, issued: Optional[int] = None) -> Tuple[bool, str]:
+        """Free a request's blocks for the decode side that has them (``issued``: when its lease
+        token was made, None without tokens)."""
+        now = time.monotonic()
+        with self._lock:
+            self._age_records(now)
             gone = self._gone.get(req_id)
             if gone is not None:
                 self.stats["refused"] += 1
-                return False, f"its blocks were already freed ({gone})"
-            self.stats["released"] += 1
-            self._forget(req_id, "released")
+                return False, f"its blocks were already freed ({gone[0]})"
             if self._leases.pop(req_id, None) is not None:
+                self.stats["released"] += 1
                 self._sent.add(req_id)
-            else:
-                self._released[req_id] = time.monotonic()  # its lease is on the way
+                self._forget(req_id, "released")
+                return True, ""
+            if req_id in self._released:
+                self.stats["refused"] += 1
+                return False, "its blocks were already released"
+            if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+                # its lease has ended longer ago than this engine keeps records
+                self.stats["refused"] += 1
+                return False, "its lease has ended"
+            # Its lease is on the way (the scheduler's next step brings it): keep the release,
+            # within the records' budget.
+            cost = _record_bytes(req_id)
+            if self.record_bytes + cost > self.options.release_records_bytes:
+                self.stats["refused"] += 1
+                self.stats["over_budget"] += 1
+                return False, "too many releases are pending"
+            self._released[req_id] = now
+            self.record_bytes += cost
+            self.stats["released"] += 1
             return True, ""
 
     def _forget(self, req_id: str, why: str) -> None:
-        """Remember (a bounded while) that a request's blocks are gone, to refuse late releases."""
-        self._gone[req_id] = why
-        while len(self._gone) > _GONE_REMEMBERED:
-            self._gone.popitem(last=False)
+        """Remember (for ``kv_lease_s`` and a bit, within the records' budget) that a request's blocks
+        are gone, to refuse late releases. Its blocks are freed whether or not the record fits: the
+        oldest records make room."""
+        previous = self._gone.pop(req_id, None)
+        if previous is not None:
+            self.record_bytes -= _record_bytes(req_id)
+        self._gone[req_id] = (why, time.monotonic())
+        self.record_bytes += _record_bytes(req_id)
+        while self.record_bytes > self.options.release_records_bytes and self._gone:
+            old, _ = self._gone.popitem(last=False)
+            self.record_bytes -= _record_bytes(old)
+            self.stats["records_dropped"] += 1
+
+    def _age_records(self, now: float) -> None:
+        """Drop the release records no release can need any more (under the lock)."""
+        lease = self.options.kv_lease_s
+        while self._released:
+            req_id, when = next(iter(self._released.items()))
+            if now - when <= lease:
+                break
+            del self._released[req_id]  # a release for a request this engine never leased
+            self.record_bytes -= _record_bytes(req_id)
+        while self._gone:
+            req_id, (_, when) = next(iter(self._gone.items()))
+            if now - when <= lease + _RECORD_SLACK_S:
+                break
+            del self._gone[req_id]
+            self.record_bytes -= _record_bytes(req_id)
 
     def close(self) -> None:
         if self.producer:

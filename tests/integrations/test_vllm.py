@@ -92,6 +92,8 @@ class Engine:
         self.role, self.log = role, log
         self._log_file = open(log, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # the engines import the llm_datadist under test, not another checkout installed with -e
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
                                       json.dumps(extra or {}), json.dumps(engine_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
@@ -155,6 +157,8 @@ DEAD = prompts_of([50, 100], seed=9)
 # Pulled by a decode engine with the wrong link secret, then one it serves without a transfer, and
 # one the right decode engine pulls.
 WRONG_SECRET = prompts_of([50, 20, 70], seed=10)
+# Released first by a linked peer without its lease token, then pulled by the decode engine.
+TOKENED = prompts_of([40], seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +171,7 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET
+        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
@@ -402,6 +406,27 @@ def test_a_decode_engine_with_another_link_secret_cannot_pull(engines):
     assert good[0]["token_ids"] == baseline[tuple(WRONG_SECRET[2])]
     moved = delta(decode.stats()["stats"], before)
     assert moved["pulled_requests"] == 1 and moved["failed_requests"] == 0
+
+
+@needs_vllm
+def test_a_linked_peer_without_the_lease_token_cannot_release(engines):
+    """A peer linked with the right secret, but not handed the request's kv_transfer_params, names
+    the request id without its lease token: refused, and the lease stays for the decode engine
+    the params were handed to."""
+    baseline, prefill, decode = engines
+    params = prefill_for_remote_decode(prefill, TOKENED)
+    req_id, _, token = params[0]["remote_request_id"].rpartition(".")
+    assert req_id and len(token) == 28
+    before = prefill.stats()["stats"]
+    with linked_to_prefill(params[0]) as stranger:
+        answer = stranger.engine.links.notify(params[0]["remote_cluster_id"],
+                                               {"op": "release", "request_id": req_id}, 5000)
+    assert answer == {"request_id": req_id, "released": False, "why": "no valid lease token for this request"}
+    moved = delta(prefill.stats()["stats"], before)
+    assert moved["bad_token"] == 1 and moved["refused"] == 1 and moved["released"] == 0
+    outputs = decode.generate(TOKENED, MAX_TOKENS, params)
+    assert outputs[0]["token_ids"] == baseline[tuple(TOKENED[0])]
+    assert delta(prefill.stats()["stats"], before)["released"] == 1
 
 
 @needs_vllm

@@ -60,7 +60,7 @@ def test_a_held_lease_does_not_hold_up_shutdown(tmp_path):
 
 @needs_vllm
 def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases(caplog):
-    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata, _Options, _Worker
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata, _Options, _Worker, lease_request_id
 
     def step(stopping: bool, **leases) -> set:
         meta = LLMDataDistConnectorMetadata()
@@ -74,8 +74,9 @@ def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases
             assert step(False, a=LEASE_S, b=LEASE_S) == set()
             assert step(True, c=LEASE_S) == {"a", "b", "c"}  # held ones, and one finishing now
             assert step(True, d=LEASE_S) == {"d"}
-            assert worker._on_notification(7, {"op": "release", "request_id": "a"}) == {
-                "request_id": "a", "released": False,
+            a = lease_request_id(worker._lease_key, "a")  # as the scheduler handed it out
+            assert worker._on_notification(7, {"op": "release", "request_id": a}) == {
+                "request_id": a, "released": False,
                 "why": "its blocks were already freed (the engine is shutting down)"}
             assert worker.stats["freed_at_shutdown"] == 4 and worker.stats["refused"] == 1
     finally:
