@@ -421,8 +421,12 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         f"decode {count(batch.decode_cache_blocks, 'block')} ({sizes[1]}), "
         f"DEVICE memory of the {runtime} runtime ({runtime_why})")
 
+    # A secret of this run shared by its two processes: cuda_ipc hands GPU memory only to a peer
+    # on an authenticated link (README, Security).
+    secret = os.urandom(16).hex()
+
     def options(cache_blocks: int) -> dict:
-        return {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS),
+        return {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), "llm.LinkSecret": secret,
                 "llm.MemPoolConfig": json.dumps({"memory_size": cache_blocks * per_block + (1 << 20)})}
 
     progress = Progress(3 * requests)

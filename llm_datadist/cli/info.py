@@ -139,6 +139,15 @@ def plane_facts(probes: Optional[Dict[str, tuple]] = None) -> Dict[str, str]:
             for name, (ok, why) in probes.items()}
 
 
+def plane_trust_facts() -> Dict[str, str]:
+    """Which peers get what a data plane exposes of this process (``DataPlane.trust``), for the
+    planes that say (cuda_ipc: who receives its IPC handles, and that a handle names a whole
+    allocation)."""
+    from llm_datadist.transport import planes as registry
+    notes = ((name, registry.get(name).trust()) for name in registry.names())
+    return {name: note for name, note in notes if note}
+
+
 def device_transfer_facts(probes: Dict[str, tuple]) -> str:
     """How DEVICE caches of the selected runtime move between processes here."""
     from llm_datadist import LLMException, runtimes
@@ -164,6 +173,7 @@ def all_facts() -> Dict[str, object]:
     facts.update(runtime_facts())
     probes = _plane_probes()
     facts["data_planes"] = plane_facts(probes)
+    facts["data_plane_trust"] = plane_trust_facts()
     facts["device_transfers"] = device_transfer_facts(probes)
     facts["host"] = host_facts()
     return facts

@@ -793,7 +793,8 @@ class LinkManager:
         if comm is None and request.remote_accessible != self.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
-                    want=request.want, comm=comm, source=source)
+                    want=request.want, comm=comm, source=source,
+                    authenticated=self.secret is not None)
         if peer_id == mine:  # a link to our own listener: its server side is kept apart from the client side
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
@@ -898,7 +899,8 @@ class LinkManager:
         made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
                                           sockets)
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
-        peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm)
+        peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
+                    authenticated=self.secret is not None)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
         peer.channels = [Channel(sock, name) for sock in made.forward]
         peer.incoming = made.reverse

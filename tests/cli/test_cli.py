@@ -341,11 +341,27 @@ def test_info_reports_build_runtimes_and_planes():
     assert facts["host"]["cpus"] == os.cpu_count()
 
 
+def test_info_says_who_gets_cuda_ipc_handles():
+    if "cuda_ipc" not in registry.names():
+        pytest.skip("no cuda_ipc plane is registered")
+    texts = {}
+    for opt_in in ("0", "1"):
+        out = run("info", "--json", env={"LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET": opt_in})
+        assert out.returncode == 0, out.stderr
+        trust = json.loads(out.stdout)["data_plane_trust"]
+        assert set(trust) <= set(registry.names())
+        texts[opt_in] = text = trust["cuda_ipc"]
+        assert "pid and uid the kernel proved" in text and "of this user" in text
+        assert "whole cudaMalloc allocation" in text and "exposes all of it" in text
+    assert "links authenticated with a secret" in texts["0"] and "llm.CudaIpcWithoutSecret" in texts["0"]
+    assert "LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET is on" in texts["1"]
+
+
 def test_info_text_names_every_section():
     out = run("info")
     assert out.returncode == 0, out.stderr
     for heading in ("version:", "build:", "compile_flags:", "device_runtime:", "runtimes:", "data_planes:",
-                    "  cma ", "  tcp ", "host:"):
+                    "  cma ", "  tcp ", "data_plane_trust:", "host:"):
         assert heading in out.stdout
 
 

@@ -163,6 +163,18 @@ def test_ipc_export_is_mapped_by_another_process(rt):
     assert np.array_equal(got[size:], (data[size:].astype(np.uint16) + 1).astype(np.uint8))
 
 
+def test_an_allocation_of_the_library_is_exported_whole_at_its_own_size(rt):
+    """What README (Security) and cuda_ipc's warning rely on: a DEVICE tensor of allocate_cache is
+    one cudaMalloc, which ipc_export reports as starting at the tensor and as exactly its bytes
+    (an odd size, to see whether the driver reports a rounded one)."""
+    if not rt.ipc:
+        pytest.skip("this cuda runtime has no IPC (no driver API)")
+    nbytes = 3 * 4096 + 24
+    mem = _core.Allocation(rt, nbytes, True)
+    _, offset, size = rt.ipc_export(mem.addr)
+    assert (offset, size) == (0, nbytes)
+
+
 # -- the public API between two processes on this GPU ----------------------------------------------
 
 BLOCKS, BLOCK = 16, 2 << 20
@@ -205,7 +217,8 @@ def c_move(state, server_id: int, push, pull) -> str:
 @pytest.mark.parametrize("plane", [None, "staging"], ids=["auto-cuda_ipc", "staging"])
 def test_gpu_caches_move_between_processes(rt, monkeypatch, plane):
     monkeypatch.setenv("LLM_DATADIST_DEVICE", "cuda")
-    options = {"llm.MemPoolConfig": '{"memory_size": 268435456}'}
+    # A secret: cuda_ipc hands GPU memory only to a peer on an authenticated link.
+    options = {"llm.MemPoolConfig": '{"memory_size": 268435456}', "llm.LinkSecret": "gpu-tests"}
     with Cluster(11, "PROMPT", listen=True, plane=plane, options=options, timeout=120) as server, \
             Cluster(12, "DECODER", plane=plane, options=options, timeout=120) as client:
         s = server.call(c_cache, 1)

@@ -19,6 +19,10 @@ Calls, in the order a link meets them:
 ``probe()`` (class method)
     ``(usable, why)`` on this host, for ``python -m llm_datadist info`` and ``bench``; may be slow
     (it may start a process). Never called on the transfer path.
+``trust()`` (class method, optional)
+    One sentence for ``info``: which peers get what the plane exposes of this process (cuda_ipc:
+    who receives its IPC handles), or ``""`` (the default) where the README's rule for every
+    link says it all.
 ``offer(session)``
     Extra fields of this side's cache-table reply to the peer of ``session`` (a ``Peer``): what the
     peer needs to use this plane towards us (cma: where to probe, where our registry generation
@@ -172,6 +176,10 @@ class DataPlane:
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
         return True, cls.summary
+
+    @classmethod
+    def trust(cls) -> str:
+        return ""
 
     def offer(self, session) -> Dict[str, Any]:
         return {}

@@ -2,8 +2,15 @@
 run on the GPU (the runtime's batched device-to-device path: one kernel launch per transfer).
 
 The owner exports every DEVICE cache it registers (``cudaIpcGetMemHandle`` of the allocation that
-holds each tensor, and the tensor's offset in it) and lists the exports in its table reply to a
-peer whose pid the kernel proved. The peer maps each allocation once (``cudaIpcOpenMemHandle``),
+holds each tensor, and the tensor's offset in it) and lists the exports in its table reply only to
+a peer it trusts with them (``export_refusal``): a process of this host whose pid and uid the
+kernel proved (``SO_PEERCRED``), of this user, not this process, that offers the plane, on a link
+authenticated with a secret -- or, where the user opted in (``llm.CudaIpcWithoutSecret`` /
+``LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET``), on an unauthenticated one. A handle names the *whole*
+allocation, not the registered range: a cache registered inside a larger allocation (a tensor of
+torch's caching allocator) exposes all of it to such a peer, which the owner logs once per
+registration; a cache from ``allocate_cache`` / ``allocate_blocks_cache`` has one allocation of
+its own per tensor. The peer maps each allocation once (``cudaIpcOpenMemHandle``),
 checks every tensor against the size *its own* runtime reports for the mapping, and moves a plan
 only after checking it against the owner's table, exactly as the same-host plane does; the owner's
 registry generation, mapped read-only at accept, is compared before every transfer, so a registry
@@ -21,6 +28,8 @@ does for every link).
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from llm_datadist import _core, runtimes
 from llm_datadist._memory import Place
 from llm_datadist.status import LLMException
+from llm_datadist.transport import auth
 from llm_datadist.transport.errors import S, fail, is_int
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
@@ -38,6 +48,41 @@ _FACTS = "cuda_ipc"
 STAGING = "staging"
 #: At most this many exported tensors are read from a peer's table reply.
 MAX_EXPORTS = 1 << 16
+#: The option (``"1"`` / ``"true"``) that lets this side export its GPU memory on links without a
+#: secret (still only to a proven process of this user); the environment variable is read where
+#: the option is absent.
+WITHOUT_SECRET_OPTION = "llm.CudaIpcWithoutSecret"
+WITHOUT_SECRET_ENV = "LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET"
+
+#: Why a proven peer of this user gets no handles on a link without a secret.
+NO_SECRET = (f"the link has no secret ({auth.SECRET_OPTION}), and {WITHOUT_SECRET_OPTION} / "
+             f"{WITHOUT_SECRET_ENV} does not allow exports without one")
+
+logger = logging.getLogger("llm_datadist")
+_told_no_secret = False
+
+
+def exports_without_secret(options: Any) -> bool:
+    """Whether ``options`` (or, where they do not say, the environment) opt in to exports on
+    links without a secret."""
+    value = options.get(WITHOUT_SECRET_OPTION) if hasattr(options, "get") else None
+    if value is None:
+        value = os.environ.get(WITHOUT_SECRET_ENV)
+    return str(value or "").strip().lower() in ("1", "true")
+
+
+def trust_summary() -> str:
+    """Who receives this process's CUDA IPC handles, for ``python -m llm_datadist info``."""
+    who = ("only to a process of this host whose pid and uid the kernel proved (SO_PEERCRED), of this "
+           "user, not this one")
+    if exports_without_secret({}):
+        links = f"on every link: {WITHOUT_SECRET_ENV} is on, so links without a secret get them too"
+    else:
+        links = (f"on links authenticated with a secret ({auth.SECRET_OPTION}); {WITHOUT_SECRET_OPTION} / "
+                 f"{WITHOUT_SECRET_ENV}=1 extends that to links without one")
+    return (f"exports go {who}, {links}; a handle names the whole cudaMalloc allocation, so a registered "
+            f"range that is only part of an allocation exposes all of it (allocate_cache / "
+            f"allocate_blocks_cache give each tensor an allocation of its own)")
 
 
 @register
@@ -59,6 +104,10 @@ class CudaIpcPlane(DataPlane):
         self._exports: Dict[int, Optional[Tuple[int, List[Tuple[bytes, int]]]]] = {}
         self._serial = 0
         self._lock = threading.Lock()
+        #: Export on links without a secret too (``WITHOUT_SECRET_OPTION``).
+        self.without_secret = exports_without_secret(getattr(engine, "options", None))
+        #: Registrations with a tensor in a larger allocation than its own bytes (logged once each).
+        self.partial_registrations = 0
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -69,6 +118,10 @@ class CudaIpcPlane(DataPlane):
         if not runtime.ipc:
             return False, f"the cuda runtime has no IPC here ({runtime.library}: no driver API)"
         return True, f"cuda runtime {runtime.library} with IPC and {runtime.device_count()} GPU(s)"
+
+    @classmethod
+    def trust(cls) -> str:
+        return trust_summary()
 
     def _runtime(self):
         """The engine's runtime if its device memory can be exported, else None."""
@@ -83,19 +136,54 @@ class CudaIpcPlane(DataPlane):
         if runtime is None or record.placement != Place.DEVICE:
             return
         try:
-            tensors = [runtime.ipc_export(addr)[:2] for addr in record.addrs]
+            exported = [runtime.ipc_export(addr) for addr in record.addrs]
         except LLMException:  # not exportable this way (VMM memory): not offered
-            tensors = None
+            exported = None
+        tensors = None if exported is None else [(handle, offset) for handle, offset, _ in exported]
+        if exported is not None:
+            self._check_whole(record, exported)
         with self._lock:
             self._serial += 1
             self._exports[record.cache_id] = None if tensors is None else (self._serial, tensors)
+
+    def _check_whole(self, record, exported: List[Tuple[bytes, int, int]]) -> None:
+        """Log (once for this registration) and count a cache with a tensor that is only part of
+        its allocation: a handle names the whole allocation, so a peer given it reaches more
+        than was registered."""
+        partial = [size for _, offset, size in exported if offset != 0 or size > record.tensor_bytes]
+        if not partial:
+            return
+        with self._lock:
+            self.partial_registrations += 1
+        logger.warning("cluster %s: %d of the %d tensors of DEVICE cache %d (%d bytes each) lie in larger "
+                       "GPU allocations (up to %d bytes); a peer given their CUDA IPC handles can reach the "
+                       "whole allocations (allocate_cache / allocate_blocks_cache give each tensor an "
+                       "allocation of its own)", getattr(self.engine, "cluster_id", "?"), len(partial),
+                       len(exported), record.cache_id, record.tensor_bytes, max(partial))
 
     def on_unregister(self, record) -> None:
         with self._lock:
             self._exports.pop(record.cache_id, None)
 
+    def export_refusal(self, session) -> Optional[str]:
+        """Why the peer of ``session`` gets none of this side's CUDA IPC handles, or None if it
+        may have them: a handle names a whole allocation of this process, so only a process the
+        kernel proved to be another one of this user, offering the plane, on a link authenticated
+        with a secret (or where the user opted in to exports without one) gets them."""
+        refusal = self.local_peer_refusal(session)
+        if refusal is not None:
+            return refusal
+        if not session.authenticated and not self.without_secret:
+            return NO_SECRET
+        return None
+
     def offer(self, session) -> Dict[str, Any]:
-        if not session.unix or self._runtime() is None:
+        if self._runtime() is None:
+            return {}
+        refusal = self.export_refusal(session)
+        if refusal is not None:
+            if refusal == NO_SECRET:
+                self._tell_no_secret(session)
             return {}
         with self._lock:
             exports = [[cache_id, serial, [[handle.hex(), offset] for handle, offset in tensors]]
@@ -103,6 +191,18 @@ class CudaIpcPlane(DataPlane):
                                                            if e is not None)]
         word = self.engine.generation_word
         return {_FACTS: {"generation_fd": word.fd, "exports": exports}}
+
+    @staticmethod
+    def _tell_no_secret(session) -> None:
+        """Say once per process that a peer this side would otherwise export to (of this user,
+        proven) gets no handles because the link has no secret: its device transfers go through
+        staging, which is slower."""
+        global _told_no_secret
+        if _told_no_secret:
+            return
+        _told_no_secret = True
+        logger.warning("cuda_ipc: no CUDA IPC handles for cluster %s (pid %s): %s; its device transfers "
+                       "with this cluster go through staging", session.cluster_id, session.pid, NO_SECRET)
 
     # -- the peer's side -----------------------------------------------------------------------
     def link_state(self, session) -> "IpcLink":
@@ -117,7 +217,9 @@ class CudaIpcPlane(DataPlane):
         info = peer_facts.get(_FACTS) if isinstance(peer_facts, dict) else None
         if not (isinstance(info, dict) and is_int(info.get("generation_fd"), 0, 2**31 - 1)
                 and isinstance(info.get("exports"), list)):
-            return "the peer exports no GPU memory"
+            return ("the peer exports no GPU memory to this process (an owner exports only to a proven "
+                    "process of its own user, on links with a secret unless it allows "
+                    f"{WITHOUT_SECRET_OPTION})")
         state = self.state(session)
         if state is None:
             return "the link is closed"

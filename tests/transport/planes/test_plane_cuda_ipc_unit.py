@@ -3,18 +3,28 @@
 A peer's table reply is untrusted: its exports must be well formed, and every tensor must lie
 inside the allocation that *this* process's runtime says it mapped, whatever the peer claims.
 Mappings are opened once per handle and closed when the peer stops listing them or the link ends.
+
+The owner's handles name whole allocations of its process: ``offer`` lists them only to a peer
+``export_refusal`` lets through (a proven process of this user, not this one, offering the plane,
+on a link with a secret or with the opt-in), and ``accept`` takes a link only towards such a peer,
+each refusal saying why.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from llm_datadist import _core
+from llm_datadist._memory import Place
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport.planes import cuda_ipc
+from llm_datadist.transport.shm import SharedCounter
 from llm_datadist.transport.table import RemoteTable
 
 H1, H2 = bytes([1]) * 64, bytes([2]) * 64
@@ -41,6 +51,11 @@ class FakeRuntime:
     def ipc_close(self, base):
         self.closed.append(base)
 
+    def ipc_export(self, addr):
+        """``(handle, offset, allocation bytes)``: every address lies in H1, an allocation of
+        ``sizes[H1]`` bytes at 0x1000."""
+        return H1, addr - 0x1000, self.sizes[H1]
+
 
 def _table(caches, generation=1):
     """A peer table of device caches: ``[(cache_id, [addrs], rows, row_bytes)]``."""
@@ -49,8 +64,9 @@ def _table(caches, generation=1):
                                    for cid, addrs, rows, row in caches]})
 
 
-def _plane(runtime):
-    engine = SimpleNamespace(runtime=runtime, bind_thread=lambda: None)
+def _plane(runtime, **options):
+    engine = SimpleNamespace(runtime=runtime, bind_thread=lambda: None, options=options, cluster_id=3,
+                             generation_word=SimpleNamespace(fd=5, addr=0, value=1))
     return cuda_ipc.CudaIpcPlane(engine)
 
 
@@ -212,3 +228,138 @@ def test_translate_moves_only_the_peer_side():
                            None, None, 1, 2, 0, 0, -1)
     moved = _core.translate_plan(plan, True, [(0x5000, 64, 0x9000)])
     assert moved.descriptors().tolist() == [[src.ctypes.data + 16, 0x9000 + 32, 16]]
+
+
+# -- who gets the owner's handles ---------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _no_opt_in_from_outside(monkeypatch):
+    monkeypatch.delenv(cuda_ipc.WITHOUT_SECRET_ENV, raising=False)
+
+
+def _peer(**changes):
+    """A link to a proven process of this user (not this one) offering cuda_ipc, with a secret."""
+    fields = dict(unix=True, planes=["cuda_ipc", "tcp"], pid=os.getpid() + 1, uid=os.geteuid(), authenticated=True,
+                  cluster_id=9, plane_state={})
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def _record(cache_id=5, tensor_bytes=4096, addrs=(0x1000,)):
+    return SimpleNamespace(cache_id=cache_id, addrs=list(addrs), tensor_bytes=tensor_bytes, placement=Place.DEVICE)
+
+
+def _exporting(**options):
+    plane = _plane(FakeRuntime({H1: 4096}), **options)
+    plane.on_register(_record())
+    return plane
+
+
+REFUSED_PEERS = {
+    "tcp": (dict(unix=False, pid=0, uid=-1), "TCP"),
+    "not offered": (dict(planes=["cma", "tcp"]), "does not offer it"),
+    "itself": (dict(pid=os.getpid()), "this process"),
+    "unproven": (dict(pid=0), "this process"),
+    "other user": (dict(uid=os.geteuid() + 1), "another user"),
+    "no secret": (dict(authenticated=False), "no secret"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_PEERS))
+def test_the_owner_offers_no_handle_to_a_peer_it_does_not_trust(case):
+    changes, why = REFUSED_PEERS[case]
+    plane = _exporting()
+    peer = _peer(**changes)
+    assert why in plane.export_refusal(peer)
+    assert plane.offer(peer) == {}
+
+
+def test_the_owner_offers_its_handles_to_a_proven_peer_of_this_user_on_a_link_with_a_secret():
+    plane = _exporting()
+    assert plane.export_refusal(_peer()) is None
+    assert plane.offer(_peer()) == {"cuda_ipc": {"generation_fd": 5, "exports": [[5, 1, [[H1.hex(), 0]]]]}}
+
+
+@pytest.mark.parametrize("value, env, exports", [
+    ("1", None, True), ("true", None, True), ("True", None, True), ("0", None, False), ("yes", None, False),
+    (None, "1", True), (None, "true", True), (None, "0", False), (None, None, False),
+    ("0", "1", False),  # the option, where given, decides
+])
+def test_the_opt_in_extends_exports_to_links_without_a_secret_and_to_nothing_else(monkeypatch, value, env, exports):
+    if env is not None:
+        monkeypatch.setenv(cuda_ipc.WITHOUT_SECRET_ENV, env)
+    options = {} if value is None else {cuda_ipc.WITHOUT_SECRET_OPTION: value}
+    plane = _exporting(**options)
+    assert (plane.offer(_peer(authenticated=False)) != {}) == exports
+    for case in ("tcp", "not offered", "itself", "other user"):  # never another process's, opt-in or not
+        assert plane.offer(_peer(**REFUSED_PEERS[case][0])) == {}
+
+
+def test_info_says_who_gets_handles_and_that_a_handle_is_a_whole_allocation(monkeypatch):
+    text = cuda_ipc.CudaIpcPlane.trust()
+    assert "of this user" in text and "SO_PEERCRED" in text and "whole cudaMalloc allocation" in text
+    assert "links authenticated with a secret" in text and "allocate_cache" in text
+    monkeypatch.setenv(cuda_ipc.WITHOUT_SECRET_ENV, "1")
+    assert "is on" in cuda_ipc.CudaIpcPlane.trust()
+
+
+def test_a_tensor_in_a_larger_allocation_is_logged_once_per_registration_and_counted(caplog):
+    plane = _plane(FakeRuntime({H1: 1 << 20}))
+    with caplog.at_level(logging.WARNING, logger="llm_datadist"):
+        plane.on_register(_record(5, 4096, (0x1000, 0x2000)))
+        plane.on_register(_record(6, 1 << 20))          # the whole allocation: nothing to say
+        plane.on_register(_record(7, 4096, (0x1000,)))  # at the base, but smaller than the allocation
+    warnings = [r.getMessage() for r in caplog.records if "larger GPU allocations" in r.getMessage()]
+    assert len(warnings) == 2 and plane.partial_registrations == 2
+    assert "2 of the 2 tensors of DEVICE cache 5" in warnings[0] and "cache 7" in warnings[1]
+
+
+# -- whom the peer maps (accept) -----------------------------------------------------------------------
+
+@pytest.fixture
+def other_process():
+    """A process of this user holding a registry generation counter at a descriptor number of its
+    own, as an owner does: ``(pid, fd)``."""
+    counter = SharedCounter(1)
+    proc = subprocess.Popen(["sleep", "60"], pass_fds=[counter.fd])
+    try:
+        yield proc.pid, counter.fd
+    finally:
+        proc.kill()
+        proc.wait()
+        counter.close()
+
+
+def _accepting(session):
+    plane = _plane(FakeRuntime({H1: 1 << 20}))
+    session.plane_state["cuda_ipc"] = plane.link_state(session)
+    return plane
+
+
+@pytest.mark.parametrize("case, why", [("tcp", "TCP"), ("not offered", "does not offer it"),
+                                       ("itself", "this process"), ("other user", "another user")])
+def test_the_peer_maps_nothing_of_a_process_the_kernel_did_not_prove_to_be_another_one_of_this_user(
+        other_process, case, why):
+    """Every fact the owner sent is usable (its counter maps): only who the peer is refuses it."""
+    pid, fd = other_process
+    facts = {"cuda_ipc": {"generation_fd": fd, "exports": []}}
+    changes = dict(REFUSED_PEERS[case][0])
+    if case != "itself":
+        changes["pid"] = pid  # a pid whose counter maps: nothing but the refusal stops the accept
+    session = _peer(**changes)
+    plane = _accepting(session)
+    reason = plane.accept(session, facts, 0.0)
+    assert reason is not None and why in reason
+    assert session.plane_state["cuda_ipc"].generation is None
+    # The same facts from a proven process of this user are taken.
+    honest = _peer(pid=pid)
+    plane = _accepting(honest)
+    assert plane.accept(honest, facts, 0.0) is None
+    assert honest.plane_state["cuda_ipc"].generation.value == 1
+    plane.close(honest)
+
+
+def test_the_peer_says_why_it_has_no_exports_to_map(other_process):
+    session = _peer(pid=other_process[0])
+    plane = _accepting(session)
+    assert "exports no GPU memory to this process" in plane.accept(session, {}, 0.0)
