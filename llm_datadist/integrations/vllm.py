@@ -73,8 +73,9 @@ KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime o
 claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's
 device runtime (``LLM_DATADIST_DEVICE``; ``auto`` picks cuda on a GPU machine) on the worker's
 current device, and move without a host copy in between where the link has a plane for device
-memory: ``cuda_ipc`` between processes of one host, ``staging`` (pinned bounce buffers over TCP)
-otherwise. KV tensors on a device the engine's runtime does not hold, or on another device index
+memory: ``cuda_ipc`` between processes of one user on one host whose links have a secret
+(``link_secret``; or the owner's opt-in ``LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET=1``: a handle exposes
+the whole allocation holding the KV cache), ``staging`` (pinned bounce buffers over TCP) otherwise. KV tensors on a device the engine's runtime does not hold, or on another device index
 than the worker's, are refused at registration with the fix in the message. CPU tensors are HOST
 caches.
 
@@ -681,7 +682,7 @@ class _Worker:
         desc = ld.CacheDesc(len(tensors), list(first.shape), dtype, placement)
         self._keep = tensors
         # By address: device memory is registered where it is (no host copy), moved by the
-        # link's plane for device memory (cuda_ipc on one host, staging elsewhere).
+        # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
         self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                    ld.BlocksCacheKey(self.cluster_id, 0), True)
         self.device = str(first.device)
