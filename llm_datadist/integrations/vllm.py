@@ -75,9 +75,9 @@ device runtime (``LLM_DATADIST_DEVICE``; ``auto`` picks cuda on a GPU machine) o
 current device, and move without a host copy in between where the link has a plane for device
 memory: ``cuda_ipc`` between processes of one user on one host whose links have a secret
 (``link_secret``; or the owner's opt-in ``LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET=1``: a handle exposes
-the whole allocation holding the KV cache), ``staging`` (pinned bounce buffers over TCP) otherwise. KV tensors on a device the engine's runtime does not hold, or on another device index
-than the worker's, are refused at registration with the fix in the message. CPU tensors are HOST
-caches.
+the whole allocation holding the KV cache), ``staging`` (pinned bounce buffers over TCP) otherwise.
+KV tensors on a device the engine's runtime does not hold, or on another device index than the
+worker's, are refused at registration with the fix in the message. CPU tensors are HOST caches.
 
 Supported: models with one KV cache group (one paged tensor per attention layer, block id on
 dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
