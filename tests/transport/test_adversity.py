@@ -1472,16 +1472,22 @@ def test_stalled_push_does_not_block_unregistering_another_cache(tcp_server_with
     server, client = tcp_server_with_client
     peer = RawPeer(server.address)
     try:
-        addrs, _ = peer.cache(2)
-        head = push_frame([(0, addrs[0], 2 * SMALL_BLOCK)], b"", peer.generation,
-                          length=push_length(24, 2 * SMALL_BLOCK))
-        peer.send(head + b"\x77" * SMALL_BLOCK)  # half of the payload, then nothing
-        time.sleep(0.2)
+        stall_a_push(peer)
         took = server.call(timed_unregister, "guarded", 1.0)
     finally:
         peer.close()
     assert took is not None, "unregistering an unrelated cache waited for the stalled push"
     check_still_serving(server, client)
+
+
+def stall_a_push(peer: RawPeer) -> None:
+    """The raw peer starts a push of two blocks into the server's first cache, sends half of the
+    payload, then nothing (the server's receive now holds its pin)."""
+    addrs, _ = peer.cache(2)
+    head = push_frame([(0, addrs[0], 2 * SMALL_BLOCK)], b"", peer.generation,
+                      length=push_length(24, 2 * SMALL_BLOCK))
+    peer.send(head + b"\x77" * SMALL_BLOCK)  # half of the payload, then nothing
+    time.sleep(0.2)
 
 
 def shorten_transfer_deadlines(state, seconds: float) -> None:
@@ -1509,11 +1515,7 @@ def test_unregister_behind_a_stalled_push_waits_at_most_its_deadline_and_fails_i
     server.call(shorten_transfer_deadlines, 1.0)
     peer = RawPeer(server.address)
     try:
-        addrs, _ = peer.cache(2)
-        head = push_frame([(0, addrs[0], 2 * SMALL_BLOCK)], b"", peer.generation,
-                          length=push_length(24, 2 * SMALL_BLOCK))
-        peer.send(head + b"\x77" * SMALL_BLOCK)  # half of the payload, then nothing
-        time.sleep(0.2)
+        stall_a_push(peer)
         took = server.call(timed_unregister, "scratch", 8.0)
         assert took is not None and 0.5 < took < 2.5, took
         peer.sock.settimeout(5)
