@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import auth, handshake, server, wire
+from llm_datadist.transport import auth, budgets, handshake, server, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.comms import Comm
@@ -110,16 +110,21 @@ class LinkManager:
         #: ``refused_source``, connections closed at once by the pending-handshake caps (global,
         #: per source); ``refused_links`` and ``refused_source_links``, link requests refused by
         #: the link caps (global, per source); ``refused_self``, link requests claiming this
-        #: cluster's id without proving that they come from this process.
+        #: cluster's id without proving that they come from this process. The byte budgets
+        #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
+        #: ``refused_parsing``, control requests that found no room in the parsing budget;
+        #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
                       "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
-                      "links_lost": 0}
+                      "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0}
+        #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
+        self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
         self.listener = Listener(engine.cluster_id, self._serve_accepted,
                                  env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
                                  env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE))
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
-        handlers = Requests(engine, lambda: self.planes.all, device_payload).handlers()
+        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count).handlers()
         handlers[wire.OP_NOTIFY] = self._on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.
@@ -411,7 +416,7 @@ class LinkManager:
                 return False
             del self._peers[peer.cluster_id]
             if peer.ready and not peer.unlinking:
-                self._lost[peer.cluster_id] = why
+                self._lost[peer.cluster_id] = budgets.truncate_reason(why)
                 while len(self._lost) > MAX_LOST_RECORDS:
                     self._lost.pop(next(iter(self._lost)))
                 self.stats["links_lost"] += 1
@@ -460,12 +465,20 @@ class LinkManager:
     # -- transfers --------------------------------------------------------------------------------
     def _fetch_table(self, peer: Peer, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
         """The peer's cache table, and the whole reply (what its planes told us, untrusted)."""
-        status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table")
+        status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
+                                             limit=self.max_table_bytes,
+                                             on_oversized=lambda: self._count("refused_tables"))
         try:
-            return RemoteTable(body), body
+            return RemoteTable(body), self._plane_facts(body)
         except ProtocolError as exc:
             raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
                                status_code=S.LLM_LINK_FAILED) from None
+
+    def _plane_facts(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """What of a table reply is kept beside the table: the entries the planes read
+        (``DataPlane.facts_keys``), nothing else the peer put in it."""
+        keys = {key for name in plane_registry.names() for key in plane_registry.get(name).facts_keys}
+        return {key: body[key] for key in keys if key in body}
 
     def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
         table, facts = self._fetch_table(peer, timeout_ms)
@@ -545,7 +558,8 @@ class LinkManager:
         """Tell the owner which tensors of a keyed row were pulled; True if it released the key."""
         peer = self.peer(remote_cluster_id)
         _, reply = peer.outgoing.control(wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY,
-                                         {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release")
+                                         {"key": list(owner_key), "tensors": tensors}, timeout_ms, "key release",
+                                         limit=budgets.max_message_bytes())
         return bool(reply.get("released"))
 
     # -- two-sided links ---------------------------------------------------------------------------
@@ -658,7 +672,7 @@ class LinkManager:
         peer = self.peer(remote_cluster_id)
         try:
             status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
-                                                  "notification")
+                                                  "notification", limit=budgets.max_message_bytes())
         finally:
             why = peer.broken()
             if why is not None:
@@ -669,8 +683,15 @@ class LinkManager:
         return reply
 
     def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        """The server's handler of ``OP_NOTIFY``."""
-        message = wire.decode_json(server.recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "notification"))
+        """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
+        body, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification", self._count)
+        if body is None:
+            return goes_on
+        try:
+            message = wire.decode_json(body)
+        finally:
+            del body
+            budgets.parsing().release(length)
         status, answer = self._answer_notification(peer.cluster_id, message)
         return server.reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
 
@@ -691,7 +712,10 @@ class LinkManager:
     def _on_unlink(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
         peer_id = peer.cluster_id
-        server.recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "unlink")
+        body, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count)
+        if body is None:
+            return goes_on
+        budgets.parsing().release(length)  # its body is not parsed
         # Forget the link before answering, so that a relink right after the answer is not
         # mistaken for this one; close the connections after answering.
         with self._lock:

@@ -16,6 +16,11 @@ A push or pull holds its memory in the registry (``EngineView.pinned``) until it
 deadline at the latest: unregistering that memory waits for it until then and then shuts its
 connection down (the transfer fails, the link ends) before the memory is released.
 
+Control requests (table request, key release, and the manager's notification and unlink) are
+read within the byte budgets of ``budgets``: one larger than ``LLM_DATADIST_MAX_MESSAGE_BYTES``, or
+one finding no room in the process's parsing budget in time, is read and dropped unparsed and
+refused with a status (``read_control``); the link goes on.
+
 A handler is ``handler(fd, req_id, length, peer) -> bool``: it reads the ``length`` bytes of the
 request's body (``recv_exact``), answers (``reply``), and returns whether the connection goes on.
 """
@@ -29,6 +34,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from llm_datadist import _io
+from llm_datadist.transport import budgets
 from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
@@ -51,6 +57,42 @@ def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
     if st != 0:
         raise ProtocolError(f"{what} truncated ({status_of(st).name})")
     return body
+
+
+def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str,
+                 count: Callable[[str], Any]) -> Tuple[Optional[bytearray], bool]:
+    """Read a control request's body within the budgets (``budgets``): ``(body, True)`` with the
+    caller holding ``length`` bytes of the parsing budget (give them back with
+    ``budgets.parsing().release(length)`` once parsed); ``(None, goes_on)`` when the request was
+    refused: its body read and dropped, the peer answered ``LLM_PARAM_INVALID`` (larger than
+    ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted ``refused_oversized``) or ``LLM_LINK_BUSY`` (no
+    room in the parsing budget in time, ``refused_parsing``), the link going on. ProtocolError
+    for a body cut short."""
+    limit = budgets.max_message_bytes()
+    if length > limit:
+        count("refused_oversized")
+        return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_PARAM_INVALID,
+                                     f"{what} of {length} bytes exceeds {limit} ({budgets.MAX_MESSAGE_BYTES_ENV})")
+    budget = budgets.parsing()
+    if not budget.acquire(length, budgets.PARSING_WAIT_S):
+        count("refused_parsing")
+        return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_LINK_BUSY,
+                                     f"too many control messages are being parsed "
+                                     f"({budgets.MAX_PARSING_BYTES_ENV}); try again")
+    try:
+        return recv_exact(fd, length, limit, what), True
+    except BaseException:
+        budget.release(length)
+        raise
+
+
+def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str) -> bool:
+    """Read and drop a refused request's body, answer ``status`` with ``{"error": why}``."""
+    logger.warning("refused a control message: %s", why)
+    st, _, _ = _io.recv_discard(fd, length, _session.FRAME_TIMEOUT_MS)
+    if st != 0:
+        raise ProtocolError(f"refused control message truncated ({status_of(st).name})")
+    return reply(fd, reply_op, req_id, status, wire.encode_json({"error": why}))
 
 
 def _pin_terms(fd: int) -> Tuple[float, Callable[[], None]]:
@@ -142,24 +184,35 @@ class Requests:
     transfer's bytes into and out of this engine's device memory (None: such transfers are
     refused like unregistered memory)."""
 
-    def __init__(self, engine: EngineView, planes: Callable[[], Iterable[Any]], device_payload: Optional[Any]) -> None:
+    def __init__(self, engine: EngineView, planes: Callable[[], Iterable[Any]], device_payload: Optional[Any],
+                 count: Callable[[str], Any] = lambda counter: None) -> None:
         self.engine = engine
         self._planes = planes
         self._device = device_payload
+        self._count = count  # counts a refusal by a budget (``LinkManager.stats``)
 
     def handlers(self) -> Dict[int, Handler]:
         return {wire.OP_TABLE_GET: self.table, wire.OP_KEY_DONE: self.key_done, wire.OP_PUSH: self.push,
                 wire.OP_PULL: self.pull}
 
     def table(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "table request")
+        body, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count)
+        if body is None:
+            return goes_on
+        budgets.parsing().release(length)  # its body is not parsed
         table = self.engine.export_table()
         for plane in self._planes():  # what each plane tells this peer (DataPlane.offer)
             table.update(plane.offer(peer))
         return reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(table))
 
     def key_done(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        message = wire.decode_json(recv_exact(fd, length, wire.MAX_CONTROL_BYTES, "key release"))
+        body, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count)
+        if body is None:
+            return goes_on
+        try:
+            message = wire.decode_json(body)
+        finally:
+            budgets.parsing().release(length)
         try:
             kind, ident, model_id = message["key"]
             released = self.engine.consume_key((str(kind), int(ident), int(model_id)),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from llm_datadist import _io
 from llm_datadist.status import LLMException
 from llm_datadist.transport import deadline as dl
-from llm_datadist.transport import wire
+from llm_datadist.transport import budgets, wire
 from llm_datadist.transport.errors import S, ProtocolError, StaleTable, fail, status_of
 from llm_datadist.transport.table import RemoteTable
 
@@ -167,17 +167,22 @@ class Channel:
             raise self.fault(S.LLM_LINK_FAILED, f"{what}: unexpected reply {wire.OP_NAMES[op]}")
         return status, length
 
-    def read_payload(self, length: int, deadline: float, what: str) -> bytearray:
-        if length > wire.MAX_CONTROL_BYTES:
-            raise self.fault(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes")
+    def read_payload(self, length: int, deadline: float, what: str,
+                     limit: int = wire.MAX_CONTROL_BYTES) -> bytearray:
+        if length > limit:
+            raise self.fault(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes (at most {limit})")
         st, body = read_body(self.fd, length, dl.left_ms(deadline))
         if st != 0:
             raise self.fault(st, what)
         return body
 
-    def control(self, op: int, reply_op: int, message: Dict[str, Any], timeout_ms: int,
-                what: str) -> Tuple[int, Dict[str, Any]]:
-        """Send a JSON request, return ``(status, reply JSON)``."""
+    def control(self, op: int, reply_op: int, message: Dict[str, Any], timeout_ms: int, what: str,
+                limit: int = wire.MAX_CONTROL_BYTES,
+                on_oversized: Optional[Callable[[], Any]] = None) -> Tuple[int, Dict[str, Any]]:
+        """Send a JSON request, return ``(status, reply JSON)``. A reply longer than ``limit``
+        is not read: the connection is dropped (``on_oversized()`` is called first) and
+        ``LLM_LINK_FAILED`` raised. The reply is read and parsed within the process's parsing
+        budget (``budgets.parsing``), waiting for room until the deadline."""
         payload = wire.encode_json(message)
         deadline = dl.after(timeout_ms)
         with self.lock:
@@ -187,11 +192,26 @@ class Channel:
             if st != 0:
                 raise self.fault(st, what)
             status, length = self.read_reply(reply_op, req_id, deadline, what)
-            body = self.read_payload(length, deadline, what)
+            if length > limit:
+                if on_oversized is not None:
+                    on_oversized()
+                raise self.fault(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes (at most {limit})")
+            budget = budgets.parsing()
+            if not budget.acquire(length, max(0.0, dl.left_ms(deadline) / 1000)):
+                raise self.fault(S.LLM_TIMEOUT, f"{what}: no room to parse the reply "
+                                                f"({budgets.MAX_PARSING_BYTES_ENV})")
+            try:
+                body = self.read_payload(length, deadline, what, limit)
+            except BaseException:
+                budget.release(length)
+                raise
         try:
             return status, wire.decode_json(body) if body else {}
         except ProtocolError as exc:
             raise self.fault(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
+        finally:
+            del body
+            budget.release(length)
 
     def refused(self, status: int, what: str, side: str) -> None:
         """Raise for the peer's refusal of a transfer (StaleTable for a stale table)."""
@@ -223,7 +243,8 @@ class Peer:
     ready: bool = False
     plane: Any = None    # the DataPlane of this side's transfers, chosen with the first table
     table: Optional[RemoteTable] = None
-    facts: Dict[str, Any] = field(default_factory=dict)  # the peer's last table reply (untrusted)
+    # What the planes read of the peer's last table reply (``DataPlane.facts_keys``; untrusted).
+    facts: Dict[str, Any] = field(default_factory=dict)
     # The device planes of this side's transfers with device memory on either side, by
     # (local side is device memory, remote side is device memory), chosen on first use; and the
     # planes accepted for them besides ``plane`` (closed with the link).

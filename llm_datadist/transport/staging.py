@@ -29,7 +29,9 @@ from typing import Any, Callable, List, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.status import LLMException
+from llm_datadist.transport import budgets
 from llm_datadist.transport import deadline as dl
+from llm_datadist.transport.errors import S, fail
 from llm_datadist.transport.errors import CopyFailed
 
 __all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "send_staged", "recv_staged",
@@ -46,7 +48,12 @@ _DESC = struct.Struct("<3Q")
 class BouncePool:
     """Pinned host buffers of ``chunk_bytes`` (``_core.Allocation(runtime, n, on_device=False,
     pinned=True)``: page-locked where the runtime has it), made on demand, kept for the next
-    transfer (at most ``keep`` idle ones), freed with the pool."""
+    transfer (at most ``keep`` idle ones), freed with the pool.
+
+    The buffers a transfer holds count against the process's staging budget
+    (``budgets.staging()``, ``LLM_DATADIST_MAX_STAGING_BYTES``) from ``acquire`` to ``release``:
+    a transfer that would exceed it waits for room until its deadline, then fails
+    (``LLM_TIMEOUT``) before it has moved a byte."""
 
     def __init__(self, runtime: Any, chunk_bytes: int = STAGING_CHUNK_BYTES, keep: int = POOL_KEEP) -> None:
         self.runtime = runtime
@@ -56,7 +63,19 @@ class BouncePool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def acquire(self, count: int = 2) -> List[Any]:
+    def acquire(self, count: int = 2, timeout_ms: int = 0) -> List[Any]:
+        nbytes = count * self.chunk_bytes
+        budget = budgets.staging()
+        if not budget.acquire(nbytes, timeout_ms / 1000):
+            raise fail(S.LLM_TIMEOUT, f"no room for {nbytes} bytes of staging buffers in time: staged transfers in "
+                                      f"flight hold {budget.in_use} of {budget.limit} ({budgets.MAX_STAGING_BYTES_ENV})")
+        try:
+            return self._take(count)
+        except BaseException:
+            budget.release(nbytes)
+            raise
+
+    def _take(self, count: int) -> List[Any]:
         with self._lock:
             taken, self._free = self._free[:count], self._free[count:]
         while len(taken) < count:
@@ -65,6 +84,7 @@ class BouncePool:
 
     def release(self, buffers: List[Any]) -> None:
         """Give buffers back (no copy may be queued on them any more)."""
+        budgets.staging().release(len(buffers) * self.chunk_bytes)
         with self._lock:
             if not self._closed:
                 self._free.extend(buffers[:max(0, self.keep - len(self._free))])
@@ -109,8 +129,8 @@ def send_staged(fd: int, head: bytes, plan: Any, runtime: Any, pool: BouncePool,
         return _io.send_bytes(fd, head, dl.left_ms(deadline)) if head else (0, 0)
     chunk = pool.chunk_bytes
     try:
-        buffers = pool.acquire(2)
-    except LLMException as exc:  # no page-locked memory: nothing sent
+        buffers = pool.acquire(2, dl.left_ms(deadline))
+    except LLMException as exc:  # no page-locked memory (or no room in the budget): nothing sent
         raise CopyFailed(exc, True) from exc
     pending = False  # copies queued and not yet waited for
     sent = False     # some of the frame went out
@@ -165,8 +185,8 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
         return 0, 0, 0
     chunk = pool.chunk_bytes
     try:
-        buffers = pool.acquire(2)
-    except LLMException as exc:  # no page-locked memory: read the payload, drop it
+        buffers = pool.acquire(2, dl.left_ms(deadline))
+    except LLMException as exc:  # no page-locked memory (or no room in the budget): read the payload, drop it
         return _drained(fd, total, deadline, exc)
     pending = False
     failure = None

@@ -14,8 +14,9 @@ device memory (cuda, acl) and only a plane with ``device_memory`` moves them
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.transport.errors import S, fail
@@ -30,7 +31,7 @@ class RemoteCache:
     num_tensors: int
     num_rows: int
     row_bytes: int
-    addrs: Tuple[int, ...]
+    addrs: Sequence[int]  # array('Q'): 8 bytes an address
     host_addressable: bool
     layout: Any  # _core.CacheLayout over the owner's addresses
 
@@ -46,7 +47,12 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = 2**64 - 1) -> int:
 
 
 class RemoteTable:
-    """A peer's caches, parsed and checked (a malformed table fails the link or transfer)."""
+    """A peer's caches, parsed and checked (a malformed table fails the link or transfer).
+
+    Kept compact: each cache's tensor addresses in an ``array('Q')`` (and the C arrays of its
+    ``layout`` and the table's range sets), not the reply's lists; the reply itself is not kept.
+    What a peer can make a link hold is bounded by the table reply's byte budget
+    (``budgets.DEFAULT_MAX_TABLE_BYTES``), checked before the reply is read."""
 
     def __init__(self, data: Dict[str, Any]) -> None:
         try:
@@ -55,7 +61,7 @@ class RemoteTable:
             for entry in data["caches"]:
                 cache_id, kind, placement, num_tensors, num_rows, row_bytes, addrs, host_ok = entry
                 cache_id = _int(cache_id, "cache_id", 1, 2**63 - 1)
-                addrs = tuple(_int(a, "tensor address", 1) for a in addrs)
+                addrs = array("Q", [_int(a, "tensor address", 1) for a in addrs])
                 if len(addrs) != _int(num_tensors, "num_tensors", 1, 2**32 - 1):
                     raise ProtocolError(f"cache table: cache {cache_id} lists {len(addrs)} addresses "
                                         f"for {num_tensors} tensors")
@@ -63,7 +69,7 @@ class RemoteTable:
                 row_bytes = _int(row_bytes, "row_bytes", 1)
                 self.caches[cache_id] = RemoteCache(
                     cache_id, str(kind), _int(placement, "placement", 0, 1), len(addrs), num_rows,
-                    row_bytes, addrs, bool(host_ok), _core.CacheLayout(list(addrs), num_rows, row_bytes))
+                    row_bytes, addrs, bool(host_ok), _core.CacheLayout(addrs, num_rows, row_bytes))
             self.blocks: Dict[int, int] = {_int(m, "model_id"): _int(c, "cache_id", 1)
                                            for m, c in data["blocks"]}
             self.keys: Dict[tuple, Tuple[int, int]] = {}

@@ -119,6 +119,9 @@ class DataPlane:
     summary: ClassVar[str] = ""
     #: Other names the CLI accepts for it.
     aliases: ClassVar[Tuple[str, ...]] = ()
+    #: The entries of the peer's table reply that ``accept`` and ``on_table`` read (what its
+    #: ``offer`` puts there): the link keeps these of the reply (``session.facts``), no others.
+    facts_keys: ClassVar[Tuple[str, ...]] = ()
     #: Position in the order ``auto`` tries planes (lower first).
     auto_rank: ClassVar[int] = 50
     #: Whether ``auto`` tries it at all (a plane only reachable by forcing it says False).

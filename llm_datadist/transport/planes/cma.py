@@ -35,6 +35,7 @@ PROBE_TIMEOUT_S = 30.0
 @register
 class CmaPlane(DataPlane):
     name = "cma"
+    facts_keys = ("same_host",)
     summary = "same-host process_vm_writev/readv (needs ptrace permission between the processes)"
     aliases = ("same-host", "samehost")
     auto_rank = 10

@@ -88,6 +88,7 @@ def trust_summary() -> str:
 @register
 class CudaIpcPlane(DataPlane):
     name = "cuda_ipc"
+    facts_keys = (_FACTS,)
     summary = "same-host GPU memory mapped with CUDA IPC, copied on the GPU"
     aliases = ("cuda-ipc", "ipc")
     auto_rank = 20

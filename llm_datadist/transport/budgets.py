@@ -1,0 +1,122 @@
+"""Byte budgets on the memory a peer can make this process hold, per link and per process.
+
+- ``LLM_DATADIST_MAX_TABLE_BYTES`` (default 4 MiB): the largest cache table reply taken from a
+  peer, checked on the frame's length before a byte of it is read; a larger one fails the link.
+  A real table lists a few hundred tensor addresses and the keyed rows (about 17 bytes a tensor,
+  40 a key): vLLM with 128 layers of two caches each and 10,000 keyed rows needs about 0.5 MiB.
+- ``LLM_DATADIST_MAX_MESSAGE_BYTES`` (default 64 KiB): the largest notification, key release,
+  unlink or table request (and their replies) taken from a peer, checked on the frame's length
+  before parsing; a larger request is read, dropped and refused with ``LLM_PARAM_INVALID``, the
+  link goes on (the vLLM connector's release notification is under 400 bytes).
+- ``LLM_DATADIST_MAX_PARSING_BYTES`` (default 16 MiB): the bytes of control messages (requests
+  and table replies) read and parsed at once in this process; a request that would exceed it
+  waits up to ``PARSING_WAIT_S`` and is then read, dropped and refused with ``LLM_LINK_BUSY``.
+- ``LLM_DATADIST_MAX_STAGING_BYTES`` (default 256 MiB): the page-locked bounce buffers held by
+  staged transfers in flight in this process (two 4 MiB buffers each); a transfer that would
+  exceed it waits up to its deadline and then fails (``LLM_TIMEOUT`` on the side that asked,
+  ``LLM_FAILED`` from the owner), in step with its frame.
+- ``MAX_REASON_CHARS`` (256): the longest reason kept for a lost link (``lost_links``); with
+  ``session.MAX_LOST_RECORDS`` records this bounds them in bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Optional
+
+MAX_TABLE_BYTES_ENV = "LLM_DATADIST_MAX_TABLE_BYTES"
+DEFAULT_MAX_TABLE_BYTES = 4 << 20
+MAX_MESSAGE_BYTES_ENV = "LLM_DATADIST_MAX_MESSAGE_BYTES"
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 10
+MAX_PARSING_BYTES_ENV = "LLM_DATADIST_MAX_PARSING_BYTES"
+DEFAULT_MAX_PARSING_BYTES = 16 << 20
+MAX_STAGING_BYTES_ENV = "LLM_DATADIST_MAX_STAGING_BYTES"
+DEFAULT_MAX_STAGING_BYTES = 256 << 20
+#: How long a control request waits for room in the parsing budget before it is refused.
+PARSING_WAIT_S = 1.0
+#: Longest reason kept for a lost link (longer ones are cut, ``...`` appended).
+MAX_REASON_CHARS = 256
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A positive byte count from the environment (suffixes ``k``, ``m``, ``g``: KiB, MiB, GiB);
+    ``default`` when unset or not a positive count."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1], 1)
+    try:
+        value = int(raw[:-1] if scale != 1 else raw) * scale
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def truncate_reason(why: str) -> str:
+    """``why`` cut to ``MAX_REASON_CHARS`` (it may quote what a peer sent)."""
+    why = str(why)
+    return why if len(why) <= MAX_REASON_CHARS else why[:MAX_REASON_CHARS - 3] + "..."
+
+
+class ByteBudget:
+    """A semaphore of bytes: ``acquire(n)`` takes ``n`` of ``limit`` bytes (waiting up to
+    ``timeout`` seconds for room), ``release(n)`` gives them back. A request larger than the
+    whole limit is admitted only when nothing else is held (so that it cannot wait for ever)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self.peak = 0
+        self.refused = 0  # acquires that found no room in time
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout: Optional[float] = 0.0) -> bool:
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self.in_use and self.in_use + nbytes > self.limit:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.refused += 1
+                    return False
+                self._cond.wait(left)
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_use -= nbytes
+            self._cond.notify_all()
+
+
+_lock = threading.Lock()
+_parsing: Optional[ByteBudget] = None
+_staging: Optional[ByteBudget] = None
+
+
+def parsing() -> ByteBudget:
+    """This process's budget of control-message bytes being read and parsed."""
+    global _parsing
+    with _lock:
+        if _parsing is None:
+            _parsing = ByteBudget(env_bytes(MAX_PARSING_BYTES_ENV, DEFAULT_MAX_PARSING_BYTES))
+        return _parsing
+
+
+def staging() -> ByteBudget:
+    """This process's budget of page-locked bounce memory held by staged transfers."""
+    global _staging
+    with _lock:
+        if _staging is None:
+            _staging = ByteBudget(env_bytes(MAX_STAGING_BYTES_ENV, DEFAULT_MAX_STAGING_BYTES))
+        return _staging
+
+
+def max_table_bytes() -> int:
+    return env_bytes(MAX_TABLE_BYTES_ENV, DEFAULT_MAX_TABLE_BYTES)
+
+
+def max_message_bytes() -> int:
+    return env_bytes(MAX_MESSAGE_BYTES_ENV, DEFAULT_MAX_MESSAGE_BYTES)
