@@ -1,9 +1,10 @@
 """Byte budgets on the memory a peer can make this process hold, per link and per process.
 
-- ``LLM_DATADIST_MAX_TABLE_BYTES`` (default 4 MiB): the largest cache table reply taken from a
+- ``LLM_DATADIST_MAX_TABLE_BYTES`` (default 1 MiB): the largest cache table reply taken from a
   peer, checked on the frame's length before a byte of it is read; a larger one fails the link.
-  A real table lists a few hundred tensor addresses and the keyed rows (about 17 bytes a tensor,
-  40 a key): vLLM with 128 layers of two caches each and 10,000 keyed rows needs about 0.5 MiB.
+  A real table lists the peer's tensors (an address, and with cuda_ipc an IPC handle: about
+  160 bytes a tensor) and its keyed rows (about 30 bytes a key): vLLM with 128 layers of two
+  caches needs about 40 KiB; 1 MiB holds 6,000 tensors or 30,000 keys.
 - ``LLM_DATADIST_MAX_MESSAGE_BYTES`` (default 64 KiB): the largest notification, key release,
   unlink or table request (and their replies) taken from a peer, checked on the frame's length
   before parsing; a larger request is read, dropped and refused with ``LLM_PARAM_INVALID``, the
@@ -27,7 +28,7 @@ import time
 from typing import Optional
 
 MAX_TABLE_BYTES_ENV = "LLM_DATADIST_MAX_TABLE_BYTES"
-DEFAULT_MAX_TABLE_BYTES = 4 << 20
+DEFAULT_MAX_TABLE_BYTES = 1 << 20
 MAX_MESSAGE_BYTES_ENV = "LLM_DATADIST_MAX_MESSAGE_BYTES"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 10
 MAX_PARSING_BYTES_ENV = "LLM_DATADIST_MAX_PARSING_BYTES"

@@ -67,8 +67,9 @@ class BouncePool:
         nbytes = count * self.chunk_bytes
         budget = budgets.staging()
         if not budget.acquire(nbytes, timeout_ms / 1000):
-            raise fail(S.LLM_TIMEOUT, f"no room for {nbytes} bytes of staging buffers in time: staged transfers in "
-                                      f"flight hold {budget.in_use} of {budget.limit} ({budgets.MAX_STAGING_BYTES_ENV})")
+            raise fail(S.LLM_TIMEOUT, f"no room for {nbytes} bytes of staging buffers in time: staged "
+                                      f"transfers in flight hold {budget.in_use} of {budget.limit} "
+                                      f"({budgets.MAX_STAGING_BYTES_ENV})")
         try:
             return self._take(count)
         except BaseException:

@@ -1,0 +1,278 @@
+"""Byte budgets on what a peer can make a process hold (``transport.budgets``).
+
+What is checked, against real processes on 127.0.0.1 and hand-made peers (``rawpeer``):
+- a table reply over ``LLM_DATADIST_MAX_TABLE_BYTES`` fails the link before a byte of it is read
+  (counted ``refused_tables``), and the client's peak RSS does not jump;
+- a notification, key release or unlink over ``LLM_DATADIST_MAX_MESSAGE_BYTES`` is read, dropped
+  unparsed and answered ``LLM_PARAM_INVALID``; the link goes on (``refused_oversized``);
+- concurrent control messages of the old wire maximum keep the server's peak RSS flat;
+- a request that finds no room in ``LLM_DATADIST_MAX_PARSING_BYTES`` (a peer stalls in the middle
+  of one that holds it) is answered ``LLM_LINK_BUSY`` and the link goes on (``refused_parsing``);
+- many links, each with the largest table reply and notification the budgets allow, keep the
+  RSS growth under ``PER_LINK_BOUND`` a link;
+- staged transfers beyond ``LLM_DATADIST_MAX_STAGING_BYTES`` wait, then fail with LLM_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from llm_datadist.status import LLMStatusCode
+from llm_datadist.testing import Cluster
+from llm_datadist.transport import auth, budgets, wire
+
+import rawpeer
+
+S = LLMStatusCode
+SERVER_ID, CLIENT_ID = 1, 2
+MiB = 1 << 20
+#: RSS a link may add with the largest table reply and notification the default budgets allow
+#: (measured: about 9 MiB for a 1 MiB table of keyed rows, the costliest content per byte).
+PER_LINK_BOUND = 16 * MiB
+
+
+def rss_peak_reset(state) -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its RSS now; the RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def rss_peak(state) -> int:
+    return _status("VmHWM")
+
+
+def rss(state) -> int:
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def stats(state):
+    return dict(state.dd.engine.links.stats)
+
+
+def link_to(state, remote_id: int, ip: str, port: int) -> int:
+    return int(state.dd.engine.links.link(remote_id, ip, port, 10000))
+
+
+def notify(state, remote_id: int, message) -> int:
+    try:
+        state.dd.engine.links.notify(remote_id, message, 5000)
+    except Exception as exc:  # noqa: BLE001 - the status is what the test looks at
+        return int(getattr(exc, "status_code", -1))
+    return 0
+
+
+def set_handler(state) -> None:
+    state.dd.engine.links.set_notify_handler(lambda peer, message: {"ok": len(json.dumps(message))})
+
+
+def start(stack: ExitStack, cluster_id: int, listen: bool = False) -> Cluster:
+    return stack.enter_context(Cluster(cluster_id, "PROMPT" if listen else "DECODER", listen=listen, plane="tcp",
+                                       timeout=60.0))
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in (auth.SECRET_ENV, "LLM_DATADIST_DATA_PLANE", budgets.MAX_TABLE_BYTES_ENV,
+                 budgets.MAX_MESSAGE_BYTES_ENV, budgets.MAX_PARSING_BYTES_ENV, budgets.MAX_STAGING_BYTES_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def heavy_json(nbytes: int) -> bytes:
+    """A JSON object of about ``nbytes`` that costs the most to parse per byte (empty lists)."""
+    count = max(0, (nbytes - 16) // 3)
+    return b'{"x":[' + b",".join([b"[]"] * count) + b"]}"
+
+
+def keyed_table(nbytes: int) -> dict:
+    """A valid cache table of about ``nbytes`` of JSON, filled with keyed rows (what costs a
+    table the most to keep per byte)."""
+    table = {"generation": 1, "blocks": [[0, 1]], "keys": [],
+             "caches": [[1, "blocks", 0, 2, 1 << 20, 64, [0x10000000, 0x20000000], True]]}
+    per_key = len(json.dumps(["req", 1 << 40, 0, 1, 1 << 19, True])) + 2  # as rawpeer encodes it
+    table["keys"] = [["req", (1 << 40) + i, 0, 1, i, True] for i in range(max(0, nbytes - 200) // per_key)]
+    return table
+
+
+def _answer(op, payload):
+    return {wire.OP_NOTIFY: wire.OP_NOTIFY_REPLY, wire.OP_KEY_DONE: wire.OP_KEY_DONE_REPLY}.get(op, op + 1), 0, b"{}"
+
+
+# -- table replies ------------------------------------------------------------------------------
+
+def test_an_oversized_table_reply_fails_the_link_unread():
+    """A peer answering the table request with more than the table budget (here 12 MiB, within
+    the wire's 16 MiB) fails the link without the reply being read: the client's peak RSS stays
+    within a few MiB (parsed, such a reply costs hundreds of MB)."""
+    server = rawpeer.RawServer(SERVER_ID, keyed_table(12 * MiB), _answer)
+    try:
+        with ExitStack() as stack:
+            client = start(stack, CLIENT_ID)
+            before = client.call(rss_peak_reset)
+            assert client.call(link_to, SERVER_ID, *server.address) != S.LLM_SUCCESS
+            assert client.call(rss_peak) - before < 8 * MiB
+            assert client.call(stats)["refused_tables"] == 1
+    finally:
+        server.close()
+
+
+def test_a_table_within_the_budget_is_taken_and_kept_compact():
+    server = rawpeer.RawServer(SERVER_ID, keyed_table(budgets.DEFAULT_MAX_TABLE_BYTES - 4096), _answer)
+    try:
+        with ExitStack() as stack:
+            client = start(stack, CLIENT_ID)
+            assert client.call(link_to, SERVER_ID, *server.address) == S.LLM_SUCCESS
+            assert client.call(stats)["refused_tables"] == 0
+    finally:
+        server.close()
+
+
+# -- notifications, key releases, unlinks --------------------------------------------------------
+
+@pytest.mark.parametrize("op, reply_op", [(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY),
+                                          (wire.OP_KEY_DONE, wire.OP_KEY_DONE_REPLY),
+                                          (wire.OP_UNLINK, wire.OP_UNLINK_DONE)])
+def test_an_oversized_control_message_is_refused_and_the_link_goes_on(op, reply_op):
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        peer = rawpeer.RawLink(server.address, 77)
+        stack.callback(peer.close)
+        before = server.call(rss_peak_reset)
+        big = heavy_json(budgets.DEFAULT_MAX_MESSAGE_BYTES + 64)
+        assert len(big) > budgets.DEFAULT_MAX_MESSAGE_BYTES
+        req_id = peer.request(op, big)
+        got_op, status, rid, payload = rawpeer.read_frame(peer.sock)
+        assert (got_op, status, rid) == (reply_op, S.LLM_PARAM_INVALID, req_id)
+        assert "exceeds" in json.loads(payload)["error"]
+        assert server.call(stats)["refused_oversized"] == 1
+        # the link goes on: a table request and a notification within the budget are answered
+        assert peer.table()["generation"] >= 0
+        req_id = peer.request(wire.OP_NOTIFY, json.dumps({"hello": "x" * 1000}).encode())
+        assert rawpeer.read_frame(peer.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, req_id)
+        assert server.call(rss_peak) - before < 8 * MiB
+
+
+def test_concurrent_large_control_messages_keep_rss_flat():
+    """Eight links send a notification of 12 MiB each at once (the old limit let each be parsed:
+    hundreds of MB each): every one is refused unparsed and the server's peak RSS stays flat."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        peers = [rawpeer.RawLink(server.address, 100 + i) for i in range(8)]
+        for peer in peers:
+            stack.callback(peer.close)
+        payload = heavy_json(12 * MiB)
+        before = server.call(rss_peak_reset)
+        threads = [threading.Thread(target=p.request, args=(wire.OP_NOTIFY, payload)) for p in peers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        statuses = [rawpeer.read_frame(p.sock)[1] for p in peers]
+        assert statuses == [S.LLM_PARAM_INVALID] * 8
+        assert server.call(rss_peak) - before < 16 * MiB
+        assert server.call(stats)["refused_oversized"] == 8
+
+
+def test_a_request_without_room_in_the_parsing_budget_is_refused_busy(monkeypatch):
+    """One peer starts a 60 KiB notification and stalls in its middle, holding the whole parsing
+    budget (64 KiB here); another's notification waits ``PARSING_WAIT_S`` and is answered
+    LLM_LINK_BUSY, its link going on; once the first one ends, notifications are taken again."""
+    monkeypatch.setenv(budgets.MAX_PARSING_BYTES_ENV, "64k")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        staller, other = rawpeer.RawLink(server.address, 100), rawpeer.RawLink(server.address, 101)
+        stack.callback(staller.close)
+        stack.callback(other.close)
+        body = json.dumps({"pad": "x" * (60 << 10)}).encode()
+        staller.sock.sendall(rawpeer.frame(wire.OP_NOTIFY, body[:1000], length=len(body), req_id=50))
+        time.sleep(0.3)
+        req_id = other.request(wire.OP_NOTIFY, body)
+        assert rawpeer.read_frame(other.sock)[:3] == (wire.OP_NOTIFY_REPLY, S.LLM_LINK_BUSY, req_id)
+        assert server.call(stats)["refused_parsing"] == 1
+        staller.sock.sendall(body[1000:])
+        assert rawpeer.read_frame(staller.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, 50)
+        req_id = other.request(wire.OP_NOTIFY, body)
+        assert rawpeer.read_frame(other.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, req_id)
+
+
+# -- many links at the budgets -------------------------------------------------------------------
+
+LINKS = 32
+
+
+def test_many_links_at_the_budgets_keep_rss_growth_bounded():
+    """``LINKS`` links (the issue's 256 take too long on two cores; the bound is per link): the
+    client takes from each peer the largest table reply the default budget allows, and each
+    peer sends the server the largest notification; the client's RSS grows by less than
+    ``PER_LINK_BOUND`` a link and the server's peak by less than 32 MiB in all."""
+    table = keyed_table(budgets.DEFAULT_MAX_TABLE_BYTES - 4096)
+    servers = [rawpeer.RawServer(1000 + i, table, _answer) for i in range(LINKS)]
+    try:
+        with ExitStack() as stack:
+            client = start(stack, CLIENT_ID)
+            server = start(stack, SERVER_ID, listen=True)
+            server.call(set_handler)
+            before = client.call(rss)
+            for i, raw in enumerate(servers):
+                assert client.call(link_to, 1000 + i, *raw.address) == S.LLM_SUCCESS
+            grown = client.call(rss) - before
+            assert grown < LINKS * PER_LINK_BOUND, f"{grown / LINKS / MiB:.1f} MiB a link"
+            peers = [rawpeer.RawLink(server.address, 2000 + i) for i in range(LINKS)]
+            for peer in peers:
+                stack.callback(peer.close)
+            message = json.dumps({"pad": "x" * (budgets.DEFAULT_MAX_MESSAGE_BYTES - 64)}).encode()
+            base = server.call(rss_peak_reset)
+            for peer in peers:
+                peer.request(wire.OP_NOTIFY, message)
+            assert [rawpeer.read_frame(p.sock)[1] for p in peers] == [0] * LINKS
+            assert server.call(rss_peak) - base < 32 * MiB
+    finally:
+        for raw in servers:
+            raw.close()
+
+
+# -- staging buffers -----------------------------------------------------------------------------
+
+def test_staging_buffers_beyond_the_budget_wait_then_fail(monkeypatch):
+    """With room for one transfer's buffers (two chunks), a second waits for the first and then
+    fails with LLM_TIMEOUT when its deadline passes; once the first gives its buffers back, the
+    budget takes a transfer again."""
+    from llm_datadist.transport import staging
+
+    monkeypatch.setattr(budgets, "_staging", budgets.ByteBudget(2 * 4096))
+    runtime = type("Host", (), {})()
+    pool = staging.BouncePool.__new__(staging.BouncePool)
+    pool.__init__(runtime, chunk_bytes=4096)
+    pool._take = lambda count: [object()] * count  # no page-locked memory needed to count it
+    first = pool.acquire(2, 0)
+    started = time.monotonic()
+    with pytest.raises(Exception) as refused:
+        pool.acquire(2, 200)
+    assert getattr(refused.value, "status_code", None) == S.LLM_TIMEOUT
+    assert 0.15 < time.monotonic() - started < 5
+    assert budgets.staging().refused == 1
+    pool.release(first)
+    pool.release(pool.acquire(2, 0))
+    assert budgets.staging().in_use == 0
+
+
+def test_lost_link_reasons_are_cut():
+    assert budgets.truncate_reason("x" * 10_000) == "x" * (budgets.MAX_REASON_CHARS - 3) + "..."
+    assert budgets.truncate_reason("short") == "short"
