@@ -16,7 +16,6 @@ What is checked, against real processes on 127.0.0.1 and hand-made peers (``rawp
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from contextlib import ExitStack

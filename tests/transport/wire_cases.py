@@ -204,6 +204,10 @@ class CaseGenerator:
             return Segment("PULL", frame(op, wire.U64.pack(generation) + packed, req_id))
         if roll < 0.8:
             return Segment("TABLE_GET", frame(wire.OP_TABLE_GET, b"{}", req_id))
+        if roll < 0.82:  # over the message budget (budgets.DEFAULT_MAX_MESSAGE_BYTES): refused, the link goes on
+            op = rng.choice([wire.OP_NOTIFY, wire.OP_KEY_DONE])
+            body = json.dumps({"pad": "x" * rng.randrange(64 << 10, 80 << 10)}).encode()
+            return Segment(wire.OP_NAMES[op][3:], frame(op, body, req_id))
         if roll < 0.9:
             message = {"request": rng.randrange(1000), "blocks": [rng.randrange(64) for _ in range(rng.randrange(5))]}
             return Segment("NOTIFY", frame(wire.OP_NOTIFY, json.dumps(message).encode(), req_id))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from llm_datadist.status import LLMStatusCode
-from llm_datadist.transport import auth, wire
+from llm_datadist.transport import auth, budgets, wire
 
 S = LLMStatusCode
 U64_MAX = 2**64 - 1
@@ -313,7 +313,19 @@ class ServerModel:
         def done(result: str) -> None:
             out.frames[-1] = (name, result)
 
-        if op == wire.OP_TABLE_GET:
+        control = {wire.OP_TABLE_GET: (wire.OP_TABLE, "table request"),
+                   wire.OP_KEY_DONE: (wire.OP_KEY_DONE_REPLY, "key release"),
+                   wire.OP_NOTIFY: (wire.OP_NOTIFY_REPLY, "notification"),
+                   wire.OP_UNLINK: (wire.OP_UNLINK_DONE, "unlink")}.get(op)
+        limit = budgets.max_message_bytes()
+        if control is not None and length > limit:  # over the message budget: read, dropped, refused
+            if stream.take(length) is None:
+                raise protocol_error("refused control message truncated")
+            reply_op, what = control
+            out.replies.append(ExpectedReply(reply_op, S.LLM_PARAM_INVALID, req_id, "json", {
+                "error": f"{what} of {length} bytes exceeds {limit} ({budgets.MAX_MESSAGE_BYTES_ENV})"}))
+            done("refused")
+        elif op == wire.OP_TABLE_GET:
             self._body(stream, length, wire.MAX_CONTROL_BYTES, "table request")
             table = dict(self.table)
             if unix:
