@@ -577,6 +577,11 @@ class LinkManager:
         with self._lock:
             if comm.key in self._joining:
                 raise fail(S.LLM_LINK_FAILED, f"this cluster is making the link {comm.name!r} already")
+            taken = [m.cluster_id for m in comm.others
+                     if self._peers.get(m.cluster_id) is not None and not self._peers[m.cluster_id].hung_up()]
+            if taken:  # a link belongs to one comm (or to none): it proves no membership of this one
+                raise fail(S.LLM_LINK_FAILED, f"cluster(s) {taken} of {comm.name!r} are linked already (by "
+                                               f"link_clusters or another link()); unlink them first")
             self._joining[comm.key] = join
         try:
             if listen_at is not None:
