@@ -614,3 +614,12 @@ def test_a_link_serves_one_comm_only():
         assert d.call(linked) == [] and p.call(linked) == []
         with pytest.raises(ChildError):
             d.call(push, P_ID, [0], [1])
+
+
+def test_the_comm_digest_binds_the_rank_map():
+    """Members with the same ids but swapped ranks compute different digests (their links are
+    refused on the rank-table port: test_the_rank_table_port_refuses_all_but_an_expected_higher_rank)."""
+    from llm_datadist.transport import comms
+    table = mesh_table(2)
+    assert comms.digest("c", table, {1: 0, 2: 1}) != comms.digest("c", table, {1: 1, 2: 0})
+    assert comms.digest("c", table, {1: 0, 2: 1}) == comms.digest("c", table, {2: 1, 1: 0})
