@@ -10,9 +10,19 @@ and connects to those of lower rank. Where a member is reached comes from its ra
   one host may share ``device_ip`` and even ``device_id`` as long as their ranks differ.
 
 ``server_id``, ``host_ip``, ``super_device_id``, ``super_pod_list``, ``server_count`` and ``status``
-are accepted and ignored. Members rendezvous by comm name and the digest of the rank table and
-the rank map: a link for a comm that the listening member is not making at that moment is refused
-(the connecting member retries until the ``link`` deadline).
+are accepted and ignored.
+
+Who may join: on one host every member may be 127.0.0.1, so an address proves nothing. A link
+request on a member's rank-table port must name the comm, carry the digest of its rank table
+and rank map (``digest``: which rank each cluster id has) and the rank it claims, and that rank
+must be one of the higher ranks this member still expects, under the cluster id the rank map
+gives it; anything else is refused before it counts as a member. A comm that the listening
+member is not making at that moment is refused too (the connecting member retries until the
+``link`` deadline). Two links claiming one rank fail the comm (``Join.failed``): that member's
+``link`` fails and drops the comm's links, so the other members see their links to it end and
+fail too (``Comm.status`` FAILED once ``link`` has returned). A link belongs to the one comm it
+was made for and ends with its ``unlink``. With a link secret only its holders can link at all;
+without one, knowing the rank table is all an impostor needs.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 from llm_datadist.status import LLMException, LLMStatusCode
 
@@ -106,7 +116,9 @@ def parse(rank_table: str, cluster_rank_info: Dict[int, int], base: int) -> List
 
 
 def digest(comm_name: str, rank_table: str, cluster_rank_info: Dict[int, int]) -> str:
-    """What two members must agree on to be in one comm."""
+    """What two members must agree on to be in one comm: its name, the rank table and the rank
+    map, pairs of (cluster id, rank), so that members that disagree on who has which rank do
+    not meet."""
     text = json.dumps([comm_name, rank_table, sorted(cluster_rank_info.items())])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -125,3 +137,14 @@ class Comm:
     @property
     def others(self) -> List[Member]:
         return [m for m in self.members if m.cluster_id != self.me.cluster_id]
+
+
+@dataclass
+class Join:
+    """A two-sided link being made, as its listening member holds it: the higher members that
+    link here (cluster id -> rank), the link accepted for each (a ``session.Peer``), and why the
+    join failed (two links claimed one rank, or a link of it ended), if it did."""
+
+    expected: Dict[int, int]
+    claimed: Dict[int, Any] = field(default_factory=dict)
+    failed: Optional[str] = None

@@ -44,6 +44,8 @@ logger = logging.getLogger("llm_datadist")
 
 #: Largest handshake message (hello, challenge, authentication, reply).
 MAX_HANDSHAKE_BYTES = 64 << 10
+#: Largest rank a two-sided link request may claim.
+MAX_RANK = 1 << 31
 
 
 class AuthRefused(LLMException):
@@ -135,13 +137,16 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
 @dataclass(frozen=True)
 class LinkRequest:
     """A link request, checked: the peer's role, the planes it offers, the connections it will
-    open (forward, reverse), the two-sided link it is for, and its remote-cache-access option."""
+    open (forward, reverse), the two-sided link it is for (its name and the digest of its rank
+    table and rank map, ``comms.digest``), its remote-cache-access option, and with a two-sided
+    link the rank the peer claims in it."""
 
     role: str
     planes: List[str]
     want: Tuple[int, int]
     comm: Optional[Tuple[str, str]]
     remote_accessible: bool
+    rank: Optional[int] = None
 
 
 def read_link_request(message: Dict[str, Any]) -> LinkRequest:
@@ -155,13 +160,17 @@ def read_link_request(message: Dict[str, Any]) -> LinkRequest:
         raise ProtocolError(f"link request: planes {brief(planes)}")
     if not isinstance(message.get("role"), str) or not isinstance(message.get("host"), dict):
         raise ProtocolError("link request: role or host malformed")
-    comm = message.get("comm")
+    comm, rank = message.get("comm"), message.get("rank")
     if comm is not None:
         if not (isinstance(comm, list) and len(comm) == 2 and all(isinstance(x, str) for x in comm)):
             raise ProtocolError(f"link request: comm {brief(comm)}")
+        if not is_int(rank, 0, MAX_RANK):
+            raise ProtocolError(f"link request: rank {brief(rank)} in comm {brief(comm[0])}")
         comm = (comm[0], comm[1])
+    else:
+        rank = None
     return LinkRequest(message["role"][:64], list(planes)[:8], (want[0], want[1]), comm,
-                       bool(message.get("remote_cache_accessible")))
+                       bool(message.get("remote_cache_accessible")), rank)
 
 
 def link_reply(cluster_id: int, role: str, planes: Sequence[str], remote_accessible: bool, token: str,
@@ -231,15 +240,17 @@ class LinkAgreement:
 
 def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: int, role: str,
                  planes: Sequence[str], remote_accessible: bool, local_sockets: bool, deadline: float,
-                 comm: Optional[Tuple[str, str]] = None, self_key: Optional[bytes] = None) -> LinkAgreement:
+                 comm: Optional[Tuple[str, str]] = None, self_key: Optional[bytes] = None,
+                 rank: Optional[int] = None) -> LinkAgreement:
     """Ask the cluster ``remote_id`` at the other end of ``sock`` for a link (``planes``: those
     this side offers; ``local_sockets``: one of them wants Unix sockets on this host;
-    ``self_key``: a link to this cluster's own listener, proven with this process's key)."""
+    ``self_key``: a link to this cluster's own listener, proven with this process's key;
+    ``comm``: the two-sided link (name, digest) it is for, in which this side has ``rank``)."""
     request = dict(purpose="link", role=role, planes=list(planes), host=host_identity(),
                    remote_cache_accessible=remote_accessible,
                    connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
     if comm is not None:
-        request["comm"] = list(comm)
+        request["comm"], request["rank"] = list(comm), rank
     reply = client_handshake(sock, cluster_id, secret, remote_id, request, deadline, self_key)
     token, unix_name = reply.get("token"), reply.get("unix")
     offered, their_role = reply.get("planes"), reply.get("role")

@@ -49,7 +49,7 @@ from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import auth, budgets, handshake, server, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
-from llm_datadist.transport.comms import Comm
+from llm_datadist.transport.comms import Comm, Join
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
 from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
@@ -101,7 +101,7 @@ class LinkManager:
         self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
         self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
         self._self_peers: List[Peer] = []     # server side of links this cluster made to its own listener
-        self._joining: Dict[Tuple[str, str], set] = {}  # two-sided links being made -> ids expected to link here
+        self._joining: Dict[Tuple[str, str], Join] = {}  # two-sided links being made, listening side
         self.comms: Dict[int, Comm] = {}
         self._next_comm_id = 1
         self._closed = False
@@ -165,12 +165,14 @@ class LinkManager:
 
     # -- client side ------------------------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int,
-             comm: Optional[Tuple[str, str]] = None, quiet: bool = False) -> LLMStatusCode:
+             comm: Optional[Tuple[str, str]] = None, quiet: bool = False, rank: Optional[int] = None) -> LLMStatusCode:
         """Link to the cluster listening on ``ip:port``; returns a status, never raises.
 
         A cluster that has linked to this one already is linked (``LLM_SUCCESS``: that link
         serves both); so is one that links to this one at the same moment (the link made by the
-        lower cluster id is kept). ``comm`` names the two-sided link this one is part of.
+        lower cluster id is kept). ``comm`` names the two-sided link this one is part of, in
+        which this cluster has ``rank``; a link made for another purpose does not serve it
+        (``LLM_ALREADY_LINK``).
         """
         deadline = dl.after(timeout_ms)
         with self._lock:
@@ -178,8 +180,10 @@ class LinkManager:
             if remote_cluster_id in self._linking:
                 return S.LLM_ALREADY_LINK
             live = old is not None and not old.hung_up()
+            if live and comm is not None:
+                return S.LLM_SUCCESS if old.is_client and old.comm == comm else S.LLM_ALREADY_LINK
             if live and old.is_client:
-                return S.LLM_ALREADY_LINK if comm is None else S.LLM_SUCCESS
+                return S.LLM_ALREADY_LINK
             if live and old.ready:
                 return S.LLM_SUCCESS  # the peer linked to this cluster: that link serves both
         if live:  # the peer's link to this cluster is being made right now: it will serve both
@@ -197,7 +201,7 @@ class LinkManager:
         sockets: List[socket.socket] = []
         log = logger.debug if quiet else logger.error
         try:
-            return self._link(remote_cluster_id, ip, port, deadline, sockets, comm)
+            return self._link(remote_cluster_id, ip, port, deadline, sockets, comm, rank)
         except MutualLink:
             status = self._await_mutual(remote_cluster_id, deadline)
         except LLMException as exc:
@@ -415,6 +419,8 @@ class LinkManager:
             if self._peers.get(peer.cluster_id) is not peer:
                 return False
             del self._peers[peer.cluster_id]
+            if not peer.unlinking:
+                self._comm_link_ended(peer, why)
             if peer.ready and not peer.unlinking:
                 self._lost[peer.cluster_id] = budgets.truncate_reason(why)
                 while len(self._lost) > MAX_LOST_RECORDS:
@@ -573,35 +579,57 @@ class LinkManager:
         """Make the links of a two-sided link: listen for the members of higher rank, link to those
         of lower rank (retrying while they are not listening yet), and wait for every link; then
         fetch the tables in the background (``comm.status`` PREPARING -> OK or FAILED).
-        ``LLMException(LLM_LINK_FAILED)`` if not every link is made within ``timeout_ms``."""
+        ``LLMException(LLM_LINK_FAILED)`` if not every link is made within ``timeout_ms``, or if
+        the join fails (``comms.Join.failed``: two links claimed one rank, or a link of the comm
+        ended meanwhile); the comm's links made so far are unlinked then, so that the other
+        members see theirs end and fail too."""
         deadline = dl.after(timeout_ms)
         higher = [m for m in comm.others if m.rank > comm.me.rank]
         lower = [m for m in comm.others if m.rank < comm.me.rank]
         listen_at = (comm.me.device_ip, comm.me.port) if higher else None
-        if listen_at is not None:
-            self.listener.open_extra(*listen_at)
-            self._warn_open(*listen_at)
+        join = Join({m.cluster_id: m.rank for m in higher})
         with self._lock:
-            self._joining[comm.key] = {m.cluster_id for m in higher}
+            if comm.key in self._joining:
+                raise fail(S.LLM_LINK_FAILED, f"this cluster is making the link {comm.name!r} already")
+            taken = [m.cluster_id for m in comm.others
+                     if self._peers.get(m.cluster_id) is not None and not self._peers[m.cluster_id].hung_up()]
+            if taken:  # a link belongs to one comm (or to none): it proves no membership of this one
+                raise fail(S.LLM_LINK_FAILED, f"cluster(s) {taken} of {comm.name!r} are linked already (by "
+                                               f"link_clusters or another link()); unlink them first")
+            self._joining[comm.key] = join
+        try:
+            if listen_at is not None:
+                self.listener.open_extra(*listen_at)
+                self._warn_open(*listen_at)
+        except BaseException:
+            with self._lock:
+                self._joining.pop(comm.key, None)
+            raise
         try:
             for member in lower:
                 status = S.LLM_LINK_FAILED
-                while not dl.expired(deadline):
+                while not dl.expired(deadline) and join.failed is None:
                     status = self.link(member.cluster_id, member.device_ip, member.port, max(1, dl.left_ms(deadline)),
-                                       comm=comm.key, quiet=True)
+                                       comm=comm.key, quiet=True, rank=comm.me.rank)
                     if status not in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_ALREADY_LINK):
                         break
                     time.sleep(0.05)
+                self._check_join(join)
                 if status != S.LLM_SUCCESS:
                     raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) at "
                                                    f"{member.device_ip}:{member.port} was not linked in time "
                                                    f"({status_of(status).name})")
             for member in higher:
-                while not self._linked_now(member.cluster_id):
+                while not self._claimed(join, member.cluster_id):
+                    self._check_join(join)
                     if dl.expired(deadline):
                         raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) did not "
                                                        f"link to {comm.me.device_ip}:{comm.me.port} in time")
                     time.sleep(0.01)
+            with self._lock:  # from here a link of the comm that ends fails comm.status instead
+                self._check_join(join)
+                del self._joining[comm.key]
+                self.comms[comm.comm_id] = comm
         except BaseException:
             with self._lock:
                 self._joining.pop(comm.key, None)
@@ -609,25 +637,62 @@ class LinkManager:
                 self._drop_comm_link(member.cluster_id, comm.key)
             raise
         finally:
-            with self._lock:
-                self._joining.pop(comm.key, None)
             if listen_at is not None:
                 self.listener.close_extra(listen_at)
-        with self._lock:
-            self.comms[comm.comm_id] = comm
         self._threads.spawn(self._prepare_comm, comm)
 
-    def _linked_now(self, cluster_id: int) -> bool:
+    @staticmethod
+    def _check_join(join: Join) -> None:
+        if join.failed is not None:
+            raise fail(S.LLM_LINK_FAILED, join.failed)
+
+    def _claimed(self, join: Join, cluster_id: int) -> bool:
+        """Whether the member ``cluster_id`` has linked here for the join, with a request that
+        claimed its rank (a link made for anything else does not count)."""
         with self._lock:
-            peer = self._peers.get(cluster_id)
-            return peer is not None and peer.ready
+            peer = join.claimed.get(cluster_id)
+            return peer is not None and peer.ready and self._peers.get(cluster_id) is peer
+
+    def _admit_member(self, join: Join, peer_id: int, rank: Optional[int]) -> Optional[str]:
+        """Why a link request for a join, from ``peer_id`` claiming ``rank``, is refused (lock
+        held); None if it may go on. A second request claiming a rank fails the join."""
+        if join.failed is not None:
+            return f"that link failed: {join.failed}"
+        if peer_id not in join.expected or join.expected[peer_id] != rank:
+            return f"cluster {peer_id} claims rank {rank}, not one of the higher ranks this cluster expects"
+        if peer_id in join.claimed:
+            join.failed = f"two links claimed rank {rank} (cluster {peer_id})"
+            logger.error("cluster %d: %s; the link fails", self.engine.cluster_id, join.failed)
+            return join.failed
+        return None
+
+    def _comm_link_ended(self, peer: Peer, why: str) -> None:
+        """A link made for a two-sided link ended, not by this side (lock held). One that was not
+        complete yet frees its rank; a complete one fails the join, or the comm's status."""
+        if peer.comm is None:
+            return
+        join = self._joining.get(peer.comm)
+        if join is not None and join.claimed.get(peer.cluster_id) is peer and not peer.ready:
+            del join.claimed[peer.cluster_id]
+            return
+        if not peer.ready:
+            return
+        text = f"the link to cluster {peer.cluster_id} ended ({why})"
+        if join is not None and join.failed is None:
+            join.failed = text
+        for comm in self.comms.values():
+            if comm.key == peer.comm and comm.status != "FAILED":
+                logger.error("cluster %d: link %r failed: %s", self.engine.cluster_id, comm.name, text)
+                comm.status = "FAILED"
 
     def _prepare_comm(self, comm: Comm) -> None:
         deadline = dl.after(self.handshake_ms)
         try:
             for member in comm.others:
                 self._settle(self.peer(member.cluster_id), deadline)
-            comm.status = "OK"
+            with self._lock:
+                if comm.status == "PREPARING":  # FAILED is sticky
+                    comm.status = "OK"
         except LLMException as exc:
             logger.error("cluster %d: link %r failed while exchanging cache tables: %s", self.engine.cluster_id,
                          comm.name, exc)
@@ -641,7 +706,7 @@ class LinkManager:
         return comm
 
     def leave_comm(self, comm_id: int, timeout_ms: int) -> None:
-        """Drop a two-sided link: its links (those made for it) are unlinked."""
+        """Drop a two-sided link: its links (made for it, accepted or initiated) are unlinked."""
         comm = self.comm(comm_id)
         with self._lock:
             self.comms.pop(comm_id, None)
@@ -649,11 +714,11 @@ class LinkManager:
             self._drop_comm_link(member.cluster_id, comm.key, timeout_ms)
 
     def _drop_comm_link(self, cluster_id: int, key: Tuple[str, str], timeout_ms: int = 1000) -> None:
+        """Unlink the link to ``cluster_id`` if it was made for the comm ``key`` (a link belongs to
+        the one comm it was made for: ``link`` does not let another comm use it)."""
         with self._lock:
             peer = self._peers.get(cluster_id)
-            shared = any(c.key != key and any(m.cluster_id == cluster_id for m in c.others)
-                         for c in self.comms.values())
-        if peer is not None and peer.comm == key and not shared:
+        if peer is not None and peer.comm == key:
             self.unlink(cluster_id, timeout_ms, force=False)
         with self._lock:
             self._unlinked_by_peer.discard(cluster_id)
@@ -723,6 +788,7 @@ class LinkManager:
             if self._peers.get(peer_id) is peer:
                 del self._peers[peer_id]
                 if not peer.unlinking:
+                    self._comm_link_ended(peer, "the peer unlinked")
                     self._unlinked_by_peer.add(peer_id)
                     while len(self._unlinked_by_peer) > MAX_LOST_RECORDS:
                         self._unlinked_by_peer.pop()
@@ -770,7 +836,7 @@ class LinkManager:
             proven_self = peer_id == mine and auth.verify_self(self._self_key, *admission.nonces,
                                                                admission.request.get("self_proof"))
             status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
-                                                    source_of(conn), proven_self)
+                                                    source_of(conn), proven_self, self.listener.on_rank_port(conn))
             sent = handshake.send_reply(conn, reply, status, deadline)
             if status != 0:
                 return False
@@ -802,10 +868,11 @@ class LinkManager:
         raise ProtocolError(f"unknown purpose {brief(purpose)}")
 
     def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str, source: Any = None,
-                     proven_self: bool = False):
+                     proven_self: bool = False, rank_port: bool = False):
         """Decide on an authenticated link request from ``source`` (``listener.source_of``;
-        ``proven_self``: it carries this process's self-link proof): ``(status, reply, pending
-        Peer or None)``."""
+        ``proven_self``: it carries this process's self-link proof; ``rank_port``: it came through
+        a two-sided link's listener, where only members of a comm being made may link, see
+        ``comms``): ``(status, reply, pending Peer or None)``."""
         mine = self.engine.cluster_id
         reply: Dict[str, Any] = {"cluster_id": mine}
 
@@ -814,12 +881,15 @@ class LinkManager:
             return status, dict(reply, error=why), None
 
         comm = request.comm
+        if comm is None and rank_port:
+            return refuse(S.LLM_LINK_FAILED, "a link on a rank-table port must name its comm, the digest of its rank "
+                                             "table and rank map, and its rank")
         if comm is None and request.remote_accessible != self.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source,
                     authenticated=self.secret is not None)
-        if peer_id == mine:  # a link to our own listener: its server side is kept apart from the client side
+        if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
                 if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
@@ -833,8 +903,12 @@ class LinkManager:
                 self._pending[peer.token] = peer
             return S.LLM_SUCCESS, self._link_reply(peer), peer
         with self._lock:
-            if comm is not None and peer_id not in self._joining.get(comm, ()):
+            join = None if comm is None else self._joining.get(comm)
+            if comm is not None and join is None:
                 return S.LLM_NOT_YET_LINK, dict(reply, error="this cluster is not making that link now"), None
+            why = None if join is None else self._admit_member(join, peer_id, request.rank)
+            if why is not None:
+                return refuse(S.LLM_LINK_FAILED, why)
             old = self._peers.get(peer_id)
             mutual = "this cluster is linking to you at the same time; one link serves both"
             if old is None and peer_id in self._linking and peer_id > mine:
@@ -855,6 +929,8 @@ class LinkManager:
                                                  f"{describe(source)} ({MAX_LINKS_PER_SOURCE_ENV})")
             if old is not None:
                 self._forget(old, "replaced by a new link: its connections were closed")
+            if join is not None:
+                join.claimed[peer_id] = peer
             self._peers[peer_id] = peer
             self._pending[peer.token] = peer
         if old is not None:
@@ -910,7 +986,8 @@ class LinkManager:
 
     # -- the client's side of a link ----------------------------------------------------------------
     def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-              sockets: List[socket.socket], comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
+              sockets: List[socket.socket], comm: Optional[Tuple[str, str]] = None,
+              rank: Optional[int] = None) -> LLMStatusCode:
         """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
         unless the link is made, in which case ``sockets`` is emptied)."""
         mine = self.engine.cluster_id
@@ -919,7 +996,7 @@ class LinkManager:
         agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
                                            self._offered_planes(), self.remote_accessible,
                                            self._wants_local_sockets(), deadline, comm,
-                                           self._self_key if remote_cluster_id == mine else None)
+                                           self._self_key if remote_cluster_id == mine else None, rank)
         made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
                                           sockets)
         name = f"cluster {remote_cluster_id} ({ip}:{port})"

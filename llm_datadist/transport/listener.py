@@ -116,6 +116,7 @@ class Listener:
         self._extra_loops = Threads("llm_datadist-listen")
         self._incoming: Dict[socket.socket, Source] = {}  # accepted connections still in their handshake
         self._by_source: Dict[Source, int] = {}  # how many of them from each source
+        self._on_rank_port: Set[socket.socket] = set()  # those of them accepted by an extra listener
         self._closed = False
         self._threads = Threads("llm_datadist-conn")
 
@@ -192,7 +193,7 @@ class Listener:
                     self._extra[("", 0)] = [unix, 1]
         for listener in [sock] + ([unix] if unix is not None else []):
             listener.settimeout(0.2)
-            self._extra_loops.spawn(self._accept_loop, listener)
+            self._extra_loops.spawn(self._accept_loop, listener, True)
 
     def close_extra(self, key: Tuple[str, int]) -> None:
         """One user less of the extra listener ``(ip, port)``; closed with its last user (and the
@@ -213,7 +214,8 @@ class Listener:
             close_socket(sock)
 
     # -- accepting ------------------------------------------------------------------------------
-    def _accept_loop(self, listener: socket.socket) -> None:
+    def _accept_loop(self, listener: socket.socket, extra: bool = False) -> None:
+        """Accept on ``listener`` (``extra``: a two-sided link's listener or its Unix socket)."""
         failures = 0
         while self._listening(listener):
             try:
@@ -236,7 +238,7 @@ class Listener:
             failures = 0
             name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
             source = source_of(conn, addr)
-            why = self.admit(conn, source)
+            why = self.admit(conn, source, extra)
             if why is not None:
                 close_socket(conn)  # at once: the peer sees its connection closed, without a byte
                 refused = self._count(why)
@@ -268,11 +270,12 @@ class Listener:
         with self._lock:
             return listener in self._sockets or any(entry[0] is listener for entry in self._extra.values())
 
-    def admit(self, conn: socket.socket, source: Optional[Source] = None) -> Optional[str]:
+    def admit(self, conn: socket.socket, source: Optional[Source] = None, extra: bool = False) -> Optional[str]:
         """Count ``conn`` (from ``source``, ``source_of(conn)`` if not given) as a connection in
         its handshake; or, not counted, the counter of why not: ``refused_busy`` when
         ``max_pending`` are already pending or the listener is closed, ``refused_source`` when
-        ``max_pending_per_source`` are pending from that source."""
+        ``max_pending_per_source`` are pending from that source. ``extra``: it came through an
+        extra listener (``on_rank_port``)."""
         if source is None:
             source = source_of(conn)
         with self._lock:
@@ -283,12 +286,21 @@ class Listener:
                 return "refused_source"
             self._incoming[conn] = source
             self._by_source[source] = held + 1
+            if extra:
+                self._on_rank_port.add(conn)
             return None
+
+    def on_rank_port(self, conn: socket.socket) -> bool:
+        """Whether ``conn``, still in its handshake, came through an extra listener (a two-sided
+        link's rank-table port, or the Unix socket opened with it)."""
+        with self._lock:
+            return conn in self._on_rank_port
 
     def handshake_done(self, conn: socket.socket) -> None:
         """``conn`` is through its handshake (or gone): it no longer counts as pending."""
         with self._lock:
             source = self._incoming.pop(conn, None)
+            self._on_rank_port.discard(conn)
             if source is not None:
                 left = self._by_source[source] - 1
                 if left:

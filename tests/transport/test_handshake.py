@@ -70,19 +70,19 @@ def grant(sock: socket.socket, secret: Optional[bytes], planes=("tcp",), unix: O
 
 
 def ask(sock: socket.socket, secret: Optional[bytes], planes=("cma", "tcp"), local_sockets: bool = False,
-        remote_id: int = SERVER, comm=None) -> handshake.LinkAgreement:
+        remote_id: int = SERVER, comm=None, rank=None) -> handshake.LinkAgreement:
     return handshake.request_link(sock, CLIENT, secret, remote_id, "DECODER", planes, True, local_sockets, soon(),
-                                  comm)
+                                  comm, rank=rank)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret):
     server_end, client_end = pair
     served = in_thread(lambda: grant(server_end, secret, planes=("tcp",)))
-    agreement = ask(client_end, secret, planes=("cma", "tcp"), comm=("comm", "digest"))
+    agreement = ask(client_end, secret, planes=("cma", "tcp"), comm=("comm", "digest"), rank=3)
     admission, request = served()
     assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
-    assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True)
+    assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3)
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
     assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None)
 
@@ -178,6 +178,10 @@ def test_a_malformed_hello_is_a_protocol_error_and_nothing_is_answered(pair, hel
     ({"role": 7}, "role or host"),
     ({"host": None}, "role or host"),
     ({"comm": ["only one"]}, "comm"),
+    ({"comm": ["c", "digest"]}, "rank"),  # a link request for a comm claims a rank in it
+    ({"comm": ["c", "digest"], "rank": -1}, "rank"),
+    ({"comm": ["c", "digest"], "rank": True}, "rank"),
+    ({"comm": ["c", "digest"], "rank": "1"}, "rank"),
 ])
 def test_a_malformed_link_request_is_a_protocol_error(change, what):
     request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "connections": [2, 2]}

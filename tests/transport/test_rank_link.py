@@ -429,3 +429,197 @@ def test_keyed_caches_allocated_after_the_link_are_pulled():
         # The remote row (256 fp16 a tensor) is cut into blocks of 64 fp16; chunk 0 -> block 0.
         expected = b"".join(rows[0][t * 512:t * 512 + 128] for t in range(4))
         assert d.call(pull_row_into_blocks, 0) == expected
+
+
+# ==================================================================================================
+# who may join a two-sided link: impostors on the rank-table port (issue 21, defect 3)
+# ==================================================================================================
+
+MESH = {1: 0, 2: 1, 3: 2}
+
+
+def mesh_table(members: int) -> str:
+    """Every rank on 127.0.0.1, device 0: on one host an address proves nothing."""
+    devices = [{"device_id": "0", "device_ip": "127.0.0.1", "rank_id": str(r)} for r in range(members)]
+    return json.dumps({"version": "1.2", "server_count": "1", "status": "completed",
+                       "server_list": [{"device": devices, "server_id": "1"}]})
+
+
+def rank_port(rank: int) -> int:
+    return int(os.environ["LLM_DATADIST_RANK_PORT_BASE"]) + rank  # device 0
+
+
+def serve_table(raw) -> None:
+    """Answer the member's table requests (an empty table) and its unlink on the raw link's
+    reverse connection, as a real member would, so that the link it made stays up."""
+    import threading
+
+    import rawpeer
+    from llm_datadist.transport import wire
+
+    def run() -> None:
+        try:
+            while True:
+                op, _, req_id, _ = rawpeer.read_frame(raw.reverse, timeout=60)
+                if op == wire.OP_TABLE_GET:
+                    table = {"generation": 1, "caches": [], "blocks": [], "keys": []}
+                    raw.reverse.sendall(rawpeer.json_frame(wire.OP_TABLE, table, req_id=req_id))
+                elif op == wire.OP_UNLINK:
+                    raw.reverse.sendall(rawpeer.frame(wire.OP_UNLINK_DONE, req_id=req_id))
+        except (OSError, EOFError, ValueError):
+            return
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def claim(at_rank: int, cluster_id: int, timeout: float = 10.0, **request):
+    """Link by hand to the rank-table port of the member of ``at_rank`` as ``cluster_id`` with the
+    link request changed by ``request`` (retrying while nobody listens there yet): the raw link,
+    or ``rawpeer.Refused``, or the error that closed the connection."""
+    import rawpeer
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            raw = rawpeer.RawLink(("127.0.0.1", rank_port(at_rank)), cluster_id, **request)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        except (rawpeer.Refused, EOFError, OSError) as exc:
+            return exc
+        serve_table(raw)
+        return raw
+
+
+def comm_request(name: str, table: str, ranks: Dict[int, int], rank: int) -> dict:
+    from llm_datadist.transport import comms
+    return {"comm": [name, comms.digest(name, table, ranks)], "rank": rank}
+
+
+def test_the_rank_table_port_refuses_all_but_an_expected_higher_rank():
+    """The member of rank 1 (cluster 2) of a three-member comm listens for rank 2 (cluster 3).
+    On its rank-table port it refuses a link request without a comm, with a wrong digest, with
+    the digest of a rank map in which clusters 2 and 3 have swapped ranks (members that disagree
+    on who has which rank must not meet), from the lower rank 0, from a cluster outside the comm,
+    and from cluster 3 claiming another rank; none of these fails the comm: cluster 3 claiming
+    rank 2 is then accepted."""
+    import rawpeer
+    table = mesh_table(3)
+    swapped = {1: 0, 2: 2, 3: 1}
+    probes = {
+        "no comm": (3, {}),
+        "wrong digest": (3, {"comm": ["mesh", "0" * 32], "rank": 2}),
+        "swapped rank map": (3, comm_request("mesh", table, swapped, 2)),
+        "another comm name": (3, comm_request("other", table, MESH, 2)),
+        "lower rank": (1, comm_request("mesh", table, MESH, 0)),
+        "outside cluster": (9, comm_request("mesh", table, MESH, 2)),
+        "another rank": (3, comm_request("mesh", table, MESH, 1)),
+        "its own id": (2, comm_request("mesh", table, MESH, 2)),
+    }
+    with ExitStack() as stack:
+        member = start(stack, 2, options={"llm.LinkTotalTime": "10"})
+        member.send(link, "mesh", MESH, table)  # rank 0 never comes: it fails in the end
+        outcomes = {what: claim(1, cluster_id, **request) for what, (cluster_id, request) in probes.items()}
+        accepted = {what for what, outcome in outcomes.items() if isinstance(outcome, rawpeer.RawLink)}
+        for outcome in outcomes.values():
+            if isinstance(outcome, rawpeer.RawLink):
+                stack.callback(outcome.close)
+        assert not accepted, f"accepted on the rank-table port: {sorted(accepted)}"
+        for what, outcome in outcomes.items():
+            # LLM_NOT_YET_LINK: not a comm this member is making (a real member would retry)
+            assert isinstance(outcome, rawpeer.Refused) and outcome.status in (S.LLM_LINK_FAILED,
+                                                                               S.LLM_NOT_YET_LINK), (what, outcome)
+        real = claim(1, 3, **comm_request("mesh", table, MESH, 2))
+        assert isinstance(real, rawpeer.RawLink), real
+        stack.callback(real.close)
+        with pytest.raises(ChildError) as failed:
+            member.result(30)
+        assert failed.value.status_code == S.LLM_LINK_FAILED and "rank 0" in str(failed.value), failed.value
+
+
+def test_two_links_claiming_one_rank_fail_the_comm_on_every_member():
+    """Members 1 (rank 0) and 2 (rank 1) link, and wait for 3 (rank 2); a raw peer claims rank 1
+    at member 1 a second time. Member 1 fails and drops the comm's links, member 2 sees its link
+    end and fails, and member 3, arriving afterwards, finds nobody: no member reports success
+    (whichever of the two claims came first)."""
+    import rawpeer
+    table = mesh_table(3)
+    with ExitStack() as stack:
+        members = {cid: start(stack, cid, options={"llm.LinkTotalTime": "8"}) for cid in MESH}
+        for cid in (1, 2):
+            members[cid].send(link, "mesh", MESH, table)
+        time.sleep(1.5)  # member 2 links to member 1 meanwhile
+        second = claim(0, 2, **comm_request("mesh", table, MESH, 1))
+        if isinstance(second, rawpeer.RawLink):
+            stack.callback(second.close)
+        else:
+            assert isinstance(second, rawpeer.Refused), second
+        members[3].send(link, "mesh", MESH, table)
+        for cid, member in members.items():
+            with pytest.raises(ChildError) as failed:
+                member.result(30)
+            assert failed.value.status_code == S.LLM_LINK_FAILED, (cid, failed.value)
+        for member in members.values():
+            assert member.call(linked) == []
+
+
+def test_unlink_ends_the_accepted_and_initiated_links_of_the_comm():
+    """In a three-member mesh the member of rank 1 accepted the link of rank 2 and made the one
+    to rank 0; its unlink ends both: nothing of the comm is linked on any member afterwards, the
+    others' pushes to it fail, and their comm has FAILED (a member is gone)."""
+    table = mesh_table(3)
+    with ExitStack() as stack:
+        members = {cid: start(stack, cid) for cid in MESH}
+        for member in members.values():
+            member.call(register, member.cluster_id)
+        for member in members.values():
+            member.send(link, "mesh", MESH, table)
+        comm_ids = {cid: member.result(LINK_TIMEOUT_S) for cid, member in members.items()}
+        for cid, member in members.items():
+            assert member.call(wait_ok, comm_ids[cid])[-1] == "OK"
+        members[2].call(unlink, comm_ids[2])
+        assert members[2].call(linked) == []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(2 in members[cid].call(linked) for cid in (1, 3)):
+            time.sleep(0.05)
+        for cid in (1, 3):
+            assert members[cid].call(linked) == [4 - cid]
+            with pytest.raises(ChildError):
+                members[cid].call(push, 2, [0], [1])
+            assert members[cid].call(query, comm_ids[cid]) == "FAILED"
+
+
+def test_a_link_serves_one_comm_only():
+    """Two comms between the same two clusters: the second link() fails at once (the first
+    comm's link proves no membership of the second), and unlinking the first comm leaves no link
+    behind that a push could still use."""
+    table = rank_table("one")
+    ranks = {P_ID: 0, D_ID: 1}
+    with ExitStack() as stack:
+        p, d = start(stack, P_ID), start(stack, D_ID)
+        p.call(register, 1)
+        d.call(register, 2)
+        p.send(link, "first", ranks, table)
+        d.send(link, "first", ranks, table)
+        p_comm, d_comm = p.result(LINK_TIMEOUT_S), d.result(LINK_TIMEOUT_S)
+        started = time.monotonic()
+        for cluster in (p, d):
+            with pytest.raises(ChildError) as failed:
+                cluster.call(link, "second", ranks, table, timeout=30)
+            assert failed.value.status_code == S.LLM_LINK_FAILED, failed.value
+        assert time.monotonic() - started < 10
+        d.call(unlink, d_comm)
+        p.call(unlink, p_comm)
+        assert d.call(linked) == [] and p.call(linked) == []
+        with pytest.raises(ChildError):
+            d.call(push, P_ID, [0], [1])
+
+
+def test_the_comm_digest_binds_the_rank_map():
+    """Members with the same ids but swapped ranks compute different digests (their links are
+    refused on the rank-table port: test_the_rank_table_port_refuses_all_but_an_expected_higher_rank)."""
+    from llm_datadist.transport import comms
+    table = mesh_table(2)
+    assert comms.digest("c", table, {1: 0, 2: 1}) != comms.digest("c", table, {1: 1, 2: 0})
+    assert comms.digest("c", table, {1: 0, 2: 1}) == comms.digest("c", table, {2: 1, 1: 0})

@@ -150,6 +150,8 @@ class CaseGenerator:
             if rng.random() < 0.08:  # a member of a two-sided link, or a malformed claim to be one
                 message["comm"] = rng.choice([["link", "ab" * 16], ["pd_comm_x", ""], [], ["a"], ["a", 1],
                                               "link", None, {"name": "a"}, [["a"], "b"]])
+                if rng.random() < 0.8:  # the rank it claims, or a malformed one
+                    message["rank"] = rng.choice([0, 1, 3, 2**31, 2**31 + 1, -1, True, "1", None, 1.0])
             if rng.random() < 0.4:
                 key = rng.choice(["role", "planes", "host", "remote_cache_accessible", "connections"])
                 message[key] = rng.choice([

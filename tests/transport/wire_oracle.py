@@ -266,9 +266,11 @@ class ServerModel:
         if comm is not None and not (isinstance(comm, list) and len(comm) == 2
                                      and all(isinstance(x, str) for x in comm)):
             raise protocol_error("link request: comm")
+        if comm is not None and not _is_u64(message.get("rank"), 0, 1 << 31):  # the rank claimed in it
+            raise protocol_error("link request: rank")
         if comm is None and bool(message.get("remote_cache_accessible")) != self.remote_accessible:
             refusal = S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters"
-        elif peer_id == self.cluster_id:  # only the server's own process may link to its own listener
+        elif comm is None and peer_id == self.cluster_id:  # only the server's own process may link to itself
             refusal = S.LLM_LINK_FAILED, "a self-link of another process"
         elif comm is not None:  # this server makes no two-sided link while it is fuzzed
             refusal = S.LLM_NOT_YET_LINK, "this cluster is not making that link now"
