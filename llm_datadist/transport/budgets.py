@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 MAX_TABLE_BYTES_ENV = "LLM_DATADIST_MAX_TABLE_BYTES"
 DEFAULT_MAX_TABLE_BYTES = 1 << 20
@@ -93,26 +93,26 @@ class ByteBudget:
 
 
 _lock = threading.Lock()
-_parsing: Optional[ByteBudget] = None
-_staging: Optional[ByteBudget] = None
+_process_budgets: Dict[str, ByteBudget] = {}
+
+
+def _process_budget(env: str, default: int) -> ByteBudget:
+    """This process's one ``ByteBudget`` sized by ``env`` (made on first use)."""
+    with _lock:
+        budget = _process_budgets.get(env)
+        if budget is None:
+            budget = _process_budgets[env] = ByteBudget(env_bytes(env, default))
+        return budget
 
 
 def parsing() -> ByteBudget:
     """This process's budget of control-message bytes being read and parsed."""
-    global _parsing
-    with _lock:
-        if _parsing is None:
-            _parsing = ByteBudget(env_bytes(MAX_PARSING_BYTES_ENV, DEFAULT_MAX_PARSING_BYTES))
-        return _parsing
+    return _process_budget(MAX_PARSING_BYTES_ENV, DEFAULT_MAX_PARSING_BYTES)
 
 
 def staging() -> ByteBudget:
     """This process's budget of page-locked bounce memory held by staged transfers."""
-    global _staging
-    with _lock:
-        if _staging is None:
-            _staging = ByteBudget(env_bytes(MAX_STAGING_BYTES_ENV, DEFAULT_MAX_STAGING_BYTES))
-        return _staging
+    return _process_budget(MAX_STAGING_BYTES_ENV, DEFAULT_MAX_STAGING_BYTES)
 
 
 def max_table_bytes() -> int:

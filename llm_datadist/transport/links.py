@@ -749,14 +749,10 @@ class LinkManager:
 
     def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
         """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
-        body, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification", self._count)
-        if body is None:
+        message, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification",
+                                               self._count)
+        if message is None:
             return goes_on
-        try:
-            message = wire.decode_json(body)
-        finally:
-            del body
-            budgets.parsing().release(length)
         status, answer = self._answer_notification(peer.cluster_id, message)
         return server.reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
 
@@ -777,10 +773,10 @@ class LinkManager:
     def _on_unlink(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
         peer_id = peer.cluster_id
-        body, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count)
-        if body is None:
+        message, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count,
+                                               parse=False)
+        if message is None:
             return goes_on
-        budgets.parsing().release(length)  # its body is not parsed
         # Forget the link before answering, so that a relink right after the answer is not
         # mistaken for this one; close the connections after answering.
         with self._lock:

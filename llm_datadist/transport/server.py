@@ -60,14 +60,14 @@ def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
 
 
 def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str,
-                 count: Callable[[str], Any]) -> Tuple[Optional[bytearray], bool]:
-    """Read a control request's body within the budgets (``budgets``): ``(body, True)`` with the
-    caller holding ``length`` bytes of the parsing budget (give them back with
-    ``budgets.parsing().release(length)`` once parsed); ``(None, goes_on)`` when the request was
-    refused: its body read and dropped, the peer answered ``LLM_PARAM_INVALID`` (larger than
+                 count: Callable[[str], Any], parse: bool = True) -> Tuple[Optional[Dict[str, Any]], bool]:
+    """Read a control request's body within the budgets (``budgets``) and, with ``parse``, decode
+    it: ``(message, True)`` (``{}`` without ``parse``), the body's bytes of the parsing budget held
+    only while it was read and decoded; ``(None, goes_on)`` when the request was refused: its body
+    read and dropped, the peer answered ``LLM_PARAM_INVALID`` (larger than
     ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted ``refused_oversized``) or ``LLM_LINK_BUSY`` (no
     room in the parsing budget in time, ``refused_parsing``), the link going on. ProtocolError
-    for a body cut short."""
+    for a body cut short or not a JSON object."""
     limit = budgets.max_message_bytes()
     if length > limit:
         count("refused_oversized")
@@ -80,10 +80,10 @@ def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str,
                                      f"too many control messages are being parsed "
                                      f"({budgets.MAX_PARSING_BYTES_ENV}); try again")
     try:
-        return recv_exact(fd, length, limit, what), True
-    except BaseException:
+        body = recv_exact(fd, length, limit, what)
+        return (wire.decode_json(body) if parse else {}), True
+    finally:
         budget.release(length)
-        raise
 
 
 def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str) -> bool:
@@ -196,23 +196,19 @@ class Requests:
                 wire.OP_PULL: self.pull}
 
     def table(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        body, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count)
-        if body is None:
+        message, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count,
+                                        parse=False)
+        if message is None:
             return goes_on
-        budgets.parsing().release(length)  # its body is not parsed
         table = self.engine.export_table()
         for plane in self._planes():  # what each plane tells this peer (DataPlane.offer)
             table.update(plane.offer(peer))
         return reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(table))
 
     def key_done(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        body, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count)
-        if body is None:
+        message, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count)
+        if message is None:
             return goes_on
-        try:
-            message = wire.decode_json(body)
-        finally:
-            budgets.parsing().release(length)
         try:
             kind, ident, model_id = message["key"]
             released = self.engine.consume_key((str(kind), int(ident), int(model_id)),

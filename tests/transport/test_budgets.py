@@ -255,7 +255,7 @@ def test_staging_buffers_beyond_the_budget_wait_then_fail(monkeypatch):
     budget takes a transfer again."""
     from llm_datadist.transport import staging
 
-    monkeypatch.setattr(budgets, "_staging", budgets.ByteBudget(2 * 4096))
+    monkeypatch.setitem(budgets._process_budgets, budgets.MAX_STAGING_BYTES_ENV, budgets.ByteBudget(2 * 4096))
     runtime = type("Host", (), {})()
     pool = staging.BouncePool.__new__(staging.BouncePool)
     pool.__init__(runtime, chunk_bytes=4096)
