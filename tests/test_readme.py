@@ -215,8 +215,12 @@ def _check_vllm_serve(args: List[str]) -> None:
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     spec = importlib.util.find_spec(config["kv_connector_module_path"])
     assert spec is not None and spec.origin, config["kv_connector_module_path"]
-    assert f"class {config['kv_connector']}" in Path(spec.origin).read_text() or \
-        f"{config['kv_connector']} = " in Path(spec.origin).read_text(), config["kv_connector"]
+    name = re.escape(config["kv_connector"])
+    # defined there, or (a package) imported from one of its modules and listed in __all__
+    text = Path(spec.origin).read_text()
+    assert re.search(rf"^(class {name}\b|{name} = )", text, re.M) or (
+        re.search(rf"^from \S+ import .*\b{name}\b", text, re.M) and f'"{config["kv_connector"]}"' in text), \
+        config["kv_connector"]
     assert config["kv_role"] in ("kv_producer", "kv_consumer", "kv_both")
 
 

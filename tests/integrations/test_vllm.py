@@ -486,8 +486,8 @@ def test_metadata_survives_pickling():
     """Scheduler -> worker metadata and worker -> scheduler handshake cross process boundaries."""
     import pickle
 
-    from llm_datadist.integrations.vllm import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
-                                                _recv_spec)
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
+    from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     meta = LLMDataDistConnectorMetadata()
     spec = _recv_spec({"remote_block_ids": [[4, 5]], "remote_host": "127.0.0.1", "remote_port": 7,
@@ -509,7 +509,7 @@ def test_metadata_survives_pickling():
 
 @needs_vllm
 def test_extra_config_is_checked(caplog):
-    from llm_datadist.integrations.vllm import _Options
+    from llm_datadist.integrations.vllm.options import Options as _Options
 
     assert _Options.parse({"listen_port": 0, "kv_lease_s": 5}).kv_lease_s == 5
     with caplog.at_level(logging.WARNING, logger="llm_datadist.integrations.vllm"):
@@ -527,7 +527,8 @@ def test_a_prefill_worker_listens_on_its_link_port_only():
     """Releases come over the links: no second server."""
     import psutil
 
-    from llm_datadist.integrations.vllm import _Options, _Worker
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
 
     def listening() -> set:
         return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
@@ -543,7 +544,8 @@ def test_a_prefill_worker_listens_on_its_link_port_only():
 
 @needs_vllm
 def test_link_secret_reaches_the_engine_and_no_log(caplog, monkeypatch):
-    from llm_datadist.integrations.vllm import _Options, _Worker
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
 
     config = PRODUCER
     secret, from_env = "configured-" + os.urandom(8).hex(), "environment-" + os.urandom(8).hex()

@@ -85,7 +85,8 @@ def _kv(runtime, keep, device="cuda:0", layers=2):
 
 
 def test_cuda_kv_tensors_register_by_address_as_device_caches(stub_cuda):
-    from llm_datadist.integrations.vllm import _Options, _Worker
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
     keep: list = []
     kv = _kv(stub_cuda, keep)
     worker = _Worker(_config(False), "decode", _Options.parse({}), SimpleNamespace(num_blocks=BLOCKS,
@@ -105,7 +106,8 @@ def test_cuda_kv_tensors_register_by_address_as_device_caches(stub_cuda):
 
 
 def test_kv_tensors_of_another_device_or_runtime_are_refused(stub_cuda, monkeypatch):
-    from llm_datadist.integrations.vllm import _Options, _Worker
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
     keep: list = []
     worker = _Worker(_config(False), "decode", _Options.parse({}), None)
     try:
@@ -154,7 +156,9 @@ def test_decode_worker_pulls_cuda_kv_of_a_prefill_engine(stub_cuda):
     connector's prefill worker does): the bytes move through the library's device path and are
     read back through the runtime. Without a plane that moves device memory the pull is reported
     failed (never decoded from)."""
-    from llm_datadist.integrations.vllm import _Options, _Recv, _Worker
+    from llm_datadist.integrations.vllm.meta import Recv as _Recv
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
     from llm_datadist.testing import Cluster
     from llm_datadist.transport import planes
     keep: list = []

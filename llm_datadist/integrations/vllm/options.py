@@ -1,0 +1,63 @@
+"""What ``kv_connector_extra_config`` may say, checked once at start (the keys are listed in
+the package's docstring)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from llm_datadist.transport.planes import choices as plane_choices
+
+logger = logging.getLogger(__package__)
+
+#: Where the links' shared secret comes from when the extra config names none (the library reads
+#: it there too).
+LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
+
+
+@dataclass
+class Options:
+    listen_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    listen_port: int = 0
+    cluster_id: Optional[int] = None
+    data_plane: str = "auto"
+    sync_kv_timeout_ms: int = 30000
+    link_timeout_ms: int = 10000
+    kv_lease_s: float = 120.0
+    link_secret: Optional[str] = field(default=None, repr=False)
+    lease_tokens: bool = True
+    release_records_bytes: int = 16 << 20
+
+    @classmethod
+    def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:  # other connectors' keys in a shared config: say so, but serve
+            logger.warning("LLMDataDistConnector: ignoring unknown kv_connector_extra_config keys %s; known: %s",
+                           unknown, sorted(known))
+        opts = cls(**{k: v for k, v in extra.items() if k in known})
+        if opts.data_plane not in plane_choices():
+            raise ValueError(f"LLMDataDistConnector: data_plane must be one of {', '.join(plane_choices())}, "
+                             f"got {opts.data_plane!r}")
+        if not isinstance(opts.lease_tokens, bool):
+            raise ValueError(f"LLMDataDistConnector: lease_tokens must be true or false, got {opts.lease_tokens!r}")
+        if isinstance(opts.release_records_bytes, bool) or not isinstance(opts.release_records_bytes, int) or \
+                opts.release_records_bytes < 0:
+            raise ValueError("LLMDataDistConnector: release_records_bytes must be a byte count >= 0, "
+                             f"got {opts.release_records_bytes!r}")
+        if opts.link_secret is None:
+            opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
+        elif not isinstance(opts.link_secret, str) or not opts.link_secret:
+            # (the value itself stays out of the message)
+            raise ValueError("LLMDataDistConnector: link_secret must be a non-empty string")
+        if not opts.advertise_host:
+            opts.advertise_host = opts.listen_host
+            if opts.listen_host in ("0.0.0.0", "::", ""):
+                from vllm.utils.network_utils import get_ip
+                opts.advertise_host = get_ip()
+        return opts
+

@@ -1,0 +1,170 @@
+"""The connector's scheduler half: which requests load KV from a prefill engine, which hand
+theirs out, and whether the engine has begun to stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import replace
+from typing import Any, Dict, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
+from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv,
+                                                 recv_spec)
+from llm_datadist.integrations.vllm.options import Options
+
+logger = logging.getLogger(__package__)
+
+#: Signals on which vLLM's engine core process begins to shut down.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Notices that the engine process was told to stop, before vLLM's drain begins.
+
+    vLLM's engine core process installs SIGTERM/SIGINT handlers before it builds the scheduler
+    (and so this connector); on a signal they start a drain (or an abort) that steps the engine
+    until no finished request holds blocks, and connectors hear of it only after that. So this
+    wraps those handlers: it records the signal, then calls vLLM's. Only Python callables are
+    wrapped, and not ``signal.default_int_handler`` (``KeyboardInterrupt``): a process whose
+    handlers vLLM did not install (an in-process engine) keeps its own. Setting a bool is all the
+    wrapper does before calling on, so it is safe wherever the signal lands."""
+
+    def __init__(self, watch: bool) -> None:
+        self.stopping = False
+        self._previous: Dict[int, Any] = {}
+        if not watch or threading.current_thread() is not threading.main_thread():
+            return  # (signal handlers can only be set from the main thread)
+        for signum in _STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if callable(previous) and previous is not signal.default_int_handler:
+                try:
+                    signal.signal(signum, self._handle)
+                except (ValueError, OSError) as exc:  # not the main interpreter...: serve without it
+                    logger.debug("llm_datadist: cannot watch signal %d: %s", signum, exc)
+                    continue
+                self._previous[signum] = previous
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        previous = self._previous.get(signum)
+        if previous is not None:
+            previous(signum, frame)
+
+    def close(self) -> None:
+        """Put vLLM's handlers back where ours are still installed."""
+        if threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                if signal.getsignal(signum) == self._handle:
+                    signal.signal(signum, previous)
+        self._previous = {}
+
+
+class Scheduler:
+    def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool):
+        self.engine_id = engine_id
+        self.options = options
+        self.block_size = block_size
+        self.worker: Optional[LLMDataDistHandshakeMetadata] = None
+        self._recv: Dict[str, Recv] = {}
+        self._send: Dict[str, float] = {}
+        self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
+
+    def close(self) -> None:
+        self._signals.close()
+
+    def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
+        if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
+            raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
+        if metadata is not None and self.options.lease_tokens and len(metadata.lease_key) < 32:
+            raise ValueError("LLMDataDistConnector: the worker's handshake carries no lease key")
+        self.worker = metadata
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return 0, False
+        spec = recv_spec(params)
+        prompt = len(request.prompt_token_ids or ())
+        wanted = -(-prompt // self.block_size)
+        if spec is None or len(spec.remote_block_ids) != wanted:
+            logger.warning("request %s: kv_transfer_params are malformed or name %s blocks for a prompt of "
+                           "%d tokens (%d wanted); computing the prompt locally", request.request_id,
+                           "?" if spec is None else len(spec.remote_block_ids), prompt, wanted)
+            params["do_remote_prefill"] = False
+            if spec is not None:
+                self._recv[request.request_id] = spec  # still let the prefill side free its blocks
+            return 0, False
+        count = prompt - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if called again
+        spec = recv_spec(params)
+        if spec is None:
+            return
+        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0)
+
+    def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_recv, self._recv = self._recv, {}
+        meta.reqs_to_send, self._send = self._send, {}
+        meta.stopping = self._signals.stopping
+        return meta
+
+    def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before its blocks were allocated: nothing to pull, but the
+            # prefill side must still hear that it can free its blocks.
+            params["do_remote_prefill"] = False
+            spec = recv_spec(params)
+            if spec is not None:
+                self._recv[request.request_id] = spec
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: free its blocks now
+        ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or ())
+        if not ids:
+            return False, None
+        if self._signals.stopping:
+            return False, None  # the engine is going away: no decode side could take them in time
+        if self.worker is None:
+            logger.warning("request %s: no llm_datadist worker address yet; its KV cannot be handed "
+                           "to a decode engine", request.request_id)
+            return False, None
+        if utf8_len(request.request_id) > MAX_REQUEST_ID_BYTES:
+            logger.warning("request %s: its id is longer than %d bytes, which no release may name; its KV is "
+                           "not handed to a decode engine", request.request_id[:64] + "...", MAX_REQUEST_ID_BYTES)
+            return False, None
+        remote_id = request.request_id
+        if self.options.lease_tokens:
+            # Only the decode side the proxy hands these params to can release the blocks; the
+            # token rides in remote_request_id, which every NIXL-style proxy forwards.
+            remote_id = lease_request_id(bytes.fromhex(self.worker.lease_key), request.request_id)
+        self._send[request.request_id] = self.options.kv_lease_s
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": remote_id,
+            "remote_host": self.worker.host,
+            "remote_port": self.worker.port,
+            "remote_cluster_id": self.worker.cluster_id,
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": 1,
+        }

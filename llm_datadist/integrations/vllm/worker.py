@@ -1,0 +1,298 @@
+"""The connector's worker half: registers the KV caches, pulls a decode request's blocks from
+its prefill engine and tells that engine it may free them (decode side), and holds finished
+requests' blocks for their decode sides (prefill side, ``leases.LeaseBook``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+import llm_datadist as ld
+from llm_datadist.integrations.vllm import layout
+from llm_datadist.integrations.vllm.leases import LeaseBook
+from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv
+from llm_datadist.integrations.vllm.options import Options
+
+logger = logging.getLogger(__package__)
+
+#: Prefill requests a decode worker has already settled, remembered to skip a twin's release.
+_SETTLED_REMEMBERED = 1 << 16
+
+
+#: Statuses of a transfer or notification that mean the link itself is gone.
+_LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
+
+
+class _Unreachable(Exception):
+    """No working link to a prefill worker could be had."""
+
+
+class Worker:
+    def __init__(self, vllm_config, engine_id: str, options: Options, kv_cache_config):
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id = engine_id
+        self.options = options
+        self.producer = bool(transfer.is_kv_producer)
+        self.consumer = bool(transfer.is_kv_consumer)
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.cluster_id = options.cluster_id if options.cluster_id is not None else \
+            int.from_bytes(os.urandom(4), "little") | 1
+        self.device_id = layout.current_device_index()
+        cfg = ld.LLMConfig()
+        cfg.device_id = self.device_id
+        cfg.sync_kv_timeout = options.sync_kv_timeout_ms
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = True
+        cfg.link_secret = options.link_secret  # the option llm.LinkSecret; None: not authenticated
+        if self.producer:
+            cfg.listen_ip_info = f"{options.listen_host}:{options.listen_port}"
+        role = ld.LLMRole.MIX if self.producer and self.consumer else \
+            ld.LLMRole.PROMPT if self.producer else ld.LLMRole.DECODER
+        engine_options = cfg.generate_options()
+        engine_options["llm.DataPlane"] = options.data_plane
+        self.dd = ld.LLMDataDist(role, self.cluster_id)
+        self.dd.init(engine_options)
+        self.cm = self.dd.cache_manager
+        # Block releases travel as notifications over the links (no server of our own); the
+        # engine passes them to its links.
+        self._links_api = self.dd.engine
+        self.cache: Optional[ld.Cache] = None
+        self.device: Optional[str] = None
+        self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0}
+        self._lock = threading.Lock()
+        # decode side
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
+        self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
+        self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
+        self._generation = 0
+        self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
+        self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
+        self._recved: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        # prefill side
+        self.leases = LeaseBook(options)
+        if self.producer:
+            self._links_api.set_notify_handler(self.leases.on_release)
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        """A snapshot of the decode side's counters and the lease book's."""
+        with self._lock:
+            mine = dict(self._stats)
+        return dict(mine, **self.leases.stats)
+
+    # -- registration -----------------------------------------------------------------------------
+    def register(self, kv_caches: Dict[str, Any]) -> None:
+        tensors = layout.kv_tensors(kv_caches, self.num_blocks)
+        desc = layout.cache_desc(tensors)
+        first = tensors[0]
+        if desc.placement == ld.Placement.DEVICE:
+            layout.check_device(self.dd, first.device, self.device_id)
+        self._keep = tensors
+        # By address: device memory is registered where it is (no host copy), moved by the
+        # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
+        self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
+                                                   ld.BlocksCacheKey(self.cluster_id, 0), True)
+        self.device = str(first.device)
+        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
+                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+
+    def handshake(self) -> LLMDataDistHandshakeMetadata:
+        port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
+        return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port,
+                                            lease_key=self.leases.key.hex())
+
+    # -- each step --------------------------------------------------------------------------------
+    def start(self, meta: LLMDataDistConnectorMetadata) -> None:
+        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping)
+        pulls = []
+        with self._lock:
+            for req_id, spec in meta.reqs_to_recv.items():
+                key = (spec.cluster_id, spec.remote_request_id)
+                if not spec.awaiting and key in self._settled:
+                    # Nothing to load, and another request of ours has already pulled or
+                    # released these prefill blocks (or found their engine gone): say nothing twice.
+                    logger.debug("request %s: prefill request %s already settled by request %s", req_id,
+                                 spec.remote_request_id, self._settled[key])
+                    continue
+                self._settled[key] = req_id
+                while len(self._settled) > _SETTLED_REMEMBERED:
+                    self._settled.popitem(last=False)
+                pulls.append((req_id, spec))
+        if freed is not None:
+            logger.warning("llm_datadist: the engine is shutting down: freed the KV blocks of %d finished "
+                           "request(s) that no decode engine had taken yet (a decode engine that comes for them "
+                           "is refused); requests that finish from now on hand out no KV", freed)
+        for req_id, spec in pulls:
+            self._pool.submit(self._pull, req_id, spec)
+
+    def results(self) -> KVConnectorTransferResults:
+        sent = self.leases.take_finished()
+        with self._lock:
+            out = KVConnectorTransferResults(finished_sending=sent, finished_recving=self._recved,
+                                             failed_recving=self._failed)
+            self._recved, self._failed = set(), set()
+        return out
+
+    def take_load_errors(self) -> Set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- decode side ------------------------------------------------------------------------------
+    def _pull(self, req_id: str, spec: Recv) -> None:
+        """Pull the request's blocks, then have the prefill side release them; the request is
+        reported done in every case, and failed unless both steps succeeded. At most one line is
+        logged per request, saying what happened."""
+        local = spec.local_block_ids
+        ok = False
+        try:
+            ok = self._pull_and_release(req_id, spec)
+        except Exception:  # noqa: BLE001 - whatever happens, vLLM must hear about the request
+            ok = False
+            logger.exception("request %s: KV load failed", req_id)
+        finally:
+            with self._lock:
+                if spec.awaiting:
+                    self._recved.add(req_id)
+                    if not ok:
+                        self._failed.add(req_id)
+                        self._load_errors.update(local)
+                if local:
+                    self._stats["pulled_requests" if ok else "failed_requests"] += 1
+                    if ok:
+                        self._stats["pulled_blocks"] += len(local)
+
+    def _pull_and_release(self, req_id: str, spec: Recv) -> bool:
+        local = spec.local_block_ids
+        where = f"the prefill engine at {spec.host}:{spec.port} (cluster {spec.cluster_id})"
+        pull_error = None
+        if local:
+            # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
+            remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
+            try:
+                if len(spec.remote_block_ids) < len(local):
+                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
+                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
+                                                                remote, local))
+            except _Unreachable as exc:
+                # No link, so no release can be sent either: if that engine is alive, its lease
+                # frees the blocks.
+                logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
+                             "as not loaded", req_id, where, exc, spec.remote_request_id)
+                return False
+            except (ld.LLMException, TypeError, ValueError) as exc:
+                pull_error = exc  # the link works: still tell the prefill side to free the blocks
+        released, why = self._release_remote(spec)
+        if pull_error is not None:
+            told = ("it was told to free them" if released else
+                    f"it no longer held them: {why}" if released is False else
+                    f"it could not be told to free them ({why}) and does when its lease ends")
+            logger.error("request %s: pulling %d blocks of prefill request %s from %s failed: %s; reporting them "
+                         "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, pull_error, told)
+            return False
+        if released:
+            return True
+        if local:
+            # What we read may have been reused: the prefill side no longer held the blocks
+            # when we said we were done (its lease ran out), or could not be asked.
+            logger.error("request %s: pulled prefill request %s, but %s %s; reporting its blocks as not loaded",
+                         req_id, spec.remote_request_id, where,
+                         f"no longer held them: {why}" if released is False else
+                         f"could not confirm that it still held them: {why}")
+            return False
+        if released is None:
+            logger.warning("request %s: could not tell %s that it may free the blocks of prefill request %s (%s); "
+                           "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
+        return True
+
+    def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
+        """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
+        that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
+        working link can be had."""
+        for attempt in range(2):
+            try:
+                generation, fresh = self._link(spec)
+            except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
+                raise _Unreachable(str(exc)) from None
+            try:
+                return action()
+            except ld.LLMException as exc:
+                if exc.status_code not in _LINK_BROKEN:
+                    raise
+                self._forget_link(spec, generation)
+                if fresh or attempt:
+                    raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
+        raise AssertionError("unreachable")
+
+    def _link(self, spec: Recv) -> Tuple[int, bool]:
+        """``(generation of the link to use, whether it was made now)``; ``_Unreachable`` if the
+        prefill worker refuses or does not answer."""
+        key = (spec.cluster_id, spec.host, spec.port)
+        with self._lock:
+            gate = self._links.setdefault(key, threading.Lock())
+        with gate:
+            if key in self._linked:
+                return self._linked[key], False
+            address = socket.gethostbyname(spec.host)  # the library takes dotted IPv4 addresses
+            info = ld.LLMClusterInfo()
+            info.remote_cluster_id = spec.cluster_id
+            info.append_local_ip_info("127.0.0.1" if address.startswith("127.") else self.options.advertise_host, 0)
+            info.append_remote_ip_info(address, spec.port)
+            _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
+            if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
+                raise _Unreachable(f"linking failed: {rets[0].name}")
+            with self._lock:
+                self._generation += 1
+                self._linked[key] = self._generation
+                self._stats["links"] += 1
+                return self._generation, True
+
+    def _forget_link(self, spec: Recv, generation: int) -> None:
+        """Drop the link that failed — not one another thread has made since."""
+        key = (spec.cluster_id, spec.host, spec.port)
+        with self._links[key]:
+            if self._linked.get(key) != generation:
+                return
+            del self._linked[key]
+            info = ld.LLMClusterInfo()
+            info.remote_cluster_id = spec.cluster_id
+            self.dd.unlink_clusters([info], 1000, force=True)
+
+    def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str]:
+        """Tell the prefill worker, over the link, that the request's blocks may be freed.
+        ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
+        ``(None, why)`` if it could not be told."""
+        message = {"op": "release", "request_id": spec.remote_request_id}
+        try:
+            reply = self._on_link(spec, lambda: self._links_api.notify(spec.cluster_id, message,
+                                                                       self._notify_timeout_ms))
+        except (_Unreachable, ld.LLMException) as exc:
+            return None, str(exc)
+        if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
+            return None, "a malformed answer"
+        with self._lock:
+            self._stats["notified"] += 1
+        return bool(reply.get("released")), str(reply.get("why", ""))
+
+
+    def close(self) -> None:
+        if self.producer:
+            self._links_api.set_notify_handler(None)
+        held = self.leases.close()
+        if held:
+            # No drain freed them (an engine stopped in-process, or by a signal vLLM did not turn
+            # into a drain): they go with this engine.
+            logger.warning("llm_datadist: shutting down with the KV blocks of %d finished requests still held "
+                           "for decode engines; those find this engine gone", held)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.dd.finalize()
+
