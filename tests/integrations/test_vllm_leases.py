@@ -313,9 +313,13 @@ def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
     from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     proxy = toy_proxy_path()
+    if (proxy is None or not proxy.is_file()) and os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1":
+        pytest.fail("LLM_DATADIST_REQUIRE_VLLM=1 but vLLM's toy_proxy_server.py is not here: "
+                    "python tools/fetch_vllm_proxy.py --out DIR, then LLM_DATADIST_TOY_PROXY=DIR/toy_proxy_server.py")
     if proxy is None or not proxy.is_file():
         pytest.skip("vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py is not on this machine "
-                    "(the vllm package does not ship its tests); set LLM_DATADIST_TOY_PROXY to a copy to run this")
+                    "(the vllm package does not ship its tests); tools/fetch_vllm_proxy.py fetches it, then set "
+                    "LLM_DATADIST_TOY_PROXY to it")
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
         decoded = []
