@@ -168,3 +168,17 @@ def test_pull_with_a_key_naming_no_row_is_refused_by_check_cache_key():
             "one of req id and prefix id should contain valid value")
     finally:
         dd.finalize()
+
+
+# -- DataType.DT_STRING: sized as CANN's code sizes it ---------------------------------------------
+
+def test_a_string_cache_has_cann_s_sixteen_byte_elements(py_api):
+    """CANN's CacheDesc.size asks LLMUtils::CalcTensorMemSize, which sizes DT_STRING as 16 bytes
+    (GE's StringHead: address and length); GE's own GetSizeByDataType gives it no size."""
+    desc = CacheDesc(1, [4, 2], DataType.DT_STRING, Placement.HOST)
+    assert desc.size == 4 * 2 * 16
+    memory = np.zeros(desc.size, np.uint8)
+    cache = py_api.cm.register_cache(desc, [memory.ctypes.data])
+    view = cache.as_numpy(0)
+    assert view.shape == (4, 2) and view.dtype.itemsize == 16
+    py_api.cm.unregister_cache(cache.cache_id)
