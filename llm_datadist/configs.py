@@ -259,6 +259,9 @@ class LLMConfig:
         check_isinstance("local_comm_res", value, str, allow_none=False)
         self._local_comm_res = value
 
+    # The getters of transfer_backend and global_resource_config give "" while unset, as CANN's
+    # configs.py does; the API spec (§5) gives their default as None (the source wins). Unset,
+    # neither is emitted.
     @property
     def transfer_backend(self) -> str:
         return "" if self._transfer_backend is None else self._transfer_backend

@@ -51,8 +51,9 @@ class GeTypeInfo(NamedTuple):
 # bytes, as CANN's LLMUtils::GetSizeInBytes computes it. Two entries follow CANN's own code instead
 # of GE's table, where they disagree: CANN's LLMUtils::GetDataTypeLength (hicann/hixl,
 # src/llm_datadist/common/llm_utils.cc) sizes DT_STRING and DT_STRING_REF as 16 bytes (two
-# uint64: GE's StringHead), where GetSizeByDataType says -1 (no size). DT_UNDEFINED has no size
-# in both, and number 5 is reserved.
+# uint64: GE's StringHead), where GetSizeByDataType says -1 (no size), and so does the API spec's
+# table (§2.3, "n/a"): CANN's source wins. DT_UNDEFINED has no size in both, and number 5 is
+# reserved.
 GE_DATA_TYPES = tuple(GeTypeInfo(*entry) for entry in (
     ("DT_FLOAT", 0, 32), ("DT_FLOAT16", 1, 16), ("DT_INT8", 2, 8), ("DT_INT32", 3, 32),
     ("DT_UINT8", 4, 8), ("DT_INT16", 6, 16), ("DT_UINT16", 7, 16), ("DT_UINT32", 8, 32),

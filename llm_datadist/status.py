@@ -67,7 +67,8 @@ class LLMException(RuntimeError):
 
 
 class Status:
-    """A native return code: ``Status(status).is_ok()`` (the keyword is CANN's ``status``)."""
+    """A native return code: ``Status(status).is_ok()``. The keyword is ``status``, as in CANN's
+    status.py (the API spec, §2.5, writes ``Status(code)``: the source wins)."""
 
     def __init__(self, status: int = LLMStatusCode.LLM_SUCCESS):
         self._status_code = to_status_code(status)
@@ -101,7 +102,8 @@ def code_2_status(status) -> LLMStatusCode:
     """CANN's ``code_2_status``: a native code as ``LLMStatusCode``, ``LLM_FAILED`` for any other
     value. Unlike ``to_status_code`` it is a plain table lookup, as CANN's is: -1 (the value of
     ``LLM_UNKNOWN_ERROR``, which CANN's table leaves out) and values that are no int (``None``)
-    are ``LLM_FAILED`` too."""
+    are ``LLM_FAILED`` too. (The API spec, §2.5, maps every known code to its member, -1 to
+    ``LLM_UNKNOWN_ERROR`` then; CANN's source, which wins, does not.)"""
     return _NATIVE_CODES.get(status, LLMStatusCode.LLM_FAILED)
 
 
