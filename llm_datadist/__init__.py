@@ -40,6 +40,17 @@ from llm_datadist.llm_types import (  # noqa: E402
 )
 from llm_datadist.status import LLMException, LLMStatusCode, Status  # noqa: E402
 
+# CANN's module paths llm_datadist.v2.* (the same objects as above), loaded with the package as
+# CANN's __init__ loads them, so that ``llm_datadist.v2.llm_types`` is there after ``import
+# llm_datadist`` too.
+from llm_datadist.v2 import cache_manager as _v2_cache_manager  # noqa: E402
+from llm_datadist.v2 import config as _v2_config  # noqa: E402
+from llm_datadist.v2 import llm_datadist as _v2_llm_datadist  # noqa: E402
+from llm_datadist.v2 import llm_types as _v2_llm_types  # noqa: E402
+from llm_datadist.v2 import llm_utils as _v2_llm_utils  # noqa: E402
+
+del _v2_cache_manager, _v2_config, _v2_llm_datadist, _v2_llm_types, _v2_llm_utils
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -48,6 +59,10 @@ __all__ = [
     "CacheKeyByIdAndIndex", "BlocksCacheKey", "Placement", "RegisterMemStatus", "LayerSynchronizer",
     "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask", "Memtype", "MemInfo",
 ]
+
+# CANN's list of the names its v2 modules provide (its own tests iterate it): __all__ without the
+# v1 names below.
+v2_list = list(__all__)
 
 # CANN lists these in __all__ too; they are left out here because the v1 package they come from
 # is not part of this library, and ``from llm_datadist import *`` must keep working.

@@ -10,7 +10,7 @@ import numpy as np
 
 from llm_datadist import _core
 from llm_datadist._validate import UINT64_MAX, param_invalid, raise_if_false
-from llm_datadist.data_type import DataType, element_size, numpy_dtype
+from llm_datadist.data_type import DataType, element_bits, numpy_dtype
 
 
 ADDRESS_SPACE = UINT64_MAX + 1
@@ -27,13 +27,17 @@ class Place(IntEnum):
 
 
 def tensor_bytes(shape: Sequence[int], data_type: DataType) -> int:
-    """prod(shape) * element size, checking what the engine needs (1..31 dims, positive dims)."""
-    size = element_size(data_type)
-    raise_if_false(size is not None, f"data type {data_type} has no fixed element size")
+    """Bytes of one tensor, as CANN's LLMUtils::GetSizeInBytes counts them: prod(shape) * element
+    size, and for a type packed below a byte ceil(prod(shape) * bits / 8). ``data_type`` is a
+    ``DataType`` or a ``ge::DataType`` number. Checks what the engine needs (1..31 dims, positive
+    dims, a type with a size). CANN's CeilDiv there takes int32, so CANN miscounts a packed tensor
+    of 2**31 bits or more; this count is exact."""
+    bits = element_bits(data_type)
+    raise_if_false(bits is not None, f"data type {data_type} has no element size")
     raise_if_false(1 <= len(shape) <= MAX_SHAPE_DIMS,
                    f"shape {list(shape)} must have 1..{MAX_SHAPE_DIMS} dimensions")
     raise_if_false(all(dim > 0 for dim in shape), f"shape {list(shape)} must have positive dimensions")
-    return math.prod(shape) * size
+    return (math.prod(shape) * bits + 7) // 8
 
 
 def check_address_range(addr: int, nbytes: int, where: str) -> None:

@@ -18,7 +18,6 @@ from llm_datadist._validate import (
     raise_if_false,
 )
 from llm_datadist.llm_types import (
-    INVALID_ID,
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -31,6 +30,8 @@ from llm_datadist.llm_types import (
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
+    is_invalid_id,
+    is_valid_id,
 )
 from llm_datadist.status import LLMException, LLMStatusCode
 
@@ -62,6 +63,18 @@ class CacheManager:
         # went through every check before take them (``_io.BlockRoute``); anything else, and
         # every error, takes the checked path below them.
         self._routes = engine.routes
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """CANN's check of a ``CacheKey`` that names a peer's row: exactly one of ``req_id`` and
+        ``prefix_id`` is set, else ``LLMException(LLM_PARAM_INVALID)`` with CANN's messages."""
+        req_id, prefix_id = cache_key.req_id, cache_key.prefix_id
+        raise_if_false(not (is_invalid_id(req_id) and is_invalid_id(prefix_id)),
+                       f"one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                       f"req id:{req_id},prefix id:{prefix_id}.")
+        raise_if_false(not (is_valid_id(req_id) and is_valid_id(prefix_id)),
+                       f"only one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                       f"req id:{req_id}, prefix id:{prefix_id}.")
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check_is_inited(self) -> None:
@@ -349,8 +362,7 @@ class CacheManager:
         """A remote row reference from a CacheKeyByIdAndIndex or a CacheKey."""
         if isinstance(key, CacheKeyByIdAndIndex):
             return values.CacheRowRef(key.cache_id, key.batch_index)
-        raise_if_false((key.req_id != INVALID_ID) != (key.prefix_id != INVALID_ID),
-                       f"{key}: exactly one of req_id and prefix_id must be set")
+        CacheManager.check_cache_key(key)
         return values.KeyRef(key.owner_key())
 
     @staticmethod

@@ -8,7 +8,7 @@ from enum import IntEnum
 from typing import Dict, List, Optional, Tuple
 
 from llm_datadist._validate import (
-    check_int,
+    UINT32_MAX,
     check_isinstance,
     check_int32,
     check_uint16,
@@ -16,7 +16,6 @@ from llm_datadist._validate import (
     check_uint64,
     raise_if_false,
     unpack_ip,
-    INT32_MAX,
 )
 
 __all__ = ["LLMRole", "LLMConfig", "LlmConfig", "LLMClusterInfo"]
@@ -55,6 +54,7 @@ class LLMConfig:
     ``generate_options()`` returns the option dict (the same dict object on every call)."""
 
     def __init__(self) -> None:
+        # The defaults are CANN's, "" where its getters give "" for an unset value.
         self._options: Dict[str, str] = {}
         self._device_id = None
         self._sync_kv_timeout = None
@@ -75,9 +75,9 @@ class LLMConfig:
         self._local_comm_res = None
         self._transfer_backend = None
         self._global_resource_config = None
-        self._deploy_res_path = None
+        self._deploy_res_path = ""
         self._output_max_size = None
-        self._cluster_info = None
+        self._cluster_info = ""
 
     # -- device and timeouts --------------------------------------------------------------------
     @property
@@ -86,10 +86,14 @@ class LLMConfig:
 
     @device_id.setter
     def device_id(self, value) -> None:
+        """An int or a list/tuple of ints: TypeError otherwise; a negative id is
+        ``LLMException(LLM_PARAM_INVALID)`` and one past int32 a ValueError, as in CANN."""
         check_isinstance("device_id", value, [int, list, tuple], int)
         ids = list(value) if isinstance(value, (list, tuple)) else [value]
         for device in ids:
-            check_int("device_id", device, 0, INT32_MAX)
+            raise_if_false(device >= 0, "device_id should be greater than or equal to zero.")
+        for device in ids:
+            check_int32("device_id", device)
         self._device_id = value
 
     @property
@@ -214,7 +218,10 @@ class LLMConfig:
 
     @link_total_time.setter
     def link_total_time(self, value: int) -> None:
-        self._link_total_time = check_uint32("link_total_time", value)
+        check_isinstance("link_total_time", value, int, allow_none=False)
+        raise_if_false(0 <= value <= UINT32_MAX, "link_total_time should be an integer between [0, 2^32-1], "
+                       f"given value is {value}")
+        self._link_total_time = value
 
     @property
     def link_retry_count(self) -> int:
@@ -222,7 +229,10 @@ class LLMConfig:
 
     @link_retry_count.setter
     def link_retry_count(self, value: int) -> None:
-        self._link_retry_count = check_int("link_retry_count", value, 1, 100)
+        check_isinstance("link_retry_count", value, int, allow_none=False)
+        raise_if_false(1 <= value <= 100, f"link_retry_count should be an integer between [1, 100], "
+                       f"given value is {value}")
+        self._link_retry_count = value
 
     @property
     def rdma_traffic_class(self):
@@ -249,9 +259,12 @@ class LLMConfig:
         check_isinstance("local_comm_res", value, str, allow_none=False)
         self._local_comm_res = value
 
+    # The getters of transfer_backend and global_resource_config give "" while unset, as CANN's
+    # configs.py does; the API spec (§5) gives their default as None (the source wins). Unset,
+    # neither is emitted.
     @property
-    def transfer_backend(self):
-        return self._transfer_backend
+    def transfer_backend(self) -> str:
+        return "" if self._transfer_backend is None else self._transfer_backend
 
     @transfer_backend.setter
     def transfer_backend(self, value: str) -> None:
@@ -259,8 +272,8 @@ class LLMConfig:
         self._transfer_backend = value
 
     @property
-    def global_resource_config(self):
-        return self._global_resource_config
+    def global_resource_config(self) -> str:
+        return "" if self._global_resource_config is None else self._global_resource_config
 
     @global_resource_config.setter
     def global_resource_config(self, value: str) -> None:
@@ -269,7 +282,7 @@ class LLMConfig:
 
     # -- legacy --------------------------------------------------------------------------------
     @property
-    def deploy_res_path(self):
+    def deploy_res_path(self) -> str:
         return self._deploy_res_path
 
     @deploy_res_path.setter
@@ -278,13 +291,24 @@ class LLMConfig:
         self._deploy_res_path = value
 
     @property
-    def cluster_info(self):
+    def cluster_info(self) -> str:
+        """The legacy cluster info as a JSON string (``""`` when unset), its ``listen_ip_info``
+        addresses packed to integers by the setter."""
         return self._cluster_info
 
     @cluster_info.setter
-    def cluster_info(self, value) -> None:
-        check_isinstance("cluster_info", value, dict, allow_none=False)
-        self._cluster_info = value
+    def cluster_info(self, value: str) -> None:
+        """A JSON string, as CANN's setter takes it, with CANN's errors: ``TypeError`` for what is
+        not a ``str`` (``None`` reaches ``json.loads``, which raises it), ``json.JSONDecodeError``
+        (a ``ValueError``) for bad JSON, ``RuntimeError`` for an ``"ip"`` of ``listen_ip_info``
+        that is no dotted IPv4 address. Like CANN's, it looks for ``listen_ip_info`` with ``in``,
+        so any JSON value that supports ``in`` is stored as given."""
+        check_isinstance("cluster_info", value, str)
+        cluster_info = json.loads(value)
+        if "listen_ip_info" in cluster_info:
+            for ip_info in cluster_info["listen_ip_info"]:
+                ip_info["ip"] = trans_str_ip(ip_info["ip"])
+        self._cluster_info = json.dumps(cluster_info)
 
     @property
     def output_max_size(self):
@@ -295,8 +319,14 @@ class LLMConfig:
         self._output_max_size = check_uint64("output_max_size", value)
 
     # -- emission ------------------------------------------------------------------------------
+    @property
+    def options(self) -> Dict[str, str]:
+        """The option dict ``generate_options`` fills (empty before its first call), as CANN's."""
+        return self._options
+
     def generate_options(self) -> Dict[str, str]:
-        """Merge every set option into the internal dict and return it (same object each call)."""
+        """Merge every set option into the internal dict and return it (same object each call),
+        in CANN's order: ``ge_options``, device, timeout, deploy path, memory, links, legacy."""
         opts = self._options
         opts.update(self._ge_options)
         if self._device_id is not None:
@@ -305,24 +335,20 @@ class LLMConfig:
             opts["ge.session_device_id"] = str(ids[0]) if ids else ""
         if self._sync_kv_timeout is not None:
             opts["llm.SyncKvCacheWaitTime"] = str(self._sync_kv_timeout)
-        if self._deploy_res_path is not None:
+        if self._deploy_res_path:
             opts["llm.deployResPath"] = self._deploy_res_path
+        if self._buf_pool_cfg:
+            opts["llm.BufPoolCfg"] = self._buf_pool_cfg
         if self._mem_pool_cfg:
             opts["llm.MemPoolConfig"] = self._mem_pool_cfg
         if self._host_mem_pool_cfg:
             opts["llm.HostMemPoolConfig"] = self._host_mem_pool_cfg
-        if self._buf_pool_cfg:
-            opts["llm.BufPoolCfg"] = self._buf_pool_cfg
-        if self._listen_ip_info:
-            opts["llm.listenIpInfo"] = self._listen_ip_info
         if self._enable_cache_manager is not None:
             opts["llm.EnableCacheManager"] = "1" if self._enable_cache_manager else "0"
         if self._enable_remote_cache_accessible is not None:
             opts["llm.EnableRemoteCacheAccessible"] = "1" if self._enable_remote_cache_accessible else "0"
-        if self._enable_switch_role:
-            opts["llm.EnableSwitchRole"] = "1"
-        if self._link_secret is not None:
-            opts["llm.LinkSecret"] = self._link_secret
+        if self._listen_ip_info:
+            opts["llm.listenIpInfo"] = self._listen_ip_info
         if self._link_total_time is not None:
             opts["llm.LinkTotalTime"] = str(self._link_total_time)
         if self._link_retry_count is not None:
@@ -337,11 +363,15 @@ class LLMConfig:
             opts["llm.TransferBackend"] = self._transfer_backend
         if self._global_resource_config is not None:
             opts["llm.GlobalResourceConfig"] = self._global_resource_config
-        opts["llm.MemoryUtilization"] = str(self._mem_utilization)
-        if self._cluster_info is not None:
-            opts["llm.ClusterInfo"] = json.dumps(_pack_ips(self._cluster_info))
+        if self._link_secret is not None:
+            opts["llm.LinkSecret"] = self._link_secret
+        if self._cluster_info:
+            opts["llm.ClusterInfo"] = self._cluster_info
         if self._output_max_size is not None:
             opts["llm.OutputMaxSize"] = str(self._output_max_size)
+        if self._enable_switch_role:
+            opts["llm.EnableSwitchRole"] = "1"
+        opts["llm.MemoryUtilization"] = str(self._mem_utilization)
         return opts
 
     gen_options = generate_options
@@ -361,13 +391,16 @@ def pack_ip(ip) -> int:
         raise ValueError(f"ip {ip!r} is not a dotted IPv4 address") from None
 
 
-def _pack_ips(value):
-    """The legacy cluster_info structure with every ``"ip"`` string packed to its integer form."""
-    if isinstance(value, dict):
-        return {k: pack_ip(v) if k == "ip" and isinstance(v, str) else _pack_ips(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_pack_ips(v) for v in value]
-    return value
+def trans_str_ip(ip):
+    """CANN's ``trans_str_ip`` (``LLMConfig.cluster_info`` uses it): a dotted IPv4 string packed
+    as ``pack_ip`` packs it, ``RuntimeError`` if it is none; any other value is returned as it
+    is, unchecked, as CANN's does."""
+    if not isinstance(ip, str):
+        return ip
+    try:
+        return int.from_bytes(socket.inet_aton(ip), "little")
+    except OSError:
+        raise RuntimeError(f"Can not parse ip str:{ip}") from None
 
 
 class LLMClusterInfo:
@@ -375,7 +408,7 @@ class LLMClusterInfo:
 
     def __init__(self) -> None:
         self._remote_cluster_id = None
-        self._remote_role_type = 0
+        self._remote_role_type = None  # CANN's default; the links do not read it
         self._local_ip_info_list: List[Tuple[int, int]] = []
         self._remote_ip_info_list: List[Tuple[int, int]] = []
 
@@ -388,13 +421,14 @@ class LLMClusterInfo:
         self._remote_cluster_id = check_uint64("remote_cluster_id", value)
 
     @property
-    def remote_role_type(self) -> int:
+    def remote_role_type(self):
         return self._remote_role_type
 
     @remote_role_type.setter
     def remote_role_type(self, value) -> None:
-        check_isinstance("remote_role_type", value, int, allow_none=False)
-        self._remote_role_type = int(value)
+        """An ``LLMRole`` or an int, kept as given (``None`` too), as CANN's setter keeps it."""
+        check_isinstance("remote_role_type", value, [LLMRole, int])
+        self._remote_role_type = value
 
     def append_local_ip_info(self, ip, port: int) -> None:
         self._local_ip_info_list.append((pack_ip(ip), check_uint16("port", port)))

@@ -41,7 +41,8 @@ from llm_datadist.engine import values
 from llm_datadist.engine.engine import Engine
 from llm_datadist._memory import Place
 from llm_datadist._validate import UINT64_MAX, is_instance_strict, param_invalid
-from llm_datadist.data_type import DataType
+from llm_datadist.data_type import GE_DATA_TYPES
+from llm_datadist.data_type import DataType as _PythonDataType
 from llm_datadist.status import CPP_STATUS_CODES, LLMException
 
 logger = logging.getLogger("llm_datadist")
@@ -87,22 +88,36 @@ OPTION_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
 #: Not in CANN: the shared secret that authenticates links (see ``transport.auth``).
 OPTION_LINK_SECRET = "llm.LinkSecret"
 
-# ge::DataType names (the ones with a fixed element size are usable in caches).
-DT_FLOAT = DataType.DT_FLOAT
-DT_FLOAT16 = DataType.DT_FLOAT16
-DT_INT8 = DataType.DT_INT8
-DT_INT32 = DataType.DT_INT32
-DT_UINT8 = DataType.DT_UINT8
-DT_INT16 = DataType.DT_INT16
-DT_UINT16 = DataType.DT_UINT16
-DT_UINT32 = DataType.DT_UINT32
-DT_INT64 = DataType.DT_INT64
-DT_UINT64 = DataType.DT_UINT64
-DT_DOUBLE = DataType.DT_DOUBLE
-DT_BOOL = DataType.DT_BOOL
-DT_STRING = DataType.DT_STRING
-DT_BF16 = DataType.DT_BF16
-DT_UNDEFINED = 28
+# ``llm_datadist::DataType`` (``using DataType = ge::DataType``) and its 41 ``DT_*`` values, which
+# llm_datadist.h re-exports from GE: an IntEnum of GE's numbers (data_type.GE_DATA_TYPES holds them
+# with their sizes), each also a constant of this module (cpp.DT_FLOAT8_E4M3FN, ...). Every one but
+# DT_UNDEFINED sizes a cache, as in CANN; a cache of DT_UNDEFINED is LLM_PARAM_INVALID.
+class _DataTypeEnum(IntEnum):
+    """What DataType adds to IntEnum (members are made from GE_DATA_TYPES, so the method lives in
+    this member-less base)."""
+
+    def __str__(self) -> str:  # "DataType.DT_INT4" on every Python version
+        return f"{type(self).__name__}.{self.name}"
+
+
+DataType = _DataTypeEnum("DataType", [(info.name, info.number) for info in GE_DATA_TYPES], module=__name__,
+                         qualname="DataType")
+globals().update(DataType.__members__)
+DT_UNDEFINED = DataType.DT_UNDEFINED  # bound by name too: CacheDesc's default below
+
+
+class llm:  # lower case: the C++ namespace's name
+    """Namespace ``llm`` of CANN's header ``llm_datadist/llm_engine_types.h``: the role names and
+    option keys it defines, as ``cpp.llm.LLM_OPTION_SYNC_KV_CACHE_WAIT_TIME`` and so on."""
+
+    kPrompt = "Prompt"
+    kDecoder = "Decoder"
+    LLM_OPTION_CLUSTER_INFO = "llm.ClusterInfo"
+    LLM_OPTION_ROLE = "llm.Role"
+    LLM_OPTION_SYNC_KV_CACHE_WAIT_TIME = "llm.SyncKvCacheWaitTime"
+    LLM_OPTION_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
+    LLM_OPTION_ENABLE_SWITCH_ROLE = "llm.EnableSwitchRole"
+    LLM_OPTION_BUF_POOL_CFG = "llm.BufPoolCfg"
 
 
 class LlmRole(IntEnum):
@@ -273,12 +288,14 @@ def _check_uint(name: str, value: Any, bits: int) -> int:
 
 
 def _data_type(value: Any) -> DataType:
-    if isinstance(value, DataType):
-        return value
+    """A ``DataType`` member or its number; also (not in C++) a Python-style ``DataType``."""
+    number = value.value if isinstance(value, _PythonDataType) else value
+    if not is_instance_strict(number, int):
+        raise param_invalid(f"data_type {value!r} is not a ge::DataType")
     try:
-        return DataType(value)
+        return DataType(number)
     except ValueError:
-        raise param_invalid(f"data_type {value!r} is not a supported ge::DataType") from None
+        raise param_invalid(f"data_type {value!r} is not a ge::DataType of llm_datadist.h") from None
 
 
 def _placement(value: Any) -> Place:

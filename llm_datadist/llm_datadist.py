@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -16,17 +17,22 @@ from llm_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["LLMDataDist"]
 
+logger = logging.getLogger("llm_datadist")
+
 _atexit_lock = threading.Lock()
 _atexit_registered = False
 
 
-def _finalize_at_exit() -> None:
-    instance = LLMDataDist._initialized_instance
+def _shutdown_handler() -> None:
+    """CANN's exit hook (its name, which CANN's tests import from ``llm_datadist.v2.llm_datadist``):
+    finalize the initialized instance; an ``LLMException`` is logged, not raised. Registered with
+    ``atexit`` by the first ``init`` (CANN registers it on import)."""
+    instance = LLMDataDist.llm_engine_instance
     if instance is not None:
         try:
             instance.finalize()
-        except LLMException:
-            pass
+        except LLMException as exc:
+            logger.warning("error while finalizing llm datadist at exit: %s", exc)
 
 
 _MAX_COMM_NAME = 128
@@ -66,7 +72,9 @@ class LLMDataDist:
     Only one instance may be initialized per process; ``finalize`` (or process exit) releases it.
     """
 
-    _initialized_instance: Optional["LLMDataDist"] = None
+    #: The initialized instance of this process, None when there is none (CANN's class attribute;
+    #: ``init`` refuses a second one with ``LLM_FAILED``, as CANN's does).
+    llm_engine_instance: Optional["LLMDataDist"] = None
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         check_isinstance("role", role, LLMRole, allow_none=False)
@@ -106,7 +114,7 @@ class LLMDataDist:
         global _atexit_registered
         if self._is_initialized():
             return
-        if LLMDataDist._initialized_instance is not None:
+        if LLMDataDist.llm_engine_instance is not None:
             raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
         check_isinstance("options", options, dict, str, allow_none=False)
         opts = dict(options)
@@ -142,10 +150,10 @@ class LLMDataDist:
         self._engine = engine
         self._is_v2 = is_v2
         self._cache_manager = CacheManager(self, engine, opts) if is_v2 else None
-        LLMDataDist._initialized_instance = self
+        LLMDataDist.llm_engine_instance = self
         with _atexit_lock:
             if not _atexit_registered:
-                atexit.register(_finalize_at_exit)
+                atexit.register(_shutdown_handler)
                 _atexit_registered = True
 
     def finalize(self) -> None:
@@ -156,8 +164,8 @@ class LLMDataDist:
             self._cache_manager._mark_finalized()
         self._engine.finalize()
         self._cache_manager = None
-        if LLMDataDist._initialized_instance is self:
-            LLMDataDist._initialized_instance = None
+        if LLMDataDist.llm_engine_instance is self:
+            LLMDataDist.llm_engine_instance = None
 
     def _check_init(self) -> None:
         if not self._is_initialized():

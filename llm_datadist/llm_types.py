@@ -30,6 +30,24 @@ __all__ = [
 INVALID_ID = UINT64_MAX
 
 
+def is_invalid_id(req_id_or_prefix_id: int) -> bool:
+    """CANN's test of a request or prefix id: negative or ``2**64 - 1`` means "not set"."""
+    return req_id_or_prefix_id < 0 or req_id_or_prefix_id == INVALID_ID
+
+
+def is_valid_id(req_id_or_prefix_id: int) -> bool:
+    return not is_invalid_id(req_id_or_prefix_id)
+
+
+class PushType(Enum):
+    """CANN's kinds of push destination (the value its native transfer call is given); kept for
+    programs that import it from ``llm_datadist.v2.llm_types``, nothing here reads it."""
+
+    NO_CACHE_KEY = 0
+    BLOCKS_CACHE_KEY = 1
+    CACHE_KEY_BY_ID = 2
+
+
 class Placement(IntEnum):
     HOST = 0
     DEVICE = 1
@@ -128,17 +146,17 @@ class CacheDesc:
         """Bytes of one tensor: prod(shape) * element size."""
         return tensor_bytes(self._shape, self._data_type)
 
-    def update_dim(self, dim_index: int, value: int) -> None:
+    def update_dim(self, dim_index: int, dim_value: int) -> None:
         check_int32("dim_index", dim_index)
-        check_int64("value", value)
+        check_int64("dim_value", dim_value)
         raise_if_false(0 <= dim_index < len(self._shape),
                        f"dim_index {dim_index} must be in [0, {len(self._shape)})")
         if isinstance(self._shape, tuple):
             shape = list(self._shape)
-            shape[dim_index] = value
+            shape[dim_index] = dim_value
             self._shape = tuple(shape)
         else:
-            self._shape[dim_index] = value
+            self._shape[dim_index] = dim_value
 
     def __repr__(self) -> str:
         return (f"CacheDesc(num_tensors={self._num_tensors}, shape={list(self._shape)}, "
@@ -248,11 +266,49 @@ class Cache:
 
 class KvCache(Cache):
     """The v1 (KvCacheManager mode) cache type; v1 mode is not implemented, the type is kept for
-    programs that only name it. ``per_device_tensor_addrs`` is the single device's address list."""
+    programs that only name it. ``per_device_tensor_addrs`` holds one address list per device;
+    ``tensor_addrs`` is the first device's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._per_device_tensor_addrs = [list(self._tensor_addrs)]
 
     @property
     def per_device_tensor_addrs(self) -> List[List[int]]:
-        return [list(self._tensor_addrs)]
+        return [list(addrs) for addrs in self._per_device_tensor_addrs]
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs) -> "KvCache":
+        """CANN's ``KvCache.create_cpu_cache``: ``addrs`` is a list of integer addresses (one
+        device) or a list of such lists (one per device), each of ``num_tensors`` addresses.
+        Unlike ``Cache.create_cpu_cache`` it takes ints only, as CANN's does; the addresses are
+        checked when an operation uses the cache."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        geometry = _geometry_of(cache_desc)
+        raise_if_false(geometry.placement == Placement.HOST, "cache_desc placement must be HOST")
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        raise_if_false(len(addrs) > 0, "addrs length should be bigger than zero.")
+        # CANN's checks, in its order and with its messages: every element a list or an int, all
+        # of one kind, each list of num_tensors ints.
+        first_type = type(addrs[0])
+        for addr in addrs:
+            check_isinstance("the internal element of addrs", addr, [list, int], allow_none=False)
+            if isinstance(addr, list):
+                check_isinstance("the internal element of addrs", addr, list, int)
+                raise_if_false(geometry.num_tensors == len(addr),
+                               f"cache_desc num_tensors:{geometry.num_tensors} should be equal to size of "
+                               f"the internal element of addrs:{len(addr)}")
+            raise_if_false(isinstance(addr, first_type),
+                           "the type of the internal element of addrs should be consistent.")
+        one_device = not isinstance(addrs[0], list)
+        if one_device:
+            raise_if_false(geometry.num_tensors == len(addrs), f"cache_desc num_tensors:{geometry.num_tensors} "
+                           f"should be equal to size of addrs:{len(addrs)}")
+        per_device = [list(addrs)] if one_device else [list(device) for device in addrs]
+        cache = cls(-1, cache_desc, per_device[0], None, True, True)
+        cache._geometry = geometry
+        cache._per_device_tensor_addrs = per_device
+        return cache
 
 
 def _parse_key_args(args, kwargs, positional: List[str], required: List[str], max_params: int) -> dict:
@@ -429,13 +485,14 @@ class LayerSynchronizer(ABC):
         """Wait until layer ``layer_index`` is computed; False aborts the transfer."""
 
 
-def _check_range(name: str, value, allow_none: bool = True) -> None:
+def check_layer_range(name: str, layer_range: Optional[range], allow_none: bool = True) -> None:
     """CANN's ``check_layer_range``: a ``range`` with step 1 and ``0 <= start < stop``."""
-    if value is None and allow_none:
+    if layer_range is None and allow_none:
         return
-    check_isinstance(name, value, range, allow_none=allow_none)
-    raise_if_false(value.step == 1, f"check {name}.step == 1 failed")
-    raise_if_false(0 <= value.start < value.stop, f"check 0 <= range.start < range.stop failed, {name} = {value}")
+    check_isinstance(name, layer_range, range, allow_none=allow_none)
+    raise_if_false(layer_range.step == 1, f"check {name}.step == 1 failed")
+    raise_if_false(0 <= layer_range.start < layer_range.stop,
+                   f"check 0 <= range.start < range.stop failed, {name} = {layer_range}")
 
 
 class TransferConfig:
@@ -449,7 +506,7 @@ class TransferConfig:
                  src_batch_index: int = 0) -> None:
         check_uint64("dst_cluster_id", dst_cluster_id)
         self._check_dst_addrs(dst_addrs)
-        _check_range("src_layer_range", src_layer_range)
+        check_layer_range("src_layer_range", src_layer_range)
         check_uint32("src_batch_index", src_batch_index)
         self._dst_cluster_id = dst_cluster_id
         self._dst_addrs = dst_addrs
@@ -487,7 +544,7 @@ class TransferConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, layer_range: Optional[range]) -> None:
-        _check_range("src_layer_range", layer_range)
+        check_layer_range("src_layer_range", layer_range)
         self._src_layer_range = layer_range
 
     @property
@@ -515,9 +572,9 @@ class TransferWithCacheKeyConfig:
                  dst_layer_range: range = None, src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex], allow_none=False)
         self._cache_key = cache_key
-        _check_range("src_layer_range", src_layer_range, allow_none=False)
+        check_layer_range("src_layer_range", src_layer_range, allow_none=False)
         self._src_layer_range = src_layer_range
-        _check_range("dst_layer_range", dst_layer_range, allow_none=False)
+        check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
         self._dst_layer_range = dst_layer_range
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        "src_layer_range size should be equal to dst_layer_range size")
@@ -542,7 +599,7 @@ class TransferWithCacheKeyConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, layer_range: Optional[range]) -> None:
-        _check_range("src_layer_range", layer_range)
+        check_layer_range("src_layer_range", layer_range)
         self._src_layer_range = layer_range
 
     @property
@@ -551,7 +608,7 @@ class TransferWithCacheKeyConfig:
 
     @dst_layer_range.setter
     def dst_layer_range(self, layer_range: Optional[range]) -> None:
-        _check_range("dst_layer_range", layer_range)
+        check_layer_range("dst_layer_range", layer_range)
         self._dst_layer_range = layer_range
 
     @property

@@ -11,7 +11,8 @@ from enum import IntEnum
 
 from llm_datadist._status_codes import STATUS_CODES
 
-__all__ = ["LLMStatusCode", "LLMException", "Status", "raise_on_status", "to_status_code"]
+__all__ = ["LLMStatusCode", "LLMException", "Status", "code_2_status", "handle_llm_status", "raise_on_status",
+           "to_status_code"]
 
 # C++ name -> the name CANN's Python LLMStatusCode gives the same code.
 _PYTHON_NAMES = {"LLM_WAIT_PROC_TIMEOUT": "LLM_WAIT_PROCESS_TIMEOUT", "LLM_SEQ_LEN_OVER_LIMIT": "LLM_SEQ_LENOVERLIMIT"}
@@ -66,10 +67,11 @@ class LLMException(RuntimeError):
 
 
 class Status:
-    """A native return code: ``Status(code).is_ok()``."""
+    """A native return code: ``Status(status).is_ok()``. The keyword is ``status``, as in CANN's
+    status.py (the API spec, §2.5, writes ``Status(code)``: the source wins)."""
 
-    def __init__(self, code: int = LLMStatusCode.LLM_SUCCESS):
-        self._status_code = to_status_code(code)
+    def __init__(self, status: int = LLMStatusCode.LLM_SUCCESS):
+        self._status_code = to_status_code(status)
 
     @property
     def status_code(self) -> LLMStatusCode:
@@ -90,6 +92,28 @@ class Status:
 
     def __repr__(self) -> str:
         return f"Status({self._status_code.name})"
+
+
+# CANN's code_2_status table: every native code its Python names, LLM_UNKNOWN_ERROR (-1) excepted.
+_NATIVE_CODES = {int(code): code for code in LLMStatusCode if code != LLMStatusCode.LLM_UNKNOWN_ERROR}
+
+
+def code_2_status(status) -> LLMStatusCode:
+    """CANN's ``code_2_status``: a native code as ``LLMStatusCode``, ``LLM_FAILED`` for any other
+    value. Unlike ``to_status_code`` it is a plain table lookup, as CANN's is: -1 (the value of
+    ``LLM_UNKNOWN_ERROR``, which CANN's table leaves out) and values that are no int (``None``)
+    are ``LLM_FAILED`` too. (The API spec, §2.5, maps every known code to its member, -1 to
+    ``LLM_UNKNOWN_ERROR`` then; CANN's source, which wins, does not.)"""
+    return _NATIVE_CODES.get(status, LLMStatusCode.LLM_FAILED)
+
+
+def handle_llm_status(status, func_name, other_info) -> None:
+    """CANN's ``handle_llm_status``: raise ``LLMException`` for a native code other than success,
+    with CANN's message (``"<func_name> failed, error code is LLMStatusCode.<name>, <other_info>."``)
+    and the code as mapped by ``code_2_status``."""
+    if status != LLMStatusCode.LLM_SUCCESS:
+        mapped = code_2_status(status)
+        raise LLMException(f"{func_name} failed, error code is {mapped}, {other_info}.", status_code=mapped)
 
 
 def raise_on_status(code: int, where: str, detail: str = "") -> None:

@@ -36,6 +36,9 @@ ROOT = "llm_datadist"
 
 PYTHON_STYLE = {"llm_datadist.llm_datadist", "llm_datadist.cache_manager", "llm_datadist.llm_types",
                 "llm_datadist.configs"}
+# CANN's module paths llm_datadist.v2.*: the Python style again, under CANN's names.
+PYTHON_STYLE |= {f"llm_datadist.v2.{name}" for name in ("llm_types", "cache_manager", "llm_datadist", "config",
+                                                        "llm_utils")}
 CPP_STYLE = {"llm_datadist.cpp"}
 
 #: Modules at the package root, by layer; a folder's modules are in the folder's layer (FOLDERS).
@@ -54,7 +57,7 @@ FOLDERS = {
     "llm_datadist.transport": "transport",
     "llm_datadist.cli": "cli",
     "llm_datadist.integrations": "integrations",
-    "llm_datadist.v2": "face",  # CANN's llm_datadist.v2 module paths, when they land
+    "llm_datadist.v2": "face",  # CANN's llm_datadist.v2 module paths (re-exports of the Python style)
 }
 
 #: What each layer may import besides itself.
@@ -241,6 +244,8 @@ FORBIDDEN = [
     ("llm_datadist.testing", "import llm_datadist._core", "imports llm_datadist._core"),
     ("llm_datadist.cpp", "from llm_datadist import cache_manager", "sibling API style"),
     ("llm_datadist.configs", "from llm_datadist.cpp import LlmDataDist", "sibling API style"),
+    ("llm_datadist.v2.llm_types", "from llm_datadist.cpp import CacheDesc", "sibling API style"),
+    ("llm_datadist.v2.llm_utils", "from llm_datadist.transport import wire", "imports llm_datadist.transport"),
     ("llm_datadist.engine.engine", "from llm_datadist import LLMDataDist", "imports llm_datadist.LLMDataDist"),
     ("llm_datadist.engine.engine", "from llm_datadist.cli import demo", "imports llm_datadist.cli.demo"),
     ("llm_datadist.transport.links", "from llm_datadist.engine import engine", "imports llm_datadist.engine"),

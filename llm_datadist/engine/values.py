@@ -186,6 +186,8 @@ def new_record(num_tensors: int, shape: Tuple[int, ...], nbytes: int, data_type:
         raise param_invalid(f"batch_dim_index {batch_dim!r} must be in [0, {len(shape)})")
     for i, addr in enumerate(addrs):
         check_address_range(addr, nbytes, f"addrs[{i}]")
+    # The row (block) stride is the tensor's bytes over shape[0], rounded down as CANN's stride
+    # (tensor_size / num_blocks) is: a row of a type packed below a byte may not end on a byte.
     layout = _core.CacheLayout(addrs, shape[0], nbytes // shape[0])
     return CacheRecord(cache_id, num_tensors, shape, data_type, Place(placement), kind,
                        list(addrs), nbytes, layout, registered, batch_dim)

@@ -81,7 +81,7 @@ def test_generate_options_emits_only_what_was_set():
 
 def test_legacy_cluster_info_packs_ips():
     cfg = LLMConfig()
-    cfg.cluster_info = {"cluster_id": 1, "listen_ip_info": [{"ip": "1.0.0.127", "port": 26000}]}
+    cfg.cluster_info = json.dumps({"cluster_id": 1, "listen_ip_info": [{"ip": "1.0.0.127", "port": 26000}]})
     packed = json.loads(cfg.generate_options()["llm.ClusterInfo"])
     assert packed == {"cluster_id": 1, "listen_ip_info": [{"ip": 0x7F000001, "port": 26000}]}
 
@@ -101,10 +101,11 @@ def test_cluster_info_packs_ips_little_endian():
 
 
 @pytest.mark.parametrize("name,value,error", [
-    ("device_id", "0", TypeError), ("device_id", -1, ValueError), ("sync_kv_timeout", 0, LLMException),
+    ("device_id", "0", TypeError), ("device_id", -1, LLMException), ("device_id", 2**31, ValueError),
+    ("sync_kv_timeout", 0, LLMException),
     ("sync_kv_timeout", 2**31, ValueError), ("sync_kv_timeout", "12a", LLMException),
     ("enable_cache_manager", 1, TypeError), ("mem_utilization", 1.5, LLMException),
-    ("link_retry_count", 0, ValueError), ("mem_pool_cfg", "{not json", LLMException),
+    ("link_retry_count", 0, LLMException), ("mem_pool_cfg", "{not json", LLMException),
     ("mem_pool_cfg", '{"memory_size": 1, "page_shift": 5}', LLMException), ("listen_ip_info", 5, TypeError),
 ])
 def test_config_setters_validate(name, value, error):
