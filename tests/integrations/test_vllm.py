@@ -125,6 +125,10 @@ class Engine:
     def prompt_tokens(self) -> dict:
         return self.call(op="prompt_tokens")["prompt_tokens"]
 
+    def metrics(self) -> dict:
+        """The connector's Prometheus series: ``{name: counter value or histogram count}``."""
+        return self.call(op="metrics")["metrics"]
+
     def tail(self, lines: int = 40) -> str:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -477,6 +481,7 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     # this one, and the two malformed requests of the test before, whose decode side could not
     # name the prefill worker to release them
     assert stats["expired"] == 3
+    assert prefill.metrics()["vllm:llm_datadist_expired_leases"] == 3  # what /metrics shows
     # the late decode side: the prefill side refuses the release, so the pulled blocks (which
     # may have been reused) are reported as not loaded instead of being decoded from
     before = decode.stats()["stats"]
@@ -485,6 +490,8 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     assert moved["failed_requests"] == 1 and moved["pulled_requests"] == 0
     assert outputs[0]["token_ids"] != baseline[tuple(ABANDONED[0])]
     assert prefill.stats()["stats"]["refused"] == stats["refused"] + 1
+    prefill.generate(prompts_of([8], seed=7), 1)  # (a step takes the worker's stats to vLLM's)
+    assert prefill.metrics()["vllm:llm_datadist_refused_releases"] == stats["refused"] + 1
 
 
 def free_port() -> int:
@@ -624,6 +631,8 @@ def test_a_decode_engine_of_other_weights_refuses_the_kv(engines):
     finally:
         other.close()
     assert delta(prefill.stats()["stats"], before)["released"] == 2
+    prefill.generate(prompts_of([8], seed=7), 1)  # (a step takes the worker's stats to vLLM's)
+    assert prefill.metrics()["vllm:llm_datadist_incompatible_peers"] == 1
     said = [line for line in prefill.log.read_text(errors="replace").splitlines()
             if "cannot use this engine's KV" in line]
     assert len(said) == 1 and f"model '{work / 'model-other'}' there, '{work / 'model'}' here" in said[0], said

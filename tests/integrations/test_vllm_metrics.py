@@ -303,13 +303,14 @@ def prefill_process(model: str, describes_itself: bool = True):
         proc.close()
 
 
-def pull(decode, prefill: PrefillProcess, req_id: str, remote, local):
+def pull(decode, prefill: PrefillProcess, req_id: str, remote, local, refused: str = ""):
     """Lease ``req_id``'s blocks on the prefill worker, have the decode worker pull them; vLLM's
     view of the request: (finished, failed, blocks with load errors)."""
     from llm_datadist.integrations.vllm.meta import Recv as _Recv
 
     remote_id = prefill.call("lease", req_id)
-    spec = _Recv(list(local), list(remote), "127.0.0.1", prefill.port, prefill.cluster_id, remote_id, awaiting=True)
+    spec = _Recv(list(local), list(remote), "127.0.0.1", prefill.port, prefill.cluster_id, remote_id, awaiting=True,
+                 refused=refused)
     decode._pull("d-" + req_id, spec)
     results = decode.results()
     return results.finished_recving, results.failed_recving, decode.take_load_errors()
@@ -345,6 +346,16 @@ def test_a_peer_of_another_model_is_refused_once_per_link_and_its_blocks_release
             assert taken["pull_blocks"] == [2] and taken["pull_bytes"] == [2 * 2 * BLOCK_SIZE * 2 * 32 * 4]
             assert len(taken["pull_seconds"]) == 1 and taken["failed_pulls"] == 0
             assert taken["incompatible_peers"] == 0
+            # a request its scheduler refused (another block size): nothing pulled, the blocks released
+            with caplog.at_level(logging.INFO, logger=LOGGER):
+                caplog.clear()
+                why = "its block size is 16 tokens, this engine's 32 (the engines must share --block-size)"
+                assert pull(same, prefill, "r3", [4, 5], [6, 7], refused=why) == ({"d-r3"}, {"d-r3"}, {6, 7})
+                lines = [r.getMessage() for r in caplog.records if "d-r3" in r.getMessage()]
+                assert len(lines) == 1 and f"refused: {why}" in lines[0] and "told to free them" in lines[0], lines
+            assert not same.kv_caches["layer.0"][6:8].any()
+            assert same.take_stats().data["failed_pulls"] == 1
+        assert prefill.call("finished") == {"r2", "r3"}
 
 
 def test_a_peer_that_does_not_describe_itself_is_served_and_said_so(caplog):
