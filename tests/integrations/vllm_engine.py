@@ -3,10 +3,12 @@
     python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]]
 
 ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector); ENGINE_ARGS
-are more keyword arguments of ``LLM`` (``shutdown_timeout``...). Requests:
+are more keyword arguments of ``LLM`` (``shutdown_timeout``...), and ``kv_load_failure_policy`` of the
+``KVTransferConfig``. Requests:
 ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params or null]}``
 -> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}``;
-``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "stats"}`` -> the
+``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "metrics"}`` -> the
+connector's Prometheus series (counter values, histogram counts); ``{"op": "stats"}`` -> the
 worker connector's counters (in-process engines only); ``{"op": "shutdown", "grace_s": s}`` shuts
 the engine down the way ``vllm serve`` does (its engine core process gets SIGTERM and ``s`` seconds
 before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) -> ``{"seconds", "exitcodes"}``;
@@ -43,10 +45,12 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(engine_args)
+    policy = kwargs.pop("kv_load_failure_policy", "fail")
     if role != "plain":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
-            kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra)
+            kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra,
+            kv_load_failure_policy=policy)
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024,
               enforce_eager=True, max_num_seqs=8, seed=0, disable_log_stats=False, **kwargs)
 
@@ -76,6 +80,14 @@ def main() -> int:
                 if metric.name == "vllm:prompt_tokens_by_source":
                     counts[metric.labels.get("source", "")] = int(metric.value)
             reply({"prompt_tokens": counts})
+            continue
+        if request["op"] == "metrics":
+            # the connector's Prometheus series (what /metrics shows): counters' values, histograms' counts
+            values = {}
+            for metric in llm.get_metrics():
+                if metric.name.startswith("vllm:llm_datadist_"):
+                    values[metric.name] = int(getattr(metric, "value", getattr(metric, "count", 0)))
+            reply({"metrics": values})
             continue
         if request["op"] == "stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -34,7 +34,14 @@ installed before it built the connector (handlers that are not a Python callable
 
 A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
 then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
-that did not arrive.
+that did not arrive. So is a refused one: once per link the two workers exchange what their KV is
+(model, dtype, KV heads, head size, layers, cache dtype, block size, layout, speculative config,
+KV format version: ``compat.py``), and a decode engine refuses the KV of a prefill engine that
+differs, with one line per request naming the fields.
+
+vLLM's stat loggers get the pulls and failures (``metrics.py``): the "KV Transfer metrics" log
+line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt tokens counted as
+``p2p`` cache hits.
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -68,6 +75,9 @@ that did not arrive.
     their lease): each record counts its id's bytes plus 256; records age out ``kv_lease_s`` + 30 s
     after they were made; a release that finds no room is refused. Request ids are at most
     ``MAX_REQUEST_ID_BYTES`` (256) bytes.
+``model_id`` (vLLM's model name or path, and ``@revision``)
+    What the compatibility check knows the model by (``compat.py``); set the same string on
+    every engine of a deployment that loads one checkpoint from different paths.
 
 KV caches on an accelerator (torch ``cuda`` tensors; any device type a runtime of the registry
 claims, ``RuntimeSpec.tensor_devices``) are registered by address as DEVICE caches of the engine's

@@ -12,7 +12,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
+from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.scheduler import Scheduler
 from llm_datadist.integrations.vllm.worker import Worker
@@ -20,6 +23,10 @@ from llm_datadist.integrations.vllm.worker import Worker
 
 class LLMDataDistConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector over llm_datadist: decode engines pull prefill blocks."""
+
+    #: vLLM's label of the prompt tokens this connector loads (``vllm:prompt_tokens_cached_by_source``):
+    #: they come from another vLLM instance.
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -87,6 +94,18 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
+
+    # -- vLLM's stat loggers (metrics.py) -----------------------------------------------------------
+    def get_kv_connector_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> LLMDataDistKVConnectorStats:
+        return LLMDataDistKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return LLMDataDistPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

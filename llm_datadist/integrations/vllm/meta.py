@@ -29,6 +29,10 @@ class Recv:
     cluster_id: int
     remote_request_id: str
     awaiting: bool = False
+    #: the prefill engine's block size, if its params say (this connector's do)
+    remote_block_size: Optional[int] = None
+    #: why this engine refuses the blocks (the worker then pulls nothing and only releases)
+    refused: str = ""
 
 
 @dataclass
@@ -70,7 +74,10 @@ def recv_spec(params: Any) -> Optional[Recv]:
         remote_id = params["remote_request_id"]
         if not isinstance(remote_id, str) or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
             return None  # the prefill side would refuse its release
+        block_size = params.get("remote_block_size")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+            return None
         return Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                    int(params["remote_cluster_id"]), remote_id)
+                    int(params["remote_cluster_id"]), remote_id, remote_block_size=block_size)
     except (TypeError, ValueError, OverflowError):
         return None

@@ -30,6 +30,7 @@ class Options:
     link_secret: Optional[str] = field(default=None, repr=False)
     lease_tokens: bool = True
     release_records_bytes: int = 16 << 20
+    model_id: Optional[str] = None
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
@@ -49,6 +50,8 @@ class Options:
                 opts.release_records_bytes < 0:
             raise ValueError("LLMDataDistConnector: release_records_bytes must be a byte count >= 0, "
                              f"got {opts.release_records_bytes!r}")
+        if opts.model_id is not None and (not isinstance(opts.model_id, str) or not opts.model_id):
+            raise ValueError(f"LLMDataDistConnector: model_id must be a non-empty string, got {opts.model_id!r}")
         if opts.link_secret is None:
             opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:

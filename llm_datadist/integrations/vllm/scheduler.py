@@ -90,6 +90,11 @@ class Scheduler:
         spec = recv_spec(params)
         prompt = len(request.prompt_token_ids or ())
         wanted = -(-prompt // self.block_size)
+        if spec is not None and self._refusal(spec):
+            # Not computed here silently: the worker refuses the load (one line saying why), and
+            # vLLM recomputes or fails the request (kv_load_failure_policy).
+            count = prompt - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         if spec is None or len(spec.remote_block_ids) != wanted:
             logger.warning("request %s: kv_transfer_params are malformed or name %s blocks for a prompt of "
                            "%d tokens (%d wanted); computing the prompt locally", request.request_id,
@@ -110,7 +115,15 @@ class Scheduler:
         if spec is None:
             return
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0)
+        self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0,
+                                                 refused=self._refusal(spec))
+
+    def _refusal(self, spec: Recv) -> str:
+        """Why the prefill engine's blocks cannot be loaded here, from what its params say; "" if they can."""
+        if spec.remote_block_size is not None and spec.remote_block_size != self.block_size:
+            return (f"its block size is {spec.remote_block_size} tokens, this engine's {self.block_size} "
+                    "(the engines must share --block-size)")
+        return ""
 
     def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
@@ -166,5 +179,6 @@ class Scheduler:
             "remote_port": self.worker.port,
             "remote_cluster_id": self.worker.cluster_id,
             "remote_num_tokens": request.num_computed_tokens,
+            "remote_block_size": self.block_size,
             "tp_size": 1,
         }

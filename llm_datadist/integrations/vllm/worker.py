@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Optional, Set, Tuple
@@ -15,9 +16,10 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import layout
+from llm_datadist.integrations.vllm import compat, layout
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv
+from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
 from llm_datadist.integrations.vllm.options import Options
 
 logger = logging.getLogger(__package__)
@@ -67,6 +69,10 @@ class Worker:
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0}
         self._lock = threading.Lock()
+        self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
+        self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
+        self._block_bytes = 0
+        self._incompatible: Dict[Tuple[int, str, int], Optional[str]] = {}  # link -> why its KV is refused
         # decode side
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
         self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
@@ -80,7 +86,7 @@ class Worker:
         # prefill side
         self.leases = LeaseBook(options)
         if self.producer:
-            self._links_api.set_notify_handler(self.leases.on_release)
+            self._links_api.set_notify_handler(self._on_notify)
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -88,6 +94,10 @@ class Worker:
         with self._lock:
             mine = dict(self._stats)
         return dict(mine, **self.leases.stats)
+
+    def take_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
+        """vLLM's stats of this worker since the last call (None if nothing happened)."""
+        return self.recorder.take(self.leases.stats)
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
@@ -97,6 +107,8 @@ class Worker:
         if desc.placement == ld.Placement.DEVICE:
             layout.check_device(self.dd, first.device, self.device_id)
         self._keep = tensors
+        self._block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        self.compat = dict(self.compat, layout=compat.layout(desc))  # (a new dict: links' threads read it)
         # By address: device memory is registered where it is (no host copy), moved by the
         # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
         self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
@@ -170,6 +182,8 @@ class Worker:
                     self._stats["pulled_requests" if ok else "failed_requests"] += 1
                     if ok:
                         self._stats["pulled_blocks"] += len(local)
+            if local and not ok:
+                self.recorder.count("failed_pulls")
 
     def _pull_and_release(self, req_id: str, spec: Recv) -> bool:
         local = spec.local_block_ids
@@ -181,23 +195,24 @@ class Worker:
             try:
                 if len(spec.remote_block_ids) < len(local):
                     raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
-                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
-                                                                remote, local))
+                self._on_link(spec, lambda: self._pull_blocks(spec, remote, local))
             except _Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
                 logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
                              "as not loaded", req_id, where, exc, spec.remote_request_id)
                 return False
-            except (ld.LLMException, TypeError, ValueError) as exc:
+            except (ld.LLMException, TypeError, ValueError) as exc:  # compat.Incompatible included
                 pull_error = exc  # the link works: still tell the prefill side to free the blocks
         released, why = self._release_remote(spec)
         if pull_error is not None:
             told = ("it was told to free them" if released else
                     f"it no longer held them: {why}" if released is False else
                     f"it could not be told to free them ({why}) and does when its lease ends")
-            logger.error("request %s: pulling %d blocks of prefill request %s from %s failed: %s; reporting them "
-                         "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, pull_error, told)
+            what = "refused" if isinstance(pull_error, compat.Incompatible) else "failed"
+            logger.error("request %s: pulling %d blocks of prefill request %s from %s %s: %s; reporting them "
+                         "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, what, pull_error,
+                         told)
             return False
         if released:
             return True
@@ -214,6 +229,16 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
+    def _pull_blocks(self, spec: Recv, remote: list, local: list) -> None:
+        """Pull, timed for vLLM's metrics; ``compat.Incompatible`` (nothing pulled) if the request or
+        the link's peer was refused."""
+        why = spec.refused or self._incompatible.get((spec.cluster_id, spec.host, spec.port))
+        if why:
+            raise compat.Incompatible(why)
+        start = time.perf_counter()
+        self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
+        self.recorder.pull(time.perf_counter() - start, len(local), len(local) * self._block_bytes)
+
     def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
         """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
         that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
@@ -222,6 +247,7 @@ class Worker:
             try:
                 generation, fresh = self._link(spec)
             except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
+                self.recorder.count("link_failures")
                 raise _Unreachable(str(exc)) from None
             try:
                 return action()
@@ -229,6 +255,7 @@ class Worker:
                 if exc.status_code not in _LINK_BROKEN:
                     raise
                 self._forget_link(spec, generation)
+                self.recorder.count("link_failures")
                 if fresh or attempt:
                     raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
         raise AssertionError("unreachable")
@@ -250,11 +277,49 @@ class Worker:
             _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
             if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
                 raise _Unreachable(f"linking failed: {rets[0].name}")
+            self._incompatible[key] = self._hello(spec)
             with self._lock:
                 self._generation += 1
                 self._linked[key] = self._generation
                 self._stats["links"] += 1
                 return self._generation, True
+
+    def _hello(self, spec: Recv) -> Optional[str]:
+        """Once per link: tell the prefill worker what this engine's KV is and compare with what
+        its answer says; why its KV is refused, or None. A peer that does not describe itself (an
+        older release) is not refused: that is said once per link."""
+        try:
+            reply = self._links_api.notify(spec.cluster_id, {"op": "hello", "kv_compat": self.compat},
+                                           self._notify_timeout_ms)
+        except ld.LLMException as exc:
+            if exc.status_code not in _LINK_BROKEN:
+                reply = None  # it answers no notifications, or its handler failed: not checked (below)
+            else:
+                info = ld.LLMClusterInfo()
+                info.remote_cluster_id = spec.cluster_id
+                self.dd.unlink_clusters([info], 1000, force=True)
+                self.recorder.count("link_failures")
+                raise _Unreachable(f"the compatibility exchange failed: {exc.status_code.name}") from None
+        if not isinstance(reply, dict) or "kv_compat" not in reply:
+            logger.warning("llm_datadist: the prefill engine at %s:%d (cluster %d) does not describe its KV (an "
+                           "older release?); its compatibility with this engine is not checked", spec.host,
+                           spec.port, spec.cluster_id)
+            return None
+        why = compat.verdict(self.compat, reply["kv_compat"])
+        if why is not None:  # (each request refused says why in its line)
+            self.recorder.count("incompatible_peers")
+        return why
+
+    def _on_notify(self, peer_cluster_id: int, message: Any) -> Dict[str, Any]:
+        """A linked decode worker's notification (on the link's thread): its description, or a release."""
+        if isinstance(message, dict) and message.get("op") == "hello":
+            why = compat.verdict(self.compat, message.get("kv_compat"))
+            if why is not None:
+                self.recorder.count("incompatible_peers")
+                logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s",
+                             peer_cluster_id, why)
+            return {"kv_compat": self.compat, "compatible": why is None}
+        return self.leases.on_release(peer_cluster_id, message)
 
     def _forget_link(self, spec: Recv, generation: int) -> None:
         """Drop the link that failed — not one another thread has made since."""

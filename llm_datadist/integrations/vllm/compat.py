@@ -1,0 +1,120 @@
+"""Whether two engines' KV caches mean the same thing: each worker describes its own (``fields``),
+a decode worker sends that description to a prefill worker once per link (``hello``), and both
+compare (``differences``). A mismatch refuses the link's KV with one line naming what differs.
+
+What is compared: the KV format version of this connector (``KV_FORMAT``, not the package
+version: releases that move KV the same way stay compatible), the model (vLLM's model name or
+path and its revision, or ``model_id`` from ``kv_connector_extra_config``), the model dtype, the
+model's KV heads, head size and layers, the cache dtype, the block size, the registered layout
+(tensors, per-block shape, element type) and the speculative decoding config. The weights are
+known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
+base's config), and hashing gigabytes of weights at start is not an option. Engines that load one
+checkpoint from different paths say so with the same ``model_id``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+#: What the KV blocks of this connector hold and how they are addressed; bumped when that changes.
+KV_FORMAT = 1
+
+#: Limits on a peer's description (it comes from the network).
+MAX_FIELDS = 32
+MAX_NAME_CHARS = 64
+MAX_VALUE_CHARS = 1024
+#: How much of a value a log line shows.
+SHOWN_CHARS = 120
+
+
+class Incompatible(ValueError):
+    """The peer's KV cannot be used here; the message names the fields that differ."""
+
+
+def _get(obj: Any, *path: str) -> Any:
+    for name in path:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _call(obj: Any, method: str, *args: Any) -> Any:
+    fn = getattr(obj, method, None)
+    try:
+        return fn(*args) if fn is not None else None
+    except Exception:  # noqa: BLE001 - a model config that cannot say: the field is unknown
+        return None
+
+
+def fields(vllm_config: Any, model_id: Optional[str] = None) -> Dict[str, Any]:
+    """This engine's description, less the layout (known once the KV caches are registered)."""
+    model = _get(vllm_config, "model_config")
+    parallel = _get(vllm_config, "parallel_config")
+    cache = _get(vllm_config, "cache_config")
+    spec = _get(vllm_config, "speculative_config")
+    name = model_id
+    if name is None and model is not None:
+        name = str(_get(model, "model"))
+        revision = _get(model, "revision")
+        if revision:
+            name += f"@{revision}"
+    speculative = None
+    if spec is not None:
+        speculative = (f"{_get(spec, 'method')}:{_get(spec, 'model')}:"
+                       f"{_get(spec, 'num_speculative_tokens')}")
+    dtype = _get(model, "dtype")
+    layers = _call(model, "get_num_layers", parallel) if parallel is not None else None
+    return {
+        "kv_format": KV_FORMAT,
+        "model": name,
+        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "kv_heads": _call(model, "get_total_num_kv_heads"),
+        "head_size": _call(model, "get_head_size"),
+        "layers": layers,
+        "cache_dtype": None if _get(cache, "cache_dtype") is None else str(_get(cache, "cache_dtype")),
+        "block_size": _get(cache, "block_size"),
+        "speculative": speculative,
+    }
+
+
+def layout(desc: Any) -> str:
+    """The registered blocks cache as a string: tensors, per-block shape, element type."""
+    return f"{desc.num_tensors}x{list(desc.shape)[1:]}:{desc.data_type.name}"
+
+
+def check(description: Any) -> Dict[str, Any]:
+    """A peer's description, checked; ``Incompatible`` if it is not one."""
+    if not isinstance(description, dict) or len(description) > MAX_FIELDS:
+        raise Incompatible("its compatibility description is malformed")
+    for name, value in description.items():
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+            raise Incompatible("its compatibility description is malformed")
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise Incompatible(f"its compatibility field {name[:MAX_NAME_CHARS]!r} is malformed")
+        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+            raise Incompatible(f"its compatibility field {name!r} is longer than {MAX_VALUE_CHARS} characters")
+    if "kv_format" not in description:
+        raise Incompatible("its compatibility description has no kv_format")
+    return description
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
+    """``"<field> <theirs> there, <mine> here"`` for each field both describe and that differs; a
+    field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
+    of meaning bumps."""
+    return [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
+            for name, value in mine.items() if name in theirs and theirs[name] != value]
+
+
+def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:
+    """None if the peer's description matches ours, else the line that says why not."""
+    try:
+        diff = differences(mine, check(theirs))
+    except Incompatible as exc:
+        return str(exc)
+    return "it serves another model or KV layout: " + "; ".join(diff) if diff else None
