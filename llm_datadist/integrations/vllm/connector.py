@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from llm_datadist.integrations.vllm import layout
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.scheduler import Scheduler
@@ -39,6 +40,16 @@ class LLMDataDistConnector(KVConnectorBase_V1):
                                          producer=bool(transfer.is_kv_producer))
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+        """``LBHNC``: every layer's KV view is then one contiguous run of its blocks, registered
+        where it is. None (vLLM's default, LBNHC) for MLA models: with their one head, that layout
+        is contiguous per layer too."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return layout.REQUIRED_LAYOUT
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:

@@ -42,6 +42,7 @@ class Worker:
         self.producer = bool(transfer.is_kv_producer)
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
         self.cluster_id = options.cluster_id if options.cluster_id is not None else \
             int.from_bytes(os.urandom(4), "little") | 1
         self.device_id = layout.current_device_index()
@@ -91,7 +92,7 @@ class Worker:
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
-        tensors = layout.kv_tensors(kv_caches, self.num_blocks)
+        tensors = layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)
         desc = layout.cache_desc(tensors)
         first = tensors[0]
         if desc.placement == ld.Placement.DEVICE:
