@@ -30,6 +30,12 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise NotImplementedError("LLMDataDistConnector supports tensor and pipeline parallel size 1 only")
+        aux_output = getattr(vllm_config, "aux_output_config", None)
+        if getattr(aux_output, "enable_return_routed_experts", False):
+            # vLLM 0.33 refuses it with its own P2P connectors: the prefill's routed experts are
+            # not handed to the decode side.
+            raise ValueError("--enable-return-routed-experts is incompatible with LLMDataDistConnector: "
+                             "the routed experts of a prefill are not passed to its decode engine")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise NotImplementedError("LLMDataDistConnector supports models with one KV cache group only "
                                       f"(this one has {len(kv_cache_config.kv_cache_groups)})")
@@ -65,7 +71,11 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.set_worker(metadata.get(0))
+        # Under MultiConnector every child gets the metadata one of them published: another
+        # connector's is not ours to read.
+        ours = metadata.get(0)
+        if isinstance(ours, LLMDataDistHandshakeMetadata):
+            self._scheduler.set_worker(ours)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
         return (0,)
@@ -98,6 +108,20 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
+
+    # -- sleep mode (vLLM 0.33: the GPU worker calls these around --enable-sleep-mode; 0.32's base
+    # class has no such hooks and never calls them) ---------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -63,6 +63,15 @@ class StopSignals:
         self._previous = {}
 
 
+def prompt_length(request) -> int:
+    """Tokens of the request's prompt, given as token ids or as embeddings (vLLM's
+    ``Request.num_prompt_tokens`` counts both)."""
+    length = getattr(request, "num_prompt_tokens", None)
+    if isinstance(length, int):
+        return length
+    return len(request.prompt_token_ids or ())
+
+
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool):
         self.engine_id = engine_id
@@ -88,7 +97,7 @@ class Scheduler:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         spec = recv_spec(params)
-        prompt = len(request.prompt_token_ids or ())
+        prompt = prompt_length(request)
         wanted = -(-prompt // self.block_size)
         if spec is None or len(spec.remote_block_ids) != wanted:
             logger.warning("request %s: kv_transfer_params are malformed or name %s blocks for a prompt of "
