@@ -208,6 +208,7 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+    import llm_datadist as ld
     from llm_datadist.integrations.vllm import LLMDataDistConnector
     from llm_datadist.integrations.vllm.meta import Recv
     from llm_datadist.integrations.vllm.options import Options
@@ -233,6 +234,7 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
             worker.start(SimpleNamespace(reqs_to_send={"held": 60.0}, reqs_to_recv={}, stopping=False))
             assert worker.results().finished_sending == set()
             generation = worker.dd.engine.generation_word.value
+            stale = worker.cache  # what a pull that began before the sleep holds
 
             sleep()
             sleep()  # idempotent
@@ -247,6 +249,12 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
             results = worker.results()
             assert results.finished_recving == {"asleep"} and results.failed_recving == {"asleep"}
             assert worker.take_load_errors() == {1, 2}
+            before = [m[0].copy() for m in mine]
+            with pytest.raises(ld.LLMException) as refused:  # a pull that began before: refused, nothing written
+                worker._on_link(Recv([], [], host, port, 61, "x"), lambda: worker.cm.pull_blocks(
+                    ld.BlocksCacheKey(61, 0), stale, [1], [0]))
+            assert refused.value.status_code == ld.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+            assert all(np.array_equal(m[0], b) for m, b in zip(mine, before))
 
             wake()
             wake()  # idempotent
