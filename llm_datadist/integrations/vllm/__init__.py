@@ -91,8 +91,8 @@ Sleep mode (vLLM 0.33): ``unregister_kv_caches`` takes the caches out of the llm
 (which waits for the transfers touching them; later ones, a peer's or ours, fail) and frees the
 blocks held for decode engines; ``restore_kv_caches`` registers the same tensors again under a new
 registry generation. vLLM 0.32 never calls them. Prompt-embeds requests load like token prompts;
-another connector's handshake metadata (``MultiConnector``) is ignored; ``--enable-return-routed-
-experts`` is refused.
+another connector's handshake metadata (``MultiConnector``) is ignored;
+``--enable-return-routed-experts`` is refused.
 
 Supported: models with one KV cache group, tensor parallel size 1, memory the llm_datadist
 device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime).
