@@ -91,7 +91,8 @@ def build_facts() -> Dict[str, object]:
 
 def runtime_facts() -> Dict[str, object]:
     """The device runtime this process would use, and every registered runtime's availability
-    and capabilities: those its loaded library reports where it loads, else the registry's."""
+    and capabilities: those its loaded library reports where it loads, else the registry's; and
+    for each runtime whose library loads, the file and how it was found (``runtime_libraries``)."""
     from llm_datadist import LLMException, runtimes
     from llm_datadist.cli import lowlevel
     facts: Dict[str, object] = {}
@@ -102,11 +103,14 @@ def runtime_facts() -> Dict[str, object]:
         facts["device_runtime"] = f"unusable: {str(exc).split(' (status_code')[0]}"
     facts["runtimes"] = {name: ("available: " if ok else "not available: ") + why
                          for name, (ok, why) in ((n, runtimes.probe(n)) for n in runtimes.names())}
-    capabilities = {}
+    capabilities, libraries = {}, {}
     for name in runtimes.names():
         spec = runtimes.get(name)
         try:
-            bits = runtimes.load(name).capabilities
+            runtime = runtimes.load(name)
+            bits = runtime.capabilities
+            if spec.library is not None:
+                libraries[name] = runtimes.library_file(runtime)
             listed = sorted(cap for cap, bit in lowlevel.CAPABILITIES.items() if bits & bit)
             where = "" if spec.library is None else " (reported by the loaded library)"
         except LLMException:
@@ -114,6 +118,7 @@ def runtime_facts() -> Dict[str, object]:
             where = " (as registered; the library does not load here)"
         capabilities[name] = (", ".join(listed) or "none") + where
     facts["runtime_capabilities"] = capabilities
+    facts["runtime_libraries"] = libraries or "none loads here"
     return facts
 
 

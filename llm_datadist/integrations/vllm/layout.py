@@ -1,6 +1,10 @@
-"""Which memory a worker registers: vLLM's per-layer KV tensors checked and turned into the
+"""Which memory a worker registers: vLLM's per-layer KV views checked and turned into the
 tensors of one llm_datadist blocks cache (block id on dimension 0), its ``CacheDesc``, and the
-device they must be on."""
+device they must be on.
+
+vLLM 0.32 hands each layer over as a 4-D ``[blocks, heads, tokens, K+V bytes]`` view of one backing
+buffer, strided as its KV cache layout says; only ``LBHNC`` makes every layer's view one contiguous
+run, so the connector asks for it (``REQUIRED_LAYOUT``)."""
 
 from __future__ import annotations
 
@@ -39,19 +43,27 @@ def current_device_index() -> int:
     return 0
 
 
-def kv_tensors(kv_caches: Dict[str, Any], num_blocks: Optional[int]) -> List[torch.Tensor]:
+#: The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``): each layer's
+#: view of vLLM's backing buffer is then one contiguous run of its blocks, which the connector
+#: registers where it is.
+REQUIRED_LAYOUT = "LBHNC"
+
+
+def kv_tensors(kv_caches: Dict[str, Any], num_blocks: Optional[int],
+               layout: Optional[str] = None) -> List[torch.Tensor]:
     """The tensors to register, one per distinct cache (layers sharing one cache count once), all
-    of one shape, dtype and device."""
+    of one shape, dtype and device, block id on dimension 0. ``layout`` is the KV cache layout
+    vLLM resolved (for the refusal's message)."""
     tensors: List[torch.Tensor] = []
     seen: Set[int] = set()
     for name, value in kv_caches.items():
         if not isinstance(value, torch.Tensor):
             raise NotImplementedError(f"LLMDataDistConnector: layer {name} has a KV cache of type "
                                       f"{type(value).__name__}; one tensor per layer is supported")
-        for part in _split(name, value, num_blocks):
-            if part.data_ptr() not in seen:
-                seen.add(part.data_ptr())
-                tensors.append(part)
+        part = blocks_view(name, value, num_blocks, layout)
+        if part.data_ptr() not in seen:
+            seen.add(part.data_ptr())
+            tensors.append(part)
     if not tensors:
         raise ValueError("LLMDataDistConnector: no KV caches to register")
     first = tensors[0]
@@ -63,16 +75,24 @@ def kv_tensors(kv_caches: Dict[str, Any], num_blocks: Optional[int]) -> List[tor
     return tensors
 
 
-def _split(name: str, t: torch.Tensor, num_blocks: Optional[int]) -> List[torch.Tensor]:
-    """Tensors whose dimension 0 is the block id: the layer's cache, or its K and V halves."""
+def blocks_view(name: str, t: torch.Tensor, num_blocks: Optional[int], layout: Optional[str] = None) -> torch.Tensor:
+    """The layer's cache with one row per vLLM block on dimension 0: vLLM's view itself, or, where
+    the attention backend splits each block into ``k`` kernel blocks (dimension 0 is then
+    ``num_blocks * k``), the same memory with block ``b`` = rows ``b*k ... b*k+k-1`` grouped as
+    dimension 1. Only a layer whose view is one contiguous run (the ``LBHNC`` layout, or any
+    layout with one head) can be registered; others are refused with the fix."""
     if not t.is_contiguous():
-        raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache is not contiguous")
+        raise NotImplementedError(
+            f"LLMDataDistConnector: layer {name}'s KV cache is not one contiguous run of blocks (shape "
+            f"{tuple(t.shape)}, strides {t.stride()}: vLLM KV cache layout {layout or 'unknown'}); the "
+            f"connector needs {REQUIRED_LAYOUT}, which it asks vLLM for: unset VLLM_KV_CACHE_LAYOUT (or "
+            f"set it to {REQUIRED_LAYOUT}) and use an attention backend that supports {REQUIRED_LAYOUT}")
     if num_blocks is None or t.shape[0] == num_blocks:
-        return [t]
-    if t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-        return [t[0], t[1]]
+        return t
+    if t.dim() > 0 and num_blocks > 0 and t.shape[0] % num_blocks == 0:
+        return t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
     raise NotImplementedError(f"LLMDataDistConnector: layer {name}'s KV cache has shape {tuple(t.shape)}; "
-                              f"expected {num_blocks} blocks on dimension 0 (or 1 after K/V)")
+                              f"expected {num_blocks} blocks (or a multiple: kernel blocks) on dimension 0")
 
 
 def cache_desc(tensors: List[torch.Tensor]) -> ld.CacheDesc:

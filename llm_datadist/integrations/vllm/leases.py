@@ -155,6 +155,17 @@ class LeaseBook:
             finished, self.finished = self.finished, set()
         return finished
 
+    def free_held(self, why: str) -> int:
+        """Free every held lease now (``finished_sending`` at the next step; later releases are
+        refused, saying ``why``); how many there were."""
+        with self._lock:
+            held = list(self.held)
+            self.held.clear()
+            for req_id in held:
+                self.finished.add(req_id)
+                self._forget(req_id, why)
+        return len(held)
+
     def close(self) -> int:
         """Drop every lease (the engine goes); how many there were."""
         with self._lock:

@@ -63,6 +63,15 @@ class StopSignals:
         self._previous = {}
 
 
+def prompt_length(request) -> int:
+    """Tokens of the request's prompt, given as token ids or as embeddings (vLLM's
+    ``Request.num_prompt_tokens`` counts both)."""
+    length = getattr(request, "num_prompt_tokens", None)
+    if isinstance(length, int):
+        return length
+    return len(request.prompt_token_ids or ())
+
+
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool):
         self.engine_id = engine_id
@@ -88,7 +97,7 @@ class Scheduler:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         spec = recv_spec(params)
-        prompt = len(request.prompt_token_ids or ())
+        prompt = prompt_length(request)
         wanted = -(-prompt // self.block_size)
         if spec is not None and self._refusal(spec):
             # Not computed here silently: the worker refuses the load (one line saying why), and

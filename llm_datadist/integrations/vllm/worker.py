@@ -44,6 +44,7 @@ class Worker:
         self.producer = bool(transfer.is_kv_producer)
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
         self.cluster_id = options.cluster_id if options.cluster_id is not None else \
             int.from_bytes(os.urandom(4), "little") | 1
         self.device_id = layout.current_device_index()
@@ -66,6 +67,7 @@ class Worker:
         # engine passes them to its links.
         self._links_api = self.dd.engine
         self.cache: Optional[ld.Cache] = None
+        self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0}
         self._lock = threading.Lock()
@@ -101,7 +103,7 @@ class Worker:
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
-        tensors = layout.kv_tensors(kv_caches, self.num_blocks)
+        tensors = layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)
         desc = layout.cache_desc(tensors)
         first = tensors[0]
         if desc.placement == ld.Placement.DEVICE:
@@ -109,13 +111,44 @@ class Worker:
         self._keep = tensors
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
         self.compat = dict(self.compat, layout=compat.layout(desc))  # (a new dict: links' threads read it)
+        self._register(tensors, desc)
+        self.device = str(first.device)
+        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
+                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+
+    def _register(self, tensors, desc: ld.CacheDesc) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
         # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
         self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                    ld.BlocksCacheKey(self.cluster_id, 0), True)
-        self.device = str(first.device)
-        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
-                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+
+    # -- sleep mode (vLLM 0.33) -------------------------------------------------------------------
+    def unregister(self) -> None:
+        """Before vLLM frees the KV memory for sleep: the caches leave the registry (which waits
+        for the transfers touching them — peers' reads, our pulls — and refuses later ones, so
+        those fail cleanly), and the blocks held for decode sides are freed (their contents do
+        not survive sleep; a decode side that comes for them is refused). Idempotent."""
+        with self._lock:
+            cache, self.cache = self.cache, None
+            if cache is None:
+                return
+            self._asleep = cache.cache_desc
+        freed = self.leases.free_held("the KV cache was put to sleep")
+        self.cm.unregister_cache(cache.cache_id)
+        logger.info("llm_datadist: KV caches unregistered for sleep mode%s",
+                    f"; freed the blocks of {freed} request(s) held for decode engines" if freed else "")
+
+    def restore(self) -> None:
+        """After wake-up: the same tensors registered again, under a new registry generation, so
+        peers plan their transfers against the new registration. Idempotent."""
+        with self._lock:
+            desc = self._asleep
+        if desc is None:
+            return
+        self._register(self._keep, desc)
+        with self._lock:
+            self._asleep = None
+        logger.info("llm_datadist: KV caches registered again after sleep mode")
 
     def handshake(self) -> LLMDataDistHandshakeMetadata:
         port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
@@ -192,10 +225,14 @@ class Worker:
         if local:
             # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
             remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
+            with self._lock:
+                cache, asleep = self.cache, self._asleep is not None
             try:
                 if len(spec.remote_block_ids) < len(local):
                     raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
-                self._on_link(spec, lambda: self._pull_blocks(spec, remote, local))
+                if asleep:
+                    raise ValueError("this engine's KV caches are unregistered (sleep mode)")
+                self._on_link(spec, lambda: self._pull_blocks(spec, cache, remote, local))
             except _Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
@@ -229,14 +266,14 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _pull_blocks(self, spec: Recv, remote: list, local: list) -> None:
+    def _pull_blocks(self, spec: Recv, cache: ld.Cache, remote: list, local: list) -> None:
         """Pull, timed for vLLM's metrics; ``compat.Incompatible`` (nothing pulled) if the request or
         the link's peer was refused."""
         why = spec.refused or self._incompatible.get((spec.cluster_id, spec.host, spec.port))
         if why:
             raise compat.Incompatible(why)
         start = time.perf_counter()
-        self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
+        self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), cache, remote, local)
         self.recorder.pull(time.perf_counter() - start, len(local), len(local) * self._block_bytes)
 
     def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
