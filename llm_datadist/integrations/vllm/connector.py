@@ -27,8 +27,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self.engine_id = str(transfer.engine_id)
         self.options = Options.parse(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("LLMDataDistConnector supports tensor and pipeline parallel size 1 only")
+        if parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("LLMDataDistConnector does not support pipeline parallelism (this engine has "
+                                      f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use tensor "
+                                      "parallelism, or pipeline_parallel_size=1")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise NotImplementedError("LLMDataDistConnector supports models with one KV cache group only "
                                       f"(this one has {len(kv_cache_config.kv_cache_groups)})")
@@ -36,7 +38,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
-                                         producer=bool(transfer.is_kv_producer))
+                                         producer=bool(transfer.is_kv_producer),
+                                         tp_size=parallel.tensor_parallel_size)
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -54,7 +57,7 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.set_worker(metadata.get(0))
+        self._scheduler.set_workers(metadata)  # {tp_rank: handshake}
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
         return (0,)
