@@ -35,12 +35,31 @@ def rank_params(params: dict, rank: int) -> dict:
 
 
 def assert_released_by_decode(params: dict, ranks) -> None:
-    """Each of the prefill ``ranks`` already freed the request's blocks (its decode side released them):
-    another release with the same token is answered so."""
+    """Each of the prefill ``ranks`` has had the request released by its decode side: another release
+    with the same token is refused as a repeat (before the prefill engine's next step hands its
+    workers the lease, the release waits for it; after it, the blocks are freed)."""
     for rank in ranks:
         answer = release_over_link(rank_params(params, rank))
         assert answer["released"] is False, (rank, answer)
-        assert "already freed (released)" in answer["why"], (rank, answer)
+        assert answer["why"] in ("its blocks were already released", "its blocks were already freed (released)"), \
+            (rank, answer)
+
+
+def write_loud_model(path) -> None:
+    """The model with other weights whose prompt KV the decode engine cannot fail to notice: with
+    ``test_vllm``'s weights a token's attention output is small next to its embedding (flat attention
+    over random keys averages random values away), so a decode engine's tokens depend little on its
+    prompt's KV; here keys and values are 4 and 16 times as large."""
+    from safetensors.torch import load_file, save_file
+
+    write_model(path, seed=5)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if name.endswith("k_proj.weight"):
+            tensors[name] = tensors[name] * 4
+        elif name.endswith("v_proj.weight"):
+            tensors[name] = tensors[name] * 16
+    save_file(tensors, str(path / "model.safetensors"))
 
 
 def start(*engines: Engine) -> None:
@@ -53,7 +72,7 @@ def tp_engines(tmp_path_factory):
     """``(work dir, baseline tokens by prompt, prefill TP 2, decode TP 2)``; a test may start more."""
     work = tmp_path_factory.mktemp("vllm_tp")
     write_model(work / "model")
-    write_model(work / "other", seed=5)
+    write_loud_model(work / "other")
     started = []
     try:
         plain = Engine(work / "model", "plain", work / "plain.log")
@@ -246,6 +265,49 @@ def test_every_rank_gets_its_own_lease_token_and_accepts_only_its_own():
     assert not sent.awaiting and [p.remote_request_id for p in sent.peers(0, 1)] == ids
     with pytest.raises(ValueError, match="rank 1 carries no lease key"):
         scheduler.set_workers({0: handshakes[0], 1: LLMDataDistHandshakeMetadata("prefill", 11, "h", 1)})
+
+
+@needs_vllm
+def test_a_prefill_engine_frees_blocks_only_when_every_rank_was_released():
+    """The lease books of two prefill ranks (what each rank's worker reports as ``finished_sending``)
+    behind one scheduler, their step results aggregated the way vLLM aggregates its workers'
+    (``KVOutputAggregator``, one report per rank). (One process holds one llm_datadist engine, so
+    the ranks' books stand in for their workers here; the live tests run whole ones.)"""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    options = _Options.parse({"kv_lease_s": 60})
+    books = [LeaseBook(options) for _ in range(2)]
+    scheduler = _Scheduler("prefill", options, 32, producer=False, tp_size=2)
+    scheduler.set_workers({r: LLMDataDistHandshakeMetadata("prefill", 10 + r, "127.0.0.1", 7000 + r,
+                                                           books[r].key.hex(), r, 2) for r in range(2)})
+    request = SimpleNamespace(request_id="req-1", kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    _, params = scheduler.request_finished(request, [[1, 2]])
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+
+    def step() -> set:
+        meta = scheduler.build_connector_meta()
+        outputs = []
+        for book in books:
+            book.take_leases(meta.reqs_to_send, meta.stopping)
+            sent = KVConnectorOutput(finished_sending=book.take_finished() or None)
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=sent))
+        return aggregator.aggregate(outputs).kv_connector_output.finished_sending or set()
+
+    assert step() == set()  # both ranks hold the lease
+    for rank, book in enumerate(books):
+        answer = book.on_release(9, {"op": "release", "request_id": params["remote_ranks"][rank]["request_id"]})
+        assert answer["released"] is True
+        # rank 0 released: not freed yet; rank 1 too: freed
+        assert step() == (set() if rank == 0 else {"req-1"})
+    assert step() == set()
 
 
 def _free_port_run(count: int) -> int:
