@@ -204,6 +204,10 @@ def test_kv_transfer_params_name_every_rank_and_hostile_ones_are_unusable():
     assert waiting.peers(3, 4) == []  # a decode rank with no prefill rank of its own
     four = replace(waiting, ranks=waiting.ranks * 2)
     assert [p.port for p in four.peers(1, 2)] == [7001, 7001]
+    # rank 0 is where the NIXL-style fields say, should a router rewrite them
+    moved = recv_spec(_params(remote_port=8000, remote_request_id="req.moved"))
+    assert [(p.port, p.remote_request_id) for p in moved.peers(0, 2)] == [(8000, "req.moved")]
+    assert [p.port for p in moved.peers(1, 2)] == [7001]
     # a prefill without remote_ranks is TP 1 (older versions, or a router that kept only NIXL's fields)
     plain = recv_spec({k: v for k, v in _params().items() if k not in ("remote_ranks", "tp_size")})
     assert plain.tp_size == 1 and [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []

@@ -118,6 +118,8 @@ def recv_spec(params: Any) -> Optional[Recv]:
                           for r in listed)
             if any(peer is None for peer in ranks):
                 return None
+            # rank 0 is where the NIXL-style fields say (a router may have rewritten them)
+            ranks = (first,) + ranks[1:]
         return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
                      ranks=ranks)
     except (TypeError, ValueError, OverflowError):
