@@ -14,7 +14,8 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
 2. When it finishes, the prefill engine keeps the request's blocks and returns
    ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
-   listener), plus ``remote_cluster_id``.
+   listener), plus ``remote_cluster_id``, ``tp_size`` and ``remote_ranks`` (each tensor parallel
+   rank's ``host``, ``port``, ``cluster_id`` and release ``request_id``).
 3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
    scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
    to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
@@ -50,9 +51,11 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
 ``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
     Address handed to decode engines in ``remote_host``.
 ``listen_port`` (``0``: any free port)
-    llm_datadist listener port of the prefill worker.
+    llm_datadist listener port of the prefill worker; with a fixed port, the worker of data
+    parallel rank dp and tensor parallel rank tp listens on ``listen_port + dp * tp_size + tp``.
 ``cluster_id`` (random)
-    llm_datadist cluster id of this engine; unique among linked engines.
+    llm_datadist cluster id of this engine's worker (offset like ``listen_port``); unique among
+    linked engines.
 ``data_plane`` (``"auto"``)
     ``llm.DataPlane``: ``auto`` or a registered data plane (``cma``: same host, ``tcp``, ...).
 ``sync_kv_timeout_ms`` (``30000``), ``link_timeout_ms`` (``10000``)
@@ -104,10 +107,16 @@ registry generation. vLLM 0.32 never calls them. Prompt-embeds requests load lik
 another connector's handshake metadata (``MultiConnector``) is ignored;
 ``--enable-return-routed-experts`` is refused.
 
-Supported: models with one KV cache group, tensor parallel size 1, memory the llm_datadist
-device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime).
-Not yet: several KV cache groups (hybrid/sliding-window models), TP/PP > 1, push mode,
-layer-by-layer pipelining.
+Tensor parallelism: every worker (TP rank) has its own llm_datadist cluster, listener and lease
+key; decode rank r pulls from prefill rank r and releases it, and vLLM frees a request's prefill
+blocks once every rank has reported it. A decode engine whose prefill engine has another TP size
+computes the prompt itself (logged) and releases every prefill rank.
+
+Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's), the same tensor
+parallel size on both sides, data parallelism, memory the llm_datadist device runtime reaches (the
+vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet: several KV cache groups
+(hybrid/sliding-window models), KV moving between different TP sizes, pipeline parallelism
+(refused at start-up), push mode, layer-by-layer pipelining.
 """
 
 from __future__ import annotations

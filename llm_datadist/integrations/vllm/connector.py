@@ -35,8 +35,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self.engine_id = str(transfer.engine_id)
         self.options = Options.parse(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("LLMDataDistConnector supports tensor and pipeline parallel size 1 only")
+        if parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("LLMDataDistConnector does not support pipeline parallelism (this engine has "
+                                      f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use tensor "
+                                      "parallelism, or pipeline_parallel_size=1")
         aux_output = getattr(vllm_config, "aux_output_config", None)
         if getattr(aux_output, "enable_return_routed_experts", False):
             # vLLM 0.33 refuses it with its own P2P connectors: the prefill's routed experts are
@@ -50,7 +52,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
-                                         producer=bool(transfer.is_kv_producer))
+                                         producer=bool(transfer.is_kv_producer),
+                                         tp_size=parallel.tensor_parallel_size)
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -79,10 +82,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
         # Under MultiConnector every child gets the metadata one of them published: another
-        # connector's is not ours to read.
-        ours = metadata.get(0)
-        if isinstance(ours, LLMDataDistHandshakeMetadata):
-            self._scheduler.set_worker(ours)
+        # connector's is not ours to read (and does not replace ours).
+        ours = {rank: m for rank, m in metadata.items() if isinstance(m, LLMDataDistHandshakeMetadata)}
+        if ours:
+            self._scheduler.set_workers(ours)  # {tp_rank: handshake}
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
         return (0,)

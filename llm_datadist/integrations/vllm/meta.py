@@ -4,8 +4,8 @@ leases of a step (connector metadata), and a decode request's pull read from its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
@@ -13,6 +13,20 @@ from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
+
+#: The largest tensor parallel size ``kv_transfer_params`` may name (they come from outside).
+MAX_TP_SIZE = 256
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One prefill worker (a tensor parallel rank): where it listens and the request id (lease
+    token included) its release must name."""
+
+    host: str
+    port: int
+    cluster_id: int
+    remote_request_id: str
 
 
 @dataclass
@@ -33,6 +47,24 @@ class Recv:
     remote_block_size: Optional[int] = None
     #: why this engine refuses the blocks (the worker then pulls nothing and only releases)
     refused: str = ""
+    #: every prefill rank, by tensor parallel rank (the first is the one above)
+    ranks: Tuple[Peer, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        """The prefill engine's tensor parallel size."""
+        return max(len(self.ranks), 1)
+
+    def peers(self, rank: int, size: int) -> List["Recv"]:
+        """What decode rank ``rank`` of ``size`` does for this request: one spec per prefill rank it
+        releases (``p % size == rank``; with the same TP, exactly rank ``rank``), addressed to it.
+        Blocks are pulled only between ranks of the same TP size (``awaiting`` stays only then)."""
+        ranks = self.ranks or (Peer(self.host, self.port, self.cluster_id, self.remote_request_id),)
+        same = len(ranks) == size
+        return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
+                        remote_request_id=peer.remote_request_id, local_block_ids=self.local_block_ids if same else [],
+                        awaiting=self.awaiting and same)
+                for p, peer in enumerate(ranks) if p % size == rank]
 
 
 @dataclass
@@ -43,8 +75,10 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
     cluster_id: int
     host: str
     port: int
-    #: hex key the scheduler makes lease tokens with (never leaves this engine's processes)
+    #: hex key the scheduler makes this rank's lease tokens with (never leaves this engine's processes)
     lease_key: str = field(default="", repr=False)
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
@@ -71,13 +105,45 @@ def recv_spec(params: Any) -> Optional[Recv]:
             blocks = blocks[0]
         if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
             return None
-        remote_id = params["remote_request_id"]
-        if not isinstance(remote_id, str) or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
-            return None  # the prefill side would refuse its release
+        first = _peer(params["remote_host"], params["remote_port"], params["remote_cluster_id"],
+                      params["remote_request_id"])
+        if first is None:
+            return None
         block_size = params.get("remote_block_size")
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
             return None
-        return Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                    int(params["remote_cluster_id"]), remote_id, remote_block_size=block_size)
+        ranks: Tuple[Peer, ...] = ()
+        listed = params.get("remote_ranks")
+        tp_size = params.get("tp_size", 1)
+        if listed is not None or tp_size != 1:
+            # a prefill engine with tensor parallelism: every rank's address and lease
+            if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE or \
+                    not isinstance(listed, (list, tuple)) or len(listed) != tp_size or \
+                    not all(isinstance(r, dict) for r in listed):
+                return None
+            ranks = tuple(_peer(r.get("host"), r.get("port"), r.get("cluster_id"), r.get("request_id"))
+                          for r in listed)
+            if any(peer is None for peer in ranks):
+                return None
+            # rank 0 is where the NIXL-style fields say (a router may have rewritten them)
+            ranks = (first,) + ranks[1:]
+        return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
+                    ranks=ranks, remote_block_size=block_size)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _peer(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[Peer]:
+    """One prefill rank named in ``kv_transfer_params``, or None if unusable (raises nothing)."""
+    if not isinstance(host, str) or not host or not isinstance(remote_id, str) or \
+            utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:  # the prefill side would refuse its release
+        return None
+    if isinstance(port, bool) or isinstance(cluster_id, bool):
+        return None
+    try:
+        port, cluster_id = int(port), int(cluster_id)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not 0 < port < 65536 or not 0 <= cluster_id < 1 << 64:
+        return None
+    return Peer(host, port, cluster_id, remote_id)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
@@ -73,11 +74,13 @@ def prompt_length(request) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool):
+    def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1):
         self.engine_id = engine_id
         self.options = options
         self.block_size = block_size
-        self.worker: Optional[LLMDataDistHandshakeMetadata] = None
+        self.tp_size = tp_size
+        self.worker: Optional[LLMDataDistHandshakeMetadata] = None  # rank 0
+        self.workers: List[LLMDataDistHandshakeMetadata] = []  # by tensor parallel rank
         self._recv: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
@@ -86,11 +89,25 @@ class Scheduler:
         self._signals.close()
 
     def set_worker(self, metadata: Optional[KVConnectorHandshakeMetadata]) -> None:
-        if metadata is not None and not isinstance(metadata, LLMDataDistHandshakeMetadata):
-            raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
-        if metadata is not None and self.options.lease_tokens and len(metadata.lease_key) < 32:
-            raise ValueError("LLMDataDistConnector: the worker's handshake carries no lease key")
-        self.worker = metadata
+        """The one worker of an engine without tensor parallelism."""
+        self.set_workers({0: metadata} if metadata is not None else {})
+
+    def set_workers(self, by_rank: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every tensor parallel rank's worker (``{tp_rank: handshake}``); until all of them have
+        spoken, no request's KV is handed out."""
+        for rank, metadata in by_rank.items():
+            if not isinstance(metadata, LLMDataDistHandshakeMetadata):
+                raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
+            if self.options.lease_tokens and len(metadata.lease_key) < 32:
+                raise ValueError(f"LLMDataDistConnector: the handshake of worker rank {rank} carries no lease key")
+        if sorted(by_rank) != list(range(self.tp_size)):
+            if by_rank:
+                logger.error("LLMDataDistConnector: handshakes came from tensor parallel ranks %s of %d; this "
+                             "engine hands no KV to decode engines", sorted(by_rank), self.tp_size)
+            self.worker, self.workers = None, []
+            return
+        self.workers = [by_rank[rank] for rank in range(self.tp_size)]
+        self.worker = self.workers[0]
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
@@ -99,6 +116,13 @@ class Scheduler:
         spec = recv_spec(params)
         prompt = prompt_length(request)
         wanted = -(-prompt // self.block_size)
+        if spec is not None and spec.tp_size != self.tp_size:
+            logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d; "
+                           "LLMDataDistConnector moves KV between engines of the same tensor parallel size only: "
+                           "computing the prompt locally", request.request_id, spec.tp_size, self.tp_size)
+            params["do_remote_prefill"] = False
+            self._recv[request.request_id] = spec  # still let every prefill rank free its blocks
+            return 0, False
         if spec is not None and self._refusal(spec):
             # Not computed here silently: the worker refuses the load (one line saying why), and
             # vLLM recomputes or fails the request (kv_load_failure_policy).
@@ -172,22 +196,26 @@ class Scheduler:
             logger.warning("request %s: its id is longer than %d bytes, which no release may name; its KV is "
                            "not handed to a decode engine", request.request_id[:64] + "...", MAX_REQUEST_ID_BYTES)
             return False, None
-        remote_id = request.request_id
-        if self.options.lease_tokens:
-            # Only the decode side the proxy hands these params to can release the blocks; the
-            # token rides in remote_request_id, which every NIXL-style proxy forwards.
-            remote_id = lease_request_id(bytes.fromhex(self.worker.lease_key), request.request_id)
+        # Only the decode side the proxy hands these params to can release the blocks: each rank's
+        # release names the request with a token under that rank's key; rank 0's rides in
+        # remote_request_id, which every NIXL-style proxy forwards.
+        issued = int(time.time())
+        remote_ids = [lease_request_id(bytes.fromhex(w.lease_key), request.request_id, issued)
+                      if self.options.lease_tokens else request.request_id for w in self.workers]
         self._send[request.request_id] = self.options.kv_lease_s
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": ids,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": remote_id,
+            "remote_request_id": remote_ids[0],
             "remote_host": self.worker.host,
             "remote_port": self.worker.port,
             "remote_cluster_id": self.worker.cluster_id,
             "remote_num_tokens": request.num_computed_tokens,
             "remote_block_size": self.block_size,
-            "tp_size": 1,
+            "tp_size": self.tp_size,
+            # every rank (rank 0 again first): a decode rank pulls from the prefill rank of its number
+            "remote_ranks": [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "request_id": remote_id}
+                             for w, remote_id in zip(self.workers, remote_ids)],
         }

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -32,6 +32,18 @@ _SETTLED_REMEMBERED = 1 << 16
 _LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
 
 
+def parallel_ranks(vllm_config) -> Tuple[int, int, int]:
+    """``(tensor parallel rank, tensor parallel size, data parallel rank)`` of this worker."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    dp_rank = int(getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0)) or 0)
+    tp_rank = 0
+    if tp_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        tp_rank = get_tensor_model_parallel_rank()
+    return tp_rank, tp_size, dp_rank
+
+
 class _Unreachable(Exception):
     """No working link to a prefill worker could be had."""
 
@@ -45,8 +57,13 @@ class Worker:
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
-        self.cluster_id = options.cluster_id if options.cluster_id is not None else \
+        self.tp_rank, self.tp_size, dp_rank = parallel_ranks(vllm_config)
+        # Every worker of every engine on a host listens on its own port: with a fixed one, rank
+        # (dp, tp) takes listen_port + dp * tp_size + tp; a fixed cluster id is offset the same way.
+        offset = dp_rank * self.tp_size + self.tp_rank
+        self.cluster_id = options.cluster_id + offset if options.cluster_id is not None else \
             int.from_bytes(os.urandom(4), "little") | 1
+        self.listen_port = options.listen_port + offset if options.listen_port else 0
         self.device_id = layout.current_device_index()
         cfg = ld.LLMConfig()
         cfg.device_id = self.device_id
@@ -55,7 +72,7 @@ class Worker:
         cfg.enable_remote_cache_accessible = True
         cfg.link_secret = options.link_secret  # the option llm.LinkSecret; None: not authenticated
         if self.producer:
-            cfg.listen_ip_info = f"{options.listen_host}:{options.listen_port}"
+            cfg.listen_ip_info = f"{options.listen_host}:{self.listen_port}"
         role = ld.LLMRole.MIX if self.producer and self.consumer else \
             ld.LLMRole.PROMPT if self.producer else ld.LLMRole.DECODER
         engine_options = cfg.generate_options()
@@ -153,14 +170,15 @@ class Worker:
     def handshake(self) -> LLMDataDistHandshakeMetadata:
         port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
         return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port,
-                                            lease_key=self.leases.key.hex())
+                                            lease_key=self.leases.key.hex(), tp_rank=self.tp_rank,
+                                            tp_size=self.tp_size)
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping)
         pulls = []
         with self._lock:
-            for req_id, spec in meta.reqs_to_recv.items():
+            for req_id, spec in self._peer_specs(meta.reqs_to_recv):
                 key = (spec.cluster_id, spec.remote_request_id)
                 if not spec.awaiting and key in self._settled:
                     # Nothing to load, and another request of ours has already pulled or
@@ -178,6 +196,23 @@ class Worker:
                            "is refused); requests that finish from now on hand out no KV", freed)
         for req_id, spec in pulls:
             self._pool.submit(self._pull, req_id, spec)
+
+    def _peer_specs(self, reqs_to_recv: Dict[str, Recv]) -> List[Tuple[str, Recv]]:
+        """``(request id, spec)`` for each prefill rank this rank pulls from or releases: with the same
+        TP size, the rank of our number; else (the scheduler computes the prompt) the releases of
+        the ranks ``p % tp_size == tp_rank``. A request parked for a load that this rank cannot do
+        is reported failed."""
+        out = []
+        for req_id, spec in reqs_to_recv.items():
+            peers = spec.peers(self.tp_rank, self.tp_size)
+            if spec.awaiting and not any(p.awaiting for p in peers):
+                logger.error("request %s: its prefill engine has tensor parallel size %d, this one %d; reporting "
+                             "its KV as not loaded", req_id, spec.tp_size, self.tp_size)
+                self._recved.add(req_id)
+                self._failed.add(req_id)
+                self._load_errors.update(spec.local_block_ids)
+            out.extend((req_id, peer) for peer in peers)
+        return out
 
     def results(self) -> KVConnectorTransferResults:
         sent = self.leases.take_finished()

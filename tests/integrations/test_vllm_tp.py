@@ -1,0 +1,374 @@
+"""Tensor parallelism: every prefill rank's address and lease token in ``kv_transfer_params``,
+decode rank r pulling from prefill rank r, the listen-port rule, and engines of different TP sizes
+refusing to move KV (each side computes what it must, and every prefill rank is released).
+
+The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distributed_executor_backend
+="mp"``, gloo) on the tiny model of ``test_vllm``, one P/D pair at a time."""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from test_vllm import (BLOCK, CALL_TIMEOUT_S, LINK_SECRET, PRODUCER, Engine, delta, needs_vllm, prompts_of,
+                       release_over_link, write_model)
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+MAX_TOKENS = 6
+#: Two prompts each for the same-TP pair, the mismatches, and the prefill with other weights.
+SAME_TP = prompts_of([40, 70], seed=21)
+TP1_TO_TP2 = prompts_of([45], seed=22)
+TP2_TO_TP1 = prompts_of([50], seed=23)
+OTHER_WEIGHTS = prompts_of([60], seed=24)
+START_S = 480  # TP 2 engines on two shared cores start slowly
+
+
+def rank_params(params: dict, rank: int) -> dict:
+    """``params`` as if prefill rank ``rank`` were the only one (for ``release_over_link``)."""
+    entry = params["remote_ranks"][rank]
+    return dict(params, remote_host=entry["host"], remote_port=entry["port"], remote_cluster_id=entry["cluster_id"],
+                remote_request_id=entry["request_id"])
+
+
+def assert_released_by_decode(params: dict, ranks) -> None:
+    """Each of the prefill ``ranks`` has had the request released by its decode side: another release
+    with the same token is refused as a repeat (before the prefill engine's next step hands its
+    workers the lease, the release waits for it; after it, the blocks are freed)."""
+    for rank in ranks:
+        answer = release_over_link(rank_params(params, rank))
+        assert answer["released"] is False, (rank, answer)
+        assert answer["why"] in ("its blocks were already released", "its blocks were already freed (released)"), \
+            (rank, answer)
+
+
+def write_loud_model(path) -> None:
+    """The model with other weights whose prompt KV the decode engine cannot fail to notice: with
+    ``test_vllm``'s weights a token's attention output is small next to its embedding (flat attention
+    over random keys averages random values away), so a decode engine's tokens depend little on its
+    prompt's KV; here keys and values are 4 and 16 times as large."""
+    from safetensors.torch import load_file, save_file
+
+    write_model(path, seed=5)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if name.endswith("k_proj.weight"):
+            tensors[name] = tensors[name] * 4
+        elif name.endswith("v_proj.weight"):
+            tensors[name] = tensors[name] * 16
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def start(*engines: Engine) -> None:
+    for engine in engines:
+        assert engine._read(START_S) == {"ready": True}
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tmp_path_factory):
+    """``(work dir, baseline tokens by prompt, prefill TP 2, decode TP 2)``; a test may start more."""
+    work = tmp_path_factory.mktemp("vllm_tp")
+    write_model(work / "model")
+    write_loud_model(work / "other")
+    started = []
+    try:
+        plain = Engine(work / "model", "plain", work / "plain.log")
+        started.append(plain)
+        start(plain)
+        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
+        plain.close()
+        prefill = Engine(work / "model", "producer", work / "prefill2.log",
+                         {"kv_lease_s": 300, "link_secret": LINK_SECRET}, TP2)
+        started.append(prefill)
+        decode = Engine(work / "model", "consumer", work / "decode2.log", {"link_secret": LINK_SECRET}, TP2)
+        started.append(decode)
+        start(prefill, decode)
+        yield work, baseline, prefill, decode
+    finally:
+        for engine in started:
+            engine.close()
+
+
+def prefill(engine: Engine, prompts) -> list:
+    outputs = engine.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts), timeout=2 * CALL_TIMEOUT_S)
+    return [o["kv_transfer_params"] for o in outputs]
+
+
+@needs_vllm
+def test_tp2_prefill_to_tp2_decode_pulls_rank_by_rank(tp_engines):
+    _, baseline, prefill2, decode2 = tp_engines
+    params = prefill(prefill2, SAME_TP)
+    for p, prompt in zip(params, SAME_TP):
+        assert p["tp_size"] == 2 and len(p["remote_ranks"]) == 2
+        ports = [r["port"] for r in p["remote_ranks"]]
+        assert len(set(ports)) == 2 and ports[0] == p["remote_port"]  # one listener per rank, rank 0 on top
+        assert len({r["cluster_id"] for r in p["remote_ranks"]}) == 2
+        ids = [r["request_id"] for r in p["remote_ranks"]]
+        assert ids[0] == p["remote_request_id"] and ids[0] != ids[1]  # a lease token per rank
+        assert len(p["remote_block_ids"]) == math.ceil(len(prompt) / BLOCK)
+    before = decode2.prompt_tokens()
+
+    outputs = decode2.generate(SAME_TP, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+
+    for prompt, out in zip(SAME_TP, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    sources = delta(decode2.prompt_tokens(), before)
+    assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, SAME_TP))
+    for p in params:  # each decode rank released its prefill rank
+        assert_released_by_decode(p, [0, 1])
+
+
+@needs_vllm
+def test_different_tp_sizes_compute_locally_and_release_every_prefill_rank(tp_engines):
+    """P TP 1 -> D TP 2 and P TP 2 -> D TP 1: no KV moves (refused, with a line in the log), the
+    tokens are the baseline's, and every prefill rank has been released by the decode side."""
+    work, baseline, prefill2, decode2 = tp_engines
+    prefill1 = Engine(work / "model", "producer", work / "prefill1.log",
+                      {"kv_lease_s": 300, "link_secret": LINK_SECRET})
+    try:
+        start(prefill1)
+        params = prefill(prefill1, TP1_TO_TP2)
+        assert params[0]["tp_size"] == 1 and len(params[0]["remote_ranks"]) == 1
+        before = decode2.prompt_tokens()
+        outputs = decode2.generate(TP1_TO_TP2, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+        assert outputs[0]["token_ids"] == baseline[tuple(TP1_TO_TP2[0])]
+        sources = delta(decode2.prompt_tokens(), before)
+        assert sources["external_kv_transfer"] == 0 and sources["local_compute"] == len(TP1_TO_TP2[0])
+        assert "tensor parallel size 1 and this one with 2" in decode2.tail(200)
+        assert_released_by_decode(params[0], [0])  # by decode rank 0
+    finally:
+        prefill1.close()
+    decode1 = Engine(work / "model", "consumer", work / "decode1.log", {"link_secret": LINK_SECRET})
+    try:
+        start(decode1)
+        params = prefill(prefill2, TP2_TO_TP1)
+        before = decode1.prompt_tokens()
+        outputs = decode1.generate(TP2_TO_TP1, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+        assert outputs[0]["token_ids"] == baseline[tuple(TP2_TO_TP1[0])]
+        sources = delta(decode1.prompt_tokens(), before)
+        assert sources["external_kv_transfer"] == 0 and sources["local_compute"] == len(TP2_TO_TP1[0])
+        assert "tensor parallel size 2 and this one with 1" in decode1.tail(200)
+        assert_released_by_decode(params[0], [0, 1])  # both by the one decode rank
+    finally:
+        decode1.close()
+
+
+@needs_vllm
+def test_a_tp2_prefill_with_other_weights_changes_the_tp2_decode(tp_engines):
+    """The decode engine continues from what it pulled: KV of other weights gives other tokens."""
+    work, baseline, _, decode2 = tp_engines
+    other = Engine(work / "other", "producer", work / "prefill_other.log",
+                   {"kv_lease_s": 300, "link_secret": LINK_SECRET}, TP2)
+    try:
+        start(other)
+        params = prefill(other, OTHER_WEIGHTS)
+        before = decode2.prompt_tokens()
+        outputs = decode2.generate(OTHER_WEIGHTS, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+        assert delta(decode2.prompt_tokens(), before)["external_kv_transfer"] == len(OTHER_WEIGHTS[0])
+        assert outputs[0]["token_ids"] != baseline[tuple(OTHER_WEIGHTS[0])]
+        assert_released_by_decode(params[0], [0, 1])
+    finally:
+        other.close()
+
+
+# -- without engines ------------------------------------------------------------------------------
+
+def _params(**changes) -> dict:
+    ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"} for r in range(2)]
+    params = {"remote_block_ids": [4, 5], "remote_host": "127.0.0.1", "remote_port": 7000, "remote_cluster_id": 10,
+              "remote_request_id": "req.t0", "tp_size": 2, "remote_ranks": ranks}
+    params.update(changes)
+    return params
+
+
+@needs_vllm
+def test_kv_transfer_params_name_every_rank_and_hostile_ones_are_unusable():
+    from llm_datadist.integrations.vllm.meta import MAX_TP_SIZE, recv_spec
+
+    spec = recv_spec(_params())
+    assert spec.tp_size == 2
+    # same TP: decode rank r pulls from (and releases) prefill rank r only
+    for rank in (0, 1):
+        peers = spec.peers(rank, 2)
+        assert [(p.port, p.cluster_id, p.remote_request_id) for p in peers] == [
+            (7000 + rank, 10 + rank, f"req.t{rank}")]
+    waiting = replace(spec, local_block_ids=[1, 2], awaiting=True)
+    assert all(p.awaiting and p.local_block_ids == [1, 2] for p in waiting.peers(1, 2))
+    # other TP sizes: nothing is pulled; decode rank r releases prefill ranks p % size == r
+    assert [(p.port, p.awaiting, p.local_block_ids) for p in waiting.peers(0, 1)] == [(7000, False, []),
+                                                                                     (7001, False, [])]
+    assert waiting.peers(3, 4) == []  # a decode rank with no prefill rank of its own
+    four = replace(waiting, ranks=waiting.ranks * 2)
+    assert [p.port for p in four.peers(1, 2)] == [7001, 7001]
+    # rank 0 is where the NIXL-style fields say, should a router rewrite them
+    moved = recv_spec(_params(remote_port=8000, remote_request_id="req.moved"))
+    assert [(p.port, p.remote_request_id) for p in moved.peers(0, 2)] == [(8000, "req.moved")]
+    assert [p.port for p in moved.peers(1, 2)] == [7001]
+    # a prefill without remote_ranks is TP 1 (older versions, or a router that kept only NIXL's fields)
+    plain = recv_spec({k: v for k, v in _params().items() if k not in ("remote_ranks", "tp_size")})
+    assert plain.tp_size == 1 and [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []
+    hostile = [
+        _params(tp_size=3), _params(tp_size=True), _params(tp_size=0), _params(tp_size=MAX_TP_SIZE + 1),
+        _params(tp_size="2"), _params(remote_ranks=None), _params(remote_ranks="ranks"),
+        _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1, "request_id": "r"}, 5]),
+        _params(remote_ranks=[{"host": "h", "port": 0, "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": 1 << 16, "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": -1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1 << 64, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1, "request_id": "r" * 10_000}] * 2),
+        _params(remote_ranks=[{"host": 5, "port": 1, "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"port": 1, "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": "x", "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": True, "cluster_id": 1, "request_id": "r"}] * 2),
+        _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1, "request_id": None}] * 2),
+        _params(remote_ranks=[{}] * MAX_TP_SIZE, tp_size=MAX_TP_SIZE),
+    ]
+    for params in hostile:
+        assert recv_spec(params) is None, params
+
+
+@needs_vllm
+def test_every_rank_gets_its_own_lease_token_and_accepts_only_its_own():
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata, recv_spec
+    from vllm.v1.request import RequestStatus
+
+    options = _Options.parse({})
+    books = [LeaseBook(options) for _ in range(2)]
+    scheduler = _Scheduler("prefill", options, 32, producer=False, tp_size=2)
+    handshakes = {r: LLMDataDistHandshakeMetadata("prefill", 10 + r, "127.0.0.1", 7000 + r, books[r].key.hex(), r, 2)
+                  for r in range(2)}
+    request = SimpleNamespace(request_id="req-1", kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    scheduler.set_workers({0: handshakes[0]})  # not every rank yet: nothing is handed out
+    assert scheduler.request_finished(request, [[1, 2]]) == (False, None)
+    scheduler.set_workers(handshakes)
+    keep, params = scheduler.request_finished(request, [[1, 2]])
+    assert keep and params["tp_size"] == 2 and recv_spec(params).tp_size == 2
+    assert [(r["port"], r["cluster_id"]) for r in params["remote_ranks"]] == [(7000, 10), (7001, 11)]
+    for book in books:
+        book.take_leases({"req-1": 60.0}, stopping=False)
+    ids = [r["request_id"] for r in params["remote_ranks"]]
+    # rank 1 refuses rank 0's token and the bare id; each accepts its own once
+    assert books[1].on_release(9, {"op": "release", "request_id": ids[0]})["released"] is False
+    assert books[1].on_release(9, {"op": "release", "request_id": "req-1"})["released"] is False
+    for book, remote_id in zip(books, ids):
+        assert book.on_release(9, {"op": "release", "request_id": remote_id})["released"] is True
+        assert book.take_finished() == {"req-1"}
+    # a decode engine of another TP size computes the prompt and releases every rank
+    decode = _Scheduler("decode", options, 32, producer=False, tp_size=1)
+    incoming = SimpleNamespace(request_id="d-1", kv_transfer_params=dict(params), prompt_token_ids=list(range(40)))
+    assert decode.get_num_new_matched_tokens(incoming, 0) == (0, False)
+    sent = decode.build_connector_meta().reqs_to_recv["d-1"]
+    assert not sent.awaiting and [p.remote_request_id for p in sent.peers(0, 1)] == ids
+    with pytest.raises(ValueError, match="rank 1 carries no lease key"):
+        scheduler.set_workers({0: handshakes[0], 1: LLMDataDistHandshakeMetadata("prefill", 11, "h", 1)})
+
+
+@needs_vllm
+def test_a_prefill_engine_frees_blocks_only_when_every_rank_was_released():
+    """The lease books of two prefill ranks (what each rank's worker reports as ``finished_sending``)
+    behind one scheduler, their step results aggregated the way vLLM aggregates its workers'
+    (``KVOutputAggregator``, one report per rank). (One process holds one llm_datadist engine, so
+    the ranks' books stand in for their workers here; the live tests run whole ones.)"""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    options = _Options.parse({"kv_lease_s": 60})
+    books = [LeaseBook(options) for _ in range(2)]
+    scheduler = _Scheduler("prefill", options, 32, producer=False, tp_size=2)
+    scheduler.set_workers({r: LLMDataDistHandshakeMetadata("prefill", 10 + r, "127.0.0.1", 7000 + r,
+                                                           books[r].key.hex(), r, 2) for r in range(2)})
+    request = SimpleNamespace(request_id="req-1", kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    _, params = scheduler.request_finished(request, [[1, 2]])
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+
+    def step() -> set:
+        meta = scheduler.build_connector_meta()
+        outputs = []
+        for book in books:
+            book.take_leases(meta.reqs_to_send, meta.stopping)
+            sent = KVConnectorOutput(finished_sending=book.take_finished() or None)
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=sent))
+        return aggregator.aggregate(outputs).kv_connector_output.finished_sending or set()
+
+    assert step() == set()  # both ranks hold the lease
+    for rank, book in enumerate(books):
+        answer = book.on_release(9, {"op": "release", "request_id": params["remote_ranks"][rank]["request_id"]})
+        assert answer["released"] is True
+        # rank 0 released: not freed yet; rank 1 too: freed
+        assert step() == (set() if rank == 0 else {"req-1"})
+    assert step() == set()
+
+
+def _free_port_run(count: int) -> int:
+    """A port p with p .. p + count - 1 free now (for the fixed-port rule)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        try:
+            socks = [socket.socket() for _ in range(count)]
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no run of free ports")
+
+
+@needs_vllm
+def test_a_fixed_listen_port_is_offset_by_dp_and_tp_rank(monkeypatch):
+    """Rank (dp, tp) listens on listen_port + dp * tp_size + tp; a fixed cluster id is offset alike."""
+    from llm_datadist.integrations.vllm import worker as worker_module
+    from llm_datadist.integrations.vllm.options import Options as _Options
+
+    base = _free_port_run(6)
+    for dp, tp in ((0, 0), (0, 1), (2, 1)):
+        monkeypatch.setattr(worker_module, "parallel_ranks", lambda config, tp=tp, dp=dp: (tp, 2, dp))
+        worker = worker_module.Worker(PRODUCER, "e", _Options.parse({"listen_port": base, "cluster_id": 100}), None)
+        try:
+            shake = worker.handshake()
+            assert (shake.port, shake.cluster_id, shake.tp_rank, shake.tp_size) == (base + dp * 2 + tp,
+                                                                                     100 + dp * 2 + tp, tp, 2)
+        finally:
+            worker.close()
+    monkeypatch.setattr(worker_module, "parallel_ranks", lambda config: (1, 2, 3))
+    worker = worker_module.Worker(PRODUCER, "e", _Options.parse({}), None)  # port 0: any free port
+    try:
+        assert worker.handshake().port > 0
+    finally:
+        worker.close()
+
+
+@needs_vllm
+def test_pipeline_parallelism_is_refused_with_a_clear_line():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnector
+
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_connector_extra_config={}, is_kv_producer=True,
+                                           is_kv_consumer=False),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2),
+        cache_config=SimpleNamespace(block_size=32))
+    with pytest.raises(NotImplementedError, match="does not support pipeline parallelism .*pipeline_parallel_size=2"):
+        LLMDataDistConnector(config, KVConnectorRole.SCHEDULER)
