@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 from dataclasses import replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
@@ -71,6 +71,7 @@ class Scheduler:
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None
         self._recv: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
+        self._send_blocks: Dict[str, List[int]] = {}
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
 
     def close(self) -> None:
@@ -116,6 +117,7 @@ class Scheduler:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
         meta.reqs_to_send, self._send = self._send, {}
+        meta.blocks_to_send, self._send_blocks = self._send_blocks, {}
         meta.stopping = self._signals.stopping
         return meta
 
@@ -156,6 +158,7 @@ class Scheduler:
             # token rides in remote_request_id, which every NIXL-style proxy forwards.
             remote_id = lease_request_id(bytes.fromhex(self.worker.lease_key), request.request_id)
         self._send[request.request_id] = self.options.kv_lease_s
+        self._send_blocks[request.request_id] = ids  # what the decode side may read (LeaseBook.read_guard)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -102,6 +102,10 @@ class Worker:
         self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                    ld.BlocksCacheKey(self.cluster_id, 0), True)
         self.device = str(first.device)
+        if self.producer and self.options.lease_tokens:
+            # Pulls through this engine's server read only the blocks leased to the puller's token.
+            self.leases.set_layout([t.data_ptr() for t in tensors], first[0].numel() * first.element_size())
+            self._links_api.set_read_guard(self.leases.read_guard)
         logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
                     len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
 
@@ -112,7 +116,7 @@ class Worker:
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
-        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping)
+        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
         pulls = []
         with self._lock:
             for req_id, spec in meta.reqs_to_recv.items():
@@ -181,8 +185,7 @@ class Worker:
             try:
                 if len(spec.remote_block_ids) < len(local):
                     raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
-                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
-                                                                remote, local))
+                self._on_link(spec, lambda: self._pull_blocks(spec, remote, local))
             except _Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
@@ -213,6 +216,11 @@ class Worker:
             logger.warning("request %s: could not tell %s that it may free the blocks of prefill request %s (%s); "
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
+
+    def _pull_blocks(self, spec: Recv, remote, local) -> None:
+        # tagged for the prefill engine's read guard (LeaseBook.read_guard)
+        with self.dd.engine.read_tag(spec.remote_request_id):
+            self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache, remote, local)
 
     def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
         """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
@@ -287,6 +295,8 @@ class Worker:
     def close(self) -> None:
         if self.producer:
             self._links_api.set_notify_handler(None)
+            if self.options.lease_tokens and self.cache is not None:
+                self._links_api.set_read_guard(None)
         held = self.leases.close()
         if held:
             # No drain freed them (an engine stopped in-process, or by a signal vLLM did not turn
