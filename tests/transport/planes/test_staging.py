@@ -722,7 +722,7 @@ def _raw_push(link, generation: int, triples, data: bytes) -> int:
 
 
 def _raw_pull(link, generation: int, triples) -> Tuple[int, bytes]:
-    req_id = link.request(wire.OP_PULL, wire.U64.pack(generation) + _descs(*triples))
+    req_id = link.request(wire.OP_PULL, wire.U64x2.pack(generation, 0) + _descs(*triples))  # no tag
     op, status, rid, payload = rawpeer.read_frame(link.sock, timeout=30)
     assert (op, rid) == (wire.OP_PULL_DATA, req_id)
     return status, payload
