@@ -32,6 +32,7 @@ from llm_datadist.engine.values import (
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
 from llm_datadist.transport.links import LinkManager
+from llm_datadist.transport.read_guard import check_tag, tagged
 
 logger = logging.getLogger("llm_datadist")
 
@@ -189,6 +190,27 @@ class Engine:
             self.check_initialized()
         if self.links is not None:
             self.links.set_notify_handler(handler)
+
+    def set_read_guard(self, guard: Optional[Callable]) -> None:
+        """Check every pull a peer makes through this engine's server (the ``tcp`` and ``staging``
+        planes) with ``guard(peer_cluster_id, tag) -> allowed ranges or None``: ``tag`` is the bytes
+        the puller set (``read_tag``), the ranges ``(address, nbytes)`` pairs. A pull without a tag,
+        with a tag the guard refuses (None) or reading outside the allowed ranges is refused with
+        ``LLM_KV_CACHE_NOT_EXIST``; the link goes on. Reads over one-sided planes (``cma``,
+        ``cuda_ipc``) never reach the server and are not guarded. None: no guard (the default).
+        The guard runs on the connection's thread, so it must be quick."""
+        self.check_initialized()
+        self.links.set_read_guard(guard)
+
+    @staticmethod
+    def read_tag(tag: Any):
+        """A context manager: the pulls this thread makes inside carry ``tag`` (bytes, or str as
+        UTF-8; at most ``transport.budgets.MAX_PULL_TAG_BYTES``) to the owner's read guard.
+        ``LLMException`` (``LLM_PARAM_INVALID``) for a tag that is not bytes or too long."""
+        try:
+            return tagged(check_tag(tag))
+        except ValueError as exc:
+            raise param_invalid(str(exc)) from None
 
     def notify(self, remote_id: int, message: Any, timeout_ms: int) -> Any:
         """Send ``message`` to a linked peer's notify handler; returns its answer."""

@@ -26,8 +26,8 @@ from typing import Any, Dict, Optional
 SECRET_OPTION = "llm.LinkSecret"
 SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 NONCE_BYTES = 32
-_LABELS = {"client": b"llm_datadist link v4 client proof", "server": b"llm_datadist link v4 server proof",
-           "self": b"llm_datadist link v4 self proof"}
+_LABELS = {"client": b"llm_datadist link v5 client proof", "server": b"llm_datadist link v5 server proof",
+           "self": b"llm_datadist link v5 self proof"}
 
 
 def resolve_secret(options: Dict[str, str]) -> Optional[bytes]:

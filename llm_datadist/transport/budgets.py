@@ -16,6 +16,9 @@
   staged transfers in flight in this process (two 4 MiB buffers each); a transfer that would
   exceed it waits up to its deadline and then fails (``LLM_TIMEOUT`` on the side that asked,
   ``LLM_FAILED`` from the owner), in step with its frame.
+- ``MAX_PULL_TAG_BYTES`` (512): the longest tag a PULL frame may carry (``read_guard``), read
+  before the descriptors and held only while the pull is checked; a longer one breaks the
+  protocol (the link goes). A vLLM tag, a ``remote_request_id``, is at most 285 bytes.
 - ``MAX_REASON_CHARS`` (256): the longest reason kept for a lost link (``lost_links``); with
   ``session.MAX_LOST_RECORDS`` records this bounds them in bytes.
 """
@@ -37,6 +40,8 @@ MAX_STAGING_BYTES_ENV = "LLM_DATADIST_MAX_STAGING_BYTES"
 DEFAULT_MAX_STAGING_BYTES = 256 << 20
 #: How long a control request waits for room in the parsing budget before it is refused.
 PARSING_WAIT_S = 1.0
+#: Longest tag of a PULL frame (``read_guard``).
+MAX_PULL_TAG_BYTES = 512
 #: Longest reason kept for a lost link (longer ones are cut, ``...`` appended).
 MAX_REASON_CHARS = 256
 

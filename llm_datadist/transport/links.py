@@ -59,6 +59,7 @@ from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAU
                                              Listener, close_socket, describe, env_int, is_loopback, source_of,
                                              warn_once)
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
+from llm_datadist.transport.read_guard import ReadGuard
 from llm_datadist.transport.server import Requests, Server
 from llm_datadist.transport.session import MAX_CONNECTIONS, MAX_LOST_RECORDS, Channel, Peer, peer_credentials
 from llm_datadist.transport.table import RemoteTable
@@ -113,10 +114,12 @@ class LinkManager:
         #: cluster's id without proving that they come from this process. The byte budgets
         #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
         #: ``refused_parsing``, control requests that found no room in the parsing budget;
-        #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed).
+        #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
+        #: ``refused_reads``, pulls the read guard refused (``read_guard``).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
                       "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
-                      "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0}
+                      "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0,
+                      "refused_reads": 0}
         #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
         self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
@@ -124,7 +127,9 @@ class LinkManager:
                                  env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
                                  env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE))
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
-        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count).handlers()
+        #: Which registered memory a peer may pull through the server (none installed: all of it).
+        self.read_guard = ReadGuard(engine.cluster_id, self._count)
+        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count, self.read_guard).handlers()
         handlers[wire.OP_NOTIFY] = self._on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.
@@ -730,6 +735,11 @@ class LinkManager:
         (JSON objects; it runs on the connection's thread, so it must be quick). None: refuse them
         with ``LLM_FEATURE_NOT_ENABLED``."""
         self._notify_handler = handler
+
+    def set_read_guard(self, guard: Optional[Callable[[int, bytes], Any]]) -> None:
+        """Check every peer's pull through the server with ``guard(peer_cluster_id, tag) ->
+        allowed ranges or None`` (``read_guard``); None: no guard."""
+        self.read_guard.set(guard)
 
     def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
         """Send a JSON object to a linked peer over the link (authenticated like it) and return

@@ -5,6 +5,10 @@ pull). A frame that breaks the protocol closes the connection, and with it the w
 server tells its owner, ``on_end``); a transfer whose ranges are not registered here, or that
 was planned against an older registry, is refused with a status and the link goes on.
 
+With a read guard installed (``read_guard``), a pull is first checked against the ranges the
+guard allows for the tag its frame carries; a refused one is answered with a status before a byte
+moves, and the link goes on.
+
 A push or pull whose ranges lie wholly in registered host memory moves straight between the
 socket and that memory; one wholly in registered device memory that the host cannot address is
 staged through pinned bounce buffers (the ``device_payload`` a plane provides: the staging
@@ -40,6 +44,7 @@ from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, status_of
 from llm_datadist.transport.listener import close_socket
+from llm_datadist.transport.read_guard import ReadGuard
 from llm_datadist.transport.session import Peer, read_body, read_header
 from llm_datadist.transport.threads import Threads
 
@@ -182,14 +187,16 @@ class Requests:
 
     ``planes()``: the engine's plane instances now; ``device_payload``: the payload that moves a
     transfer's bytes into and out of this engine's device memory (None: such transfers are
-    refused like unregistered memory)."""
+    refused like unregistered memory); ``guard``: the engine's read guard, which every pull
+    passes first (``read_guard.ReadGuard``; none installed by default)."""
 
     def __init__(self, engine: EngineView, planes: Callable[[], Iterable[Any]], device_payload: Optional[Any],
-                 count: Callable[[str], Any] = lambda counter: None) -> None:
+                 count: Callable[[str], Any] = lambda counter: None, guard: Optional[ReadGuard] = None) -> None:
         self.engine = engine
         self._planes = planes
         self._device = device_payload
         self._count = count  # counts a refusal by a budget (``LinkManager.stats``)
+        self._read_guard = guard if guard is not None else ReadGuard(engine.cluster_id)
 
     def handlers(self) -> Dict[int, Handler]:
         return {wire.OP_TABLE_GET: self.table, wire.OP_KEY_DONE: self.key_done, wire.OP_PUSH: self.push,
@@ -252,10 +259,17 @@ class Requests:
     def pull(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
         engine = self.engine
         peer_id = peer.cluster_id
-        if length < 8 or (length - 8) % _io.WIRE_DESC_BYTES:
+        if length < 16:
             raise ProtocolError(f"pull: frame length {length}")
-        (generation,) = wire.U64.unpack(recv_exact(fd, 8, 8, "pull"))
-        plan = self._wire_plan(recv_exact(fd, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+        generation, tag_len = wire.U64x2.unpack(recv_exact(fd, 16, 16, "pull"))
+        if tag_len > budgets.MAX_PULL_TAG_BYTES or tag_len > length - 16 \
+                or (length - 16 - tag_len) % _io.WIRE_DESC_BYTES:
+            raise ProtocolError(f"pull: a tag of {tag_len} bytes in a frame of {length}")
+        tag = recv_exact(fd, tag_len, budgets.MAX_PULL_TAG_BYTES, "pull tag") if tag_len else b""
+        plan = self._wire_plan(recv_exact(fd, length - 16 - tag_len, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+        refusal = self._read_guard.refusal(peer_id, tag, plan)
+        if refusal:
+            return reply(fd, wire.OP_PULL_DATA, req_id, refusal)
         with engine.pinned(plan, False, *_pin_terms(fd)) as (ranges, current, device_ranges):
             refusal, device = self._refusal(plan, False, generation, ranges, device_ranges, current, peer_id, "pull")
             if refusal == 0:

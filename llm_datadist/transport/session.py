@@ -219,7 +219,8 @@ class Channel:
             raise StaleTable()
         if status != 0:
             raise fail(status, f"{what} refused by {self.peer_name}: {status_of(status).name} (a "
-                               f"{side} range is not registered there)")
+                               f"{side} range is not registered there"
+                               f"{', or its read guard does not let this pull read it' if what == 'pull' else ''})")
 
 
 @dataclass(eq=False)

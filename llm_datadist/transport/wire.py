@@ -9,21 +9,22 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Every connection starts with a handshake of four JSON frames (protocol version 4): HELLO from the
+Every connection starts with a handshake of four JSON frames (protocol version 5): HELLO from the
 connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
 ``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
 "forward"/"reverse" with the link's ``token``; a link to this cluster's own listener also carries
-``self_proof``, version 4), and HELLO_REPLY (a status; for a link the server's
-role, planes, token and Unix socket name). See ``auth`` for the proofs.
+``self_proof``, since version 4), and HELLO_REPLY (a status; for a link the server's role, planes,
+token and Unix socket name). See ``auth`` for the proofs.
 
 Control payloads (handshake, tables, unlink, key release, notifications) are UTF-8 JSON of at most
 ``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 table generation`` + ``u64 descriptor bytes`` +
 descriptors (``src, dst, nbytes`` as little-endian uint64; the receiver uses ``dst``) + the data of
-every descriptor in order. A PULL payload is ``u64 table generation`` + the descriptors (the owner
-uses ``src``); its reply, PULL_DATA, carries the data. The generation is that of the owner's cache
-table the sender planned against; the owner refuses a different one with ``STATUS_STALE_TABLE``.
-All integers are little-endian.
+every descriptor in order. A PULL payload is ``u64 table generation`` + ``u64 tag bytes`` + the tag
+(opaque, at most ``budgets.MAX_PULL_TAG_BYTES``, checked by the owner's read guard:
+``read_guard``; since version 5) + the descriptors (the owner uses ``src``); its reply, PULL_DATA,
+carries the data. The generation is that of the owner's cache table the sender planned against;
+the owner refuses a different one with ``STATUS_STALE_TABLE``. All integers are little-endian.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 from typing import Any, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")

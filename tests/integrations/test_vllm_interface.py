@@ -231,7 +231,8 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
             me = (worker.cluster_id, worker.handshake().host, worker.handshake().port)
             got = peer.call(peer_pull, *me, [4, 1], [0, 5])
             assert all(np.array_equal(g, m[[4, 1]]) for g, m in zip(got, mine))
-            worker.start(SimpleNamespace(reqs_to_send={"held": 60.0}, reqs_to_recv={}, stopping=False))
+            worker.start(SimpleNamespace(reqs_to_send={"held": 60.0}, blocks_to_send={}, reqs_to_recv={},
+                                         stopping=False))
             assert worker.results().finished_sending == set()
             generation = worker.dd.engine.generation_word.value
             stale = worker.cache  # what a pull that began before the sleep holds

@@ -363,3 +363,126 @@ def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
         assert spec is not None and "." in spec.remote_request_id
         assert release(worker, spec.remote_request_id)["released"] is True
         assert worker.results().finished_sending == {"cmpl-9.0-a1"}
+
+
+# -- reads guarded by the lease token (tcp: the prefill engine's server serves every pull) -----------
+
+GUARD_BLOCKS, GUARD_BLOCK_FLOATS = 8, 256
+FILL = 0xAB
+
+
+def c_decode_cache(state, prefill_id: int, ip: str, port: int) -> None:
+    """What a decode worker has: a blocks cache shaped like the prefill engine's (two tensors),
+    full of FILL, linked to the prefill engine."""
+    import numpy as np
+
+    import llm_datadist as ld
+
+    state.arrays = [np.full((GUARD_BLOCKS, GUARD_BLOCK_FLOATS * 4), FILL, dtype=np.uint8) for _ in range(2)]
+    desc = ld.CacheDesc(2, [GUARD_BLOCKS, GUARD_BLOCK_FLOATS * 4], ld.DataType.DT_UINT8, ld.Placement.HOST)
+    state.cache = state.cm.register_blocks_cache(desc, [a.ctypes.data for a in state.arrays],
+                                                 ld.BlocksCacheKey(state.cluster_id, 0))
+    info = ld.LLMClusterInfo()
+    info.remote_cluster_id = prefill_id
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info(ip, port)
+    _, rets = state.dd.link_clusters([info], 5000)
+    assert rets[0] == ld.LLMStatusCode.LLM_SUCCESS, rets
+
+
+def c_pull(state, prefill_id: int, src, dst, tag) -> str:
+    """The decode worker's pull (``Worker._pull_blocks``): tagged with ``remote_request_id``."""
+    import llm_datadist as ld
+
+    try:
+        if tag is None:
+            state.cm.pull_blocks(ld.BlocksCacheKey(prefill_id, 0), state.cache, list(src), list(dst))
+        else:
+            with state.dd.engine.read_tag(tag):
+                state.cm.pull_blocks(ld.BlocksCacheKey(prefill_id, 0), state.cache, list(src), list(dst))
+    except ld.LLMException as exc:
+        return exc.status_code.name
+    return "ok"
+
+
+def c_arrays(state) -> list:
+    return [a.copy() for a in state.arrays]
+
+
+def test_over_tcp_only_the_token_holder_reads_its_requests_blocks():
+    import torch
+
+    from llm_datadist.testing import Cluster
+
+    with prefill_worker(data_plane="tcp") as worker, contextlib.ExitStack() as stack:
+        kv = {f"layer{i}": torch.rand(GUARD_BLOCKS, GUARD_BLOCK_FLOATS) for i in range(2)}
+        worker.register(kv)
+        assert worker.dd.engine.links.read_guard.installed
+        scheduler = prefill_scheduler(worker)
+        token_a = finished_prefill(scheduler, "req-a", blocks=(1, 2))["remote_request_id"]
+        token_b = finished_prefill(scheduler, "req-b", blocks=(5,))["remote_request_id"]
+        worker.start(scheduler.build_connector_meta())  # the scheduler's step: the leases and their blocks
+        assert worker.leases.blocks == {"req-a": [1, 2], "req-b": [5]}
+
+        ip, port = worker.dd.listen_ip_info.rsplit(":", 1)
+        decode, other = (stack.enter_context(Cluster(cid, "DECODER", plane="tcp", timeout=30.0)) for cid in (91, 92))
+        for peer in (decode, other):
+            peer.call(c_decode_cache, worker.cluster_id, ip, int(port))
+
+        # Another linked peer: no token, the bare request id, a forged token, another request's
+        # token, and the right token reaching past its request's blocks: all refused.
+        forged = token_a[:-4] + ("AAAA" if not token_a.endswith("AAAA") else "BBBB")
+        for peer, src, tag in [(other, [1, 2], None), (other, [1, 2], "req-a"), (other, [1, 2], forged),
+                               (other, [1, 2], token_b), (decode, [1, 2, 3], token_a), (decode, [0], token_a)]:
+            assert peer.call(c_pull, worker.cluster_id, src, list(range(len(src))), tag) == \
+                "LLM_KV_CACHE_NOT_EXIST", (src, tag)
+        for peer in (decode, other):
+            for array in peer.call(c_arrays):
+                assert (array == FILL).all(), "a refused pull wrote into the puller's cache"
+        assert worker.stats["refused_reads"] >= 4
+
+        # The decode side with its token reads exactly its blocks; so does B's with its own.
+        assert decode.call(c_pull, worker.cluster_id, [1, 2], [3, 4], token_a) == "ok"
+        assert other.call(c_pull, worker.cluster_id, [5], [0], token_b) == "ok"
+        want = [t.view(torch.uint8).numpy() for t in kv.values()]
+        for got, mine in zip(decode.call(c_arrays), want):
+            assert (got[3:5] == mine[1:3]).all() and (got[:3] == FILL).all() and (got[5:] == FILL).all()
+        for got, mine in zip(other.call(c_arrays), want):
+            assert (got[0] == mine[5]).all()
+
+        # Released: A's blocks go from the guard (the same token reads nothing more).
+        assert release(worker, token_a)["released"] is True
+        assert "req-a" not in worker.leases.blocks
+        assert decode.call(c_pull, worker.cluster_id, [1], [0], token_a) == "LLM_KV_CACHE_NOT_EXIST"
+        assert worker.dd.engine.links.linked_clusters() and worker.dd.engine.links.lost_links() == {}
+
+
+def test_lease_tokens_false_installs_no_read_guard():
+    import torch
+
+    with prefill_worker(data_plane="tcp", lease_tokens=False) as worker:
+        worker.register({"layer0": torch.rand(GUARD_BLOCKS, GUARD_BLOCK_FLOATS)})
+        assert not worker.dd.engine.links.read_guard.installed
+
+
+def test_a_read_with_a_valid_token_waits_briefly_for_its_lease(monkeypatch):
+    """The decode side may ask before the scheduler's next step hands the lease to the worker:
+    a valid token waits for it (up to LEASE_WAIT_S); one whose lease never comes reads nothing."""
+    from llm_datadist.integrations.vllm import leases as _leases
+    from llm_datadist.integrations.vllm.options import Options as _Options
+
+    monkeypatch.setattr(_leases, "LEASE_WAIT_S", 0.5)
+    book = _leases.LeaseBook(_Options.parse({"kv_lease_s": LEASE_S}))
+    book.set_layout([1000, 50000], 100)
+    late = _leases.lease_request_id(book.key, "req-late")
+    timer = threading.Timer(0.1, book.take_leases, ({"req-late": LEASE_S}, False, {"req-late": [2, 7]}))
+    timer.start()
+    try:
+        assert book.read_guard(7, late.encode()) == [(1200, 100), (1700, 100), (50200, 100), (50700, 100)]
+    finally:
+        timer.join()
+    started = time.monotonic()
+    assert book.read_guard(7, _leases.lease_request_id(book.key, "req-never").encode()) is None
+    assert 0.4 < time.monotonic() - started < 5
+    assert book.read_guard(7, b"req-late") is None and book.read_guard(7, b"\xff" * 40) is None
+    assert book.stats["refused_reads"] == 3

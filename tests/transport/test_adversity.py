@@ -642,9 +642,14 @@ def push_length(desc_bytes: int, data_bytes: int) -> int:
     return len(transfer_prefix(0)) + 8 + desc_bytes + data_bytes
 
 
+def pull_prefix(generation: int, tag: bytes = b"") -> bytes:
+    """What a PULL payload starts with: the generation, the tag's length and the tag (version 5)."""
+    return transfer_prefix(generation) + wire.U64.pack(len(tag)) + tag
+
+
 def pull_frame(descriptors, generation: int, length: Optional[int] = None, req_id: int = 2) -> bytes:
     descs = b"".join(wire.U64.pack(v) for d in descriptors for v in d)
-    return frame(wire.OP_PULL, transfer_prefix(generation) + descs, length, req_id=req_id)
+    return frame(wire.OP_PULL, pull_prefix(generation) + descs, length, req_id=req_id)
 
 
 class RawPeer:
@@ -686,7 +691,7 @@ class RawPeer:
 
     def pull(self, descriptors, generation: Optional[int] = None):
         descs = b"".join(wire.U64.pack(v) for d in descriptors for v in d)
-        req_id = self.request(wire.OP_PULL, transfer_prefix(self.generation if generation is None else generation)
+        req_id = self.request(wire.OP_PULL, pull_prefix(self.generation if generation is None else generation)
                               + descs)
         reply = read_frame(self.sock)
         assert reply[2] == req_id
@@ -782,9 +787,12 @@ def _bad_after_handshake(addrs, generation: int) -> Dict[str, bytes]:
         "push with a ragged descriptor list": push_frame([inside], bytes(16), generation, desc_len=20),
         "push descriptors covering more than the data": push_frame([(0, addrs[0], 1 << 20)], bytes(16), generation),
         "push wrapping the address space": push_frame([(0, 2**64 - 8, 16)], bytes(16), generation),
-        "pull with a ragged descriptor list": frame(wire.OP_PULL, transfer_prefix(generation) + bytes(30), req_id=2),
+        "pull with a ragged descriptor list": frame(wire.OP_PULL, pull_prefix(generation) + bytes(30), req_id=2),
         "pull announcing 120 MiB of descriptors": pull_frame(
-            [], generation, length=len(transfer_prefix(0)) + 24 * (5 << 20)),
+            [], generation, length=len(pull_prefix(0)) + 24 * (5 << 20)),
+        "pull with a tag over the budget": frame(wire.OP_PULL, pull_prefix(generation, bytes(513)), req_id=2),
+        "pull whose tag runs past the frame": frame(wire.OP_PULL, transfer_prefix(generation) + wire.U64.pack(64)
+                                                    + bytes(40), req_id=2),
         "pull wrapping the address space": pull_frame([(2**64 - 8, 0, 16)], generation),
         "table request announcing 1 TiB": frame(wire.OP_TABLE_GET, length=1 << 40, req_id=2),
         "key release that is not JSON": frame(wire.OP_KEY_DONE, b"\x00\x01garbage", req_id=2),

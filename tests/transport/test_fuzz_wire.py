@@ -3,7 +3,8 @@
 The server is a real ``LinkManager`` of an ``LLMDataDist`` initialized in this process
 (``wire_harness``); each case is one connection's bytes (``wire_cases``: valid handshakes with
 and without the link secret, then frames of every op, built right or wrong and then mutated),
-served by the server's own connection code. A reference reading of the protocol
+served by the server's own connection code, which runs a read guard (``wire_cases.guard_spans``:
+pulls carry a tag, version 5). A reference reading of the protocol
 (``wire_oracle``) says what the server must answer, how the connection must end, which
 counters move and which registered bytes the case may write; after every case:
 
@@ -49,7 +50,7 @@ from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, wire
 from llm_datadist.transport import session as session_module
 
-from wire_cases import Case, CaseGenerator, Segment, frame
+from wire_cases import NARROW_TAG, WIDE_TAG, Case, CaseGenerator, Segment, frame, pull_payload
 from wire_harness import CACHES, LINK_SECRET, SERVER_ID, SERVER_NONCE, FuzzServer, Observed, parse_frames
 from wire_oracle import Expected, ServerModel
 
@@ -137,6 +138,7 @@ class Checker:
         self.summary: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.slowest = (0.0, -1)
         self.written = 0
+        self.refused_reads = 0
 
     def check(self, case: Case) -> Expected:
         server = self.server
@@ -150,13 +152,15 @@ class Checker:
             raise Mismatch(f"{exc}\n{case.describe()}\nexpected end: {expected.end} ({expected.detail})"
                            f"\nreplies: {[(r.op, r.status, r.req_id) for r in expected.replies]}") from None
         self._count(case, expected, observed)
+        self.refused_reads += expected.refused_reads
         return expected
 
     def _compare(self, case: Case, expected: Expected, observed: Observed, before: Dict[str, int]) -> None:
         server = self.server
         deltas = {k: v - before[k] for k, v in server.counters().items()}
         want = {"protocol_errors": expected.protocol_errors, "auth_failures": expected.auth_failures,
-                "handshake_failures": expected.handshake_failures, "links_lost": expected.links_lost}
+                "handshake_failures": expected.handshake_failures, "links_lost": expected.links_lost,
+                "refused_reads": expected.refused_reads}
         if observed.escape is not None:
             name = type(observed.escape).__name__
             if name not in KNOWN_BUGS or expected.known_bug != name:
@@ -288,7 +292,7 @@ def test_wire_fuzz(fuzz_server, fuzzing):
         for name in ("OP_TABLE_GET", "OP_KEY_DONE", "OP_NOTIFY", "OP_UNLINK"):
             assert summary[name]["accepted"] > 0 and summary[name]["closed"] > 0, (name, summary[name])
         assert summary["OP_NOTIFY"]["refused"] > 0
-        assert checker.written > 0
+        assert checker.written > 0 and checker.refused_reads > 0
         for end in ("eof", "protocol_error", "link_failure", "auth_refused", "refused", "unlinked",
                     "handed_over", "link_abandoned"):
             assert summary["ends"][end] > 0, (end, summary["ends"])
@@ -328,7 +332,8 @@ def _blocks(state) -> List[bytes]:
 
 def _transfer(state, op: str, remote_id: int, src: List[int], dst: List[int]) -> List[bytes]:
     method = state.cm.push_blocks if op == "push" else state.cm.pull_blocks
-    method(BlocksCacheKey(remote_id, 0), state.caches["legit"], src, dst)
+    with state.dd.engine.read_tag(WIDE_TAG):  # what the server's read guard allows (wire_cases.guard_spans)
+        method(BlocksCacheKey(remote_id, 0), state.caches["legit"], src, dst)
     return _blocks(state)
 
 
@@ -488,7 +493,8 @@ def test_infinite_number_in_a_key_release_is_a_protocol_error(fuzz_server, fuzzi
 
 def test_the_oracle_and_the_server_agree_on_hand_made_cases(fuzz_server, fuzzing):
     """The harness sees what it must: a push inside a tensor changes exactly its bytes, a pull
-    returns them, one outside is refused and changes nothing, a wrong generation is stale."""
+    returns them, one outside is refused and changes nothing, a wrong generation is stale; the read guard
+    refuses a pull without a tag, with a wrong one or past what its tag allows."""
     server = fuzz_server
     checker = Checker(server, server.model())
     addr, size = server.tensors[2]
@@ -498,17 +504,25 @@ def test_the_oracle_and_the_server_agree_on_hand_made_cases(fuzz_server, fuzzing
     outside = wire.U64x2.pack(generation, 24) + wire.U64.pack(0) + wire.U64.pack(addr + size - 8) + \
         wire.U64.pack(16) + bytes(16)
     stale = wire.U64x2.pack(generation + 1, 24) + wire.U64.pack(0) + wire.U64.pack(addr) + wire.U64.pack(8) + bytes(8)
-    pull = wire.U64.pack(generation) + wire.U64.pack(addr + 16) + wire.U64.pack(0) + wire.U64.pack(48)
+    descs = wire.U64.pack(addr + 16) + wire.U64.pack(0) + wire.U64.pack(48)
+    past_half = wire.U64.pack(addr + size // 2 - 8) + wire.U64.pack(0) + wire.U64.pack(16)
     segments = [Segment("PUSH", frame(wire.OP_PUSH, push, req_id=2)),
                 Segment("PUSH", frame(wire.OP_PUSH, outside, req_id=3)),
                 Segment("PUSH", frame(wire.OP_PUSH, stale, req_id=4)),
-                Segment("PULL", frame(wire.OP_PULL, pull, req_id=5))]
+                # the read guard: no tag, a wrong tag, past what NARROW_TAG allows, then allowed
+                Segment("PULL", frame(wire.OP_PULL, pull_payload(generation, b"", descs), req_id=6)),
+                Segment("PULL", frame(wire.OP_PULL, pull_payload(generation, b"fuzz:other", descs), req_id=7)),
+                Segment("PULL", frame(wire.OP_PULL, pull_payload(generation, NARROW_TAG, past_half), req_id=8)),
+                Segment("PULL", frame(wire.OP_PULL, pull_payload(generation, NARROW_TAG, descs), req_id=5))]
     case = Case(0, "direct", secret=False, notify=False, unix=False, clean=False, peer_id=1236, token="c2" * 16,
                 segments=segments)
     expected = checker.check(case)
     assert [(r.op, r.status, r.req_id) for r in expected.replies] == [
         (wire.OP_PUSH_DONE, 0, 2), (wire.OP_PUSH_DONE, S.LLM_KV_CACHE_NOT_EXIST, 3),
-        (wire.OP_PUSH_DONE, wire.STATUS_STALE_TABLE, 4), (wire.OP_PULL_DATA, 0, 5)]
+        (wire.OP_PUSH_DONE, wire.STATUS_STALE_TABLE, 4), (wire.OP_PULL_DATA, S.LLM_KV_CACHE_NOT_EXIST, 6),
+        (wire.OP_PULL_DATA, S.LLM_KV_CACHE_NOT_EXIST, 7), (wire.OP_PULL_DATA, S.LLM_KV_CACHE_NOT_EXIST, 8),
+        (wire.OP_PULL_DATA, 0, 5)]
+    assert expected.refused_reads == 3
     assert expected.replies[-1].value == data and expected.written == 48
     assert _read(server, addr + 16, 48) == data
     assert server.guards_intact()

@@ -140,15 +140,17 @@ def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, clien
     assert admission == handshake.Admission(CLIENT, refused=said, auth_failure=True) and request is None
 
 
-def test_a_hello_of_another_protocol_version_is_a_protocol_error(pair):
+@pytest.mark.parametrize("version", [4, wire.PROTOCOL_VERSION + 1], ids=["v4 (before pull tags)", "newer"])
+def test_a_hello_of_another_protocol_version_is_a_protocol_error(pair, version):
+    assert wire.PROTOCOL_VERSION == 5
     server_end, client_end = pair
     served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
     payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
-    head = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION + 1, wire.OP_HELLO, 0, 1, len(payload))
+    head = wire.HEADER.pack(wire.MAGIC, version, wire.OP_HELLO, 0, 1, len(payload))
     client_end.sendall(head + payload)
     with pytest.raises(ProtocolError) as bad:
         served()
-    assert "version" in str(bad.value)
+    assert str(bad.value) == f"protocol version {version}, this side speaks 5"  # one line naming both
     with pytest.raises(BlockingIOError):  # nothing was answered (the caller closes the connection)
         client_end.recv(1)
 

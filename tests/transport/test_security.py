@@ -341,9 +341,9 @@ class ForgingPeer:
                     sock.sendall(rawpeer.frame(wire.OP_PUSH_DONE, req_id=req_id))
                 elif op == wire.OP_PULL:
                     # Send bytes of our choosing: they may only land where the server asked.
-                    (_,) = wire.U64.unpack(payload[:8])
-                    total = sum(wire.U64.unpack(payload[8 + i + 16:8 + i + 24])[0]
-                                for i in range(0, len(payload) - 8, 24))
+                    _, tag_len = wire.U64x2.unpack(payload[:16])
+                    descs = payload[16 + tag_len:]
+                    total = sum(wire.U64.unpack(descs[i + 16:i + 24])[0] for i in range(0, len(descs), 24))
                     sock.sendall(rawpeer.frame(wire.OP_PULL_DATA, b"\x66" * total, req_id=req_id))
                 else:
                     return

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from llm_datadist.transport import auth, wire
+from llm_datadist.transport import auth, budgets, wire
 
 U64_MAX = 2**64 - 1
 HEADER = wire.HEADER_BYTES
@@ -29,6 +29,28 @@ REPLY_OPS = (wire.OP_HELLO_REPLY, wire.OP_TABLE, wire.OP_PUSH_DONE, wire.OP_PULL
 UNKNOWN_OPS = (0, 17, 18, 255, 256, 999, 0x7FFF, 0xFFFF)
 INTERESTING_LENGTHS = (0, 1, 7, 8, 15, 16, 23, 24, 25, 40, 64 << 10, (64 << 10) + 1, 16 << 20, (16 << 20) + 1,
                        64 << 20, 2**31 - 1, 2**31, 2**32, 2**40, 2**63, U64_MAX - 15, U64_MAX - 7, U64_MAX)
+
+
+#: The fuzzed server's read guard (``transport.read_guard``; ``wire_harness`` installs it, the
+#: oracle models it): WIDE_TAG allows every buffer, guard bytes included (so that the registry's
+#: own check still refuses what lies outside the tensors), NARROW_TAG the first half of each
+#: tensor, any other tag (and no tag) nothing.
+WIDE_TAG, NARROW_TAG = b"fuzz:wide", b"fuzz:narrow"
+
+
+def guard_spans(tag: bytes, tensors: List[Tuple[int, int]], buffers: List[Tuple[int, int]]
+                ) -> Optional[List[Tuple[int, int]]]:
+    """The ``(addr, nbytes)`` ranges the fuzzed server's guard allows ``tag``, or None."""
+    if tag == WIDE_TAG:
+        return list(buffers)
+    if tag == NARROW_TAG:
+        return [(addr, nbytes // 2) for addr, nbytes in tensors]
+    return None
+
+
+def pull_payload(generation: int, tag: bytes, packed: bytes) -> bytes:
+    """A PULL frame's payload (version 5): generation, tag length, tag, descriptors."""
+    return wire.U64x2.pack(generation, len(tag)) + tag + packed
 
 
 def notify_handler(peer_id: int, message: Dict[str, Any]) -> Any:
@@ -203,7 +225,7 @@ class CaseGenerator:
             if op == wire.OP_PUSH:
                 data = rng.randbytes(sum(n for _, _, n in descs))
                 return Segment("PUSH", frame(op, wire.U64x2.pack(generation, len(packed)) + packed + data, req_id))
-            return Segment("PULL", frame(op, wire.U64.pack(generation) + packed, req_id))
+            return Segment("PULL", frame(op, pull_payload(generation, self._tag(rng, valid=True), packed), req_id))
         if roll < 0.8:
             return Segment("TABLE_GET", frame(wire.OP_TABLE_GET, b"{}", req_id))
         if roll < 0.82:  # over the message budget (budgets.DEFAULT_MAX_MESSAGE_BYTES): refused, the link goes on
@@ -318,7 +340,31 @@ class CaseGenerator:
 
     def _pull(self, rng: random.Random) -> bytes:
         descs = self._descriptors(rng, "src")
-        return wire.U64.pack(self._generation(rng)) + b"".join(wire.U64.pack(v) for d in descs for v in d)
+        packed = b"".join(wire.U64.pack(v) for d in descs for v in d)
+        if rng.random() < 0.05:  # a tag length that lies (past the frame, or over the budget)
+            tag = self._tag(rng, valid=False)
+            told = rng.choice([len(tag) + rng.randint(1, 64), budgets.MAX_PULL_TAG_BYTES + 1, U64_MAX,
+                               len(tag) + len(packed) + 1, max(0, len(tag) - 1)])
+            return wire.U64x2.pack(self._generation(rng), told) + tag + packed
+        return pull_payload(self._generation(rng), self._tag(rng, valid=False), packed)
+
+    @staticmethod
+    def _tag(rng: random.Random, valid: bool) -> bytes:
+        """A PULL's tag: mostly one the guard allows, else none, a wrong one, the longest allowed,
+        or (``valid`` False) one over the budget."""
+        roll = rng.random()
+        if roll < 0.6:
+            return WIDE_TAG
+        if roll < 0.75:
+            return NARROW_TAG
+        if roll < 0.85:
+            return b""
+        if roll < 0.95:
+            return rng.choice([WIDE_TAG[:-1], WIDE_TAG + b"\0", rng.randbytes(rng.randrange(1, 32)),
+                               NARROW_TAG.upper()])
+        if valid or rng.random() < 0.5:
+            return b"x" * budgets.MAX_PULL_TAG_BYTES
+        return b"x" * (budgets.MAX_PULL_TAG_BYTES + rng.randint(1, 16))
 
     # -- control payloads -----------------------------------------------------------------------
     def _json_value(self, rng: random.Random, depth: int) -> Any:

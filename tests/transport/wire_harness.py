@@ -30,7 +30,7 @@ from llm_datadist.transport import wire
 from llm_datadist.transport.host import host_identity
 from llm_datadist.transport.session import Peer
 
-from wire_cases import Case, Target, notify_handler
+from wire_cases import Case, Target, guard_spans, notify_handler
 from wire_oracle import Ranges, ServerModel, Session, Shadow
 
 SERVER_ID = 41
@@ -116,6 +116,7 @@ class FuzzServer:
         self.worker: Optional[Worker] = None
         try:
             self._register()
+            self.engine.set_read_guard(lambda peer_id, tag: self.guard_spans(tag))
             self.worker = Worker()
         except BaseException:
             self.close()
@@ -177,6 +178,14 @@ class FuzzServer:
                       private=[addr for addr, _ in self.private.values()], server_nonce=SERVER_NONCE,
                       link_secret=LINK_SECRET)
 
+    def guard_spans(self, tag: bytes) -> Optional[List[Tuple[int, int]]]:
+        """What the server's read guard allows ``tag`` (``wire_cases.guard_spans``)."""
+        return guard_spans(tag, self.tensors, [(a.ctypes.data, a.size) for a in self.buffers[:-1]])
+
+    def _model_guard(self, tag: bytes) -> Optional[Ranges]:
+        spans = self.guard_spans(tag)
+        return None if spans is None else Ranges(spans)
+
     def model(self) -> ServerModel:
         engine, links = self.engine, self.links
         same_host = {"probe": [self.cookie.addr, self.cookie.value],
@@ -185,7 +194,8 @@ class FuzzServer:
             cluster_id=SERVER_ID, generation=engine.generation_word.value, ranges=Ranges(self.tensors),
             shadow=Shadow([(a.ctypes.data, a) for a in self.buffers]), table=engine.export_table(),
             same_host=same_host, server_nonce=SERVER_NONCE, remote_accessible=links.remote_accessible,
-            role=engine.role, planes=links._offered_planes(), host=host_identity(), unix_name=links.unix_name)
+            role=engine.role, planes=links._offered_planes(), host=host_identity(), unix_name=links.unix_name,
+            guard=self._model_guard)
 
     @staticmethod
     def session(case: Case, linked: Tuple[int, ...] = ()) -> Session:
@@ -198,7 +208,8 @@ class FuzzServer:
     def counters(self) -> Dict[str, int]:
         stats = self.links.stats
         return {"protocol_errors": self.engine.protocol_errors, "auth_failures": stats["auth_failures"],
-                "handshake_failures": stats["handshake_failures"], "links_lost": stats["links_lost"]}
+                "handshake_failures": stats["handshake_failures"], "links_lost": stats["links_lost"],
+                "refused_reads": stats["refused_reads"]}
 
     def private_words_intact(self) -> bool:
         return all(word.value == value for word, (_, value) in

@@ -1,4 +1,4 @@
-"""A reference reading of the link protocol (version 4) by a server: given every byte a peer
+"""A reference reading of the link protocol (version 5) by a server: given every byte a peer
 sends on one connection, which frames the server must answer and how, how the connection must
 end, which counters move, and which bytes of registered memory the peer may have written.
 
@@ -73,6 +73,7 @@ class Expected:
     #: of them ("accepted", "refused", "stale", "closed").
     frames: List[Tuple[str, str]] = field(default_factory=list)
     written: int = 0  # bytes of registered memory that accepted pushes wrote
+    refused_reads: int = 0  # pulls the read guard refused
     notes: List[str] = field(default_factory=list)
 
 
@@ -162,8 +163,10 @@ class ServerModel:
 
     def __init__(self, cluster_id: int, generation: int, ranges: Ranges, shadow: Shadow, table: Dict[str, Any],
                  same_host: Dict[str, Any], server_nonce: str, remote_accessible: bool, role: str,
-                 planes: List[str], host: Dict[str, str], unix_name: Optional[str]) -> None:
+                 planes: List[str], host: Dict[str, str], unix_name: Optional[str],
+                 guard: Optional[Callable[[bytes], Optional[Ranges]]] = None) -> None:
         self.cluster_id = cluster_id
+        self.guard = guard  # the server's read guard: tag -> the ranges it allows, or None
         self.generation = generation
         self.ranges = ranges
         self.shadow = shadow
@@ -394,17 +397,34 @@ class ServerModel:
         return _result(status)
 
     def _pull(self, stream: Stream, out: Expected, req_id: int, length: int) -> str:
-        if length < 8 or (length - 8) % DESC.size:
+        if length < 16:
             raise protocol_error(f"pull: frame length {length}")
-        (generation,) = wire.U64.unpack(self._body(stream, 8, 8, "pull"))
-        descs = self._descriptors(self._body(stream, length - 8, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
-        status = self._refusal(descs, generation, dst_side=False)
+        generation, tag_len = wire.U64x2.unpack(self._body(stream, 16, 16, "pull"))
+        if tag_len > budgets.MAX_PULL_TAG_BYTES or tag_len > length - 16 or (length - 16 - tag_len) % DESC.size:
+            raise protocol_error(f"pull: a tag of {tag_len} bytes in a frame of {length}")
+        tag = self._body(stream, tag_len, budgets.MAX_PULL_TAG_BYTES, "pull tag")
+        descs = self._descriptors(self._body(stream, length - 16 - tag_len, wire.MAX_DESCRIPTOR_BYTES,
+                                             "descriptors"))
+        status = self._guard_refusal(tag, descs)
+        if status == 0:
+            status = self._refusal(descs, generation, dst_side=False)
         if status == 0:
             data = b"".join(self.shadow.read(src, nbytes) for src, _, nbytes in descs if nbytes)
             out.replies.append(ExpectedReply(wire.OP_PULL_DATA, 0, req_id, "bytes", data))
         else:
             out.replies.append(ExpectedReply(wire.OP_PULL_DATA, status, req_id, "empty"))
         return _result(status)
+
+    def _guard_refusal(self, tag: bytes, descs: List[Tuple[int, int, int]]) -> int:
+        """The read guard's answer to a pull, checked before the generation and the registry: no
+        tag, a tag it refuses or a source outside what it allows for the tag is refused."""
+        if self.guard is None:
+            return 0
+        allowed = self.guard(tag) if tag else None
+        if allowed is None or not all(allowed.contains(src, nbytes) for src, _, nbytes in descs):
+            self._out.refused_reads += 1
+            return S.LLM_KV_CACHE_NOT_EXIST
+        return 0
 
     def _refusal(self, descs: List[Tuple[int, int, int]], generation: int, dst_side: bool) -> int:
         if generation != self.generation:

@@ -3,7 +3,9 @@
 A prefill engine hands a finished request's blocks to one decode side: ``remote_request_id`` is
 ``"<request id>.<lease token>"`` and only a release naming it so frees the blocks. The book keeps
 the leases, the releases that came before their lease and the requests already freed, within a
-byte budget, and ages the records out."""
+byte budget, and ages the records out. It is also the engine's read guard: a pull over a
+server-mediated plane (``tcp``, ``staging``) tagged with ``remote_request_id`` reads only the
+blocks leased for that request, while the lease lasts (``read_guard``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from llm_datadist.integrations.vllm.options import Options
 
@@ -47,6 +49,10 @@ _RECORD_OVERHEAD_BYTES = 256
 
 #: Release records outlive a lease by this much (clock steps, a lease that started late).
 _RECORD_SLACK_S = 30.0
+
+#: How long a pull with a valid token waits for its lease to reach this worker: the scheduler
+#: hands it over in the step after the request finished, which a quick decode side may beat.
+LEASE_WAIT_S = 2.0
 
 
 def utf8_len(text: str) -> int:
@@ -110,15 +116,25 @@ class LeaseBook:
         self.finished: Set[str] = set()
         self.stopping = False
         self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
-                      "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0}
+                      "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0}
         self._lock = threading.Lock()
+        #: what a guarded read may touch (``read_guard``): request id -> its leased block ids,
+        #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
+        #: per block (``set_layout``)
+        self.blocks: Dict[str, List[int]] = {}
+        self._tensors: List[int] = []
+        self._block_bytes = 0
+        self._leased = threading.Condition(self._lock)  # a lease came (``read_guard`` waits for it)
 
     # -- vLLM's steps -------------------------------------------------------------------------------
-    def take_leases(self, to_send: Dict[str, float], stopping: bool) -> Optional[int]:
-        """Hold the blocks of ``to_send`` (request id -> seconds); with ``stopping``, free them all.
-        If the engine began to stop in this step, how many requests' blocks were freed; else None."""
+    def take_leases(self, to_send: Dict[str, float], stopping: bool,
+                    blocks: Optional[Dict[str, List[int]]] = None) -> Optional[int]:
+        """Hold the blocks of ``to_send`` (request id -> seconds; ``blocks``: request id -> its
+        block ids, which guarded reads may then touch); with ``stopping``, free them all. If the
+        engine began to stop in this step, how many requests' blocks were freed; else None."""
         now = time.monotonic()
         began, freed = False, 0
+        blocks = blocks or {}
         with self._lock:
             if stopping and not self.stopping:
                 # vLLM waits for these before it stops: free them now (finished_sending)
@@ -137,6 +153,9 @@ class LeaseBook:
                     freed += 1
                 else:
                     self.held[req_id] = now + seconds
+                    self.blocks[req_id] = list(blocks.get(req_id, ()))
+            self._drop_blocks()
+            self._leased.notify_all()
         return freed if began else None
 
     def take_finished(self) -> Set[str]:
@@ -152,6 +171,7 @@ class LeaseBook:
                     logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
                                    "blocks", req_id, self.options.kv_lease_s)
             self._age(now)
+            self._drop_blocks()
             finished, self.finished = self.finished, set()
         return finished
 
@@ -170,6 +190,7 @@ class LeaseBook:
         """Drop every lease (the engine goes); how many there were."""
         with self._lock:
             held, self.held = len(self.held), {}
+            self.blocks = {}
         return held
 
     def _free_at_shutdown(self, req_id: str) -> None:
@@ -223,6 +244,7 @@ class LeaseBook:
                 self.stats["refused"] += 1
                 return False, f"its blocks were already freed ({gone[0]})"
             if self.held.pop(req_id, None) is not None:
+                self.blocks.pop(req_id, None)
                 self.stats["released"] += 1
                 self.finished.add(req_id)
                 self._forget(req_id, "released")
@@ -245,6 +267,54 @@ class LeaseBook:
             self.record_bytes += cost
             self.stats["released"] += 1
             return True, ""
+
+    # -- guarded reads (the engine's read guard, on the link's thread) ----------------------------------
+    def set_layout(self, tensors: List[int], block_bytes: int) -> None:
+        """The registered KV tensors (addresses; block id on dim 0) and the bytes of one block."""
+        with self._lock:
+            self._tensors, self._block_bytes = list(tensors), int(block_bytes)
+
+    def read_guard(self, peer_cluster_id: int, tag: bytes) -> Optional[List[Tuple[int, int]]]:
+        """The engine's read guard (``engine.set_read_guard``): a pull tagged with the
+        ``remote_request_id`` this engine handed out may read exactly the blocks leased for that
+        request, in every registered tensor, while the lease lasts; anything else reads nothing
+        (None). A valid token whose lease has not come yet waits for it up to ``LEASE_WAIT_S``."""
+        try:
+            checked = check_lease(self.key, tag.decode("utf-8")) if len(tag) <= MAX_RELEASE_ID_BYTES else None
+        except UnicodeDecodeError:
+            checked = None
+        if checked is None:
+            self._refuse_read(peer_cluster_id, "a pull without this engine's lease token for it")
+            return None
+        req_id, issued = checked
+        deadline = time.monotonic() + LEASE_WAIT_S
+        with self._lock:
+            while req_id not in self.held and req_id not in self.gone and not self.stopping \
+                    and time.time() - issued <= self.options.kv_lease_s:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._leased.wait(left)
+            blocks = self.blocks.get(req_id) if req_id in self.held else None
+            tensors, size = self._tensors, self._block_bytes
+        if blocks is None:
+            self._refuse_read(peer_cluster_id, "a pull for a request whose blocks this engine no longer holds")
+            return None
+        return [(addr + block * size, size) for addr in tensors for block in blocks]
+
+    def _refuse_read(self, peer_cluster_id: int, what: str) -> None:
+        with self._lock:
+            self.stats["refused_reads"] += 1
+            count = self.stats["refused_reads"]
+        if count % 1000 == 1:
+            logger.warning("llm_datadist: cluster %d sent %s; refused (%d such reads so far)", peer_cluster_id,
+                           what, count)
+
+    def _drop_blocks(self) -> None:
+        """Forget the block ids of requests no longer held (called with the lock)."""
+        if len(self.blocks) != len(self.held):
+            for req_id in [r for r in self.blocks if r not in self.held]:
+                del self.blocks[req_id]
 
     # -- records ------------------------------------------------------------------------------------
     def age(self, now: float) -> None:

@@ -88,6 +88,7 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
     def __init__(self) -> None:
         self.reqs_to_recv: Dict[str, Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
+        self.blocks_to_send: Dict[str, List[int]] = {}  # request id -> those blocks (the read guard's)
         self.stopping = False
 
 

@@ -83,6 +83,7 @@ class Scheduler:
         self.workers: List[LLMDataDistHandshakeMetadata] = []  # by tensor parallel rank
         self._recv: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
+        self._send_blocks: Dict[str, List[int]] = {}
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
 
     def close(self) -> None:
@@ -162,6 +163,7 @@ class Scheduler:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
         meta.reqs_to_send, self._send = self._send, {}
+        meta.blocks_to_send, self._send_blocks = self._send_blocks, {}
         meta.stopping = self._signals.stopping
         return meta
 
@@ -203,6 +205,7 @@ class Scheduler:
         remote_ids = [lease_request_id(bytes.fromhex(w.lease_key), request.request_id, issued)
                       if self.options.lease_tokens else request.request_id for w in self.workers]
         self._send[request.request_id] = self.options.kv_lease_s
+        self._send_blocks[request.request_id] = ids  # what the decode side may read (LeaseBook.read_guard)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

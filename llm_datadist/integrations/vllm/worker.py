@@ -130,6 +130,10 @@ class Worker:
         self.compat = dict(self.compat, layout=compat.layout(desc))  # (a new dict: links' threads read it)
         self._register(tensors, desc)
         self.device = str(first.device)
+        if self.producer and self.options.lease_tokens:
+            # Pulls through this engine's server read only the blocks leased to the puller's token.
+            self.leases.set_layout([t.data_ptr() for t in tensors], first[0].numel() * first.element_size())
+            self._links_api.set_read_guard(self.leases.read_guard)
         logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
                     len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
 
@@ -175,7 +179,7 @@ class Worker:
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
-        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping)
+        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
         pulls = []
         with self._lock:
             for req_id, spec in self._peer_specs(meta.reqs_to_recv):
@@ -302,13 +306,15 @@ class Worker:
         return True
 
     def _pull_blocks(self, spec: Recv, cache: ld.Cache, remote: list, local: list) -> None:
-        """Pull, timed for vLLM's metrics; ``compat.Incompatible`` (nothing pulled) if the request or
-        the link's peer was refused."""
+        """Pull, timed for vLLM's metrics, tagged for the prefill engine's read guard
+        (``LeaseBook.read_guard``); ``compat.Incompatible`` (nothing pulled) if the request or the
+        link's peer was refused."""
         why = spec.refused or self._incompatible.get((spec.cluster_id, spec.host, spec.port))
         if why:
             raise compat.Incompatible(why)
         start = time.perf_counter()
-        self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), cache, remote, local)
+        with self.dd.engine.read_tag(spec.remote_request_id):
+            self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), cache, remote, local)
         self.recorder.pull(time.perf_counter() - start, len(local), len(local) * self._block_bytes)
 
     def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
@@ -424,6 +430,8 @@ class Worker:
     def close(self) -> None:
         if self.producer:
             self._links_api.set_notify_handler(None)
+            if self.options.lease_tokens and self.cache is not None:
+                self._links_api.set_read_guard(None)
         held = self.leases.close()
         if held:
             # No drain freed them (an engine stopped in-process, or by a signal vLLM did not turn

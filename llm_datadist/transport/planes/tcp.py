@@ -4,7 +4,8 @@ range against its own registry, and the registry generation the plan was made ag
 byte moves (``transport.server``), so this plane is usable on every link: the fallback.
 
 A push is ``PUSH(generation, descriptors, bytes) -> PUSH_DONE(status)``; a pull is
-``PULL(generation, descriptors) -> PULL_DATA(status, bytes)``. Transfers of ``PARALLEL_TCP_BYTES``
+``PULL(generation, tag, descriptors) -> PULL_DATA(status, bytes)``, the tag the one the pulling
+thread set (``read_guard.tagged``) for the owner's read guard. Transfers of ``PARALLEL_TCP_BYTES``
 or more are split over the link's data connections, the extra shares on the link's workers.
 
 ``push`` and ``pull`` take the payload's mover (``transport.staging``): straight from and into
@@ -14,6 +15,7 @@ memory here, or staged through bounce buffers for device memory (the ``staging``
 from __future__ import annotations
 
 import socket
+from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _io
@@ -22,6 +24,7 @@ from llm_datadist.transport import wire
 from llm_datadist.transport.errors import S, CopyFailed, StaleTable, fail
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
+from llm_datadist.transport.read_guard import current_tag
 from llm_datadist.transport.session import Channel
 from llm_datadist.transport.staging import HOST_PAYLOAD, HostPayload
 
@@ -53,15 +56,17 @@ class TcpPlane(DataPlane):
         large plans split over the link's connections."""
         generation = table.generation
         channels = session.channels
+        # A pull carries the calling thread's tag (``read_guard.tagged``), read here: the
+        # shares of a large one run on the link's workers.
+        move = push if write else partial(pull, tag=current_tag())
         if plan.total_bytes < PARALLEL_TCP_BYTES or len(channels) < 2 or len(plan) < 2:
             channel = channels[0]
             if channel.broken is not None and len(channels) > 1:
                 channel = next((c for c in channels if c.broken is None), channel)
-            (push if write else pull)(channel, plan, generation, dl.left_ms(deadline), payload)
+            move(channel, plan, generation, dl.left_ms(deadline), payload)
             return
         # Large transfers: one share per connection.
         live = [c for c in channels if c.broken is None] or channels[:1]
-        move = push if write else pull
         shares = _core.split_plan(plan, len(live))
         results = session.workers.map(lambda job: move(job[0], job[1], generation, dl.left_ms(deadline), payload),
                                       list(zip(live, shares)))
@@ -96,14 +101,16 @@ def push(channel: Channel, plan, generation: int, timeout_ms: int, payload: Host
     channel.refused(status, "push", "destination")
 
 
-def pull(channel: Channel, plan, generation: int, timeout_ms: int, payload: HostPayload = HOST_PAYLOAD) -> None:
-    """Ask the peer for the plan's source ranges and receive them into the destinations."""
+def pull(channel: Channel, plan, generation: int, timeout_ms: int, payload: HostPayload = HOST_PAYLOAD,
+         tag: bytes = b"") -> None:
+    """Ask the peer for the plan's source ranges and receive them into the destinations;
+    ``tag`` is for the peer's read guard (``read_guard``)."""
     descs = _io.plan_to_wire(plan)
     deadline = dl.after(timeout_ms)
     with channel.lock:
         req_id = channel.next_request_id()
-        st, _ = _io.send_bytes(channel.fd, wire.pack_header(wire.OP_PULL, req_id, 8 + len(descs))
-                                   + wire.U64.pack(generation) + descs, dl.left_ms(deadline))
+        st, _ = _io.send_bytes(channel.fd, wire.pack_header(wire.OP_PULL, req_id, 16 + len(tag) + len(descs))
+                                   + wire.U64x2.pack(generation, len(tag)) + tag + descs, dl.left_ms(deadline))
         if st != 0:
             raise channel.fault(st, "pull")
         status, length = channel.read_reply(wire.OP_PULL_DATA, req_id, deadline, "pull")

@@ -722,7 +722,7 @@ def _raw_push(link, generation: int, triples, data: bytes) -> int:
 
 
 def _raw_pull(link, generation: int, triples) -> Tuple[int, bytes]:
-    req_id = link.request(wire.OP_PULL, wire.U64.pack(generation) + _descs(*triples))
+    req_id = link.request(wire.OP_PULL, wire.U64x2.pack(generation, 0) + _descs(*triples))  # no tag
     op, status, rid, payload = rawpeer.read_frame(link.sock, timeout=30)
     assert (op, rid) == (wire.OP_PULL_DATA, req_id)
     return status, payload
@@ -770,3 +770,46 @@ def test_e2e_a_raw_peer_reaches_device_memory_only_inside_it(cuda_env):
             assert all((a == b).all() for a, b in zip(server.call(c_read, "rows"), host_before))
         finally:
             link.close()
+
+
+def c_guard_blocks(state, name: str, allowed: Dict[str, List[int]]) -> None:
+    """A read guard allowing each tag the listed blocks of every tensor of cache ``name``."""
+    addrs = state.caches[name].tensor_addrs
+    ranges = {tag.encode(): [(a + b * BLOCK, BLOCK) for a in addrs for b in blocks] for tag, blocks in allowed.items()}
+    state.dd.engine.set_read_guard(lambda peer, tag: ranges.get(tag))
+
+
+def c_pull_tagged(state, key, name: str, src: List[int], dst: List[int], tag: Optional[str]) -> str:
+    try:
+        if tag is None:
+            state.cm.pull_blocks(key, state.caches[name], src, dst)
+        else:
+            with state.dd.engine.read_tag(tag):
+                state.cm.pull_blocks(key, state.caches[name], src, dst)
+    except ld.LLMException as exc:
+        return exc.status_code.name
+    return "ok"
+
+
+@needs_core
+@pytest.mark.parametrize("client_place", ["HOST", "DEVICE"])
+def test_e2e_the_owners_read_guard_checks_staged_pulls(cuda_env, client_place):
+    """Pulls from the owner's device memory (staged on its side) pass its read guard only with
+    their tag and inside its ranges; a refused one writes nothing and the link stays."""
+    with _pair(client_place, "DEVICE") as (client, server, caches):
+        c_blocks = _blocks(client.call(c_fill, "blocks", 5))
+        s_blocks = _blocks(server.call(c_fill, "blocks", 6))
+        server.call(c_guard_blocks, "blocks", {"req.token": [3, 4, 5, 6, 7]})
+        key = ld.BlocksCacheKey(SERVER_ID, MODEL_ID)
+        for src, tag in [([3], None), ([3], "req.other"), ([2, 3], "req.token"), ([7, 0], "req.token")]:
+            assert client.call(c_pull_tagged, key, "blocks", src, list(range(len(src))), tag) == \
+                "LLM_KV_CACHE_NOT_EXIST", (src, tag)
+        for got, want in zip(_blocks(client.call(c_read, "blocks")), c_blocks):
+            assert (got == want).all(), "a refused pull wrote into the puller's cache"
+        # Five blocks (10 MiB: split over the link's two connections, each share tagged).
+        assert client.call(c_pull_tagged, key, "blocks", [7, 6, 5, 4, 3], [0, 1, 2, 3, 4], "req.token") == "ok"
+        for t in range(TENSORS):
+            c_blocks[t][[0, 1, 2, 3, 4]] = s_blocks[t][[7, 6, 5, 4, 3]]
+        for got, want in zip(_blocks(client.call(c_read, "blocks")), c_blocks):
+            assert (got == want).all()
+        assert client.call(c_linked) == [SERVER_ID]

@@ -1,0 +1,119 @@
+"""Read guards: which registered memory a linked peer may read through this engine's server.
+
+A pull over a server-mediated plane (``tcp``, and ``staging``, whose frames are tcp's) reaches
+``server.Requests.pull``, which checks it against the registry; an engine owner may narrow that
+further with a guard, ``fn(peer_cluster_id, tag) -> allowed ranges or None`` (``ReadGuard.set``).
+The tag is opaque bytes (at most ``budgets.MAX_PULL_TAG_BYTES``) that the puller sends in its
+``OP_PULL`` frame: the pulls a thread makes inside ``tagged(tag)`` carry it. With a guard
+installed, a pull without a tag, with a tag the guard refuses (None) or with a range outside the
+ranges the guard allows for its tag is refused with ``LLM_KV_CACHE_NOT_EXIST`` (what a pull of
+unregistered memory gets) before a byte moves, and the link goes on.
+
+Reads over one-sided planes (``cma``, ``cuda_ipc``) never reach the server, so no guard sees them:
+an authenticated peer on such a plane can read every registered cache.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple, Union
+
+from llm_datadist import _io
+from llm_datadist.transport.budgets import MAX_PULL_TAG_BYTES
+from llm_datadist.transport.errors import S
+
+logger = logging.getLogger("llm_datadist")
+
+#: ``guard(peer_cluster_id, tag) -> allowed ranges or None``: the ranges as an ``_io.RangeSet`` or
+#: ``(address, nbytes)`` pairs; None refuses every pull carrying ``tag``.
+Guard = Callable[[int, bytes], Optional[Union[Any, Iterable[Tuple[int, int]]]]]
+
+#: The status a guard's refusal answers.
+REFUSED = S.LLM_KV_CACHE_NOT_EXIST
+
+#: A refusal is logged the first time and then every this many (a peer may retry in a loop).
+LOG_EVERY = 1000
+
+_tag: "contextvars.ContextVar[bytes]" = contextvars.ContextVar("llm_datadist_pull_tag", default=b"")
+
+
+def check_tag(tag: Any) -> bytes:
+    """``tag`` as bytes; ValueError if it is not bytes-like or longer than ``MAX_PULL_TAG_BYTES``."""
+    if isinstance(tag, str):
+        tag = tag.encode("utf-8", "surrogatepass")
+    if not isinstance(tag, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a pull tag is bytes, not {type(tag).__name__}")
+    tag = bytes(tag)
+    if len(tag) > MAX_PULL_TAG_BYTES:
+        raise ValueError(f"a pull tag of {len(tag)} bytes exceeds {MAX_PULL_TAG_BYTES}")
+    return tag
+
+
+@contextmanager
+def tagged(tag: Any) -> Iterator[bytes]:
+    """The pulls this thread (or task) makes inside carry ``tag`` (bytes, or str as UTF-8)."""
+    token = _tag.set(check_tag(tag))
+    try:
+        yield _tag.get()
+    finally:
+        _tag.reset(token)
+
+
+def current_tag() -> bytes:
+    """The tag of the pulls the calling thread makes now (``b""``: none)."""
+    return _tag.get()
+
+
+class ReadGuard:
+    """The owner's side: the guard in force (none by default) and its refusals."""
+
+    def __init__(self, cluster_id: int, count: Callable[[str], Any] = lambda counter: 0) -> None:
+        self.cluster_id = cluster_id
+        self._guard: Optional[Guard] = None
+        self._count = count  # counts a refusal (``LinkManager.stats["refused_reads"]``)
+        self._lock = threading.Lock()
+        self._refusals = 0
+
+    @property
+    def installed(self) -> bool:
+        return self._guard is not None
+
+    def set(self, guard: Optional[Guard]) -> None:
+        """Check every pull with ``guard`` from now on (None: no guard, the registry alone)."""
+        if guard is not None and not callable(guard):
+            raise TypeError("a read guard is a callable guard(peer_cluster_id, tag)")
+        self._guard = guard
+
+    def refusal(self, peer_id: int, tag: bytes, plan) -> int:
+        """0 if the source ranges of ``plan`` may be read by ``peer_id`` with ``tag``, else the
+        status to answer (the refusal counted and logged, rate-limited)."""
+        guard = self._guard
+        if guard is None:
+            return 0
+        if not tag:
+            return self._refuse(peer_id, "a pull without a tag")
+        try:
+            allowed = guard(peer_id, bytes(tag))
+            if allowed is None:
+                return self._refuse(peer_id, "a pull whose tag the read guard refuses")
+            if not isinstance(allowed, _io.RangeSet):
+                allowed = _io.RangeSet(allowed)
+        except Exception as exc:  # noqa: BLE001 - a failing guard refuses; the link goes on
+            return self._refuse(peer_id, f"a pull the read guard failed on ({type(exc).__name__}: {exc})")
+        bad = allowed.first_outside(plan, False)
+        if bad >= 0:
+            return self._refuse(peer_id, f"a pull whose range {bad} lies outside what its tag allows")
+        return 0
+
+    def _refuse(self, peer_id: int, what: str) -> int:
+        self._count("refused_reads")
+        with self._lock:
+            self._refusals += 1
+            refusals = self._refusals
+        if refusals % LOG_EVERY == 1:
+            logger.warning("cluster %d refused %s from cluster %d (%d refused reads so far; the link stays)",
+                           self.cluster_id, what, peer_id, refusals)
+        return REFUSED
