@@ -567,8 +567,8 @@ class Engine:
         if self.links.remote_accessible:
             return  # one-sided reads: the owner takes no part, its keys stay bound
         _, table, cache, row, src_tensors, _ = planned
-        key = table.row_keys.get((cache.cache_id, row))
-        if key is None or key not in table.consumable:
+        key = table.consumable_key(cache.cache_id, row)
+        if key is None:
             return
         pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]
         if self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms):
