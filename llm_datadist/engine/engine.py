@@ -164,6 +164,15 @@ class Engine:
         """Clusters whose link ended without an unlink here, with the reason (empty before init)."""
         return self.links.lost_links() if self.initialized else {}
 
+    def link_stats(self) -> Dict[str, int]:
+        """This cluster's counters of what its links refused, lost or found malformed: the link
+        manager's (``LinkManager.link_stats``: the caps' and the byte budgets' ``refused_*``,
+        ``auth_failures``, ``links_lost``, the process budgets' bytes in use and at peak) and
+        ``protocol_errors`` (malformed frames). Empty before ``init``; kept after ``finalize``."""
+        if self.links is None:
+            return {}
+        return dict(self.links.link_stats(), protocol_errors=self.protocol_errors)
+
     def link_many(self, targets: Sequence[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
         """Link to each ``(cluster_id, ip, port)`` in parallel; one status per target."""
         self.check_initialized()

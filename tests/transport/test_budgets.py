@@ -60,7 +60,8 @@ def _status(field: str) -> int:
 
 
 def stats(state):
-    return dict(state.dd.engine.links.stats)
+    """The counters as a user reads them: through the engine seam (README "Security")."""
+    return state.dd.engine.link_stats()
 
 
 def link_to(state, remote_id: int, ip: str, port: int) -> int:
@@ -140,6 +141,34 @@ def test_a_table_within_the_budget_is_taken_and_kept_compact():
         server.close()
 
 
+# -- where the counters are read -----------------------------------------------------------------
+
+def test_the_counters_are_read_through_the_engine_seam_of_both_api_styles():
+    """``engine.link_stats()``: every refusal counter at 0 after init, kept after finalize (a
+    service reads them last when it stops); the C++ style's engine, there before ``Initialize``,
+    has none before it."""
+    from llm_datadist import LLMConfig, LLMDataDist, LLMRole, cpp
+    python_style = LLMDataDist(LLMRole.PROMPT, 7)
+    config = LLMConfig()
+    config.device_id = 0
+    python_style.init(config.generate_options())
+    try:
+        counters = python_style.engine.link_stats()
+    finally:
+        python_style.finalize()
+    refusals = {name for name in counters if name.startswith("refused_")}
+    assert {"refused_tables", "refused_oversized", "refused_parsing", "refused_staging"} <= refusals
+    assert all(counters[name] == 0 for name in refusals if name != "refused_staging")  # staging: per process
+    assert python_style.engine.link_stats().keys() == counters.keys()
+    cpp_style = cpp.LlmDataDist(8, cpp.LlmRole.kDecoder)
+    assert cpp_style.engine.link_stats() == {}
+    assert cpp_style.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
+    try:
+        assert cpp_style.engine.link_stats().keys() == counters.keys()
+    finally:
+        cpp_style.Finalize()
+
+
 # -- notifications, key releases, unlinks --------------------------------------------------------
 
 @pytest.mark.parametrize("op, reply_op", [(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY),
@@ -158,7 +187,10 @@ def test_an_oversized_control_message_is_refused_and_the_link_goes_on(op, reply_
         got_op, status, rid, payload = rawpeer.read_frame(peer.sock)
         assert (got_op, status, rid) == (reply_op, S.LLM_PARAM_INVALID, req_id)
         assert "exceeds" in json.loads(payload)["error"]
-        assert server.call(stats)["refused_oversized"] == 1
+        counted = server.call(stats)
+        assert counted["refused_oversized"] == 1
+        assert {"refused_tables", "refused_parsing", "refused_staging", "parsing_bytes", "staging_bytes_peak",
+                "refused_source_links", "links_lost", "protocol_errors"} <= set(counted)
         # the link goes on: a table request and a notification within the budget are answered
         assert peer.table()["generation"] >= 0
         req_id = peer.request(wire.OP_NOTIFY, json.dumps({"hello": "x" * 1000}).encode())
