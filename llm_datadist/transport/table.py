@@ -17,15 +17,19 @@ that holds its values, sorted by key and searched with ``bisect``. Measured with
 the largest reply the default budget admits costs at most 0.5 MiB kept this way (37,000 row keys:
 0.36 MiB; 105,000 blocks keys: 0.50 MiB; 29,000 caches: 0.25 MiB, and their ``RangeSet``s' C
 arrays, 16 bytes a range); kept as dicts of tuples and an object per cache, it cost 8.7, 5.0 and
-9.2 MiB. ``tests/transport/test_table.py`` holds it under 1 MiB.
+9.2 MiB. ``tests/transport/test_table.py`` holds it under 1 MiB. Each field is checked over
+its whole column at once (types, least and greatest value, duplicates through a set), so that
+reading a table costs about what decoding its JSON does.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Mapping
+from itertools import accumulate, chain, compress, repeat
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from llm_datadist import _core, _io
@@ -37,6 +41,7 @@ CACHE_KINDS = ("cache", "blocks", "mix")
 #: The kinds of row key (``CacheKey.owner_key()``), in the order the key columns sort them.
 KEY_KINDS = ("req", "prefix")
 _KIND_CODES = {kind: code for code, kind in enumerate(KEY_KINDS)}
+_CACHE_KIND_CODES = {kind: code for code, kind in enumerate(CACHE_KINDS)}
 
 #: Flag bits of a cache (``CacheColumns._flags``) and of a row key (``RemoteTable._key_flags``).
 #: A cache's kind is the index in ``CACHE_KINDS`` shifted by ``_KIND_SHIFT``.
@@ -147,41 +152,84 @@ class CacheColumns(Mapping):
         for i, cache_id in enumerate(self._ids):
             yield self._named.get(cache_id) or self._make(i)
 
-    def spans(self) -> Iterator[Tuple[int, int, bool]]:
-        """``(address, tensor bytes, host addressable)`` of every tensor of every cache."""
-        start, addrs = self._addr_start, self._addrs
-        for i in range(len(self._ids)):
-            nbytes, host = self._num_rows[i] * self._row_bytes[i], bool(self._flags[i] & _HOST_ADDRESSABLE)
-            for j in range(start[i], start[i + 1]):
-                yield addrs[j], nbytes, host
+    def tensors(self) -> Tuple[array, List[int], List[int]]:
+        """Every tensor of every cache: the addresses, and in the same order the tensors' bytes
+        and their caches' flags (``_HOST_ADDRESSABLE``, ...)."""
+        counts = map(operator.sub, self._addr_start[1:], self._addr_start)
+        per_cache = zip(map(operator.mul, self._num_rows, self._row_bytes), self._flags)
+        per_tensor = list(chain.from_iterable(map(repeat, per_cache, counts)))
+        return self._addrs, list(map(operator.itemgetter(0), per_tensor)), list(map(operator.itemgetter(1), per_tensor))
 
 
-def _parse_caches(entries) -> CacheColumns:
-    caches = []
-    for cache_id, kind, placement, num_tensors, num_rows, row_bytes, addrs, host_ok in entries:
-        cache_id = _int(cache_id, "cache_id", 1, 2**63 - 1)
-        if kind not in CACHE_KINDS:
-            raise ProtocolError(f"cache table: cache {cache_id} is of kind {kind!r}, not one of {CACHE_KINDS}")
-        if len(addrs) != _int(num_tensors, "num_tensors", 1, 2**32 - 1):
-            raise ProtocolError(f"cache table: cache {cache_id} lists {len(addrs)} addresses for {num_tensors} "
-                                f"tensors")
-        num_rows, row_bytes = _int(num_rows, "num_rows", 1), _int(row_bytes, "row_bytes", 1)
-        if num_rows * row_bytes > 2**64 - 1:
-            raise ProtocolError(f"cache table: cache {cache_id}: {num_rows} rows of {row_bytes} bytes overflow "
-                                f"64 bits")
-        flags = ((_DEVICE_PLACEMENT if _int(placement, "placement", 0, 1) else 0)
-                 | (_HOST_ADDRESSABLE if host_ok else 0) | CACHE_KINDS.index(kind) << _KIND_SHIFT)
-        caches.append((cache_id, flags, num_rows, row_bytes, [_int(a, "tensor address", 1) for a in addrs]))
-    caches.sort(key=lambda cache: cache[0])
-    for before, after in zip(caches, caches[1:]):
-        if before[0] == after[0]:
-            raise ProtocolError(f"cache table: cache {after[0]} is listed twice")
-    addr_start, addrs = [0], []
-    for cache in caches:
-        addrs.extend(cache[4])
-        addr_start.append(len(addrs))
-    return CacheColumns(*(_column([cache[field] for cache in caches]) for field in range(4)),
-                        _column(addr_start), _column(addrs))
+def _fields(entries: Any, count: int, what: str) -> List[list]:
+    """The ``count`` fields of every entry of ``entries`` (a list of lists), as ``count``
+    columns."""
+    if type(entries) is not list or not set(map(type, entries)) <= {list} or not set(map(len, entries)) <= {count}:
+        raise ProtocolError(f"cache table: the {what}s are not a list of lists of {count} fields")
+    return [list(map(operator.itemgetter(field), entries)) for field in range(count)]
+
+
+def _ordered(columns: Sequence[list], order: List[int]) -> List[list]:
+    """Each of ``columns`` in ``order`` (a permutation of its indices)."""
+    return [list(map(column.__getitem__, order)) for column in columns]
+
+
+def _twice(values: Sequence[Any]) -> Any:
+    """The first of ``values`` that an earlier one equals."""
+    seen: set = set()
+    return next(value for value in values if value in seen or seen.add(value))
+
+
+def _checked(values: Sequence[Any], what: str, lo: int = 0, hi: int = 2**64 - 1) -> Sequence[int]:
+    """``values``, each an integer (not a bool) in [``lo``, ``hi``]; else a ProtocolError naming
+    the first that is not. The checks run in C over the whole column; the loop that names the
+    culprit runs only when one fails."""
+    if values and not (set(map(type, values)) <= {int} and lo <= min(values) and max(values) <= hi):
+        for value in values:
+            _int(value, what, lo, hi)
+    return values
+
+
+def _codes(values: Sequence[Any], codes: Dict[str, int], what: str) -> List[int]:
+    """The code of each of ``values`` in ``codes``; a ProtocolError for the first unknown one."""
+    try:
+        return list(map(codes.__getitem__, values))
+    except (KeyError, TypeError):
+        bad = next(value for value in values if not isinstance(value, str) or value not in codes)
+        raise ProtocolError(f"cache table: {what} {bad!r} is not one of {tuple(codes)}") from None
+
+
+def _parse_caches(entries: Any) -> CacheColumns:
+    ids, kinds, placements, counts, num_rows, row_bytes, addr_lists, host_ok = _fields(entries, 8, "cache")
+    _checked(ids, "cache_id", 1, 2**63 - 1)
+    kind_codes = _codes(kinds, _CACHE_KIND_CODES, "cache kind")
+    _checked(placements, "placement", 0, 1)
+    _checked(counts, "num_tensors", 1, 2**32 - 1)
+    if not set(map(type, addr_lists)) <= {list} or list(map(len, addr_lists)) != list(counts):
+        i = next(i for i, addrs in enumerate(addr_lists) if type(addrs) is not list or len(addrs) != counts[i])
+        if type(addr_lists[i]) is not list:
+            raise ProtocolError(f"cache table: the addresses of cache {ids[i]} are not a list")
+        raise ProtocolError(f"cache table: cache {ids[i]} lists {len(addr_lists[i])} addresses for {counts[i]} "
+                            f"tensors")
+    _checked(num_rows, "num_rows", 1)
+    _checked(row_bytes, "row_bytes", 1)
+    if ids and max(map(operator.mul, num_rows, row_bytes)) > 2**64 - 1:
+        i = next(i for i, nbytes in enumerate(map(operator.mul, num_rows, row_bytes)) if nbytes > 2**64 - 1)
+        raise ProtocolError(f"cache table: cache {ids[i]}: {num_rows[i]} rows of {row_bytes[i]} bytes overflow "
+                            f"64 bits")
+    addrs = _checked(list(chain.from_iterable(addr_lists)), "tensor address", 1)
+    if len(set(ids)) != len(ids):
+        raise ProtocolError(f"cache table: cache {_twice(ids)} is listed twice")
+    flags = [(_DEVICE_PLACEMENT if placement else 0) | (_HOST_ADDRESSABLE if host else 0) | code << _KIND_SHIFT
+             for placement, host, code in zip(placements, host_ok, kind_codes)]
+    addr_start = [0, *accumulate(counts)]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order != list(range(len(ids))):  # as the owner's registry lists them, they are in order already
+        ids, flags, num_rows, row_bytes, counts = _ordered((ids, flags, num_rows, row_bytes, counts), order)
+        addrs = list(chain.from_iterable(addrs[addr_start[i]:addr_start[i + 1]] for i in order))
+        addr_start = [0, *accumulate(counts)]
+    return CacheColumns(_column(ids), _column(flags), _column(num_rows), _column(row_bytes), _column(addr_start),
+                        _column(addrs))
 
 
 class RemoteTable:
@@ -200,9 +248,10 @@ class RemoteTable:
             self._parse_blocks(data["blocks"])
             self._parse_keys(data["keys"])
             #: Every cache's memory, and the part of it that the owner's host cannot address.
-            spans = list(self.caches.spans())
-            self.ranges = _io.RangeSet((addr, nbytes) for addr, nbytes, _ in spans)
-            self.device_ranges = _io.RangeSet((addr, nbytes) for addr, nbytes, host in spans if not host)
+            addrs, sizes, flags = self.caches.tensors()
+            self.ranges = _io.RangeSet(zip(addrs, sizes))
+            device = [not flag & _HOST_ADDRESSABLE for flag in flags]
+            self.device_ranges = _io.RangeSet(compress(zip(addrs, sizes), device))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed cache table: {exc!r}") from None
         except Exception as exc:  # an unforeseen refusal of a value
@@ -210,36 +259,39 @@ class RemoteTable:
                 raise
             raise ProtocolError(f"malformed cache table: {exc}") from None
 
-    def _parse_blocks(self, entries) -> None:
-        pairs = [(_int(model_id, "model_id"), _int(cache_id, "cache_id", 1)) for model_id, cache_id in entries]
-        pairs.sort()
-        for before, after in zip(pairs, pairs[1:]):
-            if before[0] == after[0]:
-                raise ProtocolError(f"cache table: blocks key of model_id {after[0]} is listed twice")
-        self._block_models = _column([model_id for model_id, _ in pairs])
-        self._block_caches = _column([cache_id for _, cache_id in pairs])
+    def _parse_blocks(self, entries: Any) -> None:
+        models, caches = _fields(entries, 2, "blocks key")
+        _checked(models, "model_id")
+        _checked(caches, "cache_id", 1)
+        if len(set(models)) != len(models):
+            raise ProtocolError(f"cache table: blocks key of model_id {_twice(models)} is listed twice")
+        order = sorted(range(len(models)), key=models.__getitem__)
+        self._block_models, self._block_caches = map(_column, _ordered((models, caches), order))
 
-    def _parse_keys(self, entries) -> None:
-        keys = []
-        for kind, ident, model_id, cache_id, row, consumable in entries:
-            code = _KIND_CODES.get(kind) if isinstance(kind, str) else None
-            if code is None:
-                raise ProtocolError(f"cache table: key kind {kind!r}")
-            keys.append((code, _int(ident, "key id"), _int(model_id, "model_id"), _int(cache_id, "cache_id", 1),
-                         _int(row, "row"), _CONSUMABLE if consumable and kind == "req" else 0))
-        keys.sort()
-        for before, after in zip(keys, keys[1:]):
-            if before[:3] == after[:3]:
-                raise ProtocolError(f"cache table: key {(KEY_KINDS[after[0]], *after[1:3])} is listed twice")
-        self._key_kinds, self._key_idents, self._key_models, self._key_caches, self._key_rows = (
-            _column([key[field] for key in keys]) for field in range(5))
-        self._key_flags = bytearray(key[5] for key in keys)
+    def _parse_keys(self, entries: Any) -> None:
+        kinds, idents, models, caches, rows, consumable = _fields(entries, 6, "row key")
+        codes = _codes(kinds, _KIND_CODES, "key kind")
+        _checked(idents, "key id")
+        _checked(models, "model_id")
+        _checked(caches, "cache_id", 1)
+        _checked(rows, "row")
+        keys = list(zip(codes, idents, models))
+        if len(set(keys)) != len(keys):
+            kind, ident, model_id = _twice(keys)
+            raise ProtocolError(f"cache table: key {(KEY_KINDS[kind], ident, model_id)} is listed twice")
+        bound = list(zip(caches, rows))
+        if len(set(bound)) != len(bound):
+            cache_id, row = _twice(bound)
+            raise ProtocolError(f"cache table: row {row} of cache {cache_id} is bound to two keys")
+        flags = [_CONSUMABLE if wanted and code == 0 else 0 for wanted, code in zip(consumable, codes)]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        codes, idents, models, caches, rows, flags = _ordered((codes, idents, models, caches, rows, flags), order)
+        self._key_kinds, self._key_idents, self._key_models, self._key_caches, self._key_rows = map(
+            _column, (codes, idents, models, caches, rows))
+        self._key_flags = bytearray(flags)
         #: The key columns' indices ordered by (cache_id, row): which key names a row.
-        by_row = sorted(zip(self._key_caches, self._key_rows, range(len(keys))))
-        for before, after in zip(by_row, by_row[1:]):
-            if before[:2] == after[:2]:
-                raise ProtocolError(f"cache table: row {after[1]} of cache {after[0]} is bound to two keys")
-        self._keys_by_row = _column([i for _, _, i in by_row])
+        bound = list(zip(caches, rows))
+        self._keys_by_row = _column(sorted(range(len(bound)), key=bound.__getitem__))
 
     def device_side(self, plan, dst_side: bool) -> bool:
         """Whether the ``dst_side`` (or source) ranges of ``plan``, this peer's side of a

@@ -65,6 +65,17 @@ def _same_cache(kept, entry) -> bool:
             and list(kept.layout.tensor_addrs) == addrs and kept.layout.tensor_bytes == num_rows * row_bytes)
 
 
+def _merged(spans):
+    """``(start, end)`` spans sorted, overlapping and touching ones merged (as ``RangeSet.spans``)."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 @st.composite
 def tables(draw):
     """A well-formed reply: caches with distinct ids, blocks keys with distinct model_ids, row
@@ -96,6 +107,11 @@ def test_lookups_answer_as_the_dicts_did(data, draw):
     for cache_id in [*oracle.caches, 0, 4, 5, 2**64, -1]:
         assert _same_cache(table.cache(cache_id), oracle.cache(cache_id))
     assert sorted(c.cache_id for c in table.caches.values()) == sorted(oracle.caches)
+    spans = {True: [], False: []}
+    for _, _, _, _, rows, row_bytes, addrs, host_ok in oracle.caches.values():
+        spans[bool(host_ok)] += [(addr, addr + rows * row_bytes) for addr in addrs]
+    assert table.ranges.spans() == _merged(spans[True] + spans[False])
+    assert table.device_ranges.spans() == _merged(spans[False])
     for model_id in [0, 1, 2, 9, 2**32, U64, 2**64]:
         assert _same_cache(table.blocks_cache(model_id), oracle.cache(oracle.blocks.get(model_id)))
     probes = [*oracle.keys, ("req", 5, 0), ("prefix", 1, 1), ("other", 0, 0), ("req", "1", 0)]
@@ -153,8 +169,10 @@ MALFORMED = {
     "key id": (_changed(["keys", 0, 1], 2**64), "key id"),
     "key as bool": (_changed(["keys", 0, 2], True), "model_id"),
     "blocks model_id": (_changed(["blocks", 0, 0], -1), "model_id"),
-    "short key": (_changed(["keys", 0], ["req", 1, 0, 1, 0]), "malformed"),
-    "caches not a list": (_changed(["caches"], 5), "malformed"),
+    "short key": (_changed(["keys", 0], ["req", 1, 0, 1, 0]), "row keys are not a list of lists of 6 fields"),
+    "caches not a list": (_changed(["caches"], 5), "caches are not a list of lists of 8 fields"),
+    "addresses not a list": (_changed(["caches", 0, 6], "ab"), "addresses of cache 1 are not a list"),
+    "key kind not a string": (_changed(["keys", 0, 0], ["req"]), "key kind ['req']"),
     "no keys": ({"generation": 1, "caches": [], "blocks": []}, "malformed"),
     "cache twice": (_changed(["caches", 1], [1, "cache", 0, 1, 1, 1, [1 << 30], True]), "cache 1 is listed twice"),
     "model_id twice": (_changed(["blocks", 1], [0, 2]), "model_id 0 is listed twice"),
