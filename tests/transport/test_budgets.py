@@ -328,6 +328,33 @@ def test_staging_buffers_beyond_the_budget_wait_then_fail(monkeypatch):
     assert budgets.staging().in_use == 0
 
 
+# -- lost-link records ---------------------------------------------------------------------------
+
 def test_lost_link_reasons_are_cut():
     assert budgets.truncate_reason("x" * 10_000) == "x" * (budgets.MAX_REASON_CHARS - 3) + "..."
     assert budgets.truncate_reason("short") == "short"
+
+
+def lost_links(state):
+    return state.dd.engine.lost_links()
+
+
+def test_a_reason_a_peer_writes_is_cut_in_the_lost_link_record():
+    """A peer answers the table request with a malformed table whose key kind is 100,000
+    characters long: the error quotes it, the link is lost, and ``lost_links`` keeps the reason
+    cut to ``MAX_REASON_CHARS`` (the peer chose its length)."""
+    kind = "k" * 100_000
+    table = json.dumps({"generation": 1, "caches": [], "blocks": [], "keys": [[kind, 1, 0, 1, 0, True]]}).encode()
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        answerer = rawpeer.ReverseAnswerer(table)
+        stack.callback(answerer.close)
+        peer = answerer.add(rawpeer.RawLink(server.address, 77))
+        stack.callback(peer.close)
+        deadline = time.monotonic() + 30
+        while 77 not in server.call(lost_links) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = server.call(lost_links)[77]
+    assert answerer.answered == 1
+    assert "sent a bad cache table" in reason and "kkkk" in reason, reason
+    assert len(reason) == budgets.MAX_REASON_CHARS and reason.endswith("...")
