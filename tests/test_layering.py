@@ -11,7 +11,8 @@ recursively (every import, lazy ones and ``cimport`` included). The rules, in ``
 * ``runtimes/`` imports only the core and the base helpers;
 * ``cli/`` and ``integrations/`` use the face, ``cpp``, ``testing``, the engine seam
   (``LLMDataDist.engine``, an attribute: no import) and the public names of the plane and runtime
-  registries (``llm_datadist.transport.planes``, ``llm_datadist.runtimes``); the CLI's baselines
+  registries (``llm_datadist.transport.planes``, ``llm_datadist.runtimes``) and of the table of
+  byte budgets (``llm_datadist.transport.budgets``, which ``info`` lists); the CLI's baselines
   reach the core through ``cli/lowlevel.py`` alone;
 * nothing outside the API modules touches a private ``._engine``;
 * ``_reference`` (the tests' oracle) imports nothing of the package and nothing imports it.
@@ -72,8 +73,9 @@ RULES = {
     "integrations": {"face", "base"},
     "oracle": set(),
 }
-#: Registries the CLI and the integrations may use (their public names only).
-REGISTRIES = {"llm_datadist.transport.planes", "llm_datadist.runtimes"}
+#: Registries (and the table of byte budgets, which ``info`` lists) the CLI and the integrations
+#: may use: their public names only.
+REGISTRIES = {"llm_datadist.transport.planes", "llm_datadist.runtimes", "llm_datadist.transport.budgets"}
 #: The one CLI module through which the CLI's baselines and ``info`` reach the core.
 CLI_CORE_DOOR = "llm_datadist.cli.lowlevel"
 #: Named exceptions, each with its reason.
@@ -256,6 +258,8 @@ FORBIDDEN = [
     ("llm_datadist.cli.demo", "from llm_datadist import _core", "imports llm_datadist._core"),
     ("llm_datadist.cli.demo", "from llm_datadist.engine.engine import Engine", "imports llm_datadist.engine"),
     ("llm_datadist.cli.demo", "from llm_datadist.runtimes import _REGISTRY", "private"),
+    ("llm_datadist.cli.info", "from llm_datadist.transport.budgets import _process_budget", "private"),
+    ("llm_datadist.cli.info", "from llm_datadist.transport import table", "imports llm_datadist.transport.table"),
     ("llm_datadist.integrations.vllm", "from llm_datadist.runtimes import cuda", "imports llm_datadist.runtimes.cuda"),
     ("llm_datadist.integrations.vllm", "x = dd._engine.runtime", "private ._engine"),
     ("llm_datadist.cli.bench", "x = state.dd._engine", "private ._engine"),
@@ -279,6 +283,7 @@ def test_a_forbidden_import_is_reported(module, source, says):
     ("llm_datadist.cli.lowlevel", "from llm_datadist._core import memcpy_baseline"),
     ("llm_datadist.cli.demo", "from llm_datadist.transport.planes import choices"),
     ("llm_datadist.cli.demo", "from llm_datadist.transport import planes"),
+    ("llm_datadist.cli.info", "from llm_datadist.transport import budgets\nx = budgets.in_force()"),
     ("llm_datadist.integrations.vllm", "from llm_datadist import runtimes\nx = dd.engine.runtime"),
     ("llm_datadist.engine.engine", "from llm_datadist.transport.links import LinkManager"),
     ("llm_datadist.cpp", "from llm_datadist.engine import engine as _engine\nself._engine = 1"),

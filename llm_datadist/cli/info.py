@@ -4,7 +4,8 @@ the demo's and the sweep's reports.
 Each fact about a runtime or a data plane is a string ``"available: why"`` or ``"not available:
 why"``; the data planes are tried for real, each by its own ``DataPlane.probe`` (``tcp``: a
 loopback connection; ``cma``: a ``process_vm_readv`` of this process made by a separate one, what
-a peer's link-time probe does).
+a peer's link-time probe does). ``budgets`` lists the bounds on what peers can make this process
+hold, as the environment sets them (README "Security").
 """
 
 from __future__ import annotations
@@ -173,6 +174,26 @@ def device_transfer_facts(probes: Dict[str, tuple]) -> str:
     return f"{runtime.name} device memory moves over {listed}"
 
 
+def budget_facts() -> Dict[str, str]:
+    """The bounds on what peers can make this process hold (``transport.budgets.in_force``):
+    each one's value, what it covers, the environment variable that sets it and its default,
+    and what happens beyond it (with the counter of ``LLMDataDist.engine.link_stats()`` that
+    counts it)."""
+    from llm_datadist.cli.console import format_size
+    from llm_datadist.transport import budgets
+
+    def amount(value: int, unit: str) -> str:
+        return format_size(value) if unit == "bytes" else f"{value} {unit}"
+
+    facts = {}
+    for budget in budgets.in_force():
+        exact = f" ({budget.value} bytes)" if budget.unit == "bytes" else ""
+        source = "fixed" if budget.env is None else f"{budget.env}, default {amount(budget.default, budget.unit)}"
+        facts[budget.name] = (f"{amount(budget.value, budget.unit)}{exact} per {budget.scope} ({source}); "
+                              f"beyond it: {budget.refusal}")
+    return facts
+
+
 def all_facts() -> Dict[str, object]:
     facts = build_facts()
     facts.update(runtime_facts())
@@ -180,5 +201,6 @@ def all_facts() -> Dict[str, object]:
     facts["data_planes"] = plane_facts(probes)
     facts["data_plane_trust"] = plane_trust_facts()
     facts["device_transfers"] = device_transfer_facts(probes)
+    facts["budgets"] = budget_facts()
     facts["host"] = host_facts()
     return facts

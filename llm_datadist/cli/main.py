@@ -116,8 +116,9 @@ def _info(args: argparse.Namespace) -> int:
     for key, value in facts.items():
         if isinstance(value, dict):
             print(f"{key}:")
+            width = max([8, *map(len, value)])
             for sub, text in value.items():
-                print(f"  {sub:8s} {text}")
+                print(f"  {sub:{width}s} {text}")
         else:
             print(f"{key}: {value}")
     return 0

@@ -165,6 +165,15 @@ class Engine:
         """Clusters whose link ended without an unlink here, with the reason (empty before init)."""
         return self.links.lost_links() if self.initialized else {}
 
+    def link_stats(self) -> Dict[str, int]:
+        """This cluster's counters of what its links refused, lost or found malformed: the link
+        manager's (``LinkManager.link_stats``: the caps' and the byte budgets' ``refused_*``,
+        ``auth_failures``, ``links_lost``, the process budgets' bytes in use and at peak) and
+        ``protocol_errors`` (malformed frames). Empty before ``init``; kept after ``finalize``."""
+        if self.links is None:
+            return {}
+        return dict(self.links.link_stats(), protocol_errors=self.protocol_errors)
+
     def link_many(self, targets: Sequence[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
         """Link to each ``(cluster_id, ip, port)`` in parallel; one status per target."""
         self.check_initialized()
@@ -589,8 +598,8 @@ class Engine:
         if self.links.remote_accessible:
             return  # one-sided reads: the owner takes no part, its keys stay bound
         _, table, cache, row, src_tensors, _ = planned
-        key = table.row_keys.get((cache.cache_id, row))
-        if key is None or key not in table.consumable:
+        key = table.consumable_key(cache.cache_id, row)
+        if key is None:
             return
         pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]
         if self.links.release_key(remote_id, key, pulled, self.sync_kv_timeout_ms):

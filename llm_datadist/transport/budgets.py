@@ -20,7 +20,10 @@
   before the descriptors and held only while the pull is checked; a longer one breaks the
   protocol (the link goes). A vLLM tag, a ``remote_request_id``, is at most 285 bytes.
 - ``MAX_REASON_CHARS`` (256): the longest reason kept for a lost link (``lost_links``); with
-  ``session.MAX_LOST_RECORDS`` records this bounds them in bytes.
+  ``MAX_LOST_RECORDS`` (1,024) records this bounds them in bytes.
+
+``in_force()`` lists them with the values this process uses (``python -m llm_datadist info``
+prints it); the refusals are counted in ``LinkManager.link_stats()`` (``refused_*``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 MAX_TABLE_BYTES_ENV = "LLM_DATADIST_MAX_TABLE_BYTES"
 DEFAULT_MAX_TABLE_BYTES = 1 << 20
@@ -44,6 +48,8 @@ PARSING_WAIT_S = 1.0
 MAX_PULL_TAG_BYTES = 512
 #: Longest reason kept for a lost link (longer ones are cut, ``...`` appended).
 MAX_REASON_CHARS = 256
+#: Lost links (and links the peer ended) remembered for ``lost_links``.
+MAX_LOST_RECORDS = 1024
 
 
 def env_bytes(name: str, default: int) -> int:
@@ -126,3 +132,36 @@ def max_table_bytes() -> int:
 
 def max_message_bytes() -> int:
     return env_bytes(MAX_MESSAGE_BYTES_ENV, DEFAULT_MAX_MESSAGE_BYTES)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One bound on what peers can make this process hold, as ``in_force`` reports it."""
+
+    name: str
+    value: int
+    unit: str  # "bytes", "records" or "characters"
+    scope: str  # what one budget covers: "link", "message", "process", "engine" or "record"
+    env: Optional[str]  # the environment variable that sets it (None: fixed)
+    default: int
+    refusal: str  # what happens beyond it, and the counter of ``LinkManager.link_stats`` that counts it
+
+
+def in_force() -> List[Budget]:
+    """The byte budgets and record limits this process applies: the per-link and per-message
+    budgets as the environment says now, the process budgets as they were sized on first use."""
+    return [
+        Budget("table", max_table_bytes(), "bytes", "link", MAX_TABLE_BYTES_ENV, DEFAULT_MAX_TABLE_BYTES,
+               "the link fails, the reply unread (refused_tables)"),
+        Budget("message", max_message_bytes(), "bytes", "message", MAX_MESSAGE_BYTES_ENV,
+               DEFAULT_MAX_MESSAGE_BYTES, "the request is read, dropped unparsed and refused with LLM_PARAM_INVALID "
+               "(refused_oversized)"),
+        Budget("parsing", parsing().limit, "bytes", "process", MAX_PARSING_BYTES_ENV, DEFAULT_MAX_PARSING_BYTES,
+               f"a request waits up to {PARSING_WAIT_S:g} s, then is refused with LLM_LINK_BUSY (refused_parsing)"),
+        Budget("staging", staging().limit, "bytes", "process", MAX_STAGING_BYTES_ENV, DEFAULT_MAX_STAGING_BYTES,
+               "a staged transfer waits, then fails at its deadline (refused_staging)"),
+        Budget("lost_links", MAX_LOST_RECORDS, "records", "engine", None, MAX_LOST_RECORDS,
+               "the oldest record is dropped"),
+        Budget("lost_reason", MAX_REASON_CHARS, "characters", "record", None, MAX_REASON_CHARS,
+               "the reason is cut, '...' appended"),
+    ]

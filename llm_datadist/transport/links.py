@@ -61,7 +61,7 @@ from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAU
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
 from llm_datadist.transport.read_guard import ReadGuard
 from llm_datadist.transport.server import Requests, Server
-from llm_datadist.transport.session import MAX_CONNECTIONS, MAX_LOST_RECORDS, Channel, Peer, peer_credentials
+from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Peer, peer_credentials
 from llm_datadist.transport.table import RemoteTable
 from llm_datadist.transport.threads import Threads
 
@@ -107,7 +107,7 @@ class LinkManager:
         self._next_comm_id = 1
         self._closed = False
         self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
-        #: Counters of refused or failed connections (``link_stats``): ``refused_busy`` and
+        #: Counters of refused or failed connections (``link_stats()``): ``refused_busy`` and
         #: ``refused_source``, connections closed at once by the pending-handshake caps (global,
         #: per source); ``refused_links`` and ``refused_source_links``, link requests refused by
         #: the link caps (global, per source); ``refused_self``, link requests claiming this
@@ -140,6 +140,20 @@ class LinkManager:
         with self._lock:
             self.stats[counter] += 1
             return self.stats[counter]
+
+    def link_stats(self) -> Dict[str, int]:
+        """A snapshot of ``stats``, and of the process's budgets (``budgets``): ``refused_staging``,
+        staged transfers that found no room in ``LLM_DATADIST_MAX_STAGING_BYTES`` in time, and the
+        bytes each process budget holds now and held at most (``parsing_bytes``,
+        ``parsing_bytes_peak``, ``staging_bytes``, ``staging_bytes_peak``). The process budgets
+        are shared by every engine of the process."""
+        with self._lock:
+            snapshot = dict(self.stats)
+        parsing, staging = budgets.parsing(), budgets.staging()
+        snapshot.update(refused_staging=staging.refused, parsing_bytes=parsing.in_use,
+                        parsing_bytes_peak=parsing.peak, staging_bytes=staging.in_use,
+                        staging_bytes_peak=staging.peak)
+        return snapshot
 
     # -- listening --------------------------------------------------------------------------------
     @property
@@ -428,7 +442,7 @@ class LinkManager:
                 self._comm_link_ended(peer, why)
             if peer.ready and not peer.unlinking:
                 self._lost[peer.cluster_id] = budgets.truncate_reason(why)
-                while len(self._lost) > MAX_LOST_RECORDS:
+                while len(self._lost) > budgets.MAX_LOST_RECORDS:
                     self._lost.pop(next(iter(self._lost)))
                 self.stats["links_lost"] += 1
             return True
@@ -796,7 +810,7 @@ class LinkManager:
                 if not peer.unlinking:
                     self._comm_link_ended(peer, "the peer unlinked")
                     self._unlinked_by_peer.add(peer_id)
-                    while len(self._unlinked_by_peer) > MAX_LOST_RECORDS:
+                    while len(self._unlinked_by_peer) > budgets.MAX_LOST_RECORDS:
                         self._unlinked_by_peer.pop()
             self._self_peers = [p for p in self._self_peers if p is not peer]
         server.reply(fd, wire.OP_UNLINK_DONE, req_id, 0)

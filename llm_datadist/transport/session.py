@@ -30,8 +30,6 @@ CONNECTIONS_PER_DIRECTION = 2
 MAX_CONNECTIONS = 4
 #: Most threads one striped transfer runs on (the calling one included).
 MAX_STRIPES = MAX_CONNECTIONS
-#: Lost links (and links the peer ended) remembered for ``lost_links``.
-MAX_LOST_RECORDS = 1024
 
 
 # -- the frame reader ---------------------------------------------------------------------------

@@ -361,8 +361,37 @@ def test_info_text_names_every_section():
     out = run("info")
     assert out.returncode == 0, out.stderr
     for heading in ("version:", "build:", "compile_flags:", "device_runtime:", "runtimes:", "data_planes:",
-                    "  cma ", "  tcp ", "data_plane_trust:", "host:"):
+                    "  cma ", "  tcp ", "data_plane_trust:", "budgets:", "  table ", "host:"):
         assert heading in out.stdout
+
+
+#: The byte budgets README "Security" documents: (name in info, environment variable, default,
+#: counter of ``LLMDataDist.engine.link_stats()``).
+DOCUMENTED_BUDGETS = [("table", "LLM_DATADIST_MAX_TABLE_BYTES", "1 MiB (1048576 bytes) per link", "refused_tables"),
+                      ("message", "LLM_DATADIST_MAX_MESSAGE_BYTES", "64 KiB (65536 bytes) per message",
+                       "refused_oversized"),
+                      ("parsing", "LLM_DATADIST_MAX_PARSING_BYTES", "16 MiB (16777216 bytes) per process",
+                       "refused_parsing"),
+                      ("staging", "LLM_DATADIST_MAX_STAGING_BYTES", "256 MiB (268435456 bytes) per process",
+                       "refused_staging")]
+
+
+def test_info_lists_the_budgets_in_force():
+    """Each byte budget with its value, its environment variable and the counter of its refusals;
+    a value set in the environment is the one listed (the default still named)."""
+    out = run("info", "--json", env={name: "" for _, name, _, _ in DOCUMENTED_BUDGETS})
+    assert out.returncode == 0, out.stderr
+    budgets = json.loads(out.stdout)["budgets"]
+    for name, env, default, counter in DOCUMENTED_BUDGETS:
+        assert budgets[name].startswith(default), budgets[name]
+        assert f"({env}, default " in budgets[name] and f"({counter})" in budgets[name]
+    assert budgets["lost_links"].startswith("1024 records per engine (fixed)")
+    assert budgets["lost_reason"].startswith("256 characters per record (fixed)")
+    out = run("info", "--json", env={"LLM_DATADIST_MAX_TABLE_BYTES": "2m", "LLM_DATADIST_MAX_PARSING_BYTES": "300k"})
+    assert out.returncode == 0, out.stderr
+    budgets = json.loads(out.stdout)["budgets"]
+    assert budgets["table"].startswith("2 MiB (2097152 bytes) per link (LLM_DATADIST_MAX_TABLE_BYTES, default 1 MiB)")
+    assert budgets["parsing"].startswith("300 KiB (307200 bytes) per process")
 
 
 # -- helpers ----------------------------------------------------------------------------------------

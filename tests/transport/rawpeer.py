@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import socket
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -135,6 +136,44 @@ class RawLink:
     def close(self) -> None:
         for sock in self.sockets:
             sock.close()
+
+
+class ReverseAnswerer:
+    """One thread answering the server's requests on the reverse connections of raw links (each
+    added with ``add`` as soon as it is made: the server asks for the peer's table right after
+    the link), as each link's peer would: a table request with ``table`` (JSON bytes, encoded
+    once), an unlink with UNLINK_DONE. ``answered`` counts the table replies; ``close()`` stops
+    it."""
+
+    def __init__(self, table: bytes) -> None:
+        self.table, self.answered = table, 0
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def add(self, link: RawLink) -> RawLink:
+        self._selector.register(link.reverse, selectors.EVENT_READ)
+        return link
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.05):
+                sock = key.fileobj
+                try:
+                    op, _, req_id, _ = read_frame(sock)
+                    if op == wire.OP_TABLE_GET:
+                        sock.sendall(frame(wire.OP_TABLE, self.table, req_id=req_id))
+                        self.answered += 1
+                    elif op == wire.OP_UNLINK:
+                        sock.sendall(frame(wire.OP_UNLINK_DONE, req_id=req_id))
+                except (OSError, EOFError, ValueError):
+                    self._selector.unregister(sock)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._selector.close()
 
 
 class RawServer:

@@ -8,8 +8,8 @@ What is checked, against real processes on 127.0.0.1 and hand-made peers (``rawp
 - concurrent control messages of the old wire maximum keep the server's peak RSS flat;
 - a request that finds no room in ``LLM_DATADIST_MAX_PARSING_BYTES`` (a peer stalls in the middle
   of one that holds it) is answered ``LLM_LINK_BUSY`` and the link goes on (``refused_parsing``);
-- many links, each with the largest table reply and notification the budgets allow, keep the
-  RSS growth under ``PER_LINK_BOUND`` a link;
+- 256 links, each with the largest table reply and notification the budgets allow, keep the
+  cluster's RSS growth under ``LINKS_RSS_BOUND``;
 - staged transfers beyond ``LLM_DATADIST_MAX_STAGING_BYTES`` wait, then fail with LLM_TIMEOUT.
 """
 
@@ -25,15 +25,17 @@ import pytest
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, budgets, wire
+from llm_datadist.transport.listener import MAX_LINKS_PER_SOURCE_ENV
 
 import rawpeer
 
 S = LLMStatusCode
 SERVER_ID, CLIENT_ID = 1, 2
 MiB = 1 << 20
-#: RSS a link may add with the largest table reply and notification the default budgets allow
-#: (measured: about 9 MiB for a 1 MiB table of keyed rows, the costliest content per byte).
-PER_LINK_BOUND = 16 * MiB
+#: RSS growth of a cluster holding ``LINKS`` links, each of which sent the largest table reply and
+#: notification the default budgets allow (README "Security"): 2 MiB a link. Measured at 256 links:
+#: 130 to 380 MiB by the tables' content (130 MiB with this test's); 1.46 GiB when tables were dicts.
+LINKS_RSS_BOUND = 512 * MiB
 
 
 def rss_peak_reset(state) -> int:
@@ -60,7 +62,8 @@ def _status(field: str) -> int:
 
 
 def stats(state):
-    return dict(state.dd.engine.links.stats)
+    """The counters as a user reads them: through the engine seam (README "Security")."""
+    return state.dd.engine.link_stats()
 
 
 def link_to(state, remote_id: int, ip: str, port: int) -> int:
@@ -97,13 +100,24 @@ def heavy_json(nbytes: int) -> bytes:
     return b'{"x":[' + b",".join([b"[]"] * count) + b"]}"
 
 
-def keyed_table(nbytes: int) -> dict:
-    """A valid cache table of about ``nbytes`` of JSON, filled with keyed rows (what costs a
-    table the most to keep per byte)."""
+def keyed_table(nbytes: int, wide: bool = False) -> dict:
+    """A valid cache table of at most ``nbytes`` of JSON (as ``json.dumps`` writes it, within one
+    key of it), filled with keyed rows; ``wide``: every number of a key near 2**64, so that
+    each column takes 8 bytes a key (``tests/transport/test_table.py`` weighs every kind of
+    content: a wide one keeps 0.43 MiB a table, close to the most, and is the quickest to read)."""
     table = {"generation": 1, "blocks": [[0, 1]], "keys": [],
              "caches": [[1, "blocks", 0, 2, 1 << 20, 64, [0x10000000, 0x20000000], True]]}
-    per_key = len(json.dumps(["req", 1 << 40, 0, 1, 1 << 19, True])) + 2  # as rawpeer encodes it
-    table["keys"] = [["req", (1 << 40) + i, 0, 1, i, True] for i in range(max(0, nbytes - 200) // per_key)]
+    keys = table["keys"]
+
+    def key(i: int) -> list:
+        return ["req", 2**64 - 1 - i, 2**64 - 1, 1, i << 40, True] if wide else ["req", (1 << 40) + i, 0, 1, i, True]
+
+    widest = len(json.dumps(key(1 << 22))) + 2  # ", " between entries, as rawpeer encodes it
+    keys += map(key, range(max(0, nbytes - 200) // widest))
+    size = len(json.dumps(table))
+    while size + len(json.dumps(key(len(keys)))) + 2 <= nbytes:
+        size += len(json.dumps(key(len(keys)))) + 2
+        keys.append(key(len(keys)))
     return table
 
 
@@ -140,6 +154,34 @@ def test_a_table_within_the_budget_is_taken_and_kept_compact():
         server.close()
 
 
+# -- where the counters are read -----------------------------------------------------------------
+
+def test_the_counters_are_read_through_the_engine_seam_of_both_api_styles():
+    """``engine.link_stats()``: every refusal counter at 0 after init, kept after finalize (a
+    service reads them last when it stops); the C++ style's engine, there before ``Initialize``,
+    has none before it."""
+    from llm_datadist import LLMConfig, LLMDataDist, LLMRole, cpp
+    python_style = LLMDataDist(LLMRole.PROMPT, 7)
+    config = LLMConfig()
+    config.device_id = 0
+    python_style.init(config.generate_options())
+    try:
+        counters = python_style.engine.link_stats()
+    finally:
+        python_style.finalize()
+    refusals = {name for name in counters if name.startswith("refused_")}
+    assert {"refused_tables", "refused_oversized", "refused_parsing", "refused_staging"} <= refusals
+    assert all(counters[name] == 0 for name in refusals if name != "refused_staging")  # staging: per process
+    assert python_style.engine.link_stats().keys() == counters.keys()
+    cpp_style = cpp.LlmDataDist(8, cpp.LlmRole.kDecoder)
+    assert cpp_style.engine.link_stats() == {}
+    assert cpp_style.Initialize({cpp.OPTION_DEVICE_ID: "0"}) == cpp.LLM_SUCCESS
+    try:
+        assert cpp_style.engine.link_stats().keys() == counters.keys()
+    finally:
+        cpp_style.Finalize()
+
+
 # -- notifications, key releases, unlinks --------------------------------------------------------
 
 @pytest.mark.parametrize("op, reply_op", [(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY),
@@ -158,7 +200,10 @@ def test_an_oversized_control_message_is_refused_and_the_link_goes_on(op, reply_
         got_op, status, rid, payload = rawpeer.read_frame(peer.sock)
         assert (got_op, status, rid) == (reply_op, S.LLM_PARAM_INVALID, req_id)
         assert "exceeds" in json.loads(payload)["error"]
-        assert server.call(stats)["refused_oversized"] == 1
+        counted = server.call(stats)
+        assert counted["refused_oversized"] == 1
+        assert {"refused_tables", "refused_parsing", "refused_staging", "parsing_bytes", "staging_bytes_peak",
+                "refused_source_links", "links_lost", "protocol_errors"} <= set(counted)
         # the link goes on: a table request and a notification within the budget are answered
         assert peer.table()["generation"] >= 0
         req_id = peer.request(wire.OP_NOTIFY, json.dumps({"hello": "x" * 1000}).encode())
@@ -213,38 +258,49 @@ def test_a_request_without_room_in_the_parsing_budget_is_refused_busy(monkeypatc
 
 # -- many links at the budgets -------------------------------------------------------------------
 
-LINKS = 32
+#: The links of the RSS test: as many as a cluster holds by default (``LLM_DATADIST_MAX_LINKS``).
+LINKS = 256
 
 
-def test_many_links_at_the_budgets_keep_rss_growth_bounded():
-    """``LINKS`` links (the issue's 256 take too long on two cores; the bound is per link): the
-    client takes from each peer the largest table reply the default budget allows, and each
-    peer sends the server the largest notification; the client's RSS grows by less than
-    ``PER_LINK_BOUND`` a link and the server's peak by less than 32 MiB in all."""
-    table = keyed_table(budgets.DEFAULT_MAX_TABLE_BYTES - 4096)
-    servers = [rawpeer.RawServer(1000 + i, table, _answer) for i in range(LINKS)]
-    try:
-        with ExitStack() as stack:
-            client = start(stack, CLIENT_ID)
-            server = start(stack, SERVER_ID, listen=True)
-            server.call(set_handler)
-            before = client.call(rss)
-            for i, raw in enumerate(servers):
-                assert client.call(link_to, 1000 + i, *raw.address) == S.LLM_SUCCESS
-            grown = client.call(rss) - before
-            assert grown < LINKS * PER_LINK_BOUND, f"{grown / LINKS / MiB:.1f} MiB a link"
-            peers = [rawpeer.RawLink(server.address, 2000 + i) for i in range(LINKS)]
-            for peer in peers:
-                stack.callback(peer.close)
-            message = json.dumps({"pad": "x" * (budgets.DEFAULT_MAX_MESSAGE_BYTES - 64)}).encode()
-            base = server.call(rss_peak_reset)
-            for peer in peers:
-                peer.request(wire.OP_NOTIFY, message)
-            assert [rawpeer.read_frame(p.sock)[1] for p in peers] == [0] * LINKS
-            assert server.call(rss_peak) - base < 32 * MiB
-    finally:
-        for raw in servers:
-            raw.close()
+def plane_of(state, remote_id: int) -> str:
+    """The peer's plane; its table was fetched and read first (at link time, or now)."""
+    return state.dd.engine.data_plane(remote_id, 20000)
+
+
+def test_256_links_at_the_budgets_keep_the_server_rss_growth_bounded(monkeypatch):
+    """``LINKS`` raw peers link to one cluster, each answers its table request with the largest
+    table reply the default budget allows (``keyed_table``, wide), and each sends it the largest
+    notification: the cluster's RSS grows (and peaks) by less than ``LINKS_RSS_BOUND`` (README
+    "Security"), nothing is refused. All the peers come from 127.0.0.1: the cap of links per
+    source is raised in the cluster's process (the peers are this process's sockets). Each link
+    is made once the previous one's table was read, so that the cluster parses one reply at a
+    time (a storm of replies only waits in the parsing budget: ``test_concurrent_large_control_
+    messages_keep_rss_flat``)."""
+    monkeypatch.setenv(MAX_LINKS_PER_SOURCE_ENV, str(LINKS))
+    table = json.dumps(keyed_table(budgets.DEFAULT_MAX_TABLE_BYTES, wide=True)).encode()
+    assert budgets.DEFAULT_MAX_TABLE_BYTES - 128 < len(table) <= budgets.DEFAULT_MAX_TABLE_BYTES
+    message = json.dumps({"pad": "x" * (budgets.DEFAULT_MAX_MESSAGE_BYTES - 12)}).encode()
+    assert budgets.DEFAULT_MAX_MESSAGE_BYTES - 8 < len(message) <= budgets.DEFAULT_MAX_MESSAGE_BYTES
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        answerer = rawpeer.ReverseAnswerer(table)
+        stack.callback(answerer.close)
+        before = server.call(rss_peak_reset)
+        peers = []
+        for i in range(LINKS):
+            peers.append(answerer.add(rawpeer.RawLink(server.address, 2000 + i)))
+            stack.callback(peers[-1].close)
+            assert server.call(plane_of, 2000 + i) == "tcp"
+        assert answerer.answered == LINKS
+        for peer in peers:
+            peer.request(wire.OP_NOTIFY, message)
+        assert [rawpeer.read_frame(p.sock)[1] for p in peers] == [0] * LINKS
+        grown, peak = server.call(rss) - before, server.call(rss_peak) - before
+        assert grown < LINKS_RSS_BOUND and peak < LINKS_RSS_BOUND, \
+            f"RSS grew {grown / MiB:.0f} MiB (peak {peak / MiB:.0f} MiB) for {LINKS} links"
+        counted = server.call(stats)
+        assert counted["links_lost"] == 0 and not any(counted[name] for name in counted if name.startswith("refused_"))
 
 
 # -- staging buffers -----------------------------------------------------------------------------
@@ -272,6 +328,33 @@ def test_staging_buffers_beyond_the_budget_wait_then_fail(monkeypatch):
     assert budgets.staging().in_use == 0
 
 
+# -- lost-link records ---------------------------------------------------------------------------
+
 def test_lost_link_reasons_are_cut():
     assert budgets.truncate_reason("x" * 10_000) == "x" * (budgets.MAX_REASON_CHARS - 3) + "..."
     assert budgets.truncate_reason("short") == "short"
+
+
+def lost_links(state):
+    return state.dd.engine.lost_links()
+
+
+def test_a_reason_a_peer_writes_is_cut_in_the_lost_link_record():
+    """A peer answers the table request with a malformed table whose key kind is 100,000
+    characters long: the error quotes it, the link is lost, and ``lost_links`` keeps the reason
+    cut to ``MAX_REASON_CHARS`` (the peer chose its length)."""
+    kind = "k" * 100_000
+    table = json.dumps({"generation": 1, "caches": [], "blocks": [], "keys": [[kind, 1, 0, 1, 0, True]]}).encode()
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        answerer = rawpeer.ReverseAnswerer(table)
+        stack.callback(answerer.close)
+        peer = answerer.add(rawpeer.RawLink(server.address, 77))
+        stack.callback(peer.close)
+        deadline = time.monotonic() + 30
+        while 77 not in server.call(lost_links) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = server.call(lost_links)[77]
+    assert answerer.answered == 1
+    assert "sent a bad cache table" in reason and "kkkk" in reason, reason
+    assert len(reason) == budgets.MAX_REASON_CHARS and reason.endswith("...")
