@@ -144,7 +144,7 @@ def test_a_release_reply_naming_another_request_is_not_trusted():
     worker = _Worker(CONSUMER, "decode", _Options.parse({}), None)
     try:
         replies = []
-        worker._link = lambda spec: (1, False)  # a link in place
+        worker.peers.on_link = lambda spec, action: action(spec.cluster_id)  # a link in place
         worker.cm = SimpleNamespace(pull_blocks=lambda *args: None)  # the pull itself succeeds
         worker._links_api = SimpleNamespace(notify=lambda cluster, message, timeout: replies.pop(0))
 

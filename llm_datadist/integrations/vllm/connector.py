@@ -41,6 +41,9 @@ class LLMDataDistConnector(KVConnectorBase_V1):
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
     # -- scheduler side ---------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

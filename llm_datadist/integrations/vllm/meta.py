@@ -11,8 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 
-#: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
-REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
+#: Fields a decode request's ``kv_transfer_params`` must carry to be pulled (all of them NIXL's:
+#: ``remote_cluster_id``, which our prefill engines add, is optional; without it the decode side
+#: links to whichever cluster the handshake finds at ``remote_host:remote_port``).
+REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 
 
 @dataclass
@@ -26,7 +28,7 @@ class Recv:
     remote_block_ids: List[int]
     host: str
     port: int
-    cluster_id: int
+    cluster_id: Optional[int]  # None: the one found at host:port
     remote_request_id: str
     awaiting: bool = False
 
@@ -44,11 +46,14 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side, and
-    whether the engine has begun to shut down (then held blocks are freed)."""
+    """Scheduler -> worker, once a step: pulls to start, requests that arrived to wait in the
+    queue for their pull (whose prefill leases the worker renews until their pull starts or they
+    end: both come as ``reqs_to_recv``), blocks to keep for a decode side, and whether the engine
+    has begun to shut down (then held blocks are freed)."""
 
     def __init__(self) -> None:
         self.reqs_to_recv: Dict[str, Recv] = {}
+        self.reqs_parked: Dict[str, Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
         self.stopping = False
 
@@ -70,7 +75,8 @@ def recv_spec(params: Any) -> Optional[Recv]:
         remote_id = params["remote_request_id"]
         if not isinstance(remote_id, str) or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
             return None  # the prefill side would refuse its release
+        cluster_id = params.get("remote_cluster_id")
         return Recv([], list(blocks), str(params["remote_host"]), int(params["remote_port"]),
-                    int(params["remote_cluster_id"]), remote_id)
+                    None if cluster_id is None else int(cluster_id), remote_id)
     except (TypeError, ValueError, OverflowError):
         return None

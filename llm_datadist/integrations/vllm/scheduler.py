@@ -70,6 +70,7 @@ class Scheduler:
         self.block_size = block_size
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None
         self._recv: Dict[str, Recv] = {}
+        self._parked: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
 
@@ -82,6 +83,18 @@ class Scheduler:
         if metadata is not None and self.options.lease_tokens and len(metadata.lease_key) < 32:
             raise ValueError("LLMDataDistConnector: the worker's handshake carries no lease key")
         self.worker = metadata
+
+    def on_new_request(self, request) -> None:
+        """A request that will load its prompt from a prefill engine waits in vLLM's queue until
+        a slot is free, and vLLM asks this connector about it only then (it skips the connector
+        while ``max_num_seqs`` requests run): its prefill lease is renewed from now on, until its
+        pull starts or it ends (``update_state_after_alloc``, ``request_finished`` or a refusal in
+        ``get_num_new_matched_tokens``, each of which hands it to ``reqs_to_recv``)."""
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            spec = recv_spec(params)
+            if spec is not None:
+                self._parked[request.request_id] = spec
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
@@ -115,6 +128,8 @@ class Scheduler:
     def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
+        meta.reqs_parked = {r: spec for r, spec in self._parked.items() if r not in meta.reqs_to_recv}
+        self._parked = {}
         meta.reqs_to_send, self._send = self._send, {}
         meta.stopping = self._signals.stopping
         return meta

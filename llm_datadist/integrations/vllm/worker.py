@@ -1,16 +1,15 @@
 """The connector's worker half: registers the KV caches, pulls a decode request's blocks from
-its prefill engine and tells that engine it may free them (decode side), and holds finished
-requests' blocks for their decode sides (prefill side, ``leases.LeaseBook``)."""
+its prefill engine and tells that engine it may free them, and renews the leases of requests
+still in vLLM's queue (decode side, over ``peers.Peers``), and holds finished requests' blocks
+for their decode sides (prefill side, ``leases.LeaseBook``)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -19,19 +18,12 @@ from llm_datadist.integrations.vllm import layout
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv
 from llm_datadist.integrations.vllm.options import Options
+from llm_datadist.integrations.vllm.peers import Peers, Unreachable
 
 logger = logging.getLogger(__package__)
 
 #: Prefill requests a decode worker has already settled, remembered to skip a twin's release.
 _SETTLED_REMEMBERED = 1 << 16
-
-
-#: Statuses of a transfer or notification that mean the link itself is gone.
-_LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
-
-
-class _Unreachable(Exception):
-    """No working link to a prefill worker could be had."""
 
 
 class Worker:
@@ -65,14 +57,11 @@ class Worker:
         self._links_api = self.dd.engine
         self.cache: Optional[ld.Cache] = None
         self.device: Optional[str] = None
-        self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0}
+        self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
+                       "renewed": 0, "renew_refused": 0, "renew_failed": 0, "links_evicted": 0}
         self._lock = threading.Lock()
         # decode side
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
-        self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
-        self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
-        self._generation = 0
-        self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
+        self.peers = Peers(self.dd, options, self._count)
         self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
@@ -80,7 +69,11 @@ class Worker:
         # prefill side
         self.leases = LeaseBook(options)
         if self.producer:
-            self._links_api.set_notify_handler(self.leases.on_release)
+            self._links_api.set_notify_handler(self.leases.on_message)
+
+    def _count(self, counter: str, n: int) -> None:
+        with self._lock:
+            self._stats[counter] += n
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -113,6 +106,10 @@ class Worker:
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping)
+        for req_id, spec in meta.reqs_parked.items():
+            self.peers.park(req_id, spec)
+        for req_id in meta.reqs_to_recv:
+            self.peers.unpark(req_id)
         pulls = []
         with self._lock:
             for req_id, spec in meta.reqs_to_recv.items():
@@ -132,7 +129,7 @@ class Worker:
                            "request(s) that no decode engine had taken yet (a decode engine that comes for them "
                            "is refused); requests that finish from now on hand out no KV", freed)
         for req_id, spec in pulls:
-            self._pool.submit(self._pull, req_id, spec)
+            self.peers.submit(spec, lambda r=req_id, sp=spec: self._pull(r, sp))
 
     def results(self) -> KVConnectorTransferResults:
         sent = self.leases.take_finished()
@@ -173,7 +170,8 @@ class Worker:
 
     def _pull_and_release(self, req_id: str, spec: Recv) -> bool:
         local = spec.local_block_ids
-        where = f"the prefill engine at {spec.host}:{spec.port} (cluster {spec.cluster_id})"
+        where = f"the prefill engine at {spec.host}:{spec.port}" + \
+            (f" (cluster {spec.cluster_id})" if spec.cluster_id is not None else "")
         pull_error = None
         if local:
             # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
@@ -181,9 +179,9 @@ class Worker:
             try:
                 if len(spec.remote_block_ids) < len(local):
                     raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
-                self._on_link(spec, lambda: self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), self.cache,
-                                                                remote, local))
-            except _Unreachable as exc:
+                self.peers.on_link(spec, lambda cluster_id: self.cm.pull_blocks(
+                    ld.BlocksCacheKey(cluster_id, 0), self.cache, remote, local))
+            except Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
                 logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
@@ -214,68 +212,15 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
-        """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
-        that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
-        working link can be had."""
-        for attempt in range(2):
-            try:
-                generation, fresh = self._link(spec)
-            except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
-                raise _Unreachable(str(exc)) from None
-            try:
-                return action()
-            except ld.LLMException as exc:
-                if exc.status_code not in _LINK_BROKEN:
-                    raise
-                self._forget_link(spec, generation)
-                if fresh or attempt:
-                    raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
-        raise AssertionError("unreachable")
-
-    def _link(self, spec: Recv) -> Tuple[int, bool]:
-        """``(generation of the link to use, whether it was made now)``; ``_Unreachable`` if the
-        prefill worker refuses or does not answer."""
-        key = (spec.cluster_id, spec.host, spec.port)
-        with self._lock:
-            gate = self._links.setdefault(key, threading.Lock())
-        with gate:
-            if key in self._linked:
-                return self._linked[key], False
-            address = socket.gethostbyname(spec.host)  # the library takes dotted IPv4 addresses
-            info = ld.LLMClusterInfo()
-            info.remote_cluster_id = spec.cluster_id
-            info.append_local_ip_info("127.0.0.1" if address.startswith("127.") else self.options.advertise_host, 0)
-            info.append_remote_ip_info(address, spec.port)
-            _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
-            if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
-                raise _Unreachable(f"linking failed: {rets[0].name}")
-            with self._lock:
-                self._generation += 1
-                self._linked[key] = self._generation
-                self._stats["links"] += 1
-                return self._generation, True
-
-    def _forget_link(self, spec: Recv, generation: int) -> None:
-        """Drop the link that failed — not one another thread has made since."""
-        key = (spec.cluster_id, spec.host, spec.port)
-        with self._links[key]:
-            if self._linked.get(key) != generation:
-                return
-            del self._linked[key]
-            info = ld.LLMClusterInfo()
-            info.remote_cluster_id = spec.cluster_id
-            self.dd.unlink_clusters([info], 1000, force=True)
-
     def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str]:
         """Tell the prefill worker, over the link, that the request's blocks may be freed.
         ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
         ``(None, why)`` if it could not be told."""
         message = {"op": "release", "request_id": spec.remote_request_id}
         try:
-            reply = self._on_link(spec, lambda: self._links_api.notify(spec.cluster_id, message,
-                                                                       self._notify_timeout_ms))
-        except (_Unreachable, ld.LLMException) as exc:
+            reply = self.peers.on_link(spec, lambda cluster_id: self._links_api.notify(
+                cluster_id, message, self.peers.notify_timeout_ms))
+        except (Unreachable, ld.LLMException) as exc:
             return None, str(exc)
         if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
             return None, "a malformed answer"
@@ -293,6 +238,6 @@ class Worker:
             # into a drain): they go with this engine.
             logger.warning("llm_datadist: shutting down with the KV blocks of %d finished requests still held "
                            "for decode engines; those find this engine gone", held)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.peers.close()
         self.dd.finalize()
 
