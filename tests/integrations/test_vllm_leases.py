@@ -35,8 +35,8 @@ LEASE_S = 60.0
 CONSUMER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True))
 
 #: The kv_transfer_params fields vLLM's NIXL connector hands out (``nixl/pull_scheduler.py``,
-#: ``request_finished``), plus the one ours needs besides: what a router that forwards only known
-#: fields passes on.
+#: ``request_finished``): what a router that forwards only known fields passes on (not our
+#: ``remote_cluster_id``: the decode side learns it when it links).
 NIXL_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
                "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
                "remote_blocks_expiry_time", "transfer_mode")
@@ -246,17 +246,18 @@ def test_lease_tokens_false_accepts_token_less_releases():
 
 
 def test_the_token_reaches_the_decode_side_through_a_router_of_nixl_fields():
-    """A router that forwards only NIXL's fields (and the cluster id ours needs) passes the token
-    on: it rides in ``remote_request_id``; the decode side releases with it as given."""
+    """A router that forwards only NIXL's fields passes the token on: it rides in
+    ``remote_request_id``; the decode side releases with it as given (and links by address)."""
     from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
         params = finished_prefill(scheduler, "cmpl-7f3a.0-2b9c")  # vLLM's ids have dots and dashes
         lease(worker, *scheduler.build_connector_meta().reqs_to_send)
-        routed = {k: v for k, v in params.items() if k in NIXL_FIELDS + ("remote_cluster_id",)}
+        routed = {k: v for k, v in params.items() if k in NIXL_FIELDS}
         spec = _recv_spec(routed)
         assert spec is not None and spec.remote_request_id == params["remote_request_id"]
+        assert spec.cluster_id is None and (spec.host, spec.port) == (params["remote_host"], params["remote_port"])
         assert release(worker, spec.remote_request_id)["released"] is True
         assert worker.results().finished_sending == {"cmpl-7f3a.0-2b9c"}
 
