@@ -312,3 +312,35 @@ def test_vllms_toy_proxy_with_only_nixls_fields_reaches_the_prefill_engine(tmp_p
         assert decode.kv[5].tolist() == prefill.call("kv_rows", 0, 1)[0]
         assert prefill.call("finished") == ["cmpl-5.0-b2"]
         assert prefill.call("stats")["released"] == 1
+
+
+def test_the_decode_scheduler_parks_remote_prefills_on_arrival():
+    """vLLM calls ``on_new_request`` for every request it queues (and skips the connector for
+    waiting requests while its slots are full): those that will load from a prefill engine are
+    handed to the worker as parked once, unless their pull (or release) starts in that same step."""
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    good = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 9,
+            "remote_request_id": "p-1.token"}
+    scheduler = _Scheduler("decode", _Options.parse({}), 32, producer=False)
+
+    def arrive(req_id, params):
+        scheduler.on_new_request(SimpleNamespace(request_id=req_id, kv_transfer_params=params,
+                                                 prompt_token_ids=list(range(40))))
+
+    arrive("a", dict(good))
+    arrive("b", dict(good, remote_request_id="p-2.token"))
+    arrive("plain", None)
+    arrive("local", {"do_remote_decode": True})
+    arrive("broken", dict(good, remote_port="x"))
+    # "b" is aborted in the same step, before any slot: only its release goes out
+    scheduler.request_finished(SimpleNamespace(request_id="b", kv_transfer_params=dict(good)), [])
+    meta = scheduler.build_connector_meta()
+    assert set(meta.reqs_parked) == {"a"} and meta.reqs_parked["a"].cluster_id is None
+    assert set(meta.reqs_to_recv) == {"b"}
+    assert scheduler.build_connector_meta().reqs_parked == {}  # handed over once
+    for name, bad in (("kv_lease_s", 0), ("link_idle_s", "soon"), ("kv_lease_s", True)):
+        with pytest.raises(ValueError, match=name):
+            _Options.parse({name: bad})
+    assert _Options.parse({}).kv_lease_s == 30.0
