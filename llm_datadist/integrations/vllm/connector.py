@@ -106,7 +106,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         ``over_budget``: no room in ``release_records_bytes``), leases that ran out (``expired``) or were
         cut short because the engine began to shut down (``freed_at_shutdown``), release records
         dropped early to stay within the budget (``records_dropped``); and ``release_record_bytes``,
-        what the release records count now."""
+        what the release records count now. Renewals of the leases of requests waiting in the queue:
+        on the decode side ``renewed``, ``renew_refused`` (the prefill side said no: bad token,
+        freed...), ``renew_failed`` (not delivered; tried again), and ``links_evicted`` (idle links
+        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``."""
         if self._worker is None:
             return {}
         return dict(self._worker.stats, release_record_bytes=self._worker.leases.record_bytes)
