@@ -179,6 +179,14 @@ class Engine:
         self.check_initialized()
         return self.links.link_many(targets, timeout_ms)
 
+    def link_address(self, ip: str, port: int, timeout_ms: int) -> Tuple[LLMStatusCode, Optional[int]]:
+        """Link to whichever cluster listens on ``ip:port`` (the caller knows no cluster id):
+        ``(status, its cluster id as the handshake proved it)``; ``LLM_ALREADY_LINK`` or
+        ``LLM_SUCCESS`` with the id when it is linked already, id None when no handshake got that
+        far. Never raises for the peer's failures."""
+        self.check_initialized()
+        return self.links.link_address(ip, port, timeout_ms)
+
     def unlink_many(self, cluster_ids: Sequence[int], timeout_ms: int, force: bool) -> List[LLMStatusCode]:
         """Drop the links to ``cluster_ids`` (non-forced: the peer is told first)."""
         self.check_initialized()

@@ -186,11 +186,17 @@ def send_reply(sock: socket.socket, reply: Dict[str, Any], status: int, deadline
 
 
 # -- the connecting side ----------------------------------------------------------------------------
-def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: int,
-                     request: Dict[str, Any], deadline: float, self_key: Optional[bytes] = None) -> Dict[str, Any]:
+def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int],
+                     request: Dict[str, Any], deadline: float, self_key: Optional[bytes] = None,
+                     on_peer: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """HELLO -> CHALLENGE -> AUTH (carrying ``request``, and with ``self_key`` the proof that
     this is a self-link of this process) -> HELLO_REPLY with the cluster ``remote_id``; the
-    reply, or LLMException."""
+    reply, or LLMException.
+
+    ``remote_id`` None: whichever cluster listens there; its id is the one its challenge names,
+    and with a link secret the proofs bind both sides to it as to a given one. ``on_peer(id)``
+    runs with the peer's id before anything about this side's purpose is sent (it may raise
+    to go no further)."""
     fd = sock.fileno()
     nonce = auth.new_nonce()
     if not send_frame(fd, wire.OP_HELLO, {"cluster_id": cluster_id, "nonce": nonce, "auth": secret is not None},
@@ -199,9 +205,13 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
     status, challenge = receive_frame(fd, wire.OP_CHALLENGE, deadline, "challenge")
     if status != 0:
         raise fail(status, f"refused: {challenge.get('error', '')}")
-    if challenge.get("cluster_id") != remote_id:
-        raise fail(S.LLM_LINK_FAILED, f"expected cluster {remote_id}, found cluster "
-                                       f"{brief(challenge.get('cluster_id'))}")
+    claimed = challenge.get("cluster_id")
+    if remote_id is None:
+        if not is_int(claimed):
+            raise ProtocolError(f"malformed challenge {brief(challenge)}")
+        remote_id = claimed
+    elif claimed != remote_id:
+        raise fail(S.LLM_LINK_FAILED, f"expected cluster {remote_id}, found cluster {brief(claimed)}")
     server_nonce, wants_auth = challenge.get("nonce"), challenge.get("auth")
     if not auth.is_nonce(server_nonce) or not isinstance(wants_auth, bool):
         raise ProtocolError(f"malformed challenge {brief(challenge)}")
@@ -215,6 +225,8 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
         message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
     if self_key is not None:
         message["self_proof"] = auth.self_proof(self_key, nonce, server_nonce)
+    if on_peer is not None:
+        on_peer(remote_id)
     if not send_frame(fd, wire.OP_AUTH, message, deadline):
         raise fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
     status, reply = receive_frame(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
@@ -236,22 +248,33 @@ class LinkAgreement:
     role: str
     planes: List[str]
     unix_name: Optional[str]
+    #: the cluster that granted it (the one asked for, or the one the handshake found there)
+    cluster_id: Optional[int] = None
 
 
-def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: int, role: str,
+def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int], role: str,
                  planes: Sequence[str], remote_accessible: bool, local_sockets: bool, deadline: float,
                  comm: Optional[Tuple[str, str]] = None, self_key: Optional[bytes] = None,
-                 rank: Optional[int] = None) -> LinkAgreement:
+                 rank: Optional[int] = None, on_peer: Optional[Callable[[int], None]] = None) -> LinkAgreement:
     """Ask the cluster ``remote_id`` at the other end of ``sock`` for a link (``planes``: those
     this side offers; ``local_sockets``: one of them wants Unix sockets on this host;
     ``self_key``: a link to this cluster's own listener, proven with this process's key;
-    ``comm``: the two-sided link (name, digest) it is for, in which this side has ``rank``)."""
+    ``comm``: the two-sided link (name, digest) it is for, in which this side has ``rank``).
+    ``remote_id`` None: whichever cluster listens there (``client_handshake``, which also says
+    what ``on_peer`` is); the agreement names it."""
     request = dict(purpose="link", role=role, planes=list(planes), host=host_identity(),
                    remote_cache_accessible=remote_accessible,
                    connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
     if comm is not None:
         request["comm"], request["rank"] = list(comm), rank
-    reply = client_handshake(sock, cluster_id, secret, remote_id, request, deadline, self_key)
+    found: List[int] = []
+
+    def peer_is(peer_id: int) -> None:
+        found.append(peer_id)
+        if on_peer is not None:
+            on_peer(peer_id)
+
+    reply = client_handshake(sock, cluster_id, secret, remote_id, request, deadline, self_key, peer_is)
     token, unix_name = reply.get("token"), reply.get("unix")
     offered, their_role = reply.get("planes"), reply.get("role")
     if not isinstance(token, str) or not isinstance(their_role, str) or not (
@@ -259,7 +282,7 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
         raise ProtocolError(f"link reply lacks token, role or planes: {brief(reply)}")
     host = reply.get("host") if isinstance(reply.get("host"), dict) else {}
     local = isinstance(unix_name, str) and local_sockets and same_host(host_identity(), host)
-    return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None)
+    return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0])
 
 
 @dataclass

@@ -239,6 +239,64 @@ class LinkManager:
             close_socket(sock)
         return status
 
+    def link_address(self, ip: str, port: int, timeout_ms: int) -> Tuple[LLMStatusCode, Optional[int]]:
+        """Link to whichever cluster listens on ``ip:port``: ``(status, its cluster id)``, the id
+        None when no handshake got that far; never raises. The id is the one the peer's challenge
+        names (with a link secret, proven by it like a given one: ``handshake.client_handshake``)
+        and the link is made to that id, as ``link`` would. A cluster already linked answers
+        ``LLM_ALREADY_LINK`` (this side's link) or ``LLM_SUCCESS`` (the peer's, which serves both);
+        this cluster's own listener is refused (``LLM_LINK_FAILED``)."""
+        deadline = dl.after(timeout_ms)
+        mine = self.engine.cluster_id
+        found: List[int] = []
+        reserved: List[int] = []
+
+        def reserve(peer_id: int) -> None:  # as ``link`` does before it connects
+            found.append(peer_id)
+            if peer_id == mine:
+                raise fail(S.LLM_LINK_FAILED, "that address is this cluster's own listener")
+            with self._lock:
+                old = self._peers.get(peer_id)
+                if peer_id in self._linking:
+                    raise _Known(S.LLM_ALREADY_LINK)
+                if old is not None and not old.hung_up():
+                    raise _Known(S.LLM_ALREADY_LINK if old.is_client else S.LLM_SUCCESS if old.ready else None)
+                if old is not None:
+                    self._forget(old, "its connections were closed")
+                self._linking.add(peer_id)
+                self._unlinked_by_peer.discard(peer_id)
+                reserved.append(peer_id)
+            if old is not None:
+                old.close()
+
+        sockets: List[socket.socket] = []
+        try:
+            first = handshake.connect_tcp(ip, port, deadline)
+            sockets.append(first)
+            agreement = handshake.request_link(first, mine, self.secret, None, self.engine.role,
+                                               self._offered_planes(), self.remote_accessible,
+                                               self._wants_local_sockets(), deadline, on_peer=reserve)
+            status = self._finish_link(agreement.cluster_id, ip, port, deadline, sockets, first, agreement)
+        except _Known as known:
+            status = known.status if known.status is not None else self._await_mutual(found[0], deadline)
+        except MutualLink:
+            status = self._await_mutual(found[0], deadline)
+        except LLMException as exc:
+            if isinstance(exc, handshake.AuthRefused):
+                self._count("auth_failures")
+            logger.error("link %d -> %s:%d failed: %s", mine, ip, port, exc)
+            status = exc.status_code
+        except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
+            logger.error("link %d -> %s:%d failed: %s: %s", mine, ip, port, type(exc).__name__, exc)
+            status = S.LLM_LINK_FAILED
+        finally:
+            with self._lock:
+                for peer_id in reserved:
+                    self._linking.discard(peer_id)
+        for sock in sockets:
+            close_socket(sock)
+        return status, (found[0] if found else None)
+
     def _await_mutual(self, remote_cluster_id: int, deadline: float) -> LLMStatusCode:
         """The peer is linking to this cluster at the same time and its link is the one kept:
         wait for it to arrive."""
@@ -1017,6 +1075,13 @@ class LinkManager:
                                            self._offered_planes(), self.remote_accessible,
                                            self._wants_local_sockets(), deadline, comm,
                                            self._self_key if remote_cluster_id == mine else None, rank)
+        return self._finish_link(remote_cluster_id, ip, port, deadline, sockets, first, agreement, comm)
+
+    def _finish_link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
+                     sockets: List[socket.socket], first: socket.socket, agreement: handshake.LinkAgreement,
+                     comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
+        """The rest of ``_link`` once the link request on ``first`` was granted."""
+        mine = self.engine.cluster_id
         made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
                                           sockets)
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
@@ -1065,6 +1130,15 @@ class LinkManager:
         self._threads.join()
         for plane in self.planes.all:
             plane.shutdown()
+
+
+class _Known(Exception):
+    """``link_address`` found the cluster already linked (``status``; None: the peer's own link
+    to this cluster is being made, to be waited for)."""
+
+    def __init__(self, status: Optional[LLMStatusCode]) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:

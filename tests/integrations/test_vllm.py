@@ -610,7 +610,7 @@ def test_a_decode_engine_of_other_weights_refuses_the_kv(engines):
     work = decode.log.parent
     write_model(work / "model-other", seed=1)
     other = Engine(work / "model-other", "consumer", work / "decode-other.log", {"link_secret": LINK_SECRET},
-                   engine_args={"kv_load_failure_policy": "recompute"})
+                   engine_args={"kv_transfer": {"kv_load_failure_policy": "recompute"}})
     try:
         other.wait_ready()
         own = other.generate(OTHER_WEIGHTS, MAX_TOKENS)  # computed here, from its own weights

@@ -209,7 +209,7 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     import llm_datadist as ld
-    from llm_datadist.integrations.vllm import LLMDataDistConnector
+    from llm_datadist.integrations.vllm import LLMDataDistConnector, LLMDataDistConnectorMetadata
     from llm_datadist.integrations.vllm.meta import Recv
     from llm_datadist.integrations.vllm.options import Options
     from llm_datadist.integrations.vllm.worker import Worker
@@ -231,8 +231,9 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
             me = (worker.cluster_id, worker.handshake().host, worker.handshake().port)
             got = peer.call(peer_pull, *me, [4, 1], [0, 5])
             assert all(np.array_equal(g, m[[4, 1]]) for g, m in zip(got, mine))
-            worker.start(SimpleNamespace(reqs_to_send={"held": 60.0}, blocks_to_send={}, reqs_to_recv={},
-                                         stopping=False))
+            meta = LLMDataDistConnectorMetadata()
+            meta.reqs_to_send = {"held": 60.0}
+            worker.start(meta)
             assert worker.results().finished_sending == set()
             generation = worker.dd.engine.generation_word.value
             stale = worker.cache  # what a pull that began before the sleep holds
@@ -252,8 +253,8 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
             assert worker.take_load_errors() == {1, 2}
             before = [m[0].copy() for m in mine]
             with pytest.raises(ld.LLMException) as refused:  # a pull that began before: refused, nothing written
-                worker._on_link(Recv([], [], host, port, 61, "x"), lambda: worker.cm.pull_blocks(
-                    ld.BlocksCacheKey(61, 0), stale, [1], [0]))
+                worker.peers.on_link(Recv([], [], host, port, 61, "x"), lambda cluster_id: worker.cm.pull_blocks(
+                    ld.BlocksCacheKey(cluster_id, 0), stale, [1], [0]))
             assert refused.value.status_code == ld.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
             assert all(np.array_equal(m[0], b) for m, b in zip(mine, before))
 

@@ -35,8 +35,8 @@ LEASE_S = 60.0
 CONSUMER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True))
 
 #: The kv_transfer_params fields vLLM's NIXL connector hands out (``nixl/pull_scheduler.py``,
-#: ``request_finished``), plus the one ours needs besides: what a router that forwards only known
-#: fields passes on.
+#: ``request_finished``): what a router that forwards only known fields passes on (not our
+#: ``remote_cluster_id``: the decode side learns it when it links).
 NIXL_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
                "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
                "remote_blocks_expiry_time", "transfer_mode")
@@ -144,7 +144,7 @@ def test_a_release_reply_naming_another_request_is_not_trusted():
     worker = _Worker(CONSUMER, "decode", _Options.parse({}), None)
     try:
         replies = []
-        worker._link = lambda spec: (1, False)  # a link in place
+        worker.peers.on_link = lambda spec, action: action(spec.cluster_id)  # a link in place
         worker.cm = SimpleNamespace(pull_blocks=lambda *args: None)  # the pull itself succeeds
         worker._links_api = SimpleNamespace(notify=lambda cluster, message, timeout: replies.pop(0))
 
@@ -246,17 +246,18 @@ def test_lease_tokens_false_accepts_token_less_releases():
 
 
 def test_the_token_reaches_the_decode_side_through_a_router_of_nixl_fields():
-    """A router that forwards only NIXL's fields (and the cluster id ours needs) passes the token
-    on: it rides in ``remote_request_id``; the decode side releases with it as given."""
+    """A router that forwards only NIXL's fields passes the token on: it rides in
+    ``remote_request_id``; the decode side releases with it as given (and links by address)."""
     from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
         params = finished_prefill(scheduler, "cmpl-7f3a.0-2b9c")  # vLLM's ids have dots and dashes
         lease(worker, *scheduler.build_connector_meta().reqs_to_send)
-        routed = {k: v for k, v in params.items() if k in NIXL_FIELDS + ("remote_cluster_id",)}
+        routed = {k: v for k, v in params.items() if k in NIXL_FIELDS}
         spec = _recv_spec(routed)
         assert spec is not None and spec.remote_request_id == params["remote_request_id"]
+        assert spec.cluster_id is None and (spec.host, spec.port) == (params["remote_host"], params["remote_port"])
         assert release(worker, spec.remote_request_id)["released"] is True
         assert worker.results().finished_sending == {"cmpl-7f3a.0-2b9c"}
 
@@ -276,6 +277,19 @@ def toy_proxy_path():
     for found in sorted(root.parent.glob("**/nixl_integration/toy_proxy_server.py")):
         return found
     return None
+
+
+def require_toy_proxy() -> Path:
+    """vLLM's proxy, or the test skips (fails where ``LLM_DATADIST_REQUIRE_VLLM=1``, as in CI)."""
+    proxy = toy_proxy_path()
+    if proxy is not None and proxy.is_file():
+        return proxy
+    if os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1":
+        pytest.fail("LLM_DATADIST_REQUIRE_VLLM=1 but vLLM's toy_proxy_server.py is not here: "
+                    "python tools/fetch_vllm_proxy.py --out DIR, then LLM_DATADIST_TOY_PROXY=DIR/toy_proxy_server.py")
+    pytest.skip("vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py is not on this machine "
+                "(the vllm package does not ship its tests); tools/fetch_vllm_proxy.py fetches it, then set "
+                "LLM_DATADIST_TOY_PROXY to it")
 
 
 class _FakeServer(http.server.BaseHTTPRequestHandler):
@@ -312,14 +326,7 @@ def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
     server whose request our decode side reads: the release it sends frees the lease."""
     from llm_datadist.integrations.vllm.meta import recv_spec as _recv_spec
 
-    proxy = toy_proxy_path()
-    if (proxy is None or not proxy.is_file()) and os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1":
-        pytest.fail("LLM_DATADIST_REQUIRE_VLLM=1 but vLLM's toy_proxy_server.py is not here: "
-                    "python tools/fetch_vllm_proxy.py --out DIR, then LLM_DATADIST_TOY_PROXY=DIR/toy_proxy_server.py")
-    if proxy is None or not proxy.is_file():
-        pytest.skip("vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py is not on this machine "
-                    "(the vllm package does not ship its tests); tools/fetch_vllm_proxy.py fetches it, then set "
-                    "LLM_DATADIST_TOY_PROXY to it")
+    proxy = require_toy_proxy()
     with prefill_worker() as worker:
         scheduler = prefill_scheduler(worker)
         decoded = []

@@ -3,9 +3,10 @@
     python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]]
 
 ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector); ENGINE_ARGS
-are more keyword arguments of ``LLM`` (``shutdown_timeout``...), and ``kv_load_failure_policy`` of the
-``KVTransferConfig``. Requests:
-``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "params": [kv_transfer_params or null]}``
+are more keyword arguments of ``LLM`` (``shutdown_timeout``, ``max_num_seqs``...; ``kv_transfer``:
+more fields of ``KVTransferConfig``, such as ``kv_load_failure_policy``). Requests:
+``{"op": "generate", "prompts": [[ids]], "max_tokens": n (or one per prompt), "params": [kv_transfer_params
+or null]}``
 -> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}``;
 ``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "metrics"}`` -> the
 connector's Prometheus series (counter values, histogram counts); ``{"op": "stats"}`` -> the
@@ -45,14 +46,15 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(engine_args)
-    policy = kwargs.pop("kv_load_failure_policy", "fail")
+    transfer = kwargs.pop("kv_transfer", {})
+    kwargs.setdefault("max_num_seqs", 8)
     if role != "plain":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
             kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra,
-            kv_load_failure_policy=policy)
+            **transfer)
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024,
-              enforce_eager=True, max_num_seqs=8, seed=0, disable_log_stats=False, **kwargs)
+              enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
 
     def reply(obj) -> None:
         out.write(json.dumps(obj) + "\n")
@@ -96,9 +98,11 @@ def main() -> int:
             continue
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
         params = request.get("params") or [None] * len(prompts)
-        sampling = [SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, detokenize=False,
+        limits = request["max_tokens"]
+        limits = limits if isinstance(limits, list) else [limits] * len(prompts)
+        sampling = [SamplingParams(max_tokens=n, temperature=0.0, detokenize=False,
                                    extra_args={"kv_transfer_params": p} if p is not None else None)
-                    for p in params]
+                    for p, n in zip(params, limits)]
         results = llm.generate(prompts, sampling, use_tqdm=False)
         reply({"outputs": [{"token_ids": list(r.outputs[0].token_ids),
                             "kv_transfer_params": r.kv_transfer_params,

@@ -215,6 +215,12 @@ def py_link(state, targets: Sequence[tuple], timeout_ms: int = 3000):
     return int(status), [int(r) for r in rets]
 
 
+def link_address(state, ip: str, port: int, timeout_ms: int = 3000):
+    """The engine seam's ``link_address``: (status as an int, the cluster id it found)."""
+    status, found = state.dd.engine.link_address(ip, port, timeout_ms)
+    return int(status), found
+
+
 def py_unlink(state, targets: Sequence[tuple], timeout_ms: int = 3000, force: bool = False):
     status, rets = state.dd.unlink_clusters([cluster_info(*t) for t in targets], timeout_ms, force)
     return int(status), [int(r) for r in rets]

@@ -84,7 +84,47 @@ def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret)
     assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
     assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3)
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
-    assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None)
+    assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None, SERVER)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_client_that_names_no_cluster_learns_the_one_the_handshake_proves(pair, secret):
+    """A link to an address only (a router that forwards no cluster id): the agreement names the
+    cluster whose challenge (and, with a secret, proof) the client accepted; ``on_peer`` hears of
+    it before the link request is sent, and may stop there."""
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, secret))
+    heard = []
+    agreement = handshake.request_link(client_end, CLIENT, secret, None, "DECODER", ("tcp",), True, False, soon(),
+                                       on_peer=heard.append)
+    assert served()[0].purpose == "link"
+    assert agreement.cluster_id == SERVER and heard == [SERVER]
+
+
+def test_a_client_that_names_no_cluster_may_stop_before_its_request(pair):
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, SECRET))
+
+    def stop(peer_id: int) -> None:
+        raise LLMException(f"not {peer_id}", status_code=LLMStatusCode.LLM_ALREADY_LINK)
+
+    with pytest.raises(LLMException, match="not 5"):
+        handshake.request_link(client_end, CLIENT, SECRET, None, "DECODER", ("tcp",), True, False, soon(),
+                               on_peer=stop)
+    client_end.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(LLMException, match="no authentication"):  # the server heard nothing more
+        served()
+
+
+def test_a_learnt_cluster_is_still_bound_by_the_secret(pair):
+    """Whoever answers must still prove the secret for the id it claims."""
+    server_end, client_end = pair
+    served = in_thread(lambda: grant(server_end, OTHER_SECRET))
+    with pytest.raises(handshake.AuthRefused):
+        handshake.request_link(client_end, CLIENT, SECRET, None, "DECODER", ("tcp",), True, False, soon())
+    client_end.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(LLMException):
+        served()
 
 
 def test_a_same_host_peer_names_its_unix_socket_when_a_plane_wants_one(pair):

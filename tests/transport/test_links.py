@@ -185,6 +185,27 @@ def test_link_to_the_wrong_cluster_id_leaves_no_link(clusters, api):
     assert role_status(server, api, "PROMPT", server.listen_ip_info) == 0, "the server kept a failed link"
 
 
+def test_a_link_to_an_address_learns_the_cluster_there(clusters):
+    """A client that knows only an address (a router that forwards no cluster id) links to the
+    cluster the handshake finds there, under that id: transfers and an unlink by it work, a second
+    call answers ALREADY_LINK with the same id; a closed port or a silent listener fails within
+    the timeout without an id; this cluster's own listener is refused."""
+    server, client = start_pair(clusters, "python", server_id=7)
+    assert client.call(ops.link_address, *server.address) == (S.LLM_SUCCESS, 7)
+    assert transfer_status(client, 7, "python", peer=server) == 0
+    assert client.call(ops.link_address, *server.address) == (S.LLM_ALREADY_LINK, 7)
+    assert transfer_status(client, 7, "python", peer=server) == 0
+    assert unlink_from(client, [target(server)], "python") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    assert client.call(ops.link_address, *server.address) == (S.LLM_SUCCESS, 7)  # linked again
+    assert client.call(ops.link_address, "127.0.0.1", free_port(), 1000) == (S.LLM_LINK_FAILED, None)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        (status, found), seconds = client.call(ops.timed, ops.link_address, *silent.getsockname(), 1000)
+    assert (status, found) == (S.LLM_LINK_FAILED, None) and seconds < 2.0
+    assert server.call(ops.link_address, *server.address) == (S.LLM_LINK_FAILED, 7)
+
+
 @pytest.mark.parametrize("api", API)
 def test_link_to_the_wrong_own_cluster_id_fails(clusters, api):
     """Naming this cluster's own id as the remote id of another cluster's address: the server

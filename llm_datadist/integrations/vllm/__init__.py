@@ -14,13 +14,17 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
 2. When it finishes, the prefill engine keeps the request's blocks and returns
    ``kv_transfer_params`` naming them: ``do_remote_prefill``, ``remote_block_ids``,
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
-   listener), plus ``remote_cluster_id``, ``tp_size`` and ``remote_ranks`` (each tensor parallel
+   listener), plus ``remote_cluster_id`` (optional for the decode side: without it, the cluster the
+   link's handshake finds at that address), ``tp_size`` and ``remote_ranks`` (each tensor parallel
    rank's ``host``, ``port``, ``cluster_id`` and release ``request_id``).
-3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. The decode
-   scheduler allocates blocks and reports the prompt as loaded asynchronously; its worker links
-   to the prefill worker (once per peer, then reused), pulls the blocks with ``pull_blocks`` in a
-   background thread, and tells the prefill worker it is done with a notification over the same
-   link (authenticated like it: there is no second server).
+3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. While it
+   waits in the queue, the decode worker renews its lease (batched ``renew`` notifications, see
+   ``peers``). Then the decode scheduler allocates blocks and reports the prompt as loaded
+   asynchronously; its worker links to the prefill worker (once per peer, then reused; unlinked
+   after ``link_idle_s`` idle), pulls the blocks with ``pull_blocks`` on that peer's threads, and
+   tells the prefill worker it is done with a notification over the same link (authenticated like
+   it: there is no second server). A peer that cannot be linked is not tried again for
+   ``link_timeout_ms``: its requests fail at once meanwhile.
 4. The prefill worker then reports the request in ``finished_sending`` and vLLM frees the blocks;
    a decode side that never comes gets them freed after ``kv_lease_s``, and one that comes too late
    is refused (what it pulled is then reported as not loaded).
@@ -60,8 +64,11 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
     ``llm.DataPlane``: ``auto`` or a registered data plane (``cma``: same host, ``tcp``, ...).
 ``sync_kv_timeout_ms`` (``30000``), ``link_timeout_ms`` (``10000``)
     Transfer and link deadlines.
-``kv_lease_s`` (``120``)
-    How long a prefill engine keeps a finished request's blocks for its decode side.
+``kv_lease_s`` (``30``)
+    How long a prefill engine keeps a finished request's blocks for its decode side; a decode side
+    renews the leases of requests waiting in its queue about every third of it.
+``link_idle_s`` (``300``)
+    A decode worker unlinks a prefill worker after this long without pulls or waiting requests.
 ``link_secret`` (the environment variable ``LLM_DATADIST_LINK_SECRET``)
     Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
     engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at

@@ -68,6 +68,9 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return layout.REQUIRED_LAYOUT
 
     # -- scheduler side ---------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -160,7 +163,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         ``over_budget``: no room in ``release_records_bytes``), leases that ran out (``expired``) or were
         cut short because the engine began to shut down (``freed_at_shutdown``), release records
         dropped early to stay within the budget (``records_dropped``); and ``release_record_bytes``,
-        what the release records count now."""
+        what the release records count now. Renewals of the leases of requests waiting in the queue:
+        on the decode side ``renewed``, ``renew_refused`` (the prefill side said no: bad token,
+        freed...), ``renew_failed`` (not delivered; tried again), and ``links_evicted`` (idle links
+        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``."""
         if self._worker is None:
             return {}
         return dict(self._worker.stats, release_record_bytes=self._worker.leases.record_bytes)

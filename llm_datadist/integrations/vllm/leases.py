@@ -1,11 +1,13 @@
 """Lease tokens and the prefill side's lease book.
 
 A prefill engine hands a finished request's blocks to one decode side: ``remote_request_id`` is
-``"<request id>.<lease token>"`` and only a release naming it so frees the blocks. The book keeps
-the leases, the releases that came before their lease and the requests already freed, within a
-byte budget, and ages the records out. It is also the engine's read guard: a pull over a
-server-mediated plane (``tcp``, ``staging``) tagged with ``remote_request_id`` reads only the
-blocks leased for that request, while the lease lasts (``read_guard``)."""
+``"<request id>.<lease token>"`` and only a release naming it so frees the blocks, and only a
+renewal naming it so extends the lease (a decode side whose request waits in its queue renews it
+every third of a lease). The book keeps the leases, the releases that came before their lease
+and the requests already freed, within a byte budget, and ages the records out; a renewal keeps
+no record. It is also the engine's read guard: a pull over a server-mediated plane (``tcp``,
+``staging``) tagged with ``remote_request_id`` reads only the blocks leased for that request,
+while the lease lasts (``read_guard``)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ _RECORD_SLACK_S = 30.0
 #: How long a pull with a valid token waits for its lease to reach this worker: the scheduler
 #: hands it over in the step after the request finished, which a quick decode side may beat.
 LEASE_WAIT_S = 2.0
+
+#: Most request ids one renewal may name (its bytes are bounded by the links' message budget).
+MAX_RENEW_IDS = 4096
 
 
 def utf8_len(text: str) -> int:
@@ -116,7 +121,8 @@ class LeaseBook:
         self.finished: Set[str] = set()
         self.stopping = False
         self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
-                      "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0}
+                      "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0,
+                      "lease_renewed": 0, "renewal_refused": 0}
         self._lock = threading.Lock()
         #: what a guarded read may touch (``read_guard``): request id -> its leased block ids,
         #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
@@ -198,7 +204,68 @@ class LeaseBook:
         self._forget(req_id, "the engine is shutting down")
         self.stats["freed_at_shutdown"] += 1
 
-    # -- releases from decode sides (on the link's thread: quick) -----------------------------------
+    # -- releases and renewals from decode sides (on the link's thread: quick) ----------------------
+    def on_message(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """The notification handler: a renewal (``on_renew``) or a release (``on_release``, which
+        also answers anything else)."""
+        if isinstance(message, dict) and message.get("op") == "renew":
+            return self.on_renew(peer_cluster_id, message)
+        return self.on_release(peer_cluster_id, message)
+
+    def on_renew(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A linked decode worker's ``{"op": "renew", "request_ids": [remote_request_id, ...]}``
+        (requests waiting in its queue) -> ``{"renewed": n, "refused": [[index, why], ...],
+        "lease_s": kv_lease_s}``. A held lease runs ``kv_lease_s`` from now; one on its way (its
+        prefill's step has not handed it over yet) needs nothing, as it starts whole. With lease
+        tokens, only ids carrying this engine's token for their request are renewed; nothing is
+        recorded, so renewals cost nothing against ``release_records_bytes``."""
+        ids = message.get("request_ids")
+        if not isinstance(ids, list) or len(ids) > MAX_RENEW_IDS:
+            logger.warning("llm_datadist: cluster %d sent a malformed lease renewal; ignored", peer_cluster_id)
+            return {"renewed": 0, "refused": [], "lease_s": self.options.kv_lease_s,
+                    "error": "request_ids must be a list of at most %d ids" % MAX_RENEW_IDS}
+        refused = []
+        checked: Dict[int, Tuple[str, Optional[int]]] = {}
+        for index, remote_id in enumerate(ids):
+            if not isinstance(remote_id, str) or len(remote_id) > MAX_RELEASE_ID_BYTES or \
+                    utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
+                refused.append([index, "too_long"])
+                continue
+            if self.options.lease_tokens:
+                lease = check_lease(self.key, remote_id)
+                if lease is None:
+                    refused.append([index, "bad_token"])
+                    continue
+                checked[index] = lease
+            else:
+                checked[index] = (remote_id, None)
+        now = time.monotonic()
+        with self._lock:
+            for index, (req_id, issued) in checked.items():
+                why = self._renew(req_id, issued, now)
+                if why:
+                    refused.append([index, why])
+            self.stats["lease_renewed"] += len(ids) - len(refused)
+            self.stats["renewal_refused"] += len(refused)
+        if refused:
+            logger.info("llm_datadist: cluster %d: %d of %d lease renewal(s) refused (the first: %s)",
+                        peer_cluster_id, len(refused), len(ids), refused[0][1])
+        return {"renewed": len(ids) - len(refused), "refused": refused, "lease_s": self.options.kv_lease_s}
+
+    def _renew(self, req_id: str, issued: Optional[int], now: float) -> str:
+        """Renew one lease (lock held): "" if it is held (now ``kv_lease_s`` longer) or on its way,
+        else why not."""
+        if req_id in self.held:
+            self.held[req_id] = max(self.held[req_id], now + self.options.kv_lease_s)
+            return ""
+        if req_id in self.gone:
+            return "freed"
+        if req_id in self.released:
+            return "released"
+        if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+            return "ended"
+        return ""
+
     def on_release(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
         """A linked decode worker's ``{"op": "release", "request_id": remote_request_id}`` ->
         ``{"request_id": remote_request_id, "released": bool, "why": str}``. With lease tokens (the

@@ -11,8 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 
-#: Fields a decode request's ``kv_transfer_params`` must carry to be pulled.
-REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_cluster_id", "remote_request_id")
+#: Fields a decode request's ``kv_transfer_params`` must carry to be pulled (all of them NIXL's:
+#: ``remote_cluster_id``, which our prefill engines add, is optional; without it the decode side
+#: links to whichever cluster the handshake finds at ``remote_host:remote_port``).
+REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 
 #: The largest tensor parallel size ``kv_transfer_params`` may name (they come from outside).
 MAX_TP_SIZE = 256
@@ -25,7 +27,7 @@ class Peer:
 
     host: str
     port: int
-    cluster_id: int
+    cluster_id: Optional[int]  # None: the one found at host:port
     remote_request_id: str
 
 
@@ -40,7 +42,7 @@ class Recv:
     remote_block_ids: List[int]
     host: str
     port: int
-    cluster_id: int
+    cluster_id: Optional[int]  # None: the one found at host:port
     remote_request_id: str
     awaiting: bool = False
     #: the prefill engine's block size, if its params say (this connector's do)
@@ -82,11 +84,14 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: pulls to start, blocks to keep for a decode side, and
-    whether the engine has begun to shut down (then held blocks are freed)."""
+    """Scheduler -> worker, once a step: pulls to start, requests that arrived to wait in the
+    queue for their pull (whose prefill leases the worker renews until their pull starts or they
+    end: both come as ``reqs_to_recv``), blocks to keep for a decode side, and whether the engine
+    has begun to shut down (then held blocks are freed)."""
 
     def __init__(self) -> None:
         self.reqs_to_recv: Dict[str, Recv] = {}
+        self.reqs_parked: Dict[str, Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
         self.blocks_to_send: Dict[str, List[int]] = {}  # request id -> those blocks (the read guard's)
         self.stopping = False
@@ -106,7 +111,7 @@ def recv_spec(params: Any) -> Optional[Recv]:
             blocks = blocks[0]
         if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
             return None
-        first = _peer(params["remote_host"], params["remote_port"], params["remote_cluster_id"],
+        first = _peer(params["remote_host"], params["remote_port"], params.get("remote_cluster_id"),
                       params["remote_request_id"])
         if first is None:
             return None
@@ -141,10 +146,10 @@ def _peer(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[Pee
         return None
     if isinstance(port, bool) or isinstance(cluster_id, bool):
         return None
-    try:
-        port, cluster_id = int(port), int(cluster_id)
+    try:  # no cluster id (a router that forwards only NIXL's fields): the one found at host:port
+        port, cluster_id = int(port), None if cluster_id is None else int(cluster_id)
     except (TypeError, ValueError, OverflowError):
         return None
-    if not 0 < port < 65536 or not 0 <= cluster_id < 1 << 64:
+    if not 0 < port < 65536 or cluster_id is not None and not 0 <= cluster_id < 1 << 64:
         return None
     return Peer(host, port, cluster_id, remote_id)

@@ -26,11 +26,12 @@ class Options:
     data_plane: str = "auto"
     sync_kv_timeout_ms: int = 30000
     link_timeout_ms: int = 10000
-    kv_lease_s: float = 120.0
+    kv_lease_s: float = 30.0
     link_secret: Optional[str] = field(default=None, repr=False)
     lease_tokens: bool = True
     release_records_bytes: int = 16 << 20
     model_id: Optional[str] = None
+    link_idle_s: float = 300.0
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
@@ -52,6 +53,10 @@ class Options:
                              f"got {opts.release_records_bytes!r}")
         if opts.model_id is not None and (not isinstance(opts.model_id, str) or not opts.model_id):
             raise ValueError(f"LLMDataDistConnector: model_id must be a non-empty string, got {opts.model_id!r}")
+        for name in ("kv_lease_s", "link_idle_s"):
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"LLMDataDistConnector: {name} must be a number of seconds > 0, got {value!r}")
         if opts.link_secret is None:
             opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:

@@ -82,6 +82,7 @@ class Scheduler:
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None  # rank 0
         self.workers: List[LLMDataDistHandshakeMetadata] = []  # by tensor parallel rank
         self._recv: Dict[str, Recv] = {}
+        self._parked: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
         self._send_blocks: Dict[str, List[int]] = {}
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
@@ -109,6 +110,18 @@ class Scheduler:
             return
         self.workers = [by_rank[rank] for rank in range(self.tp_size)]
         self.worker = self.workers[0]
+
+    def on_new_request(self, request) -> None:
+        """A request that will load its prompt from a prefill engine waits in vLLM's queue until
+        a slot is free, and vLLM asks this connector about it only then (it skips the connector
+        while ``max_num_seqs`` requests run): its prefill lease is renewed from now on, until its
+        pull starts or it ends (``update_state_after_alloc``, ``request_finished`` or a refusal in
+        ``get_num_new_matched_tokens``, each of which hands it to ``reqs_to_recv``)."""
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            spec = recv_spec(params)
+            if spec is not None:
+                self._parked[request.request_id] = spec
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
@@ -162,6 +175,8 @@ class Scheduler:
     def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
+        meta.reqs_parked = {r: spec for r, spec in self._parked.items() if r not in meta.reqs_to_recv}
+        self._parked = {}
         meta.reqs_to_send, self._send = self._send, {}
         meta.blocks_to_send, self._send_blocks = self._send_blocks, {}
         meta.stopping = self._signals.stopping

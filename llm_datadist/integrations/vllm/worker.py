@@ -1,17 +1,16 @@
 """The connector's worker half: registers the KV caches, pulls a decode request's blocks from
-its prefill engine and tells that engine it may free them (decode side), and holds finished
-requests' blocks for their decode sides (prefill side, ``leases.LeaseBook``)."""
+its prefill engine and tells that engine it may free them, and renews the leases of requests
+still in vLLM's queue (decode side, over ``peers.Peers``), and holds finished requests' blocks
+for their decode sides (prefill side, ``leases.LeaseBook``)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -21,15 +20,12 @@ from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
 from llm_datadist.integrations.vllm.options import Options
+from llm_datadist.integrations.vllm.peers import LINK_BROKEN, Peers, Unreachable
 
 logger = logging.getLogger(__package__)
 
 #: Prefill requests a decode worker has already settled, remembered to skip a twin's release.
 _SETTLED_REMEMBERED = 1 << 16
-
-
-#: Statuses of a transfer or notification that mean the link itself is gone.
-_LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LINK, ld.LLMStatusCode.LLM_TIMEOUT)
 
 
 def parallel_ranks(vllm_config) -> Tuple[int, int, int]:
@@ -42,10 +38,6 @@ def parallel_ranks(vllm_config) -> Tuple[int, int, int]:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         tp_rank = get_tensor_model_parallel_rank()
     return tp_rank, tp_size, dp_rank
-
-
-class _Unreachable(Exception):
-    """No working link to a prefill worker could be had."""
 
 
 class Worker:
@@ -86,18 +78,15 @@ class Worker:
         self.cache: Optional[ld.Cache] = None
         self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
-        self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0}
+        self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
+                       "renewed": 0, "renew_refused": 0, "renew_failed": 0, "links_evicted": 0}
         self._lock = threading.Lock()
         self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self._block_bytes = 0
-        self._incompatible: Dict[Tuple[int, str, int], Optional[str]] = {}  # link -> why its KV is refused
         # decode side
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm_datadist-vllm-pull")
-        self._links: Dict[Tuple[int, str, int], threading.Lock] = {}
-        self._linked: Dict[Tuple[int, str, int], int] = {}  # -> generation of the link
-        self._generation = 0
-        self._notify_timeout_ms = min(options.link_timeout_ms, 5000)
+        self.peers = Peers(self.dd, options, self._count, hello=self._hello,
+                           link_failed=lambda: self.recorder.count("link_failures"))
         self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
@@ -106,6 +95,10 @@ class Worker:
         self.leases = LeaseBook(options)
         if self.producer:
             self._links_api.set_notify_handler(self._on_notify)
+
+    def _count(self, counter: str, n: int) -> None:
+        with self._lock:
+            self._stats[counter] += n
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -180,6 +173,10 @@ class Worker:
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
+        for req_id, spec in meta.reqs_parked.items():
+            self.peers.park(req_id, spec)
+        for req_id in meta.reqs_to_recv:
+            self.peers.unpark(req_id)
         pulls = []
         with self._lock:
             for req_id, spec in self._peer_specs(meta.reqs_to_recv):
@@ -199,7 +196,7 @@ class Worker:
                            "request(s) that no decode engine had taken yet (a decode engine that comes for them "
                            "is refused); requests that finish from now on hand out no KV", freed)
         for req_id, spec in pulls:
-            self._pool.submit(self._pull, req_id, spec)
+            self.peers.submit(spec, lambda r=req_id, sp=spec: self._pull(r, sp))
 
     def _peer_specs(self, reqs_to_recv: Dict[str, Recv]) -> List[Tuple[str, Recv]]:
         """``(request id, spec)`` for each prefill rank this rank pulls from or releases: with the same
@@ -259,7 +256,8 @@ class Worker:
 
     def _pull_and_release(self, req_id: str, spec: Recv) -> bool:
         local = spec.local_block_ids
-        where = f"the prefill engine at {spec.host}:{spec.port} (cluster {spec.cluster_id})"
+        where = f"the prefill engine at {spec.host}:{spec.port}" + \
+            (f" (cluster {spec.cluster_id})" if spec.cluster_id is not None else "")
         pull_error = None
         if local:
             # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
@@ -271,8 +269,8 @@ class Worker:
                     raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
-                self._on_link(spec, lambda: self._pull_blocks(spec, cache, remote, local))
-            except _Unreachable as exc:
+                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, cache, remote, local, cluster_id))
+            except Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
                 logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
@@ -305,83 +303,33 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _pull_blocks(self, spec: Recv, cache: ld.Cache, remote: list, local: list) -> None:
-        """Pull, timed for vLLM's metrics, tagged for the prefill engine's read guard
-        (``LeaseBook.read_guard``); ``compat.Incompatible`` (nothing pulled) if the request or the
-        link's peer was refused."""
-        why = spec.refused or self._incompatible.get((spec.cluster_id, spec.host, spec.port))
+    def _pull_blocks(self, spec: Recv, cache: ld.Cache, remote: list, local: list, cluster_id: int) -> None:
+        """Pull from ``cluster_id`` (the one linked at the spec's address), timed for vLLM's
+        metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
+        ``compat.Incompatible`` (nothing pulled) if the request or the link's peer was refused."""
+        why = spec.refused or self.peers.peer(spec).incompatible
         if why:
             raise compat.Incompatible(why)
         start = time.perf_counter()
         with self.dd.engine.read_tag(spec.remote_request_id):
-            self.cm.pull_blocks(ld.BlocksCacheKey(spec.cluster_id, 0), cache, remote, local)
+            self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, 0), cache, remote, local)
         self.recorder.pull(time.perf_counter() - start, len(local), len(local) * self._block_bytes)
 
-    def _on_link(self, spec: Recv, action: Callable[[], Any]) -> Any:
-        """``action()`` with a link to the spec's prefill worker in place; a link kept from earlier
-        that turns out broken (the peer restarted?) is made anew once. ``_Unreachable`` if no
-        working link can be had."""
-        for attempt in range(2):
-            try:
-                generation, fresh = self._link(spec)
-            except (ld.LLMException, OSError, ValueError) as exc:  # a host name that does not resolve...
-                self.recorder.count("link_failures")
-                raise _Unreachable(str(exc)) from None
-            try:
-                return action()
-            except ld.LLMException as exc:
-                if exc.status_code not in _LINK_BROKEN:
-                    raise
-                self._forget_link(spec, generation)
-                self.recorder.count("link_failures")
-                if fresh or attempt:
-                    raise _Unreachable(f"the link failed: {exc.status_code.name}") from None
-        raise AssertionError("unreachable")
-
-    def _link(self, spec: Recv) -> Tuple[int, bool]:
-        """``(generation of the link to use, whether it was made now)``; ``_Unreachable`` if the
-        prefill worker refuses or does not answer."""
-        key = (spec.cluster_id, spec.host, spec.port)
-        with self._lock:
-            gate = self._links.setdefault(key, threading.Lock())
-        with gate:
-            if key in self._linked:
-                return self._linked[key], False
-            address = socket.gethostbyname(spec.host)  # the library takes dotted IPv4 addresses
-            info = ld.LLMClusterInfo()
-            info.remote_cluster_id = spec.cluster_id
-            info.append_local_ip_info("127.0.0.1" if address.startswith("127.") else self.options.advertise_host, 0)
-            info.append_remote_ip_info(address, spec.port)
-            _, rets = self.dd.link_clusters([info], self.options.link_timeout_ms)
-            if rets[0] not in (ld.LLMStatusCode.LLM_SUCCESS, ld.LLMStatusCode.LLM_ALREADY_LINK):
-                raise _Unreachable(f"linking failed: {rets[0].name}")
-            self._incompatible[key] = self._hello(spec)
-            with self._lock:
-                self._generation += 1
-                self._linked[key] = self._generation
-                self._stats["links"] += 1
-                return self._generation, True
-
-    def _hello(self, spec: Recv) -> Optional[str]:
-        """Once per link: tell the prefill worker what this engine's KV is and compare with what
-        its answer says; why its KV is refused, or None. A peer that does not describe itself (an
-        older release) is not refused: that is said once per link."""
+    def _hello(self, cluster_id: int, where: str) -> Optional[str]:
+        """Once per link (``Peers`` calls it when a link is made): tell the prefill worker what this
+        engine's KV is and compare with what its answer says; why its KV is refused, or None. A
+        peer that does not describe itself (an older release) is not refused: that is said once per
+        link. Raises ``ld.LLMException`` if the link broke meanwhile."""
         try:
-            reply = self._links_api.notify(spec.cluster_id, {"op": "hello", "kv_compat": self.compat},
-                                           self._notify_timeout_ms)
+            reply = self._links_api.notify(cluster_id, {"op": "hello", "kv_compat": self.compat},
+                                           self.peers.notify_timeout_ms)
         except ld.LLMException as exc:
-            if exc.status_code not in _LINK_BROKEN:
-                reply = None  # it answers no notifications, or its handler failed: not checked (below)
-            else:
-                info = ld.LLMClusterInfo()
-                info.remote_cluster_id = spec.cluster_id
-                self.dd.unlink_clusters([info], 1000, force=True)
-                self.recorder.count("link_failures")
-                raise _Unreachable(f"the compatibility exchange failed: {exc.status_code.name}") from None
+            if exc.status_code in LINK_BROKEN:
+                raise
+            reply = None  # it answers no notifications, or its handler failed: not checked (below)
         if not isinstance(reply, dict) or "kv_compat" not in reply:
-            logger.warning("llm_datadist: the prefill engine at %s:%d (cluster %d) does not describe its KV (an "
-                           "older release?); its compatibility with this engine is not checked", spec.host,
-                           spec.port, spec.cluster_id)
+            logger.warning("llm_datadist: the prefill engine at %s (cluster %d) does not describe its KV (an older "
+                           "release?); its compatibility with this engine is not checked", where, cluster_id)
             return None
         why = compat.verdict(self.compat, reply["kv_compat"])
         if why is not None:  # (each request refused says why in its line)
@@ -389,7 +337,8 @@ class Worker:
         return why
 
     def _on_notify(self, peer_cluster_id: int, message: Any) -> Dict[str, Any]:
-        """A linked decode worker's notification (on the link's thread): its description, or a release."""
+        """A linked decode worker's notification (on the link's thread): its description, or a
+        lease's release or renewal."""
         if isinstance(message, dict) and message.get("op") == "hello":
             why = compat.verdict(self.compat, message.get("kv_compat"))
             if why is not None:
@@ -397,18 +346,7 @@ class Worker:
                 logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s",
                              peer_cluster_id, why)
             return {"kv_compat": self.compat, "compatible": why is None}
-        return self.leases.on_release(peer_cluster_id, message)
-
-    def _forget_link(self, spec: Recv, generation: int) -> None:
-        """Drop the link that failed — not one another thread has made since."""
-        key = (spec.cluster_id, spec.host, spec.port)
-        with self._links[key]:
-            if self._linked.get(key) != generation:
-                return
-            del self._linked[key]
-            info = ld.LLMClusterInfo()
-            info.remote_cluster_id = spec.cluster_id
-            self.dd.unlink_clusters([info], 1000, force=True)
+        return self.leases.on_message(peer_cluster_id, message)
 
     def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str]:
         """Tell the prefill worker, over the link, that the request's blocks may be freed.
@@ -416,9 +354,9 @@ class Worker:
         ``(None, why)`` if it could not be told."""
         message = {"op": "release", "request_id": spec.remote_request_id}
         try:
-            reply = self._on_link(spec, lambda: self._links_api.notify(spec.cluster_id, message,
-                                                                       self._notify_timeout_ms))
-        except (_Unreachable, ld.LLMException) as exc:
+            reply = self.peers.on_link(spec, lambda cluster_id: self._links_api.notify(
+                cluster_id, message, self.peers.notify_timeout_ms))
+        except (Unreachable, ld.LLMException) as exc:
             return None, str(exc)
         if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
             return None, "a malformed answer"
@@ -438,6 +376,6 @@ class Worker:
             # into a drain): they go with this engine.
             logger.warning("llm_datadist: shutting down with the KV blocks of %d finished requests still held "
                            "for decode engines; those find this engine gone", held)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.peers.close()
         self.dd.finalize()
 
