@@ -754,7 +754,7 @@ class LinkManager:
             return
         if not peer.ready:
             return
-        text = f"the link to cluster {peer.cluster_id} ended ({why})"
+        text = f"the link to cluster {peer.cluster_id} ended ({budgets.truncate_reason(why)})"  # a peer's words
         if join is not None and join.failed is None:
             join.failed = text
         for comm in self.comms.values():
