@@ -77,9 +77,21 @@ def fields(vllm_config: Any, model_id: Optional[str] = None) -> Dict[str, Any]:
     }
 
 
-def layout(desc: Any) -> str:
-    """The registered blocks cache as a string: tensors, per-block shape, element type."""
-    return f"{desc.num_tensors}x{list(desc.shape)[1:]}:{desc.data_type.name}"
+def layout(desc: Any, tp_size: int = 1) -> str:
+    """The registered blocks cache as a string: tensors, per-block shape, element type. With
+    ``tp_size`` (a rank's KV heads outermost in a block), the block of all ranks' heads together,
+    which engines of different TP sizes compare; 0: "" (no such layout)."""
+    if not tp_size:
+        return ""
+    shape = list(desc.shape)[1:]
+    if tp_size != 1 and shape:
+        shape[0] *= tp_size
+    return f"{desc.num_tensors}x{shape}:{desc.data_type.name}"
+
+
+#: Fields that describe one rank, compared only between engines of the same TP size (``tp_size``);
+#: between others, ``layout_all_heads`` says whether their blocks hold the same heads.
+PER_RANK = ("tp_size", "layout")
 
 
 def check(description: Any) -> Dict[str, Any]:
@@ -107,8 +119,9 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     """``"<field> <theirs> there, <mine> here"`` for each field both describe and that differs; a
     field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
     of meaning bumps."""
+    skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
     return [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
-            for name, value in mine.items() if name in theirs and theirs[name] != value]
+            for name, value in mine.items() if name in theirs and theirs[name] != value and name not in skip]
 
 
 def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:
