@@ -231,10 +231,11 @@ class Worker:
             self._pool.submit(self._pull, req_id, spec)
 
     def _peer_specs(self, reqs_to_recv: Dict[str, Recv]) -> List[Tuple[str, Recv]]:
-        """``(request id, spec)`` for each prefill rank this rank pulls from or releases: with the same
-        TP size, the rank of our number; else (the scheduler computes the prompt) the releases of
-        the ranks ``p % tp_size == tp_rank``. A request parked for a load that this rank cannot do
-        is reported failed."""
+        """``(request id, spec)`` for each prefill rank this rank pulls from or releases
+        (``Recv.peers``): with the same TP size, the rank of our number; with another, the ranks
+        holding some of our KV heads (their head ranges), or, where the scheduler computes the
+        prompt, the releases of the ranks ``p % tp_size == tp_rank``. A request parked for a load
+        that this rank cannot do is reported failed."""
         out = []
         for req_id, spec in reqs_to_recv.items():
             peers = spec.peers(self.tp_rank, self.tp_size)
