@@ -927,14 +927,17 @@ cdef object _tensor_pairs(CacheLayout src, CacheLayout dst, src_tensors, dst_ten
 
 
 def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
-                src_blocks, dst_blocks, nbytes_arg=-1):
+                src_blocks, dst_blocks, nbytes_arg=-1, src_offset_arg=0, dst_offset_arg=0):
     """Plan block copies: for each selected tensor pair ``(s, d)`` and each ``k``, copy ``nbytes``
-    from block ``src_blocks[k]`` of tensor ``s`` to block ``dst_blocks[k]`` of tensor ``d``.
+    from ``src_offset`` bytes into block ``src_blocks[k]`` of tensor ``s`` to ``dst_offset``
+    bytes into block ``dst_blocks[k]`` of tensor ``d``.
 
     ``src_tensors``/``dst_tensors``: tensor indices (None = all). ``nbytes`` -1 = the source
-    block size; it must fit both block sizes. Raises ``LLMException(LLM_PARAM_INVALID)`` naming
-    the first bad value; nothing is planned then.
+    block size after ``src_offset``; each range must lie inside its block. Raises
+    ``LLMException(LLM_PARAM_INVALID)`` naming the first bad value; nothing is planned then.
     """
+    cdef uint64_t soff = _as_uint64(src_offset_arg, "source offset")
+    cdef uint64_t doff = _as_uint64(dst_offset_arg, "destination offset")
     cdef int64_t nbytes = _as_int64(nbytes_arg, "nbytes")
     st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
     sb = _checked_blocks(src_blocks, src.num_rows, "src_blocks")
@@ -942,11 +945,16 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     if sb.shape[0] != db.shape[0]:
         raise _param_invalid(f"src_blocks has {sb.shape[0]} entries but dst_blocks has "
                              f"{db.shape[0]}; they must have the same length")
+    if soff >= src.row_bytes:
+        raise _param_invalid(f"source offset {soff} is outside the source block of {src.row_bytes} bytes")
+    if doff >= dst.row_bytes:
+        raise _param_invalid(f"destination offset {doff} is outside the destination block of "
+                             f"{dst.row_bytes} bytes")
     if nbytes == -1:
-        nbytes = <int64_t>src.row_bytes
-    if nbytes <= 0 or <uint64_t>nbytes > src.row_bytes or <uint64_t>nbytes > dst.row_bytes:
+        nbytes = <int64_t>(src.row_bytes - soff)
+    if nbytes <= 0 or <uint64_t>nbytes > src.row_bytes - soff or <uint64_t>nbytes > dst.row_bytes - doff:
         raise _param_invalid(f"block copy size {nbytes} must be in [1, min(src block "
-                             f"{src.row_bytes}, dst block {dst.row_bytes})]")
+                             f"{src.row_bytes} - offset {soff}, dst block {dst.row_bytes} - offset {doff})]")
     cdef CopyPlan plan = CopyPlan()
     cdef Py_ssize_t nt = st.shape[0], nb = sb.shape[0]
     if nb == 0:
@@ -963,8 +971,8 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     cdef uint64_t sstride = src.row_bytes, dstride = dst.row_bytes
     with nogil:
         for t in range(nt):
-            sbase = src.addrs[stv[t]]
-            dbase = dst.addrs[dtv[t]]
+            sbase = src.addrs[stv[t]] + soff
+            dbase = dst.addrs[dtv[t]] + doff
             for k in range(nb):
                 plan.add(sbase + sbv[k] * sstride, dbase + dbv[k] * dstride, n)
     return plan

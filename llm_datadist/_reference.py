@@ -77,9 +77,11 @@ def _tensor_pairs(src_addrs, dst_addrs, src_tensors, dst_tensors):
 
 
 def plan_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row_bytes,
-                src_tensors, dst_tensors, src_blocks, dst_blocks, nbytes=-1):
-    """For each tensor pair ``(s, d)`` and each ``k``: ``nbytes`` from block ``src_blocks[k]`` of
-    tensor ``s`` to block ``dst_blocks[k]`` of tensor ``d`` (``nbytes`` -1 = a source block)."""
+                src_tensors, dst_tensors, src_blocks, dst_blocks, nbytes=-1, src_offset=0, dst_offset=0):
+    """For each tensor pair ``(s, d)`` and each ``k``: ``nbytes`` from ``src_offset`` bytes into
+    block ``src_blocks[k]`` of tensor ``s`` to ``dst_offset`` bytes into block ``dst_blocks[k]`` of
+    tensor ``d`` (``nbytes`` -1 = the rest of a source block); both ranges must fit their blocks."""
+    _check_unsigned(src_offset=src_offset, dst_offset=dst_offset)
     _check_geometry(src_addrs, src_rows, src_row_bytes, "source")
     _check_geometry(dst_addrs, dst_rows, dst_row_bytes, "destination")
     pairs = _tensor_pairs(src_addrs, dst_addrs, src_tensors, dst_tensors)
@@ -88,15 +90,19 @@ def plan_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row
     if len(src_blocks) != len(dst_blocks):
         raise InvalidInput(f"{len(src_blocks)} source blocks, {len(dst_blocks)} destination blocks",
                            len(src_blocks))
+    if src_offset >= src_row_bytes:
+        raise InvalidInput(f"source offset {src_offset} is outside the block", src_offset)
+    if dst_offset >= dst_row_bytes:
+        raise InvalidInput(f"destination offset {dst_offset} is outside the block", dst_offset)
     if nbytes == -1:
-        nbytes = src_row_bytes
-    if not 1 <= nbytes <= min(src_row_bytes, dst_row_bytes):
+        nbytes = src_row_bytes - src_offset
+    if not 1 <= nbytes <= min(src_row_bytes - src_offset, dst_row_bytes - dst_offset):
         raise InvalidInput(f"block copy size {nbytes} does not fit the blocks", nbytes)
     copies = []
     for s, d in pairs:
         for src_block, dst_block in zip(src_blocks, dst_blocks):
-            copies.append((src_addrs[s] + src_block * src_row_bytes,
-                           dst_addrs[d] + dst_block * dst_row_bytes, nbytes))
+            copies.append((src_addrs[s] + src_block * src_row_bytes + src_offset,
+                           dst_addrs[d] + dst_block * dst_row_bytes + dst_offset, nbytes))
     return copies
 
 

@@ -27,7 +27,8 @@ from llm_datadist.engine.layerwise import FINALIZE_JOIN_S, LayerRunner
 from llm_datadist.engine.registry import Registry
 from llm_datadist.engine.values import (
     DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, RemoteRef,
-    cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, swap_geometry,
+    block_array, cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, swap_geometry,
+    whole_caches,
 )
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
@@ -532,17 +533,35 @@ class Engine:
             self.pull_row_to_blocks(remote_id, ref, dst, blocks.dst_blocks, tensors)
             return
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
+        ranged = blocks.block_bytes != -1 or blocks.src_offset != 0 or blocks.dst_offset != 0
 
         def planner(table):
             cache, _ = resolve_remote(table, remote_id, ref)
-            if cache.row_bytes != dst.row_bytes:
+            if cache.row_bytes != dst.row_bytes and not ranged:
                 raise param_invalid(f"block sizes differ: remote cache {cache.cache_id} has "
                                     f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
+            if ranged:  # a byte range of each block (the planner checks it fits both block sizes)
+                return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks, blocks.block_bytes,
+                                         blocks.src_offset, blocks.dst_offset), table, cache, 0, st, dt
             return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
         planned = self._transfer_planned(remote_id, dst, False, planner)
         if route_key is not None and type(ref) is BlocksRef:
             self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, planned)
+
+    def pull_block_range(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
+                         src_offset: int, dst_offset: int, nbytes: int) -> None:
+        """The engine seam's pull of a byte range of each block (for integrations; the public API
+        pulls whole blocks): ``nbytes`` from ``src_offset`` bytes into the peer's blocks
+        ``src_blocks[k]`` (its blocks cache of ``model_id``) to ``dst_offset`` bytes into blocks
+        ``dst_blocks[k]`` of the registered cache ``cache_id``, in every tensor. The two block
+        sizes may differ (a tensor parallel rank's KV heads from an engine of another TP size);
+        each range must lie inside its block (``LLM_PARAM_INVALID`` naming the bad value)."""
+        spec = BlockSpec(block_array(src_blocks, "src_blocks"), block_array(dst_blocks, "dst_blocks"), nbytes,
+                         src_offset, dst_offset)
+        if len(spec.src_blocks) != len(spec.dst_blocks):
+            raise param_invalid(f"src_blocks has {len(spec.src_blocks)} entries, dst_blocks {len(spec.dst_blocks)}")
+        self.pull_blocks(remote_id, BlocksRef(model_id), self.lookup(cache_id), spec, whole_caches(2))
 
     def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, planned: tuple) -> None:
         """After a checked block transfer (``planned`` as ``_transfer_planned`` returns it): keep

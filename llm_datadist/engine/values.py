@@ -59,11 +59,14 @@ class BlockSpec:
     """The block lists of one transfer, converted and element-checked once by the core
     (``block_array``: 1-D uint64 arrays); the planners check them against the geometry.
     ``src_blocks`` None: a row cut into ``block_bytes`` chunks, chunk k -> ``dst_blocks[k]``.
-    ``block_bytes`` -1: the source block size."""
+    ``block_bytes`` -1: the source block size. ``src_offset``/``dst_offset``: where in each block
+    the bytes start (a byte range of every block: a tensor parallel rank's KV heads)."""
 
     src_blocks: Any
     dst_blocks: Any
     block_bytes: int = -1
+    src_offset: int = 0
+    dst_offset: int = 0
 
     @property
     def row_to_blocks(self) -> bool:

@@ -286,6 +286,61 @@ def test_plan_blocks_matches_reference(case):
           src, dst)
 
 
+@st.composite
+def block_range_cases(draw):
+    """Block copies of a byte range inside each block (a tensor parallel rank's heads): offsets and
+    length on each side, mostly valid, sometimes hostile (negative, past the block, overflowing)."""
+    src, dst, tensors, blocks, _ = draw(block_cases())
+    src_rb, dst_rb = src.geometry[2], dst.geometry[2]
+    src_offset = draw(with_invalid(st.integers(0, src_rb - 1), -1, src_rb, src_rb + 1, 2**64 - 1, 2**64, HUGE))
+    dst_offset = draw(with_invalid(st.integers(0, dst_rb - 1), -1, dst_rb, 2**64 - 1, -(2**63)))
+    fit = max(1, min(src_rb - min(src_offset, src_rb), dst_rb - min(dst_offset, dst_rb)))
+    nbytes = draw(with_invalid(st.sampled_from([-1, fit]) | st.integers(1, fit),
+                               0, -2, fit + 1, HUGE))
+    return src, dst, tensors, blocks, nbytes, src_offset, dst_offset
+
+
+@PROPERTY
+@given(block_range_cases())
+def test_plan_blocks_with_offsets_matches_reference(case):
+    """A range inside each block goes where the reference says, and no byte outside it moves
+    (the guard bytes and the rest of every block included); hostile offsets are refused by name."""
+    src, dst, (src_tensors, dst_tensors), (src_blocks, dst_blocks), nbytes, src_offset, dst_offset = case
+    check(lambda: _core.plan_blocks(src.layout, dst.layout, src_tensors, dst_tensors,
+                                    src_blocks, dst_blocks, nbytes, src_offset, dst_offset),
+          lambda: ref.plan_blocks(*src.geometry, *dst.geometry, src_tensors, dst_tensors,
+                                  src_blocks, dst_blocks, nbytes, src_offset, dst_offset),
+          src, dst)
+
+
+def test_a_head_range_moves_between_blocks_of_other_sizes():
+    """Two heads per source block, one per destination block: the second head of each source block
+    lands in its destination block, whose other bytes and the guards stay."""
+    src = Cache(2, 3, 16, random_bytes(21))
+    dst = Cache(2, 3, 8, pattern_bytes)
+    before = [b.copy() for b in dst.buffers]
+    plan = _core.plan_blocks(src.layout, dst.layout, None, None, [0, 2], [1, 0], 8, 8, 0)
+    assert len(plan) == 4 and plan.total_bytes == 32
+    _core.execute(plan, HOST, H2H)
+    for t in range(2):
+        got = dst.buffers[t][GUARD:-GUARD].reshape(3, 8)
+        had = src.buffers[t][GUARD:-GUARD].reshape(3, 16)
+        assert got[1].tolist() == had[0, 8:].tolist() and got[0].tolist() == had[2, 8:].tolist()
+        assert got[2].tolist() == before[t][GUARD:-GUARD].reshape(3, 8)[2].tolist()
+    assert src.guards_intact() and dst.guards_intact()
+
+
+@pytest.mark.parametrize("args, bad", [
+    ((8, -1, 0), -1), ((8, 0, -1), -1), ((8, 16, 0), 16), ((1, 0, 8), 8), ((8, 9, 0), 8),
+    ((8, 0, 1), 8), ((-1, 2**64 - 1, 0), 2**64 - 1), ((8, 2**64, 0), 2**64), ((2**63 - 1, 1, 0), 2**63 - 1),
+])
+def test_plan_blocks_offset_refusals_name_the_value(args, bad):
+    src = Cache(2, 4, 16, random_bytes(22))
+    dst = Cache(2, 4, 8, pattern_bytes)
+    assert_both_refuse(lambda: _core.plan_blocks(src.layout, dst.layout, None, None, [0], [0], *args),
+                       lambda: ref.plan_blocks(*src.geometry, *dst.geometry, None, None, [0], [0], *args), bad)
+
+
 @PROPERTY
 @given(st.data())
 def test_plan_blocks_all_blocks(data):

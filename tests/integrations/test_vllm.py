@@ -560,6 +560,12 @@ def metric(samples: dict, name: str, **labels) -> float:
     return found[0]
 
 
+def logged_pulls(log) -> int:
+    """The pulls the ``KV Transfer metrics`` lines of ``log`` count together."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "KV Transfer metrics: pulls=" in line]
+    return sum(int(line.split("pulls=")[1].split(",")[0]) for line in lines)
+
+
 @needs_vllm
 def test_a_served_decode_engine_reports_its_pulls_on_metrics_and_in_its_log(engines):
     """``vllm serve`` as the decode engine: the connector's series on ``/metrics``, the pulled
@@ -592,8 +598,8 @@ def test_a_served_decode_engine_reports_its_pulls_on_metrics_and_in_its_log(engi
             assert metric(samples, f"vllm:llm_datadist_{name}_total") == 0, name
         assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == sum(map(len, SERVED))
         assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
-        deadline = time.monotonic() + 30
-        while "KV Transfer metrics: pulls=" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # the stat logger writes every 10 s; a pull may come a line later
+        while logged_pulls(log) < len(SERVED) and time.monotonic() < deadline:
             time.sleep(0.5)
     said = [line for line in log.read_text(errors="replace").splitlines() if "KV Transfer metrics:" in line]
     assert said and "pulled_blocks=" in said[0] and "failed_pulls=0" in said[0], said

@@ -1,6 +1,7 @@
 """Tensor parallelism: every prefill rank's address and lease token in ``kv_transfer_params``,
 decode rank r pulling from prefill rank r, the listen-port rule, and engines of different TP sizes
-refusing to move KV (each side computes what it must, and every prefill rank is released).
+moving KV head by head (each decode rank pulls its heads' byte range of each block from the prefill
+ranks holding them, and each prefill rank frees its blocks after the last of its readers' releases).
 
 The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distributed_executor_backend
 ="mp"``, gloo) on the tiny model of ``test_vllm``, one P/D pair at a time."""
@@ -19,11 +20,12 @@ from test_vllm import (BLOCK, CALL_TIMEOUT_S, LINK_SECRET, PRODUCER, Engine, del
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 MAX_TOKENS = 6
-#: Two prompts each for the same-TP pair, the mismatches, and the prefill with other weights.
+#: Prompts for the same-TP pair, the mismatches, and the prefills with other weights.
 SAME_TP = prompts_of([40, 70], seed=21)
 TP1_TO_TP2 = prompts_of([45], seed=22)
 TP2_TO_TP1 = prompts_of([50], seed=23)
 OTHER_WEIGHTS = prompts_of([60], seed=24)
+OTHER_WEIGHTS_TP1 = prompts_of([55], seed=25)
 START_S = 480  # TP 2 engines on two shared cores start slowly
 
 
@@ -78,7 +80,7 @@ def tp_engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         start(plain)
-        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS
+        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
         plain.close()
         prefill = Engine(work / "model", "producer", work / "prefill2.log",
@@ -123,25 +125,35 @@ def test_tp2_prefill_to_tp2_decode_pulls_rank_by_rank(tp_engines):
 
 
 @needs_vllm
-def test_different_tp_sizes_compute_locally_and_release_every_prefill_rank(tp_engines):
-    """P TP 1 -> D TP 2 and P TP 2 -> D TP 1: no KV moves (refused, with a line in the log), the
-    tokens are the baseline's, and every prefill rank has been released by the decode side."""
+def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(tp_engines):
+    """P TP 1 -> D TP 2 and P TP 2 -> D TP 1: each decode rank pulls its KV heads' byte range of
+    each block from every prefill rank holding some of them; the tokens are the baseline's, no
+    prompt token was computed on the decode engine, every prefill rank has been released by each
+    of its readers (P TP 1: by both decode ranks, counted) and a TP 1 prefill with other weights
+    changes the TP 2 decode's tokens."""
     work, baseline, prefill2, decode2 = tp_engines
-    prefill1 = Engine(work / "model", "producer", work / "prefill1.log",
-                      {"kv_lease_s": 300, "link_secret": LINK_SECRET})
-    try:
-        start(prefill1)
-        params = prefill(prefill1, TP1_TO_TP2)
-        assert params[0]["tp_size"] == 1 and len(params[0]["remote_ranks"]) == 1
-        before = decode2.prompt_tokens()
-        outputs = decode2.generate(TP1_TO_TP2, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
-        assert outputs[0]["token_ids"] == baseline[tuple(TP1_TO_TP2[0])]
-        sources = delta(decode2.prompt_tokens(), before)
-        assert sources["external_kv_transfer"] == 0 and sources["local_compute"] == len(TP1_TO_TP2[0])
-        assert "tensor parallel size 1 and this one with 2" in decode2.tail(200)
-        assert_released_by_decode(params[0], [0])  # by decode rank 0
-    finally:
-        prefill1.close()
+    for model, prompts in (("model", TP1_TO_TP2), ("other", OTHER_WEIGHTS_TP1)):
+        # (the other weights claim the model's name, which is all the compatibility check knows it by)
+        prefill1 = Engine(work / model, "producer", work / f"prefill1_{model}.log",
+                          {"kv_lease_s": 300, "link_secret": LINK_SECRET, "model_id": str(work / "model")})
+        try:
+            start(prefill1)
+            params = prefill(prefill1, prompts)
+            assert params[0]["tp_size"] == 1 and len(params[0]["remote_ranks"]) == 1
+            assert params[0]["readers_counted"] is True
+            before = decode2.prompt_tokens()
+            outputs = decode2.generate(prompts, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+            sources = delta(decode2.prompt_tokens(), before)
+            assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(prompts[0]), model
+            if model == "model":
+                assert outputs[0]["token_ids"] == baseline[tuple(prompts[0])]
+            else:
+                assert outputs[0]["token_ids"] != baseline[tuple(prompts[0])]
+            # both decode ranks read prefill rank 0 and released it (readers 2): a third release is refused
+            assert_released_by_decode(params[0], [0])
+        finally:
+            prefill1.close()
+    assert "computing the prompt locally" not in decode2.tail(400)
     decode1 = Engine(work / "model", "consumer", work / "decode1.log", {"link_secret": LINK_SECRET})
     try:
         start(decode1)
@@ -150,9 +162,9 @@ def test_different_tp_sizes_compute_locally_and_release_every_prefill_rank(tp_en
         outputs = decode1.generate(TP2_TO_TP1, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
         assert outputs[0]["token_ids"] == baseline[tuple(TP2_TO_TP1[0])]
         sources = delta(decode1.prompt_tokens(), before)
-        assert sources["external_kv_transfer"] == 0 and sources["local_compute"] == len(TP2_TO_TP1[0])
-        assert "tensor parallel size 2 and this one with 1" in decode1.tail(200)
-        assert_released_by_decode(params[0], [0, 1])  # both by the one decode rank
+        assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(TP2_TO_TP1[0])
+        assert "computing the prompt locally" not in decode1.tail(200)
+        assert_released_by_decode(params[0], [0, 1])  # both by the one decode rank, which read both
     finally:
         decode1.close()
 
@@ -161,8 +173,8 @@ def test_different_tp_sizes_compute_locally_and_release_every_prefill_rank(tp_en
 def test_a_tp2_prefill_with_other_weights_changes_the_tp2_decode(tp_engines):
     """The decode engine continues from what it pulled: KV of other weights gives other tokens."""
     work, baseline, _, decode2 = tp_engines
-    other = Engine(work / "other", "producer", work / "prefill_other.log",
-                   {"kv_lease_s": 300, "link_secret": LINK_SECRET}, TP2)
+    other = Engine(work / "other", "producer", work / "prefill_other.log",  # (claiming the model's name)
+                   {"kv_lease_s": 300, "link_secret": LINK_SECRET, "model_id": str(work / "model")}, TP2)
     try:
         start(other)
         params = prefill(other, OTHER_WEIGHTS)
@@ -372,3 +384,147 @@ def test_pipeline_parallelism_is_refused_with_a_clear_line():
         cache_config=SimpleNamespace(block_size=32))
     with pytest.raises(NotImplementedError, match="does not support pipeline parallelism .*pipeline_parallel_size=2"):
         LLMDataDistConnector(config, KVConnectorRole.SCHEDULER)
+
+
+# -- different TP sizes, without engines ------------------------------------------------------------
+
+@needs_vllm
+@pytest.mark.parametrize("prefill_tp, decode_tp, expected", [
+    # decode rank -> [(prefill rank, first head there, first head here, heads, readers)], 4 KV heads
+    (1, 2, [[(0, 0, 0, 2, 2)], [(0, 2, 0, 2, 2)]]),
+    (2, 1, [[(0, 0, 0, 2, 1), (1, 0, 2, 2, 1)]]),
+    (2, 4, [[(0, 0, 0, 1, 2)], [(0, 1, 0, 1, 2)], [(1, 0, 0, 1, 2)], [(1, 1, 0, 1, 2)]]),
+    (4, 2, [[(0, 0, 0, 1, 1), (1, 0, 1, 1, 1)], [(2, 0, 0, 1, 1), (3, 0, 1, 1, 1)]]),
+])
+def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(prefill_tp, decode_tp, expected):
+    """The head ranges (and, with 64-byte heads, the byte offsets and lengths in each block) of
+    every decode rank; together they cover every head once, and each prefill rank's readers are the
+    decode ranks that read it."""
+    from llm_datadist.integrations.vllm.meta import head_overlaps, recv_spec
+
+    heads = 4
+    got = [head_overlaps(heads, prefill_tp, decode_tp, r) for r in range(decode_tp)]
+    assert got == expected
+    covered = sorted(p * heads // prefill_tp + src + k for rank in got for p, src, _, count, _ in rank
+                     for k in range(count))
+    assert covered == list(range(heads))
+    for p in range(prefill_tp):
+        readers = [r for r, rank in enumerate(got) if any(o[0] == p for o in rank)]
+        assert all(o[4] == len(readers) for rank in got for o in rank if o[0] == p)
+    # the specs the worker pulls with: addressed to the prefill rank, awaiting, in bytes of a 64-byte head
+    ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"}
+             for r in range(prefill_tp)]
+    spec = recv_spec(_params(tp_size=prefill_tp, remote_ranks=ranks, remote_port=7000, remote_request_id="req.t0",
+                             readers_counted=True))
+    assert spec.readers_counted
+    waiting = replace(spec, local_block_ids=[1, 2], awaiting=True, kv_heads=heads)
+    for rank in range(decode_tp):
+        peers = waiting.peers(rank, decode_tp)
+        assert [(p.port, p.remote_request_id) for p in peers] == [(7000 + o[0], f"req.t{o[0]}") for o in expected[rank]]
+        assert all(p.awaiting and p.local_block_ids == [1, 2] for p in peers)
+        assert [(p.src_head * 64, p.dst_head * 64, p.heads * 64, p.readers) for p in peers] == \
+            [(src * 64, dst * 64, count * 64, readers) for _, src, dst, count, readers in expected[rank]]
+    # not awaiting (nothing to load), or no head split (kv_heads 0): releases only, p % size == rank
+    for other in (replace(waiting, awaiting=False), replace(waiting, kv_heads=0)):
+        for rank in range(decode_tp):
+            assert [(p.port, p.awaiting, p.heads, p.readers) for p in other.peers(rank, decode_tp)] == \
+                [(7000 + p, False, 0, 1) for p in range(prefill_tp) if p % decode_tp == rank]
+
+
+@needs_vllm
+def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_evenly():
+    """The scheduler's choice: pull head by head (kv_heads set on the request's spec), or compute
+    the prompt locally with a line saying why (an older prefill engine that frees at the first
+    release; KV heads that do not split evenly, which vLLM replicates)."""
+    from llm_datadist.integrations.vllm.meta import split_refusal
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    assert split_refusal(4, 1, 2) == "" and split_refusal(4, 4, 2) == ""
+    assert "do not split evenly over tensor parallel size 4" in split_refusal(2, 1, 4)
+    assert "do not split evenly over tensor parallel size 3" in split_refusal(4, 3, 1)
+    assert "does not know" in split_refusal(0, 1, 2)
+
+    def ask(kv_heads: int, **changes):
+        decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=kv_heads)
+        one = [{"host": "127.0.0.1", "port": 7000, "cluster_id": 10, "request_id": "req.t0"}]
+        params = _params(tp_size=1, remote_ranks=one, remote_block_ids=[4, 5], do_remote_prefill=True, **changes)
+        request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
+        matched = decode.get_num_new_matched_tokens(request, 0)
+        if matched[1]:
+            blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8])
+            decode.update_state_after_alloc(request, blocks, matched[0])
+        return matched, decode.build_connector_meta().reqs_to_recv["d-1"]
+
+    matched, spec = ask(4, readers_counted=True)
+    assert matched == (40, True) and spec.awaiting and spec.kv_heads == 4
+    assert [(p.src_head, p.heads, p.readers) for p in spec.peers(1, 2)] == [(2, 2, 2)]
+    for kv_heads, changes in ((4, {}), (1, {"readers_counted": True})):
+        matched, spec = ask(kv_heads, **changes)
+        assert matched == (0, False) and not spec.awaiting and spec.kv_heads == 0
+        assert [p.heads for p in spec.peers(0, 2)] == [0] and spec.peers(1, 2) == []
+
+
+@needs_vllm
+def test_a_prefill_rank_read_by_several_decode_ranks_is_freed_at_the_last_release():
+    """``readers`` k: the lease stays until the k-th release with a valid token, is freed then,
+    and a release beyond k is refused; the same when releases come before the lease; hostile
+    ``readers`` are refused and the lease stays; no ``readers`` (older decode sides) means 1."""
+    from llm_datadist.integrations.vllm.leases import MAX_READERS, LeaseBook, lease_request_id
+    from llm_datadist.integrations.vllm.options import Options as _Options
+
+    book = LeaseBook(_Options.parse({"kv_lease_s": 60}))
+    remote = {r: lease_request_id(book.key, r) for r in ("a", "b", "c", "d")}
+
+    def release(req_id: str, readers=None) -> dict:
+        message = {"op": "release", "request_id": remote[req_id]}
+        if readers is not None:
+            message["readers"] = readers
+        return book.on_release(9, message)
+
+    book.take_leases({"a": 60.0, "b": 60.0, "d": 60.0}, stopping=False, blocks={"a": [1], "b": [2], "d": [4]})
+    for hostile in (0, -1, MAX_READERS + 1, True, "2", 2.0, None, [2]):
+        answer = release("a", hostile) if hostile is not None else book.on_release(
+            9, {"op": "release", "request_id": remote["a"], "readers": None})
+        assert answer["released"] is False and "readers" in answer["why"], hostile
+    assert book.stats["bad_readers"] == 8 and "a" in book.held
+    for k in range(3):
+        assert release("a", 3)["released"] is True
+        assert ("a" in book.held) == (k < 2) and book.take_finished() == ({"a"} if k == 2 else set())
+    assert release("a", 3) == {"request_id": remote["a"], "released": False,
+                               "why": "its blocks were already freed (released)"}
+    assert release("b")["released"] is True and book.take_finished() == {"b"}  # no readers: 1
+    assert release("b")["released"] is False
+    # releases before the lease: counted, the lease taken then held until the last one
+    assert release("c", 2)["released"] is True
+    book.take_leases({"c": 60.0}, stopping=False, blocks={"c": [3]})
+    assert "c" in book.held and book.take_finished() == set()
+    assert book.read_guard(9, remote["c"].encode()) is not None  # still readable by the other reader
+    assert release("c", 2)["released"] is True and book.take_finished() == {"c"}
+    assert release("c", 2)["released"] is False
+    # a held lease with readers outstanding is freed at shutdown all the same
+    assert release("d", 2)["released"] is True
+    assert book.take_leases({}, stopping=True) == 1 and book.take_finished() == {"d"} and book.reads == {}
+
+
+@needs_vllm
+def test_engines_of_different_tp_sizes_compare_the_layout_of_all_heads():
+    """A rank's own layout is compared only between engines of one TP size; between others, the
+    block of all heads together — equal for P TP 1 / D TP 2 of one model, not for other heads."""
+    import llm_datadist as ld
+    from llm_datadist.integrations.vllm import compat
+
+    def describe(tp_size: int, heads_here: int, **changes) -> dict:
+        desc = ld.CacheDesc(2, [10, heads_here, 32, 128], ld.DataType.DT_UINT8, ld.Placement.HOST)
+        fields = {"kv_format": compat.KV_FORMAT, "kv_heads": 2, "layout": compat.layout(desc), "tp_size": tp_size,
+                  "layout_all_heads": compat.layout(desc, tp_size)}
+        return dict(fields, **changes)
+
+    assert describe(1, 2)["layout_all_heads"] == describe(2, 1)["layout_all_heads"] == "2x[2, 32, 128]:DT_UINT8"
+    assert compat.verdict(describe(2, 1), describe(1, 2)) is None
+    assert compat.verdict(describe(1, 2), describe(2, 1)) is None
+    assert "layout_all_heads" in compat.verdict(describe(2, 1), describe(1, 2, layout_all_heads="2x[4, 32, 128]"))
+    assert "layout " in compat.verdict(describe(2, 1), describe(2, 2))  # one TP size: the rank's own layout
+    older = {k: v for k, v in describe(1, 2).items() if k not in ("tp_size", "layout_all_heads")}
+    assert "layout " in compat.verdict(describe(2, 1), older)  # a peer that does not say its TP size
+    assert compat.layout(ld.CacheDesc(1, [4, 2, 8], ld.DataType.DT_UINT8, ld.Placement.HOST), 0) == ""

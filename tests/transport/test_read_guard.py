@@ -73,6 +73,18 @@ def c_pull(state, src: Sequence[int], dst: Sequence[int], tag: Optional[str]) ->
     return "ok"
 
 
+def c_pull_range(state, src: Sequence[int], dst: Sequence[int], offsets: Sequence[int], tag: str) -> str:
+    """Pull bytes ``[src_offset, src_offset + nbytes)`` of the server's blocks ``src`` to
+    ``dst_offset`` in blocks ``dst`` here (``offsets``: src_offset, dst_offset, nbytes), through
+    the engine seam, tagged; "ok" or the status's name."""
+    try:
+        with state.dd.engine.read_tag(tag):
+            state.dd.engine.pull_block_range(SERVER_ID, 0, state.cache.cache_id, list(src), list(dst), *offsets)
+    except ld.LLMException as exc:
+        return exc.status_code.name
+    return "ok"
+
+
 def c_arrays(state) -> List[np.ndarray]:
     return [a.copy() for a in state.arrays]
 
@@ -181,3 +193,23 @@ def test_a_tag_longer_than_the_budget_is_refused_before_it_is_sent(trio):
     assert client.call(c_bad_tag, b"x" * budgets.MAX_PULL_TAG_BYTES) == "entered"
     assert client.call(c_bad_tag, b"x" * (budgets.MAX_PULL_TAG_BYTES + 1)) == "LLM_PARAM_INVALID"
     assert client.call(c_bad_tag, 17) == "LLM_PARAM_INVALID"
+
+
+def test_a_byte_range_of_each_block_passes_the_guard_and_lands_where_asked(trio):
+    """The engine seam's ranged pull (a tensor parallel rank's heads): ranges inside the leased
+    blocks pass the guard over tcp, and land at their offset; the rest of the block keeps its
+    bytes; a range past its block is refused before anything moves."""
+    server, client, _ = trio
+    server.call(c_guard, {"req-a.token": [1, 2]})
+    want = server.call(c_arrays)
+    half = BLOCK // 2
+    assert client.call(c_pull_range, [2, 1], [0, 5], (half, 0, half), "req-a.token") == "ok"
+    assert client.call(c_pull_range, [1], [3], (0, half, half), "req-a.token") == "ok"
+    assert client.call(c_pull_range, [1], [4], (half, 0, half + 1), "req-a.token") == "LLM_PARAM_INVALID"
+    assert client.call(c_pull_range, [3], [4], (0, 0, half), "req-a.token") == "LLM_KV_CACHE_NOT_EXIST"
+    got = client.call(c_arrays)
+    for t in range(TENSORS):
+        assert (got[t][0][:half] == want[t][2][half:]).all() and (got[t][0][half:] == FILL).all()
+        assert (got[t][5][:half] == want[t][1][half:]).all() and (got[t][5][half:] == FILL).all()
+        assert (got[t][3][:half] == FILL).all() and (got[t][3][half:] == want[t][1][:half]).all()
+        assert (got[t][4] == FILL).all()

@@ -6,7 +6,9 @@ What is compared: the KV format version of this connector (``KV_FORMAT``, not th
 version: releases that move KV the same way stay compatible), the model (vLLM's model name or
 path and its revision, or ``model_id`` from ``kv_connector_extra_config``), the model dtype, the
 model's KV heads, head size and layers, the cache dtype, the block size, the registered layout
-(tensors, per-block shape, element type) and the speculative decoding config. The weights are
+(tensors, per-block shape, element type) and the speculative decoding config. A rank's layout is
+compared only between engines of one tensor parallel size; engines of different sizes compare the
+layout of all heads together instead (``PER_RANK``, ``layout_all_heads``). The weights are
 known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
 base's config), and hashing gigabytes of weights at start is not an option. Engines that load one
 checkpoint from different paths say so with the same ``model_id``."""
@@ -77,9 +79,21 @@ def fields(vllm_config: Any, model_id: Optional[str] = None) -> Dict[str, Any]:
     }
 
 
-def layout(desc: Any) -> str:
-    """The registered blocks cache as a string: tensors, per-block shape, element type."""
-    return f"{desc.num_tensors}x{list(desc.shape)[1:]}:{desc.data_type.name}"
+def layout(desc: Any, tp_size: int = 1) -> str:
+    """The registered blocks cache as a string: tensors, per-block shape, element type. With
+    ``tp_size`` (a rank's KV heads outermost in a block), the block of all ranks' heads together,
+    which engines of different TP sizes compare; 0: "" (no such layout)."""
+    if not tp_size:
+        return ""
+    shape = list(desc.shape)[1:]
+    if tp_size != 1 and shape:
+        shape[0] *= tp_size
+    return f"{desc.num_tensors}x{shape}:{desc.data_type.name}"
+
+
+#: Fields that describe one rank, compared only between engines of the same TP size (``tp_size``);
+#: between others, ``layout_all_heads`` says whether their blocks hold the same heads.
+PER_RANK = ("tp_size", "layout")
 
 
 def check(description: Any) -> Dict[str, Any]:
@@ -107,8 +121,9 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     """``"<field> <theirs> there, <mine> here"`` for each field both describe and that differs; a
     field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
     of meaning bumps."""
+    skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
     return [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
-            for name, value in mine.items() if name in theirs and theirs[name] != value]
+            for name, value in mine.items() if name in theirs and theirs[name] != value and name not in skip]
 
 
 def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from llm_datadist.integrations.vllm import layout
+from llm_datadist.integrations.vllm import compat, layout
 from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
 from llm_datadist.integrations.vllm.options import Options
@@ -53,7 +53,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
                                          producer=bool(transfer.is_kv_producer),
-                                         tp_size=parallel.tensor_parallel_size)
+                                         tp_size=parallel.tensor_parallel_size,
+                                         kv_heads=_kv_heads(vllm_config))
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
 
@@ -188,3 +189,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 #: The name vllm-ascend gave its llm_datadist connector, so its configs need only the module path changed.
 LLMDataDistCMgrConnector = LLMDataDistConnector
 
+
+def _kv_heads(vllm_config) -> int:
+    """The model's KV heads over all tensor parallel ranks (0 if its config does not say)."""
+    heads = compat.fields(vllm_config).get("kv_heads")
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else 0

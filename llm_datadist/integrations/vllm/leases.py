@@ -45,6 +45,9 @@ _TOKEN_LABEL = b"llm_datadist vllm lease v1\0"
 #: The longest ``remote_request_id`` a release may name: a request id, the separator and a token.
 MAX_RELEASE_ID_BYTES = MAX_REQUEST_ID_BYTES + len(_TOKEN_SEPARATOR) + _TOKEN_CHARS
 
+#: The most decode ranks a release may say read one prefill rank's blocks (``readers``).
+MAX_READERS = 64
+
 #: What one release record (a freed or early-released request) is counted as, beyond its id's
 #: bytes: the dict slot and links of an OrderedDict entry, the str header, the value.
 _RECORD_OVERHEAD_BYTES = 256
@@ -119,10 +122,13 @@ class LeaseBook:
         self.gone: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()
         self.record_bytes = 0
         self.finished: Set[str] = set()
+        #: request id -> (releases so far, readers) of a request read by several decode ranks, until
+        #: the last of them releases it (held, or released before its lease came)
+        self.reads: Dict[str, Tuple[int, int]] = {}
         self.stopping = False
         self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
                       "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0,
-                      "lease_renewed": 0, "renewal_refused": 0}
+                      "lease_renewed": 0, "renewal_refused": 0, "bad_readers": 0}
         self._lock = threading.Lock()
         #: what a guarded read may touch (``read_guard``): request id -> its leased block ids,
         #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
@@ -152,6 +158,12 @@ class LeaseBook:
             for req_id, seconds in to_send.items():
                 if self.released.pop(req_id, None) is not None:
                     self.record_bytes -= record_bytes(req_id)
+                    count, readers = self.reads.get(req_id, (1, 1))
+                    if count < readers and not self.stopping:
+                        # some of its decode ranks came before the lease; the others are still to come
+                        self.held[req_id] = now + seconds
+                        self.blocks[req_id] = list(blocks.get(req_id, ()))
+                        continue
                     self.finished.add(req_id)  # its decode side was done before the lease came
                     self._forget(req_id, "released")
                 elif self.stopping:
@@ -196,7 +208,7 @@ class LeaseBook:
         """Drop every lease (the engine goes); how many there were."""
         with self._lock:
             held, self.held = len(self.held), {}
-            self.blocks = {}
+            self.blocks, self.reads = {}, {}
         return held
 
     def _free_at_shutdown(self, req_id: str) -> None:
@@ -267,15 +279,22 @@ class LeaseBook:
         return ""
 
     def on_release(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A linked decode worker's ``{"op": "release", "request_id": remote_request_id}`` ->
-        ``{"request_id": remote_request_id, "released": bool, "why": str}``. With lease tokens (the
-        default) ``remote_request_id`` must be the one this engine handed out, token included;
-        anything else is refused and the lease stays."""
+        """A linked decode worker's ``{"op": "release", "request_id": remote_request_id, "readers":
+        n}`` -> ``{"request_id": remote_request_id, "released": bool, "why": str}``. With lease
+        tokens (the default) ``remote_request_id`` must be the one this engine handed out, token
+        included; anything else is refused and the lease stays. ``readers`` (1 if absent: older
+        decode sides): how many decode ranks read these blocks, each of which releases them; they
+        are freed at the last of those releases (``release``)."""
         remote_id = message.get("request_id") if isinstance(message, dict) else None
         if not isinstance(message, dict) or message.get("op") != "release" or not isinstance(remote_id, str):
             logger.warning("llm_datadist: cluster %d sent a notification that is not a block release; ignored",
                            peer_cluster_id)
             return {"released": False, "why": "not a block release"}
+        readers = message.get("readers", 1)
+        if isinstance(readers, bool) or not isinstance(readers, int) or not 1 <= readers <= MAX_READERS:
+            self._refuse("bad_readers", peer_cluster_id, "a release whose readers are not in [1, %d]", MAX_READERS)
+            return {"request_id": remote_id[:MAX_RELEASE_ID_BYTES], "released": False,
+                    "why": f"readers must be an integer in [1, {MAX_READERS}]"}
         if len(remote_id) > MAX_RELEASE_ID_BYTES or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
             self._refuse("too_long", peer_cluster_id, "a request id longer than %d bytes", MAX_RELEASE_ID_BYTES)
             return {"released": False, "why": f"request id longer than {MAX_RELEASE_ID_BYTES} bytes"}
@@ -287,7 +306,7 @@ class LeaseBook:
                 self._refuse("bad_token", peer_cluster_id, "a release without this engine's lease token for it")
                 return {"request_id": remote_id, "released": False, "why": "no valid lease token for this request"}
             req_id, issued = checked
-        released, why = self.release(req_id, issued)
+        released, why = self.release(req_id, issued, readers)
         return {"request_id": remote_id, "released": released, "why": why}
 
     def _refuse(self, reason: str, peer_cluster_id: int, what: str, *args: Any) -> None:
@@ -300,9 +319,10 @@ class LeaseBook:
             logger.warning("llm_datadist: cluster %d sent " + what + "; refused (%d such so far; the lease stays)",
                            peer_cluster_id, *args, count)
 
-    def release(self, req_id: str, issued: Optional[int] = None) -> Tuple[bool, str]:
+    def release(self, req_id: str, issued: Optional[int] = None, readers: int = 1) -> Tuple[bool, str]:
         """Free a request's blocks for the decode side that has them (``issued``: when its lease
-        token was made, None without tokens)."""
+        token was made, None without tokens), at the ``readers``-th release: each of that many
+        decode ranks that read them releases them once."""
         now = time.monotonic()
         with self._lock:
             self._age(now)
@@ -310,15 +330,25 @@ class LeaseBook:
             if gone is not None:
                 self.stats["refused"] += 1
                 return False, f"its blocks were already freed ({gone[0]})"
-            if self.held.pop(req_id, None) is not None:
-                self.blocks.pop(req_id, None)
+            if req_id in self.held:
+                count = self.reads.get(req_id, (0, readers))[0] + 1
                 self.stats["released"] += 1
+                if count < readers:
+                    self.reads[req_id] = (count, readers)  # other readers are still at it
+                    return True, ""
+                del self.held[req_id]
+                self.blocks.pop(req_id, None)
                 self.finished.add(req_id)
                 self._forget(req_id, "released")
                 return True, ""
             if req_id in self.released:
-                self.stats["refused"] += 1
-                return False, "its blocks were already released"
+                count, known = self.reads.get(req_id, (1, 1))
+                if count >= max(known, readers):
+                    self.stats["refused"] += 1
+                    return False, "its blocks were already released"
+                self.reads[req_id] = (count + 1, max(known, readers))
+                self.stats["released"] += 1
+                return True, ""
             if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
                 # its lease has ended longer ago than this engine keeps records
                 self.stats["refused"] += 1
@@ -332,6 +362,8 @@ class LeaseBook:
                 return False, "too many releases are pending"
             self.released[req_id] = now
             self.record_bytes += cost
+            if readers > 1:
+                self.reads[req_id] = (1, readers)
             self.stats["released"] += 1
             return True, ""
 
@@ -393,6 +425,7 @@ class LeaseBook:
         """Remember (for ``kv_lease_s`` and a bit, within the records' budget) that a request's blocks
         are gone, to refuse late releases. Its blocks are freed whether or not the record fits: the
         oldest records make room."""
+        self.reads.pop(req_id, None)
         previous = self.gone.pop(req_id, None)
         if previous is not None:
             self.record_bytes -= record_bytes(req_id)
@@ -411,6 +444,7 @@ class LeaseBook:
             if now - when <= lease:
                 break
             del self.released[req_id]  # a release for a request this engine never leased
+            self.reads.pop(req_id, None)
             self.record_bytes -= record_bytes(req_id)
         while self.gone:
             req_id, (_, when) = next(iter(self.gone.items()))

@@ -51,6 +51,19 @@ class Recv:
     refused: str = ""
     #: every prefill rank, by tensor parallel rank (the first is the one above)
     ranks: Tuple[Peer, ...] = ()
+    #: whether the prefill engine frees a rank's blocks only after as many releases as it has
+    #: readers (``readers`` in a release; ``kv_transfer_params`` ``readers_counted``)
+    readers_counted: bool = False
+    #: the model's KV heads, set by the scheduler when the blocks move between engines of different
+    #: TP sizes (each decode rank pulls its heads' byte range of each block); 0 otherwise
+    kv_heads: int = 0
+    #: of one peer's spec (``peers``): its heads ``[src_head, src_head + heads)`` (counted from that
+    #: prefill rank's first) go to this rank's heads from ``dst_head``; ``heads`` 0: whole blocks
+    src_head: int = 0
+    dst_head: int = 0
+    heads: int = 0
+    #: how many decode ranks read (and release) that prefill rank's blocks
+    readers: int = 1
 
     @property
     def tp_size(self) -> int:
@@ -59,14 +72,50 @@ class Recv:
 
     def peers(self, rank: int, size: int) -> List["Recv"]:
         """What decode rank ``rank`` of ``size`` does for this request: one spec per prefill rank it
-        releases (``p % size == rank``; with the same TP, exactly rank ``rank``), addressed to it.
-        Blocks are pulled only between ranks of the same TP size (``awaiting`` stays only then)."""
+        pulls from or releases, addressed to it. With the same TP size, exactly rank ``rank``,
+        whole blocks. With another TP size and ``kv_heads`` set (the scheduler found the heads
+        split evenly), every prefill rank holding some of this rank's heads, each with its head
+        range and its count of readers. Else nothing is pulled (``awaiting`` stays only with the
+        same TP size) and this rank releases the prefill ranks ``p % size == rank``."""
         ranks = self.ranks or (Peer(self.host, self.port, self.cluster_id, self.remote_request_id),)
+        if len(ranks) != size and self.kv_heads and self.awaiting:
+            return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
+                            remote_request_id=peer.remote_request_id, src_head=src, dst_head=dst, heads=count,
+                            readers=readers)
+                    for p, src, dst, count, readers in head_overlaps(self.kv_heads, len(ranks), size, rank)
+                    for peer in (ranks[p],)]
         same = len(ranks) == size
         return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
                         remote_request_id=peer.remote_request_id, local_block_ids=self.local_block_ids if same else [],
                         awaiting=self.awaiting and same)
                 for p, peer in enumerate(ranks) if p % size == rank]
+
+
+def split_refusal(kv_heads: int, prefill_tp: int, decode_tp: int) -> str:
+    """Why KV cannot move head by head between TP sizes ``prefill_tp`` and ``decode_tp`` of a model
+    with ``kv_heads`` KV heads; "" if it can (each rank of each side holds its own even share)."""
+    if kv_heads <= 0:
+        return "this engine does not know its model's KV heads"
+    for tp in (prefill_tp, decode_tp):
+        if kv_heads % tp:
+            return (f"the model's {kv_heads} KV heads do not split evenly over tensor parallel size {tp} (vLLM "
+                    "then replicates KV heads over ranks)")
+    return ""
+
+
+def head_overlaps(kv_heads: int, prefill_tp: int, decode_tp: int, rank: int) -> List[Tuple[int, int, int, int, int]]:
+    """``(prefill rank, first head there, first head here, heads, readers)`` for each prefill rank
+    whose heads decode rank ``rank`` shares: rank r of a side of TP size t holds heads
+    ``[r * kv_heads / t, (r + 1) * kv_heads / t)`` (``split_refusal`` is ""); first heads count
+    from each rank's own first; ``readers``: how many decode ranks share that prefill rank's heads."""
+    per_p, per_d = kv_heads // prefill_tp, kv_heads // decode_tp
+    first, last = rank * per_d, (rank + 1) * per_d
+    out = []
+    for p in range(first // per_p, -(-last // per_p)):
+        low, high = max(first, p * per_p), min(last, (p + 1) * per_p)
+        readers = -(-(p + 1) * per_p // per_d) - p * per_p // per_d
+        out.append((p, low - p * per_p, low - first, high - low, readers))
+    return out
 
 
 @dataclass
@@ -134,7 +183,7 @@ def recv_spec(params: Any) -> Optional[Recv]:
             # rank 0 is where the NIXL-style fields say (a router may have rewritten them)
             ranks = (first,) + ranks[1:]
         return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
-                    ranks=ranks, remote_block_size=block_size)
+                    ranks=ranks, remote_block_size=block_size, readers_counted=params.get("readers_counted") is True)
     except (TypeError, ValueError, OverflowError):
         return None
 

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv,
-                                                 recv_spec)
+                                                 recv_spec, split_refusal)
 from llm_datadist.integrations.vllm.options import Options
 
 logger = logging.getLogger(__package__)
@@ -74,11 +74,13 @@ def prompt_length(request) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1):
+    def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1,
+                 kv_heads: int = 0):
         self.engine_id = engine_id
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
+        self.kv_heads = kv_heads  # the model's, over all ranks (0: unknown)
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None  # rank 0
         self.workers: List[LLMDataDistHandshakeMetadata] = []  # by tensor parallel rank
         self._recv: Dict[str, Recv] = {}
@@ -130,10 +132,11 @@ class Scheduler:
         spec = recv_spec(params)
         prompt = prompt_length(request)
         wanted = -(-prompt // self.block_size)
-        if spec is not None and spec.tp_size != self.tp_size:
-            logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d; "
-                           "LLMDataDistConnector moves KV between engines of the same tensor parallel size only: "
-                           "computing the prompt locally", request.request_id, spec.tp_size, self.tp_size)
+        why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
+        if why:
+            logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d, "
+                           "and %s: computing the prompt locally", request.request_id, spec.tp_size, self.tp_size,
+                           why)
             params["do_remote_prefill"] = False
             self._recv[request.request_id] = spec  # still let every prefill rank free its blocks
             return 0, False
@@ -163,7 +166,15 @@ class Scheduler:
             return
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
         self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0,
-                                                 refused=self._refusal(spec))
+                                                 refused=self._refusal(spec),
+                                                 kv_heads=self.kv_heads if spec.tp_size != self.tp_size else 0)
+
+    def _tp_refusal(self, spec: Recv) -> str:
+        """Why KV cannot move head by head from a prefill engine of another TP size; "" if it can."""
+        if not spec.readers_counted:
+            return ("that engine frees a rank's blocks at its first release (an older release): KV moves only "
+                    "between engines of the same tensor parallel size")
+        return split_refusal(self.kv_heads, spec.tp_size, self.tp_size)
 
     def _refusal(self, spec: Recv) -> str:
         """Why the prefill engine's blocks cannot be loaded here, from what its params say; "" if they can."""
@@ -236,4 +247,7 @@ class Scheduler:
             # every rank (rank 0 again first): a decode rank pulls from the prefill rank of its number
             "remote_ranks": [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "request_id": remote_id}
                              for w, remote_id in zip(self.workers, remote_ids)],
+            # each rank frees its blocks after as many releases as the decode side has readers of
+            # it (a decode engine of another TP size reads one rank from several of its own)
+            "readers_counted": True,
         }

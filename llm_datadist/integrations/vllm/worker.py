@@ -84,12 +84,19 @@ class Worker:
         self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self._block_bytes = 0
+        #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
+        #: each block (pulls from engines of another TP size); else why not
+        self._head_bytes: Optional[int] = None
+        self._heads_refusal = "the KV caches are not registered"
         # decode side
         self.peers = Peers(self.dd, options, self._count, hello=self._hello,
                            link_failed=lambda: self.recorder.count("link_failures"))
         self._settled: "OrderedDict[Tuple[int, str], str]" = OrderedDict()  # prefill request -> our request
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
+        #: request id -> (pulls still running, whether one failed), for a request this rank pulls
+        #: from several prefill ranks (an engine of another TP size): done when the last one is
+        self._pending: Dict[str, List[Any]] = {}
         self._load_errors: Set[int] = set()
         # prefill side
         self.leases = LeaseBook(options)
@@ -120,7 +127,10 @@ class Worker:
             layout.check_device(self.dd, first.device, self.device_id)
         self._keep = tensors
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
-        self.compat = dict(self.compat, layout=compat.layout(desc))  # (a new dict: links' threads read it)
+        self._head_bytes, self._heads_refusal = self._head_split(first)
+        # (a new dict: links' threads read it)
+        self.compat = dict(self.compat, layout=compat.layout(desc), tp_size=self.tp_size,
+                           layout_all_heads=compat.layout(desc, self.tp_size if self._head_bytes else 0))
         self._register(tensors, desc)
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
@@ -129,6 +139,22 @@ class Worker:
             self._links_api.set_read_guard(self.leases.read_guard)
         logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
                     len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+
+    def _head_split(self, first) -> Tuple[Optional[int], str]:
+        """``(bytes of one KV head in a block, "")`` if each block of the registered tensors holds
+        this rank's KV heads outermost (``[heads, tokens, ...]``: vLLM's LBHNC views), so that a
+        range of heads is one byte range of each block; else ``(None, why not)``."""
+        heads = self.compat.get("kv_heads")
+        if not isinstance(heads, int) or heads <= 0:
+            return None, "this engine's model does not say its KV heads"
+        if heads % self.tp_size:
+            return None, (f"the model's {heads} KV heads do not split evenly over this engine's {self.tp_size} "
+                          "ranks")
+        mine = heads // self.tp_size
+        if first.dim() != 4 or first.shape[1] != mine:
+            return None, (f"its KV blocks of shape {tuple(first.shape[1:])} do not hold this rank's {mine} KV "
+                          "heads outermost")
+        return first[0].numel() * first.element_size() // mine, ""
 
     def _register(self, tensors, desc: ld.CacheDesc) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
@@ -191,6 +217,9 @@ class Worker:
                 while len(self._settled) > _SETTLED_REMEMBERED:
                     self._settled.popitem(last=False)
                 pulls.append((req_id, spec))
+            for req_id, spec in pulls:
+                if spec.awaiting:  # (counted before any of them runs)
+                    self._pending.setdefault(req_id, [0, False])[0] += 1
         if freed is not None:
             logger.warning("llm_datadist: the engine is shutting down: freed the KV blocks of %d finished "
                            "request(s) that no decode engine had taken yet (a decode engine that comes for them "
@@ -199,10 +228,11 @@ class Worker:
             self.peers.submit(spec, lambda r=req_id, sp=spec: self._pull(r, sp))
 
     def _peer_specs(self, reqs_to_recv: Dict[str, Recv]) -> List[Tuple[str, Recv]]:
-        """``(request id, spec)`` for each prefill rank this rank pulls from or releases: with the same
-        TP size, the rank of our number; else (the scheduler computes the prompt) the releases of
-        the ranks ``p % tp_size == tp_rank``. A request parked for a load that this rank cannot do
-        is reported failed."""
+        """``(request id, spec)`` for each prefill rank this rank pulls from or releases
+        (``Recv.peers``): with the same TP size, the rank of our number; with another, the ranks
+        holding some of our KV heads (their head ranges), or, where the scheduler computes the
+        prompt, the releases of the ranks ``p % tp_size == tp_rank``. A request parked for a load
+        that this rank cannot do is reported failed."""
         out = []
         for req_id, spec in reqs_to_recv.items():
             peers = spec.peers(self.tp_rank, self.tp_size)
@@ -243,9 +273,16 @@ class Worker:
         finally:
             with self._lock:
                 if spec.awaiting:
-                    self._recved.add(req_id)
+                    pending = self._pending.get(req_id)
+                    if pending is not None:
+                        pending[0] -= 1
+                        pending[1] = pending[1] or not ok
+                    if pending is None or pending[0] <= 0:  # the last of its pulls on this rank
+                        self._pending.pop(req_id, None)
+                        self._recved.add(req_id)
+                        if not ok or (pending is not None and pending[1]):
+                            self._failed.add(req_id)
                     if not ok:
-                        self._failed.add(req_id)
                         self._load_errors.update(local)
                 if local:
                     self._stats["pulled_requests" if ok else "failed_requests"] += 1
@@ -310,10 +347,21 @@ class Worker:
         why = spec.refused or self.peers.peer(spec).incompatible
         if why:
             raise compat.Incompatible(why)
+        if spec.heads and self._head_bytes is None:
+            raise compat.Incompatible(f"this engine has another tensor parallel size than the prefill engine, and "
+                                      f"{self._heads_refusal}")
         start = time.perf_counter()
+        nbytes = len(local) * self._block_bytes
         with self.dd.engine.read_tag(spec.remote_request_id):
-            self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, 0), cache, remote, local)
-        self.recorder.pull(time.perf_counter() - start, len(local), len(local) * self._block_bytes)
+            if spec.heads:
+                # this rank's heads, one byte range of each block on both sides
+                size = self._head_bytes
+                self.dd.engine.pull_block_range(cluster_id, 0, cache.cache_id, remote, local,
+                                                spec.src_head * size, spec.dst_head * size, spec.heads * size)
+                nbytes = len(local) * len(self._keep) * spec.heads * size
+            else:
+                self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, 0), cache, remote, local)
+        self.recorder.pull(time.perf_counter() - start, len(local), nbytes)
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
         """Once per link (``Peers`` calls it when a link is made): tell the prefill worker what this
@@ -353,6 +401,8 @@ class Worker:
         ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
         ``(None, why)`` if it could not be told."""
         message = {"op": "release", "request_id": spec.remote_request_id}
+        if spec.readers > 1:  # other decode ranks read these blocks too: freed at the last release
+            message["readers"] = spec.readers
         try:
             reply = self.peers.on_link(spec, lambda cluster_id: self._links_api.notify(
                 cluster_id, message, self.peers.notify_timeout_ms))
@@ -363,7 +413,6 @@ class Worker:
         with self._lock:
             self._stats["notified"] += 1
         return bool(reply.get("released")), str(reply.get("why", ""))
-
 
     def close(self) -> None:
         if self.producer:

@@ -813,3 +813,32 @@ def test_e2e_the_owners_read_guard_checks_staged_pulls(cuda_env, client_place):
         for got, want in zip(_blocks(client.call(c_read, "blocks")), c_blocks):
             assert (got == want).all()
         assert client.call(c_linked) == [SERVER_ID]
+
+
+def c_pull_range(state, name: str, src: List[int], dst: List[int], ranges: Tuple[int, int, int], tag: str) -> str:
+    """The engine seam's pull of a byte range of each block (``ranges``: src_offset, dst_offset, nbytes)."""
+    try:
+        with state.dd.engine.read_tag(tag):
+            state.dd.engine.pull_block_range(SERVER_ID, MODEL_ID, state.caches[name].cache_id, src, dst, *ranges)
+    except ld.LLMException as exc:
+        return exc.status_code.name
+    return "ok"
+
+
+@needs_core
+def test_e2e_a_byte_range_of_each_block_moves_through_staging(cuda_env):
+    """A tensor parallel rank's heads: a range inside each of the owner's device blocks, staged on
+    its side, lands at its offset in the puller's device blocks, past the guard (inside the leased
+    blocks); the rest of each block keeps its bytes."""
+    with _pair("DEVICE", "DEVICE") as (client, server, _):
+        c_blocks = _blocks(client.call(c_fill, "blocks", 7))
+        s_blocks = _blocks(server.call(c_fill, "blocks", 8))
+        server.call(c_guard_blocks, "blocks", {"req.token": [2, 5]})
+        half = BLOCK // 2
+        assert client.call(c_pull_range, "blocks", [5, 2], [1, 6], (half, 8, half - 8), "req.token") == "ok"
+        assert client.call(c_pull_range, "blocks", [3], [0], (0, 0, 8), "req.token") == "LLM_KV_CACHE_NOT_EXIST"
+        for t in range(TENSORS):
+            for s, d in ((5, 1), (2, 6)):
+                c_blocks[t][d][8:half] = s_blocks[t][s][half:-8]
+        for got, want in zip(_blocks(client.call(c_read, "blocks")), c_blocks):
+            assert (got == want).all()
