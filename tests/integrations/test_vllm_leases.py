@@ -321,6 +321,34 @@ def fake_server(answer):
         server.server_close()
 
 
+def through_toy_proxy(proxy: Path, prefill_answer, decode_answer, tmp_path: Path):
+    """Run vLLM's ``proxy`` in front of a fake prefill and a fake decode server (``*_answer(body)``
+    make their replies) and send it one completion request; its reply."""
+    import httpx
+
+    with fake_server(prefill_answer) as p_port, fake_server(decode_answer) as d_port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(tmp_path / "proxy.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(proxy), "--port", str(port), "--prefiller-host", "127.0.0.1",
+                                     "--prefiller-port", str(p_port), "--decoder-host", "127.0.0.1",
+                                     "--decoder-port", str(d_port)], stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        return httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                                          json={"model": "m", "prompt": "hello", "max_tokens": 4}, timeout=60)
+                    except httpx.TransportError:
+                        assert time.monotonic() < deadline and proc.poll() is None, \
+                            (tmp_path / "proxy.log").read_text()
+                        time.sleep(0.2)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
 def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
     """vLLM's own proxy between a prefill server whose answer our scheduler makes and a decode
     server whose request our decode side reads: the release it sends frees the lease."""
@@ -339,32 +367,8 @@ def test_the_token_passes_vllms_toy_proxy_unchanged(tmp_path):
             decoded.append(body["kv_transfer_params"])
             return {"choices": [{"text": "decoded"}]}
 
-        with fake_server(prefill_answer) as p_port, fake_server(decode_answer) as d_port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            log = open(tmp_path / "proxy.log", "w")
-            proc = subprocess.Popen([sys.executable, str(proxy), "--port", str(port), "--prefiller-host", "127.0.0.1",
-                                     "--prefiller-port", str(p_port), "--decoder-host", "127.0.0.1",
-                                     "--decoder-port", str(d_port)], stdout=log, stderr=subprocess.STDOUT)
-            try:
-                import httpx
-
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                                           json={"model": "m", "prompt": "hello", "max_tokens": 4}, timeout=30)
-                        break
-                    except httpx.TransportError:
-                        assert time.monotonic() < deadline and proc.poll() is None, \
-                            (tmp_path / "proxy.log").read_text()
-                        time.sleep(0.2)
-                assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "decoded"
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
-                log.close()
+        reply = through_toy_proxy(proxy, prefill_answer, decode_answer, tmp_path)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "decoded"
         lease(worker, *scheduler.build_connector_meta().reqs_to_send)
         spec = _recv_spec(decoded[0])
         assert spec is not None and "." in spec.remote_request_id

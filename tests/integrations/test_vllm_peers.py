@@ -257,10 +257,8 @@ def test_vllms_toy_proxy_with_only_nixls_fields_reaches_the_prefill_engine(tmp_p
     """vLLM's own proxy, handed a prefill answer cut to the fields vLLM's NIXL connector sends (no
     ``remote_cluster_id``, as a router that forwards only those passes on): the decode worker
     links to the address, learns the cluster there, pulls the block and releases the lease."""
-    import subprocess
-    import sys
 
-    from test_vllm_leases import NIXL_FIELDS, fake_server, require_toy_proxy
+    from test_vllm_leases import NIXL_FIELDS, require_toy_proxy, through_toy_proxy
 
     proxy = require_toy_proxy()
     with prefill_child(kv_lease_s=60) as prefill, worker(CONSUMER) as decode:
@@ -275,32 +273,8 @@ def test_vllms_toy_proxy_with_only_nixls_fields_reaches_the_prefill_engine(tmp_p
             decoded.append(body["kv_transfer_params"])
             return {"choices": [{"text": "decoded"}]}
 
-        with fake_server(prefill_answer) as p_port, fake_server(decode_answer) as d_port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            log = open(tmp_path / "proxy.log", "w")
-            proc = subprocess.Popen([sys.executable, str(proxy), "--port", str(port), "--prefiller-host", "127.0.0.1",
-                                     "--prefiller-port", str(p_port), "--decoder-host", "127.0.0.1",
-                                     "--decoder-port", str(d_port)], stdout=log, stderr=subprocess.STDOUT)
-            try:
-                import httpx
-
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                                           json={"model": "m", "prompt": "hello", "max_tokens": 4}, timeout=60)
-                        break
-                    except httpx.TransportError:
-                        assert time.monotonic() < deadline and proc.poll() is None, \
-                            (tmp_path / "proxy.log").read_text()
-                        time.sleep(0.2)
-                assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "decoded"
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
-                log.close()
+        reply = through_toy_proxy(proxy, prefill_answer, decode_answer, tmp_path)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "decoded"
         assert "remote_cluster_id" not in decoded[0]
         step(decode, recv={"d-1": spec_of(decoded[0], local=[5], awaiting=True)})
         wait_for(lambda: decode.stats["pulled_requests"] + decode.stats["failed_requests"] == 1, 30,
