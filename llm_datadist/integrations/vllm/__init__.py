@@ -116,14 +116,17 @@ another connector's handshake metadata (``MultiConnector``) is ignored;
 
 Tensor parallelism: every worker (TP rank) has its own llm_datadist cluster, listener and lease
 key; decode rank r pulls from prefill rank r and releases it, and vLLM frees a request's prefill
-blocks once every rank has reported it. A decode engine whose prefill engine has another TP size
-computes the prompt itself (logged) and releases every prefill rank.
+blocks once every rank has reported it. Between engines of different TP sizes a decode rank pulls
+its KV heads (one byte range of each block) from every prefill rank holding some of them, and a
+prefill rank read by k decode ranks frees its blocks at the k-th release; where the heads do not
+split evenly (replicated KV heads) the decode engine computes the prompt itself (logged) and
+releases every prefill rank.
 
-Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's), the same tensor
-parallel size on both sides, data parallelism, memory the llm_datadist device runtime reaches (the
-vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet: several KV cache groups
-(hybrid/sliding-window models), KV moving between different TP sizes, pipeline parallelism
-(refused at start-up), push mode, layer-by-layer pipelining.
+Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's), tensor parallelism
+(equal or different sizes on the two sides), data parallelism, memory the llm_datadist device
+runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet: several
+KV cache groups (hybrid/sliding-window models), replicated KV heads across different TP sizes,
+pipeline parallelism (refused at start-up), push mode, layer-by-layer pipelining.
 """
 
 from __future__ import annotations
