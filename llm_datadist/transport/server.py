@@ -72,7 +72,9 @@ def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str,
     read and dropped, the peer answered ``LLM_PARAM_INVALID`` (larger than
     ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted ``refused_oversized``) or ``LLM_LINK_BUSY`` (no
     room in the parsing budget in time, ``refused_parsing``), the link going on. ProtocolError
-    for a body cut short or not a JSON object."""
+    for a body longer than ``wire.MAX_CONTROL_BYTES``, cut short or not a JSON object."""
+    if length > wire.MAX_CONTROL_BYTES:  # no control message is that long: not drained, the connection goes
+        raise ProtocolError(f"{what} of {length} bytes exceeds the protocol's {wire.MAX_CONTROL_BYTES}")
     limit = budgets.max_message_bytes()
     if length > limit:
         count("refused_oversized")

@@ -323,6 +323,8 @@ class ServerModel:
                    wire.OP_NOTIFY: (wire.OP_NOTIFY_REPLY, "notification"),
                    wire.OP_UNLINK: (wire.OP_UNLINK_DONE, "unlink")}.get(op)
         limit = budgets.max_message_bytes()
+        if control is not None and length > wire.MAX_CONTROL_BYTES:  # longer than any control message
+            raise protocol_error(f"{control[1]} of {length} bytes exceeds the protocol's {wire.MAX_CONTROL_BYTES}")
         if control is not None and length > limit:  # over the message budget: read, dropped, refused
             if stream.take(length) is None:
                 raise protocol_error("refused control message truncated")
