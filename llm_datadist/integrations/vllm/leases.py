@@ -134,6 +134,9 @@ class LeaseBook:
         #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
         #: per block (``set_layout``)
         self.blocks: Dict[str, List[int]] = {}
+        #: request id -> the byte ranges its blocks span in every registered tensor, made at its first
+        #: guarded pull and kept while it is held (a request's pulls come in several shares)
+        self._ranges: Dict[str, List[Tuple[int, int]]] = {}
         self._tensors: List[int] = []
         self._block_bytes = 0
         self._leased = threading.Condition(self._lock)  # a lease came (``read_guard`` waits for it)
@@ -163,6 +166,7 @@ class LeaseBook:
                         # some of its decode ranks came before the lease; the others are still to come
                         self.held[req_id] = now + seconds
                         self.blocks[req_id] = list(blocks.get(req_id, ()))
+                        self._ranges.pop(req_id, None)
                         continue
                     self.finished.add(req_id)  # its decode side was done before the lease came
                     self._forget(req_id, "released")
@@ -172,6 +176,7 @@ class LeaseBook:
                 else:
                     self.held[req_id] = now + seconds
                     self.blocks[req_id] = list(blocks.get(req_id, ()))
+                    self._ranges.pop(req_id, None)
             self._drop_blocks()
             self._leased.notify_all()
         return freed if began else None
@@ -208,7 +213,7 @@ class LeaseBook:
         """Drop every lease (the engine goes); how many there were."""
         with self._lock:
             held, self.held = len(self.held), {}
-            self.blocks, self.reads = {}, {}
+            self.blocks, self.reads, self._ranges = {}, {}, {}
         return held
 
     def _free_at_shutdown(self, req_id: str) -> None:
@@ -338,6 +343,7 @@ class LeaseBook:
                     return True, ""
                 del self.held[req_id]
                 self.blocks.pop(req_id, None)
+                self._ranges.pop(req_id, None)
                 self.finished.add(req_id)
                 self._forget(req_id, "released")
                 return True, ""
@@ -372,6 +378,7 @@ class LeaseBook:
         """The registered KV tensors (addresses; block id on dim 0) and the bytes of one block."""
         with self._lock:
             self._tensors, self._block_bytes = list(tensors), int(block_bytes)
+            self._ranges = {}
 
     def read_guard(self, peer_cluster_id: int, tag: bytes) -> Optional[List[Tuple[int, int]]]:
         """The engine's read guard (``engine.set_read_guard``): a pull tagged with the
@@ -395,11 +402,15 @@ class LeaseBook:
                     break
                 self._leased.wait(left)
             blocks = self.blocks.get(req_id) if req_id in self.held else None
-            tensors, size = self._tensors, self._block_bytes
+            ranges = self._ranges.get(req_id)
+            if blocks is not None and ranges is None:
+                size = self._block_bytes
+                ranges = self._ranges[req_id] = [(addr + block * size, size) for addr in self._tensors
+                                                 for block in blocks]
         if blocks is None:
             self._refuse_read(peer_cluster_id, "a pull for a request whose blocks this engine no longer holds")
             return None
-        return [(addr + block * size, size) for addr in tensors for block in blocks]
+        return ranges
 
     def _refuse_read(self, peer_cluster_id: int, what: str) -> None:
         with self._lock:
@@ -414,6 +425,8 @@ class LeaseBook:
         if len(self.blocks) != len(self.held):
             for req_id in [r for r in self.blocks if r not in self.held]:
                 del self.blocks[req_id]
+        for req_id in [r for r in self._ranges if r not in self.blocks]:
+            del self._ranges[req_id]
 
     # -- records ------------------------------------------------------------------------------------
     def age(self, now: float) -> None:
