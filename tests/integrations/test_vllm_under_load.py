@@ -23,7 +23,11 @@ pytestmark = needs_vllm
 
 LEASE_S = 2.0
 LINK_TIMEOUT_MS = 3000
-BLOCKER_TOKENS = 400  # decoded by the request that holds the decode engine's one slot meanwhile
+# The request that holds the decode engine's one slot meanwhile: it may decode up to BLOCKER_TOKENS
+# (more than any machine here decodes in HOLD_S) and is aborted once it has run HOLD_S, so that the
+# queue outlasts two leases however fast the machine is.
+BLOCKER_TOKENS = 2000
+HOLD_S = 3 * LEASE_S
 MAX_TOKENS = 8
 # Six prompts of 200 tokens queued behind a request that holds the one slot (max_num_seqs 1).
 QUEUED = prompts_of([200] * 6, seed=21)
@@ -57,7 +61,8 @@ def cluster(tmp_path_factory):
         started.append(second)
         decode = Engine(work / "model", "consumer", work / "decode.log",
                         {"kv_lease_s": LEASE_S, "link_timeout_ms": LINK_TIMEOUT_MS, "link_secret": LINK_SECRET},
-                        {"max_num_seqs": 1, "kv_transfer": {"kv_load_failure_policy": "recompute"}})
+                        {"max_num_seqs": 1, "max_model_len": 2048,
+                         "kv_transfer": {"kv_load_failure_policy": "recompute"}})
         started.append(decode)
         for engine in (first, second, decode):
             engine.wait_ready()
@@ -81,15 +86,15 @@ def send(engine: Engine, **request) -> None:
 def test_requests_queued_longer_than_the_lease_still_pull(cluster):
     """Six prompts queue on the decode engine behind a request that holds its one slot
     (``max_num_seqs`` 1: vLLM asks the connector about a waiting request only when a slot is
-    free) for longer than the prefill engine's 2 s lease, while the prefill engine keeps stepping
-    (so that leases nobody renews run out): every one is pulled and confirmed, none is refused,
-    no lease expires, and the leases were renewed."""
+    free; it is aborted after ``HOLD_S``) for longer than the prefill engine's 2 s lease, while
+    the prefill engine keeps stepping (so that leases nobody renews run out): every one is pulled
+    and confirmed, none is refused, no lease expires, and the leases were renewed."""
     baseline, prefill, _, decode = cluster
     params = prefill_for_remote_decode(prefill, QUEUED)
     prefill_before, decode_before = prefill.stats()["stats"], decode.stats()["stats"]
     start = time.monotonic()
     send(decode, op="generate", prompts=BLOCKER + QUEUED, max_tokens=[BLOCKER_TOKENS] + [MAX_TOKENS] * len(QUEUED),
-         params=[None] + params)
+         params=[None] + params, hold_first_s=HOLD_S)
     send(prefill, op="generate", prompts=BUSY, max_tokens=1000, params=None)
     outputs = decode._read(600)["outputs"][1:]
     queued_s = time.monotonic() - start

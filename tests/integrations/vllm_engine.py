@@ -7,7 +7,9 @@ are more keyword arguments of ``LLM`` (``shutdown_timeout``, ``max_num_seqs``...
 more fields of ``KVTransferConfig``, such as ``kv_load_failure_policy``). Requests:
 ``{"op": "generate", "prompts": [[ids]], "max_tokens": n (or one per prompt), "params": [kv_transfer_params
 or null]}``
--> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}``;
+-> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}`` (with ``"hold_first_s": s``
+the first prompt is aborted once it has run ``s`` seconds, if it has not finished by then: a request that
+holds a slot for a set time whatever this machine's speed; its output is then ``{"aborted": true}``);
 ``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "metrics"}`` -> the
 connector's Prometheus series (counter values, histogram counts); ``{"op": "stats"}`` -> the
 worker connector's counters (in-process engines only); ``{"op": "shutdown", "grace_s": s}`` shuts
@@ -29,6 +31,29 @@ for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "
     os.environ.setdefault(key, value)
 
 BLOCK_SIZE = 32
+
+
+def generate_holding_first(llm, prompts, sampling, hold_s: float) -> list:
+    """``llm.generate``'s results, in order, from vLLM's engine stepped here, where the first request is
+    aborted (its result None) once it has run ``hold_s`` seconds unfinished."""
+    import time
+    import uuid
+
+    engine = llm.llm_engine
+    tag = uuid.uuid4().hex[:8]
+    names = [f"hold-{tag}-{i}" for i in range(len(prompts))]
+    for name, prompt, params in zip(names, prompts, sampling):
+        engine.add_request(name, prompt, params)
+    done, start, holding = {}, time.monotonic(), True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if holding and time.monotonic() - start >= hold_s:
+            holding = False
+            if names[0] not in done:
+                engine.abort_request([names[0]])
+    return [done.get(name) for name in names]
 
 
 def main() -> int:
@@ -53,7 +78,8 @@ def main() -> int:
             kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
             kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra,
             **transfer)
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024,
+    kwargs.setdefault("max_model_len", 1024)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE,
               enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
 
     def reply(obj) -> None:
@@ -103,9 +129,12 @@ def main() -> int:
         sampling = [SamplingParams(max_tokens=n, temperature=0.0, detokenize=False,
                                    extra_args={"kv_transfer_params": p} if p is not None else None)
                     for p, n in zip(params, limits)]
-        results = llm.generate(prompts, sampling, use_tqdm=False)
-        reply({"outputs": [{"token_ids": list(r.outputs[0].token_ids),
-                            "kv_transfer_params": r.kv_transfer_params,
+        if request.get("hold_first_s") is not None:
+            results = generate_holding_first(llm, prompts, sampling, request["hold_first_s"])
+        else:
+            results = llm.generate(prompts, sampling, use_tqdm=False)
+        reply({"outputs": [{"aborted": True} if r is None else
+                           {"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
                             "num_cached_tokens": r.num_cached_tokens} for r in results]})
     return 0
 
