@@ -44,6 +44,8 @@ logger = logging.getLogger("llm_datadist")
 
 #: Largest handshake message (hello, challenge, authentication, reply).
 MAX_HANDSHAKE_BYTES = 64 << 10
+#: The first protocol version whose handshake had a CHALLENGE (``refuse_version``).
+FIRST_CHALLENGE_VERSION = 3
 #: Largest rank a two-sided link request may claim.
 MAX_RANK = 1 << 31
 
@@ -99,6 +101,19 @@ class Admission:
         return self.request.get("purpose")
 
 
+def refuse_version(fd: int, mismatch: wire.VersionMismatch, deadline: float) -> None:
+    """Answer a hello of another protocol version with a refused ``CHALLENGE`` in the peer's own
+    version, carrying the one line that names both versions: every client since version 3 reads a
+    challenge's refusal as ``refused: <error>`` and fails its link with it (LLM_LINK_FAILED), so the
+    peer's log says why instead of showing a closed connection. Versions before 3 had no
+    challenge, and no version 0 ever was: those get nothing. Best effort: the caller closes."""
+    if mismatch.version < FIRST_CHALLENGE_VERSION:
+        return
+    payload = wire.encode_json({"error": str(mismatch)})
+    header = wire.pack_header(wire.OP_CHALLENGE, 1, len(payload), S.LLM_LINK_FAILED, version=mismatch.version)
+    _io.send_bytes(fd, header + payload, max(1, dl.left_ms(deadline)))
+
+
 def _ignore_failure(peer_id: int, why: str) -> None:
     pass
 
@@ -110,7 +125,11 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     ``on_auth_failure(peer_id, why)`` runs for a failed authentication *before* the refusal is
     sent, so that whoever counts failures has counted this one by the time the peer holds it."""
     fd = sock.fileno()
-    _, hello = receive_frame(fd, wire.OP_HELLO, deadline, "hello")
+    try:
+        _, hello = receive_frame(fd, wire.OP_HELLO, deadline, "hello")
+    except wire.VersionMismatch as exc:
+        refuse_version(fd, exc, deadline)
+        raise
     peer_id, client_nonce = hello.get("cluster_id"), hello.get("nonce")
     if not is_int(peer_id) or not auth.is_nonce(client_nonce) or not isinstance(hello.get("auth"), bool):
         raise ProtocolError(f"malformed hello {brief(hello)}")

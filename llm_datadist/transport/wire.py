@@ -15,7 +15,8 @@ connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accept
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
 "forward"/"reverse" with the link's ``token``; a link to this cluster's own listener also carries
 ``self_proof``, since version 4), and HELLO_REPLY (a status; for a link the server's role, planes,
-token and Unix socket name). See ``auth`` for the proofs.
+token and Unix socket name). A hello of another protocol version is answered with one refused
+CHALLENGE in that version whose error names both versions (``handshake.refuse_version``). See ``auth`` for the proofs.
 
 Control payloads (handshake, tables, unlink, key release, notifications) are UTF-8 JSON of at most
 ``MAX_CONTROL_BYTES``. A PUSH payload is ``u64 table generation`` + ``u64 descriptor bytes`` +
@@ -32,7 +33,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 MAGIC = b"LLDD"
 PROTOCOL_VERSION = 5
@@ -78,17 +79,29 @@ class ProtocolError(Exception):
     """A frame that breaks the protocol: the connection it came on is closed."""
 
 
-def pack_header(op: int, req_id: int, length: int, status: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, op, status, req_id, length)
+class VersionMismatch(ProtocolError):
+    """A frame of this protocol (right magic) but of another version: ``version``. Its message is
+    the one line naming both versions."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        self.version = version
+
+
+def pack_header(op: int, req_id: int, length: int, status: int = 0, version: Optional[int] = None) -> bytes:
+    """A frame's header, of ``PROTOCOL_VERSION`` unless ``version`` says otherwise (only to answer a
+    peer of another version in its own: ``handshake.refuse_version``)."""
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION if version is None else version, op, status, req_id, length)
 
 
 def unpack_header(data) -> Tuple[int, int, int, int]:
-    """``(op, status, req_id, length)``; ProtocolError for a foreign magic or version."""
+    """``(op, status, req_id, length)``; ProtocolError for a foreign magic, VersionMismatch for
+    another version."""
     magic, version, op, status, req_id, length = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        raise VersionMismatch(version)
     if op not in OP_NAMES:
         raise ProtocolError(f"unknown op {op}")
     return op, status, req_id, length

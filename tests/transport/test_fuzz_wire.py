@@ -196,11 +196,11 @@ class Checker:
     @staticmethod
     def _compare_replies(expected: Expected, observed: Observed) -> None:
         frames = parse_frames(observed.replies)
-        got = [(op, status, req_id) for op, status, req_id, _, _ in frames]
-        want = [(r.op, r.status, r.req_id) for r in expected.replies]
+        got = [(op, status, req_id, version) for op, status, req_id, _, _, version in frames]
+        want = [(r.op, r.status, r.req_id, r.version) for r in expected.replies]
         if got != want:
             raise Mismatch(f"replies {got}, expected {want}")
-        for (_, _, _, _, payload), reply in zip(frames, expected.replies):
+        for (_, _, _, _, payload, _), reply in zip(frames, expected.replies):
             if reply.kind == "empty":
                 ok = payload == b""
             elif reply.kind == "bytes":

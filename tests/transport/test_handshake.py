@@ -181,18 +181,40 @@ def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, clien
 
 
 @pytest.mark.parametrize("version", [4, wire.PROTOCOL_VERSION + 1], ids=["v4 (before pull tags)", "newer"])
-def test_a_hello_of_another_protocol_version_is_a_protocol_error(pair, version):
+def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version(pair, version):
+    """The server raises the one line naming both versions (the caller logs it and closes), and
+    first answers with a refused CHALLENGE in the peer's version carrying that line, which a
+    client of any version since 3 reports as ``refused: <line>``."""
     assert wire.PROTOCOL_VERSION == 5
     server_end, client_end = pair
     served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
     payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
     head = wire.HEADER.pack(wire.MAGIC, version, wire.OP_HELLO, 0, 1, len(payload))
     client_end.sendall(head + payload)
-    with pytest.raises(ProtocolError) as bad:
+    with pytest.raises(wire.VersionMismatch) as bad:
         served()
-    assert str(bad.value) == f"protocol version {version}, this side speaks 5"  # one line naming both
-    with pytest.raises(BlockingIOError):  # nothing was answered (the caller closes the connection)
-        client_end.recv(1)
+    line = f"protocol version {version}, this side speaks 5"
+    assert str(bad.value) == line and bad.value.version == version
+    select.select([client_end], [], [], 3)
+    answer = client_end.recv(1 << 16)
+    magic, their_version, op, status, _, length = wire.HEADER.unpack(answer[:wire.HEADER_BYTES])
+    assert (magic, their_version, op, status) == (wire.MAGIC, version, wire.OP_CHALLENGE,
+                                                  LLMStatusCode.LLM_LINK_FAILED.value)
+    assert wire.decode_json(answer[wire.HEADER_BYTES:wire.HEADER_BYTES + length]) == {"error": line}
+
+
+def test_a_client_answered_in_another_version_fails_with_the_line_naming_both(pair):
+    """Our client, answered by a server of another version that answers as this one does: the
+    frame itself is refused with the one line (the link logs it and fails)."""
+    server_end, client_end = pair
+    done = in_thread(lambda: handshake.client_handshake(client_end, CLIENT, None, SERVER, {"purpose": "link"},
+                                                        soon()))
+    select.select([server_end], [], [], 3)
+    server_end.recv(1 << 16)
+    payload = wire.encode_json({"error": "protocol version 5, this side speaks 6"})
+    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 6, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
+    with pytest.raises(wire.VersionMismatch, match="^protocol version 6, this side speaks 5$"):
+        done()
 
 
 @pytest.mark.parametrize("hello", [

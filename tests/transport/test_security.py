@@ -280,6 +280,41 @@ def test_server_proves_itself_to_the_client():
         listener.close()
 
 
+def _link_stats(state) -> Dict[str, int]:
+    return state.dd.engine.link_stats()
+
+
+def _link_as_version(state, version: int, remote_id: int, ip: str, port: int):
+    """Link as a peer speaking protocol ``version`` (this process's frames say so from now on;
+    its handshake is the same as every version's since 3): the status and what it logged."""
+    import logging
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("llm_datadist").addHandler(handler)
+    wire.PROTOCOL_VERSION = version
+    try:
+        return _link_to(state, remote_id, ip, port), records
+    finally:
+        logging.getLogger("llm_datadist").removeHandler(handler)
+
+
+def test_a_peer_of_another_protocol_version_is_told_both_versions():
+    """A peer of an older or newer protocol version is refused at the handshake, and both sides
+    say why in one line naming both versions: the server logs it, and the peer -- answered in its
+    own version -- fails its link (LLM_LINK_FAILED) with it. The server keeps serving others."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        for version, cluster_id in ((4, 61), (wire.PROTOCOL_VERSION + 1, 62)):
+            peer = start(stack, cluster_id)
+            status, said = peer.call(_link_as_version, version, SERVER_ID, *server.address)
+            assert status == S.LLM_LINK_FAILED
+            line = f"refused: protocol version {version}, this side speaks {wire.PROTOCOL_VERSION}"
+            assert [m for m in said if line in m], said
+            assert server.call(_link_stats)["protocol_errors"] >= 1
+        assert link(start(stack, 63), server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
 def _link_to(state, remote_id: int, ip: str, port: int) -> int:
     return int(state.dd.engine.links.link(remote_id, ip, port, 3000))
 

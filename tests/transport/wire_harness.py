@@ -355,20 +355,20 @@ class FuzzServer:
         return Observed(bytes(replies), error, trace, time.monotonic() - started, False)
 
 
-def parse_frames(data: bytes) -> List[Tuple[int, int, int, int, bytes]]:
-    """``(op, status, req_id, length, payload)`` of each reply frame; a trailing partial frame
-    is returned with op -1."""
+def parse_frames(data: bytes) -> List[Tuple[int, int, int, int, bytes, int]]:
+    """``(op, status, req_id, length, payload, version)`` of each reply frame (a refusal of a peer of
+    another version comes in that version); a trailing partial frame is returned with op -1."""
     frames = []
     pos = 0
     while pos < len(data):
         if len(data) - pos < wire.HEADER_BYTES:
-            frames.append((-1, 0, 0, 0, data[pos:]))
+            frames.append((-1, 0, 0, 0, data[pos:], 0))
             break
         magic, version, op, status, req_id, length = wire.HEADER.unpack_from(data, pos)
         pos += wire.HEADER_BYTES
-        if magic != wire.MAGIC or version != wire.PROTOCOL_VERSION or length > len(data) - pos:
-            frames.append((-1, 0, 0, 0, data[pos - wire.HEADER_BYTES:]))
+        if magic != wire.MAGIC or length > len(data) - pos:
+            frames.append((-1, 0, 0, 0, data[pos - wire.HEADER_BYTES:], 0))
             break
-        frames.append((op, status, req_id, length, data[pos:pos + length]))
+        frames.append((op, status, req_id, length, data[pos:pos + length], version))
         pos += length
     return frames

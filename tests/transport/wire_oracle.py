@@ -55,6 +55,8 @@ class ExpectedReply:
     req_id: int
     kind: str  # "empty", "json", "link" (json whose token is random), "bytes"
     value: Any = None
+    #: the frame's protocol version: this one's, but for the refusal of a hello of another
+    version: int = wire.PROTOCOL_VERSION
 
 
 @dataclass
@@ -138,6 +140,10 @@ class Stream:
         self.pos += n
         return chunk
 
+    def peek(self, n: int) -> Optional[bytes]:
+        """The next ``n`` bytes without taking them, or None if fewer are left."""
+        return self.data[self.pos:self.pos + n] if self.pos + n <= len(self.data) else None
+
     def take_prefix(self, n: int) -> bytes:
         chunk = self.data[self.pos:self.pos + n]
         self.pos += len(chunk)
@@ -213,6 +219,17 @@ class ServerModel:
         return self._json(body, what)
 
     def _handshake(self, stream: Stream, out: Expected, session: Session) -> None:
+        head = stream.peek(wire.HEADER_BYTES)
+        if head is not None:
+            magic, version = head[:4], int.from_bytes(head[4:6], "little")
+            if magic == wire.MAGIC and version != wire.PROTOCOL_VERSION:
+                # A first frame of another version (since 3, the first with a challenge) is
+                # answered once in that version, naming both, before the connection closes.
+                if version >= 3:
+                    line = f"protocol version {version}, this side speaks {wire.PROTOCOL_VERSION}"
+                    out.replies.append(ExpectedReply(wire.OP_CHALLENGE, S.LLM_LINK_FAILED, 1, "json",
+                                                     {"error": line}, version))
+                raise protocol_error("another protocol version")
         hello = self._receive(stream, wire.OP_HELLO, "hello")
         peer_id, client_nonce = hello.get("cluster_id"), hello.get("nonce")
         if not _is_u64(peer_id) or not auth.is_nonce(client_nonce) or not isinstance(hello.get("auth"), bool):
