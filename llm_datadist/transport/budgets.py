@@ -19,6 +19,9 @@
 - ``MAX_PULL_TAG_BYTES`` (512): the longest tag a PULL frame may carry (``read_guard``), read
   before the descriptors and held only while the pull is checked; a longer one breaks the
   protocol (the link goes). A vLLM tag, a ``remote_request_id``, is at most 285 bytes.
+- ``MAX_HANDSHAKE_BYTES`` (64 KiB): the largest handshake message (hello, challenge,
+  authentication, reply) read from a peer, checked on the frame's length; a larger one breaks the
+  protocol (that connection closes unread, ``protocol_errors``).
 - ``MAX_REASON_CHARS`` (256): the longest reason kept for a lost link (``lost_links``); with
   ``MAX_LOST_RECORDS`` (1,024) records this bounds them in bytes.
 
@@ -46,6 +49,8 @@ DEFAULT_MAX_STAGING_BYTES = 256 << 20
 PARSING_WAIT_S = 1.0
 #: Longest tag of a PULL frame (``read_guard``).
 MAX_PULL_TAG_BYTES = 512
+#: Largest handshake message (hello, challenge, authentication, reply) read from a peer.
+MAX_HANDSHAKE_BYTES = 64 << 10
 #: Longest reason kept for a lost link (longer ones are cut, ``...`` appended).
 MAX_REASON_CHARS = 256
 #: Lost links (and links the peer ended) remembered for ``lost_links``.
@@ -160,6 +165,10 @@ def in_force() -> List[Budget]:
                f"a request waits up to {PARSING_WAIT_S:g} s, then is refused with LLM_LINK_BUSY (refused_parsing)"),
         Budget("staging", staging().limit, "bytes", "process", MAX_STAGING_BYTES_ENV, DEFAULT_MAX_STAGING_BYTES,
                "a staged transfer waits, then fails at its deadline (refused_staging)"),
+        Budget("handshake", MAX_HANDSHAKE_BYTES, "bytes", "message", None, MAX_HANDSHAKE_BYTES,
+               "a protocol error: that connection closes unread (protocol_errors)"),
+        Budget("pull_tag", MAX_PULL_TAG_BYTES, "bytes", "pull", None, MAX_PULL_TAG_BYTES,
+               "a protocol error: the link's connection closes (protocol_errors)"),
         Budget("lost_links", MAX_LOST_RECORDS, "records", "engine", None, MAX_LOST_RECORDS,
                "the oldest record is dropped"),
         Budget("lost_reason", MAX_REASON_CHARS, "characters", "record", None, MAX_REASON_CHARS,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException
-from llm_datadist.transport import auth, wire
+from llm_datadist.transport import auth, budgets, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, brief, fail, is_int, status_of
 from llm_datadist.transport.host import host_identity, same_host
@@ -43,7 +43,7 @@ from llm_datadist.transport.session import (CONNECTIONS_PER_DIRECTION, MAX_CONNE
 logger = logging.getLogger("llm_datadist")
 
 #: Largest handshake message (hello, challenge, authentication, reply).
-MAX_HANDSHAKE_BYTES = 64 << 10
+MAX_HANDSHAKE_BYTES = budgets.MAX_HANDSHAKE_BYTES
 #: The first protocol version whose handshake had a CHALLENGE (``refuse_version``).
 FIRST_CHALLENGE_VERSION = 3
 #: Largest rank a two-sided link request may claim.

@@ -145,10 +145,13 @@ class LinkManager:
         """A snapshot of ``stats``, and of the process's budgets (``budgets``): ``refused_staging``,
         staged transfers that found no room in ``LLM_DATADIST_MAX_STAGING_BYTES`` in time, and the
         bytes each process budget holds now and held at most (``parsing_bytes``,
-        ``parsing_bytes_peak``, ``staging_bytes``, ``staging_bytes_peak``). The process budgets
-        are shared by every engine of the process."""
+        ``parsing_bytes_peak``, ``staging_bytes``, ``staging_bytes_peak``); and each plane's own
+        counters (``DataPlane.counters``: cuda_ipc's ``partial_registrations``). The process
+        budgets are shared by every engine of the process."""
         with self._lock:
             snapshot = dict(self.stats)
+        for plane in self.planes.all:
+            snapshot.update(plane.counters())
         parsing, staging = budgets.parsing(), budgets.staging()
         snapshot.update(refused_staging=staging.refused, parsing_bytes=parsing.in_use,
                         parsing_bytes_peak=parsing.peak, staging_bytes=staging.in_use,

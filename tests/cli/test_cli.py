@@ -387,6 +387,8 @@ def test_info_lists_the_budgets_in_force():
         assert f"({env}, default " in budgets[name] and f"({counter})" in budgets[name]
     assert budgets["lost_links"].startswith("1024 records per engine (fixed)")
     assert budgets["lost_reason"].startswith("256 characters per record (fixed)")
+    assert budgets["handshake"].startswith("64 KiB (65536 bytes) per message (fixed)")
+    assert budgets["pull_tag"].startswith("512 B (512 bytes) per pull (fixed)")
     out = run("info", "--json", env={"LLM_DATADIST_MAX_TABLE_BYTES": "2m", "LLM_DATADIST_MAX_PARSING_BYTES": "300k"})
     assert out.returncode == 0, out.stderr
     budgets = json.loads(out.stdout)["budgets"]

@@ -1,9 +1,24 @@
-"""Where ``LLM_DATADIST_REQUIRE_VLLM=1`` (``.ci/run`` sets it, having installed the vllm extra), the
-vLLM connector's tests must run: a missing vLLM fails the run here instead of skipping them."""
+"""Where ``LLM_DATADIST_REQUIRE_VLLM=1`` (``.ci/run`` sets it, having installed the vllm extra and
+fetched vLLM's toy proxy), the vLLM connector's tests must run: a missing vLLM fails the run here,
+and any test of this folder that skips anyway (for whatever reason) is reported as a failure."""
 
 import os
 from importlib.util import find_spec
 
-if os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1" and find_spec("vllm") is None:
+import pytest
+
+REQUIRED = os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1"
+
+if REQUIRED and find_spec("vllm") is None:
     raise RuntimeError("LLM_DATADIST_REQUIRE_VLLM=1, but vLLM is not installed: the vLLM connector tests "
                        "(tests/integrations) would be skipped; pip install '.[vllm]'")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"LLM_DATADIST_REQUIRE_VLLM=1: {item.nodeid} must run here, but it skipped: {reason}")

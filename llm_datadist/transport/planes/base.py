@@ -176,6 +176,10 @@ class DataPlane:
     def shutdown(self) -> None:
         pass
 
+    def counters(self) -> Dict[str, int]:
+        """This plane's counters for ``LinkManager.link_stats`` (names unique across planes)."""
+        return {}
+
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
         return True, cls.summary

@@ -110,6 +110,9 @@ class CudaIpcPlane(DataPlane):
         #: Registrations with a tensor in a larger allocation than its own bytes (logged once each).
         self.partial_registrations = 0
 
+    def counters(self) -> Dict[str, int]:
+        return {"partial_registrations": self.partial_registrations}
+
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
         ok, why = runtimes.probe("cuda")

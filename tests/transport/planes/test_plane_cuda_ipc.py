@@ -98,7 +98,7 @@ def c_exports_of(state, name: str):
     record = engine.lookup(state.caches[name].cache_id)
     plane = engine.links.planes["cuda_ipc"]
     return ([tuple(engine.runtime.ipc_export(addr)[1:]) + (record.tensor_bytes,) for addr in record.addrs],
-            plane.partial_registrations)
+            engine.link_stats()["partial_registrations"])
 
 
 def c_register_inside(state, name: str) -> int:
@@ -113,7 +113,7 @@ def c_register_inside(state, name: str) -> int:
     cache = state.cm.register_blocks_cache(desc, [a.addr + nbytes for a in allocations],
                                            ld.BlocksCacheKey(state.cluster_id, MODEL_ID + 1))
     state.caches[name] = cache
-    return engine.links.planes["cuda_ipc"].partial_registrations
+    return engine.link_stats()["partial_registrations"]
 
 
 def _options(secret=SECRET, **extra) -> dict:
