@@ -96,7 +96,6 @@ def c_exports_of(state, name: str):
     it, and the plane's count of registrations inside larger allocations."""
     engine = state.dd.engine
     record = engine.lookup(state.caches[name].cache_id)
-    plane = engine.links.planes["cuda_ipc"]
     return ([tuple(engine.runtime.ipc_export(addr)[1:]) + (record.tensor_bytes,) for addr in record.addrs],
             engine.link_stats()["partial_registrations"])
 
