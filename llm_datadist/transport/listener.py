@@ -240,8 +240,8 @@ class Listener:
             source = source_of(conn, addr)
             why = self.admit(conn, source, extra)
             if why is not None:
+                refused = self._count(why)  # counted before the peer can see the refusal
                 close_socket(conn)  # at once: the peer sees its connection closed, without a byte
-                refused = self._count(why)
                 if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
                     if why == "refused_busy":
                         logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
