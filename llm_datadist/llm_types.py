@@ -151,12 +151,8 @@ class CacheDesc:
         check_int64("dim_value", dim_value)
         raise_if_false(0 <= dim_index < len(self._shape),
                        f"dim_index {dim_index} must be in [0, {len(self._shape)})")
-        if isinstance(self._shape, tuple):
-            shape = list(self._shape)
-            shape[dim_index] = dim_value
-            self._shape = tuple(shape)
-        else:
-            self._shape[dim_index] = dim_value
+        # In place, as CANN's does: a shape given as a tuple raises TypeError here, as in CANN.
+        self._shape[dim_index] = dim_value
 
     def __repr__(self) -> str:
         return (f"CacheDesc(num_tensors={self._num_tensors}, shape={list(self._shape)}, "
