@@ -165,6 +165,7 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._remote_accessible(cache_desc, remote_accessible)
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
+        cache_desc._is_blocks = True  # as CANN marks it (v2.llm_utils.pack_cache_desc reads it)
         record = self._engine.register(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], addrs, values.BLOCKS,
                                        blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)
@@ -214,6 +215,7 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._check_pool(cache_desc)
         model_id = blocks_cache_key.model_id if blocks_cache_key is not None else None
+        cache_desc._is_blocks = True  # as CANN marks it (v2.llm_utils.pack_cache_desc reads it)
         record = self._engine.allocate(cache_desc.num_tensors, cache_desc.shape, cache_desc.data_type,
                                        _PLACEMENT[cache_desc.placement], values.BLOCKS,
                                        blocks_model_id=model_id, batch_dim=cache_desc.batch_dim_index)

@@ -33,8 +33,8 @@ class LLMRole(IntEnum):
 ROLE_NAMES = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
 
 
-def _check_pool_cfg(name: str, value: str) -> None:
-    if value == "":
+def _check_pool_cfg(name: str, value: Optional[str]) -> None:
+    if value is None or value == "":
         return
     try:
         cfg = json.loads(value)
@@ -88,7 +88,7 @@ class LLMConfig:
     def device_id(self, value) -> None:
         """An int or a list/tuple of ints: TypeError otherwise; a negative id is
         ``LLMException(LLM_PARAM_INVALID)`` and one past int32 a ValueError, as in CANN."""
-        check_isinstance("device_id", value, [int, list, tuple], int)
+        check_isinstance("device_id", value, [list, tuple, int], int)
         ids = list(value) if isinstance(value, (list, tuple)) else [value]
         for device in ids:
             raise_if_false(device >= 0, "device_id should be greater than or equal to zero.")
@@ -102,28 +102,30 @@ class LLMConfig:
 
     @sync_kv_timeout.setter
     def sync_kv_timeout(self, value) -> None:
+        """An int or a digit string, > 0 and an int32; CANN's checks in CANN's order and words.
+        As in CANN, ``None`` passes the type check and fails at ``int(None)`` (TypeError)."""
         check_isinstance("sync_kv_timeout", value, [int, str])
         if isinstance(value, str):
-            raise_if_false(value.isdigit(), f"sync_kv_timeout must be a digit string, got {value!r}")
-            number = int(value)
-        else:
-            number = value
-        check_int32("sync_kv_timeout", number)
-        raise_if_false(number > 0, f"sync_kv_timeout must be > 0, got {value!r}")
+            raise_if_false(value.isdigit(), "sync_kv_timeout must be digit.")
+        raise_if_false(int(value) > 0, "sync_kv_timeout should be greater than zero.")
+        check_int32("sync_kv_timeout", int(value))
         self._sync_kv_timeout = value
 
     @property
     def listen_ip_info(self) -> str:
         return self._listen_ip_info
 
+    # The string setters below and the three switches take None as CANN's do (its check_isinstance
+    # lets None through): the option is then not emitted, as if it had never been set; the getter
+    # gives None back, or the default CANN's getter gives for an unset value.
     @listen_ip_info.setter
-    def listen_ip_info(self, value: str) -> None:
-        check_isinstance("listen_ip_info", value, str, allow_none=False)
+    def listen_ip_info(self, value: Optional[str]) -> None:
+        check_isinstance("listen_ip_info", value, str)
         self._listen_ip_info = value
 
     # -- feature switches ---------------------------------------------------------------------
-    def _bool_setter(self, name: str, value) -> bool:
-        check_isinstance(name, value, bool, allow_none=False)
+    def _bool_setter(self, name: str, value) -> Optional[bool]:
+        check_isinstance(name, value, bool)
         return value
 
     @property
@@ -179,7 +181,7 @@ class LLMConfig:
     @mem_utilization.setter
     def mem_utilization(self, value: float) -> None:
         check_isinstance("mem_utilization", value, [float, int], allow_none=False)
-        raise_if_false(0 <= value <= 1, f"mem_utilization must be in [0, 1], got {value}")
+        raise_if_false(0 <= value <= 1, f"mem_utilization must be in range [0,1], current:{value}")
         self._mem_utilization = float(value)
 
     @property
@@ -187,8 +189,8 @@ class LLMConfig:
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
-    def buf_pool_cfg(self, value: str) -> None:
-        check_isinstance("buf_pool_cfg", value, str, allow_none=False)
+    def buf_pool_cfg(self, value: Optional[str]) -> None:
+        check_isinstance("buf_pool_cfg", value, str)
         self._buf_pool_cfg = value
 
     @property
@@ -196,8 +198,8 @@ class LLMConfig:
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
-    def mem_pool_cfg(self, value: str) -> None:
-        check_isinstance("mem_pool_cfg", value, str, allow_none=False)
+    def mem_pool_cfg(self, value: Optional[str]) -> None:
+        check_isinstance("mem_pool_cfg", value, str)
         _check_pool_cfg("mem_pool_cfg", value)
         self._mem_pool_cfg = value
 
@@ -206,8 +208,8 @@ class LLMConfig:
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
-    def host_mem_pool_cfg(self, value: str) -> None:
-        check_isinstance("host_mem_pool_cfg", value, str, allow_none=False)
+    def host_mem_pool_cfg(self, value: Optional[str]) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str)
         _check_pool_cfg("host_mem_pool_cfg", value)
         self._host_mem_pool_cfg = value
 
@@ -255,8 +257,8 @@ class LLMConfig:
         return "" if self._local_comm_res is None else self._local_comm_res
 
     @local_comm_res.setter
-    def local_comm_res(self, value: str) -> None:
-        check_isinstance("local_comm_res", value, str, allow_none=False)
+    def local_comm_res(self, value: Optional[str]) -> None:
+        check_isinstance("local_comm_res", value, str)
         self._local_comm_res = value
 
     # The getters of transfer_backend and global_resource_config give "" while unset, as CANN's
@@ -267,8 +269,8 @@ class LLMConfig:
         return "" if self._transfer_backend is None else self._transfer_backend
 
     @transfer_backend.setter
-    def transfer_backend(self, value: str) -> None:
-        check_isinstance("transfer_backend", value, str, allow_none=False)
+    def transfer_backend(self, value: Optional[str]) -> None:
+        check_isinstance("transfer_backend", value, str)
         self._transfer_backend = value
 
     @property
@@ -276,8 +278,8 @@ class LLMConfig:
         return "" if self._global_resource_config is None else self._global_resource_config
 
     @global_resource_config.setter
-    def global_resource_config(self, value: str) -> None:
-        check_isinstance("global_resource_config", value, str, allow_none=False)
+    def global_resource_config(self, value: Optional[str]) -> None:
+        check_isinstance("global_resource_config", value, str)
         self._global_resource_config = value
 
     # -- legacy --------------------------------------------------------------------------------
@@ -286,8 +288,8 @@ class LLMConfig:
         return self._deploy_res_path
 
     @deploy_res_path.setter
-    def deploy_res_path(self, value: str) -> None:
-        check_isinstance("deploy_res_path", value, str, allow_none=False)
+    def deploy_res_path(self, value: Optional[str]) -> None:
+        check_isinstance("deploy_res_path", value, str)
         self._deploy_res_path = value
 
     @property
@@ -315,8 +317,8 @@ class LLMConfig:
         return self._output_max_size
 
     @output_max_size.setter
-    def output_max_size(self, value: int) -> None:
-        self._output_max_size = check_uint64("output_max_size", value)
+    def output_max_size(self, value: Optional[int]) -> None:
+        self._output_max_size = None if value is None else check_uint64("output_max_size", value)
 
     # -- emission ------------------------------------------------------------------------------
     @property
@@ -329,10 +331,14 @@ class LLMConfig:
         in CANN's order: ``ge_options``, device, timeout, deploy path, memory, links, legacy."""
         opts = self._options
         opts.update(self._ge_options)
-        if self._device_id is not None:
-            ids = self._device_id if isinstance(self._device_id, (list, tuple)) else [self._device_id]
-            opts["ge.exec.deviceId"] = ";".join(str(d) for d in ids)
-            opts["ge.session_device_id"] = str(ids[0]) if ids else ""
+        if isinstance(self._device_id, int):
+            opts["ge.exec.deviceId"] = str(self._device_id)
+            opts["ge.session_device_id"] = str(self._device_id)
+        elif self._device_id is not None:
+            # A list: CANN emits the session id first, and an empty list fails here with
+            # IndexError, as CANN's ``device_id[0]`` does (its setter takes [] too).
+            opts["ge.session_device_id"] = str(self._device_id[0])
+            opts["ge.exec.deviceId"] = ";".join(str(d) for d in self._device_id)
         if self._sync_kv_timeout is not None:
             opts["llm.SyncKvCacheWaitTime"] = str(self._sync_kv_timeout)
         if self._deploy_res_path:
@@ -384,7 +390,7 @@ def pack_ip(ip) -> int:
     """A dotted IPv4 string as CANN packs it: the inet_aton bytes read little-endian."""
     if isinstance(ip, int) and not isinstance(ip, bool):
         return check_uint32("ip", ip)
-    check_isinstance("ip", ip, str, allow_none=False)
+    check_isinstance("ip", ip, [str, int], allow_none=False)
     try:
         return int.from_bytes(socket.inet_aton(ip), "little")
     except OSError:
@@ -430,11 +436,22 @@ class LLMClusterInfo:
         check_isinstance("remote_role_type", value, [LLMRole, int])
         self._remote_role_type = value
 
+    @staticmethod
+    def _ip_info(ip, port: int) -> Tuple[Optional[int], int]:
+        """CANN's ``_check_inputs``, in its order: the ip's type, the port, then the ip's value.
+        ``None`` is kept as CANN keeps it (its type check lets None through and ``trans_str_ip``
+        returns it): ``link_clusters`` / ``unlink_clusters`` refuse such an info with TypeError,
+        as CANN's native call does."""
+        if ip is not None:
+            check_isinstance("ip", ip, [str, int])
+        check_uint16("port", port)
+        return (None if ip is None else pack_ip(ip)), port
+
     def append_local_ip_info(self, ip, port: int) -> None:
-        self._local_ip_info_list.append((pack_ip(ip), check_uint16("port", port)))
+        self._local_ip_info_list.append(self._ip_info(ip, port))
 
     def append_remote_ip_info(self, ip, port: int) -> None:
-        self._remote_ip_info_list.append((pack_ip(ip), check_uint16("port", port)))
+        self._remote_ip_info_list.append(self._ip_info(ip, port))
 
     @property
     def local_ip_info_list(self) -> List[Tuple[int, int]]:
@@ -445,7 +462,7 @@ class LLMClusterInfo:
         return self._remote_ip_info_list
 
     def __repr__(self) -> str:
-        local = [f"{unpack_ip(ip)}:{port}" for ip, port in self._local_ip_info_list]
-        remote = [f"{unpack_ip(ip)}:{port}" for ip, port in self._remote_ip_info_list]
+        local = [f"{ip if ip is None else unpack_ip(ip)}:{port}" for ip, port in self._local_ip_info_list]
+        remote = [f"{ip if ip is None else unpack_ip(ip)}:{port}" for ip, port in self._remote_ip_info_list]
         return (f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, "
                 f"local={local}, remote={remote})")

@@ -61,6 +61,14 @@ def _parse_listen_ip_info(text: str) -> Tuple[str, int]:
                            f"({exc.args[0] if exc.args else exc})", status_code=exc.status_code) from None
 
 
+def _check_ip_infos(ip_infos, what: str) -> None:
+    """An ip info whose ip is None (``append_*_ip_info`` keeps None, as CANN's does) is refused with
+    TypeError, as CANN's native call refuses the list holding it (before any cluster is linked)."""
+    for ip, port in ip_infos:
+        if ip is None:
+            raise TypeError(f"{what} holds an ip that is None (port {port}); an ip must be a str or an int")
+
+
 def _overall(rets: List[LLMStatusCode]) -> LLMStatusCode:
     failed = [r for r in rets if r != LLMStatusCode.LLM_SUCCESS]
     return failed[0] if failed else LLMStatusCode.LLM_SUCCESS
@@ -228,6 +236,9 @@ class LLMDataDist:
                 raise_if_false(cluster.local_ip_info_list, "local_ip_info_list is empty. Call append_local_ip_info "
                                "to add local_ip_info when local_comm_res option is unspecified or empty.")
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        for cluster in clusters:
+            _check_ip_infos(cluster.local_ip_info_list, "local_ip_info_list")
+            _check_ip_infos(cluster.remote_ip_info_list, "remote_ip_info_list")
         rets: List[Optional[LLMStatusCode]] = [None] * len(clusters)
         targets, slots = [], []
         for i, cluster in enumerate(clusters):
@@ -252,6 +263,8 @@ class LLMDataDist:
         check_isinstance("force", force, bool)
         for cluster in clusters:
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        for cluster in clusters:
+            _check_ip_infos(cluster.remote_ip_info_list, "remote_ip_info_list")  # CANN passes these on
         rets: List[Optional[LLMStatusCode]] = [None] * len(clusters)
         ids, slots = [], []
         for i, cluster in enumerate(clusters):

@@ -100,6 +100,8 @@ class CacheDesc:
         self._batch_dim_index = batch_dim_index
         self._seq_len_dim_index = seq_len_dim_index
         self._kv_tensor_format = kv_tensor_format
+        # CANN's flag, set by register_blocks_cache / allocate_blocks_cache (pack_cache_desc reads it)
+        self._is_blocks = False
 
     @staticmethod
     def _check_shape(shape) -> None:
@@ -151,12 +153,8 @@ class CacheDesc:
         check_int64("dim_value", dim_value)
         raise_if_false(0 <= dim_index < len(self._shape),
                        f"dim_index {dim_index} must be in [0, {len(self._shape)})")
-        if isinstance(self._shape, tuple):
-            shape = list(self._shape)
-            shape[dim_index] = dim_value
-            self._shape = tuple(shape)
-        else:
-            self._shape[dim_index] = dim_value
+        # In place, as CANN's does: a shape given as a tuple raises TypeError here, as in CANN.
+        self._shape[dim_index] = dim_value
 
     def __repr__(self) -> str:
         return (f"CacheDesc(num_tensors={self._num_tensors}, shape={list(self._shape)}, "
@@ -628,21 +626,31 @@ class TransferWithCacheKeyConfig:
 
 
 class CacheTask:
-    """Handle of a background layer-wise transfer (``transfer_cache_async``)."""
+    """Handle of a background layer-wise transfer (``transfer_cache_async``).
 
-    def __init__(self, thread: threading.Thread, results: list) -> None:
+    ``CacheManager.transfer_cache_async`` makes it as ``CacheTask(thread, results)``. CANN's
+    form, ``CacheTask(transfer_async_task)``, is taken too: the task is then any object with
+    CANN's ``get(timeout)`` and ``get_results(timeout)`` (timeouts in seconds, None: no limit),
+    such as ``llm_datadist.v2.llm_utils.TransferAsyncThread``, and both methods ask it."""
+
+    def __init__(self, thread: threading.Thread, results: Optional[list] = None) -> None:
         self._thread = thread
         self._results = results
 
+    @staticmethod
+    def _seconds(timeout_in_millis: Optional[int]) -> Optional[float]:
+        if timeout_in_millis is None:
+            return None
+        check_int32("timeout_in_millis", timeout_in_millis)
+        return timeout_in_millis / 1000.0
+
     def _join(self, timeout_in_millis: Optional[int]) -> bool:
-        if timeout_in_millis is not None:
-            check_int32("timeout_in_millis", timeout_in_millis)
-            self._thread.join(timeout_in_millis / 1000.0)
-        else:
-            self._thread.join()
+        self._thread.join(self._seconds(timeout_in_millis))
         return not self._thread.is_alive()
 
     def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
+        if self._results is None:  # CANN's form
+            return self._thread.get(self._seconds(timeout_in_millis))
         if not self._join(timeout_in_millis):
             return LLMStatusCode.LLM_TIMEOUT
         for result in self._results:
@@ -651,6 +659,8 @@ class CacheTask:
         return LLMStatusCode.LLM_SUCCESS
 
     def get_results(self, timeout_in_millis: Optional[int] = None) -> List[Optional[LLMStatusCode]]:
+        if self._results is None:  # CANN's form
+            return self._thread.get_results(self._seconds(timeout_in_millis))
         if not self._join(timeout_in_millis):
             return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
         return list(self._results)

@@ -51,11 +51,13 @@ def to_status_code(code: int) -> LLMStatusCode:
 
 
 class LLMException(RuntimeError):
-    """Raised by the Python API; ``status_code`` says why (default ``LLM_SUCCESS``, as in CANN)."""
+    """Raised by the Python API; ``status_code`` says why (default ``LLM_SUCCESS``, as in CANN).
+    The code is kept as given, as CANN's ``LLMException`` keeps it: this package raises it with
+    ``LLMStatusCode`` members, and a program's own value (12345, None) comes back unchanged."""
 
     def __init__(self, *args, status_code: int = LLMStatusCode.LLM_SUCCESS):
         super().__init__(*args)
-        self._status_code = to_status_code(status_code)
+        self._status_code = status_code
 
     @property
     def status_code(self) -> LLMStatusCode:
@@ -63,7 +65,8 @@ class LLMException(RuntimeError):
 
     def __str__(self) -> str:
         message = super().__str__()
-        return f"{message} (status_code={self._status_code.name})" if message else self._status_code.name
+        name = getattr(self._status_code, "name", self._status_code)
+        return f"{message} (status_code={name})" if message else str(name)
 
 
 class Status:

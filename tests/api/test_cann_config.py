@@ -151,23 +151,29 @@ def test_generate_options_emits_in_cann_s_order():
     ("device_id", -1, "device_id should be greater than or equal to zero."),
     ("device_id", [0, -1], "device_id should be greater than or equal to zero."),
     ("link_total_time", -1, "link_total_time should be an integer between [0, 2^32-1], given value is -1"),
-    ("link_total_time", 2**32, "link_total_time should be an integer between [0, 2^32-1]"),
+    ("link_total_time", 2**32, "link_total_time should be an integer between [0, 2^32-1], given value is 4294967296"),
     ("link_retry_count", 0, "link_retry_count should be an integer between [1, 100], given value is 0"),
     ("link_retry_count", 101, "link_retry_count should be an integer between [1, 100], given value is 101"),
-    ("sync_kv_timeout", -3, None),
-    ("sync_kv_timeout", "x1", None),
-    ("mem_utilization", 1.5, None),
+    ("sync_kv_timeout", -3, "sync_kv_timeout should be greater than zero."),
+    ("sync_kv_timeout", 0, "sync_kv_timeout should be greater than zero."),
+    ("sync_kv_timeout", "0", "sync_kv_timeout should be greater than zero."),
+    ("sync_kv_timeout", -2**40, "sync_kv_timeout should be greater than zero."),  # before the int32 check
+    ("sync_kv_timeout", "x1", "sync_kv_timeout must be digit."),
+    ("sync_kv_timeout", "-3", "sync_kv_timeout must be digit."),
+    ("mem_utilization", 1.5, "mem_utilization must be in range [0,1], current:1.5"),
+    ("mem_utilization", -0.1, "mem_utilization must be in range [0,1], current:-0.1"),
 ])
 def test_setters_raise_llm_exception_where_cann_s_do(name, value, message):
-    text = raises_llm(set_config, name, value)
-    if message is not None:
-        assert text.startswith(message)
+    assert raises_llm(set_config, name, value) == message
 
 
 @pytest.mark.parametrize("name, value, error", [
     ("device_id", 2**31, ValueError), ("device_id", [0, 2**31], ValueError), ("device_id", "0", TypeError),
     ("device_id", [0, "1"], TypeError), ("link_total_time", "1", TypeError), ("link_retry_count", 1.0, TypeError),
     ("rdma_traffic_class", -1, ValueError), ("rdma_service_level", 2**32, ValueError),
+    ("sync_kv_timeout", 2**31, ValueError), ("sync_kv_timeout", "2147483648", ValueError),
+    ("sync_kv_timeout", None, TypeError),  # CANN's type check lets None through, int(None) raises
+    ("sync_kv_timeout", 1.5, TypeError), ("mem_utilization", None, TypeError),
 ])
 def test_setters_raise_type_and_value_errors_where_cann_s_do(name, value, error):
     with pytest.raises(error):
@@ -180,3 +186,112 @@ def test_setters_take_the_ends_of_their_ranges():
     cfg.link_retry_count = 100
     cfg.device_id = 2**31 - 1
     assert (cfg.link_total_time, cfg.link_retry_count, cfg.device_id) == (2**32 - 1, 100, 2**31 - 1)
+
+
+def test_sync_kv_timeout_keeps_what_it_was_given():
+    cfg = LLMConfig()
+    cfg.sync_kv_timeout = "7"
+    assert cfg.sync_kv_timeout == "7" and cfg.generate_options()["llm.SyncKvCacheWaitTime"] == "7"
+
+
+# -- setters that take None, as CANN's check_isinstance lets it through -----------------------------
+
+# name, a value, its option, and what the getter gives after None (CANN's getter over a None field)
+NONE_SETTERS = [
+    ("transfer_backend", "hixl", "llm.TransferBackend", ""),
+    ("global_resource_config", "{}", "llm.GlobalResourceConfig", ""),
+    ("local_comm_res", "", "llm.LocalCommRes", ""),
+    ("enable_cache_manager", True, "llm.EnableCacheManager", False),
+    ("enable_remote_cache_accessible", False, "llm.EnableRemoteCacheAccessible", False),
+    ("listen_ip_info", "127.0.0.1:1", "llm.listenIpInfo", None),
+    ("deploy_res_path", "/tmp", "llm.deployResPath", None),
+    ("buf_pool_cfg", "{}", "llm.BufPoolCfg", None),
+    ("mem_pool_cfg", '{"memory_size": 1}', "llm.MemPoolConfig", None),
+    ("host_mem_pool_cfg", '{"memory_size": 1}', "llm.HostMemPoolConfig", None),
+    ("output_max_size", 10, "llm.OutputMaxSize", None),
+    ("enable_switch_role", True, "llm.EnableSwitchRole", None),
+]
+
+
+@pytest.mark.parametrize("name, value, option, after_none", NONE_SETTERS, ids=[c[0] for c in NONE_SETTERS])
+def test_none_unsets_an_option_as_in_cann(name, value, option, after_none):
+    cfg = LLMConfig()
+    setattr(cfg, name, None)
+    assert getattr(cfg, name) == after_none and type(getattr(cfg, name)) is type(after_none)
+    assert option not in cfg.generate_options()
+    cfg = LLMConfig()
+    setattr(cfg, name, value)
+    setattr(cfg, name, None)  # None after a value: as if it had never been set
+    assert getattr(cfg, name) == after_none
+    assert option not in cfg.generate_options()
+
+
+@pytest.mark.parametrize("name", ["ge_options", "mem_utilization", "link_total_time", "link_retry_count",
+                                  "rdma_traffic_class", "rdma_service_level", "device_id"])
+def test_setters_that_fail_on_none_still_do(name):
+    with pytest.raises((TypeError, AttributeError)):  # CANN: a TypeError or AttributeError further on
+        set_config(name, None)
+
+
+# -- device_id lists, as CANN emits them -----------------------------------------------------------
+
+def test_a_device_list_emits_the_session_device_first():
+    cfg = LLMConfig()
+    cfg.device_id = [3, 4]
+    assert list(cfg.generate_options()) == ["ge.session_device_id", "ge.exec.deviceId", "llm.MemoryUtilization"]
+    assert cfg.options["ge.session_device_id"] == "3" and cfg.options["ge.exec.deviceId"] == "3;4"
+    cfg = LLMConfig()
+    cfg.device_id = (5,)
+    assert list(cfg.generate_options())[:2] == ["ge.session_device_id", "ge.exec.deviceId"]
+    cfg = LLMConfig()
+    cfg.device_id = 2
+    assert list(cfg.generate_options())[:2] == ["ge.exec.deviceId", "ge.session_device_id"]
+
+
+def test_an_empty_device_list_is_taken_and_fails_in_generate_options_as_in_cann():
+    cfg = LLMConfig()
+    cfg.device_id = []
+    assert cfg.device_id == []
+    with pytest.raises(IndexError):
+        cfg.generate_options()
+
+
+def test_device_id_type_message_is_cann_s():
+    with pytest.raises(TypeError, match=r"device_id only support \['list', 'tuple', 'int'\], but got <class 'str'>."):
+        set_config("device_id", "0")
+
+
+# -- LLMClusterInfo ip infos with None -------------------------------------------------------------
+
+def test_append_ip_info_keeps_a_none_ip_as_cann_s_does():
+    info = LLMClusterInfo()
+    info.append_local_ip_info(None, 1)
+    info.append_remote_ip_info(None, 2)
+    assert info.local_ip_info_list == [(None, 1)] and info.remote_ip_info_list == [(None, 2)]
+    assert "None:2" in repr(info)
+    with pytest.raises(ValueError):  # the port is still checked
+        info.append_local_ip_info(None, 70000)
+    with pytest.raises(TypeError, match=r"ip only support \['str', 'int'\], but got <class 'float'>."):
+        info.append_local_ip_info(1.0, 1)
+    with pytest.raises(ValueError):  # CANN checks the port before it parses the ip
+        info.append_local_ip_info("1.2.3.x", -1)
+
+
+def test_link_and_unlink_refuse_a_none_ip_with_type_error(py_api):
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 9
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info(None, 26000)
+    with pytest.raises(TypeError, match="remote_ip_info_list holds an ip that is None"):
+        py_api.dd.link_clusters([info])
+    with pytest.raises(TypeError, match="remote_ip_info_list holds an ip that is None"):
+        py_api.dd.unlink_clusters([info])
+    local_none = LLMClusterInfo()
+    local_none.remote_cluster_id = 9
+    local_none.append_local_ip_info(None, 0)
+    local_none.append_remote_ip_info("127.0.0.1", 1)
+    with pytest.raises(TypeError, match="local_ip_info_list holds an ip that is None"):
+        py_api.dd.link_clusters([local_none])
+    # unlink passes only the remote ip infos on (CANN's too): a None local ip is not looked at
+    assert py_api.dd.unlink_clusters([local_none]) == (LLMStatusCode.LLM_NOT_YET_LINK,
+                                                       [LLMStatusCode.LLM_NOT_YET_LINK])

@@ -1,7 +1,8 @@
 """Smaller parts of CANN's Python surface (hicann/hixl, ``src/python/llm_datadist/``), each
-pinned to what CANN's source does: the numpy tables of ``data_type.py``, ``status.code_2_status``
-/ ``handle_llm_status``, ``LLMDataDist.llm_engine_instance`` and ``_shutdown_handler``
-(``v2/llm_datadist.py``), ``KvCache.create_cpu_cache`` (``v2/llm_types.py``),
+pinned to what CANN's source does: the members and numpy tables of ``data_type.py``,
+``status.code_2_status`` / ``handle_llm_status``, ``LLMException.status_code``,
+``LLMDataDist.llm_engine_instance`` and ``_shutdown_handler`` (``v2/llm_datadist.py``),
+``KvCache.create_cpu_cache`` and ``CacheDesc.update_dim`` (``v2/llm_types.py``),
 ``CacheManager.check_cache_key`` (``v2/cache_manager.py``) and CANN's keyword names. ``LLMConfig``
 and ``LLMClusterInfo`` (``configs.py``) are in ``test_cann_config.py``."""
 
@@ -28,7 +29,14 @@ def raises_llm(fn, *args, status=PARAM_INVALID, **kwargs) -> str:
     return info.value.args[0]
 
 
-# -- data_type: CANN's numpy tables -----------------------------------------------------------------
+# -- data_type: CANN's members and numpy tables ----------------------------------------------------
+
+def test_data_type_members_are_in_cann_s_order():
+    assert [(member.name, member.value) for member in DataType] == [
+        ("DT_FLOAT", 0), ("DT_FLOAT16", 1), ("DT_BF16", 27), ("DT_INT8", 2), ("DT_INT16", 6), ("DT_UINT16", 7),
+        ("DT_UINT8", 4), ("DT_INT32", 3), ("DT_INT64", 9), ("DT_UINT32", 8), ("DT_UINT64", 10), ("DT_BOOL", 12),
+        ("DT_DOUBLE", 11), ("DT_STRING", 13)]
+
 
 def test_numpy_tables_are_cann_s():
     assert data_type.dtype_to_np_dtype == {
@@ -67,6 +75,27 @@ def test_handle_llm_status_raises_with_cann_s_message():
     with pytest.raises(LLMException) as info:
         status_module.handle_llm_status(-1, "[f]", "x")
     assert info.value.status_code is LLMStatusCode.LLM_FAILED
+
+
+def test_llm_exception_keeps_the_status_code_it_was_given():
+    assert LLMException("m", status_code=12345).status_code == 12345
+    assert LLMException("m", status_code=None).status_code is None
+    assert LLMException("m", status_code=PARAM_INVALID).status_code is PARAM_INVALID
+    assert LLMException("m", status_code=0x5010B005).status_code == PARAM_INVALID
+    assert LLMException("m").status_code is LLMStatusCode.LLM_SUCCESS
+    assert str(LLMException("m", status_code=12345)) == "m (status_code=12345)"
+    assert str(LLMException(status_code=None)) == "None"
+
+
+def test_update_dim_changes_the_shape_in_place_and_a_tuple_shape_raises_as_in_cann():
+    shape = [4, 8]
+    desc = CacheDesc(1, shape, DataType.DT_INT32, Placement.HOST)
+    desc.update_dim(1, 2)
+    assert shape == [4, 2] and desc.size == 32
+    frozen = CacheDesc(1, (4, 8), DataType.DT_INT32, Placement.HOST)
+    with pytest.raises(TypeError, match="'tuple' object does not support item assignment"):
+        frozen.update_dim(0, 6)
+    assert frozen.shape == (4, 8)
 
 
 def test_cann_keyword_names():

@@ -3,7 +3,9 @@
 Every name each of CANN's five v2 modules binds at module level (what it defines, and what it
 imports from CANN's own package; not the standard library's names) is listed below: either it is
 provided, as the very object the rest of this package has, or it is absent and the entry says
-why. A v2 module here has exactly the public names marked provided, nothing else.
+why (a private constant may be either: if it is here, it has CANN's value). A v2 module here has
+exactly the public names marked provided, and names of the standard library, nothing else.
+``tests/api/test_v2_helpers.py`` tests what the helpers of ``llm_utils`` and ``config`` do.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -28,13 +31,19 @@ PROVIDED = None  # the value of a provided name in the tables below
 # Why a name CANN binds is absent here.
 NATIVE = "CANN's native wrapper (pybind11 module); here the engine does its work"
 LOG = "CANN's logging module (llm_datadist.utils.log); this package logs to the 'llm_datadist' logger"
-CHECKS = ("CANN's argument-check helpers (status.raise_if_*, utils.utils.check_*); the checks here "
-          "raise what CANN's raise, from llm_datadist._validate, whose signatures differ")
-PACKING = "packs arguments into tuples for CANN's native wrapper"
-JOBS = "CANN's layer-wise job around its native transfer call; here CacheManager.transfer_cache_async and the engine"
-V1 = "the v1 (KvCacheManager) mode's option and resource-file parsing; the v1 mode is not implemented"
-UNUSED = "not used by CANN's own code; CacheDesc.size gives a tensor's bytes"
-PRIVATE = "a private constant of CANN's module"
+CHECKS = ("CANN's argument-check helpers, which its v2 modules import from its status and utils.utils "
+          "modules (they define none of them); the checks here raise what CANN's raise, from "
+          "llm_datadist._validate, whose signatures differ")
+
+
+class Private:
+    """A private name of CANN's module: absent here, or CANN's value."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+UINT64_MAX = 2**64 - 1
 
 CANN_V2_NAMES = {
     v2_llm_types: {
@@ -43,7 +52,7 @@ CANN_V2_NAMES = {
         "int_to_mem_status_dict": PROVIDED, "Placement": PROVIDED, "CacheDesc": PROVIDED, "Cache": PROVIDED,
         "BlocksCacheKey": PROVIDED, "CacheKey": PROVIDED, "CacheKeyByIdAndIndex": PROVIDED, "KvCache": PROVIDED,
         "LayerSynchronizer": PROVIDED, "check_layer_range": PROVIDED, "TransferWithCacheKeyConfig": PROVIDED,
-        "TransferConfig": PROVIDED, "CacheTask": PROVIDED, "_INVALID_ID": PRIVATE,
+        "TransferConfig": PROVIDED, "CacheTask": PROVIDED, "_INVALID_ID": Private(UINT64_MAX),
         # imported there from CANN's package
         "LLMException": PROVIDED, "DataType": PROVIDED, "LLMStatusCode": PROVIDED, "llm_wrapper": NATIVE,
         "log": LOG, "raise_if_false": CHECKS, "raise_if_true": CHECKS, "check_isinstance": CHECKS,
@@ -51,7 +60,7 @@ CANN_V2_NAMES = {
         "check_list_int64": CHECKS, "check_list_uint64": CHECKS,
     },
     v2_cache_manager: {
-        "CacheManager": PROVIDED, "_NUM_TENSORS_PER_LAYER": PRIVATE, "_INVALID_ID": PRIVATE,
+        "CacheManager": PROVIDED, "_NUM_TENSORS_PER_LAYER": Private(2), "_INVALID_ID": Private(UINT64_MAX),
         "handle_llm_status": PROVIDED, "CacheDesc": PROVIDED, "Cache": PROVIDED, "CacheKey": PROVIDED,
         "CacheKeyByIdAndIndex": PROVIDED, "BlocksCacheKey": PROVIDED, "Placement": PROVIDED,
         "TransferConfig": PROVIDED, "CacheTask": PROVIDED, "LayerSynchronizer": PROVIDED,
@@ -59,32 +68,34 @@ CANN_V2_NAMES = {
         "MemInfo": PROVIDED, "Memtype": PROVIDED, "is_invalid_id": PROVIDED, "is_valid_id": PROVIDED,
         "raise_if_false": CHECKS, "raise_if_true": CHECKS, "log": LOG, "check_isinstance": CHECKS,
         "check_dict": CHECKS, "check_uint32": CHECKS, "check_int64": CHECKS, "check_uint64": CHECKS,
-        "pack_cache_desc": PACKING, "pack_cache_key": PACKING, "pack_block_cache_key": PACKING,
-        "pack_mem_info": PACKING, "pack_cache_key_by_id": PACKING, "transfer_cache_async": JOBS,
-        "TransferCacheParameters": JOBS, "layer_range_to_tensor_indices": PACKING,
+        "pack_cache_desc": PROVIDED, "pack_cache_key": PROVIDED, "pack_block_cache_key": PROVIDED,
+        "pack_mem_info": PROVIDED, "pack_cache_key_by_id": PROVIDED, "transfer_cache_async": PROVIDED,
+        "TransferCacheParameters": PROVIDED, "layer_range_to_tensor_indices": PROVIDED,
     },
     v2_llm_datadist: {
-        "LLMDataDist": PROVIDED, "_shutdown_handler": PROVIDED, "_MAX_CLUSTER_NAME": PRIVATE,
-        "_MAX_NODE_NUM": PRIVATE, "code_2_status": PROVIDED, "handle_llm_status": PROVIDED,
+        "LLMDataDist": PROVIDED, "_shutdown_handler": PROVIDED, "_MAX_CLUSTER_NAME": Private(128),
+        "_MAX_NODE_NUM": Private(4), "code_2_status": PROVIDED, "handle_llm_status": PROVIDED,
         "LLMStatusCode": PROVIDED, "LLMException": PROVIDED, "LLMRole": PROVIDED, "LLMClusterInfo": PROVIDED,
         "RegisterMemStatus": PROVIDED, "int_to_mem_status_dict": PROVIDED, "CacheManager": PROVIDED,
-        "parse_listen_ip_info": PROVIDED, "EngineConfig": V1, "llm_datadist_wrapper": NATIVE, "log": LOG,
+        "parse_listen_ip_info": PROVIDED, "EngineConfig": PROVIDED, "llm_datadist_wrapper": NATIVE, "log": LOG,
         "check_isinstance": CHECKS, "check_dict": CHECKS, "check_uint64": CHECKS, "check_int32": CHECKS,
         "check_uint32": CHECKS, "raise_if_false": CHECKS, "raise_if_true": CHECKS,
     },
     v2_config: {
-        "ClusterConfig": V1, "EngineConfig": V1,
+        "ClusterConfig": PROVIDED, "EngineConfig": PROVIDED,
         "LLMRole": PROVIDED, "LlmConfig": PROVIDED, "trans_str_ip": PROVIDED, "log": LOG,
         "check_isinstance": CHECKS, "raise_if_false": CHECKS,
     },
     v2_llm_utils: {
         "is_invalid_id": PROVIDED, "is_valid_id": PROVIDED, "parse_listen_ip_info": PROVIDED,
-        "_INVALID_ID": PRIVATE, "_MAX_DISPLAYED_REQ_ID_COUNT": PRIVATE, "_NUM_TENSORS_PER_LAYER": PRIVATE,
-        "clone_cache_desc": UNUSED, "calc_tensor_size": UNUSED, "verify_cache_shape": V1, "to_data_type": V1,
-        "CacheDescParser": V1, "pack_cache_desc": PACKING, "pack_cache_key": PACKING,
-        "pack_cache_key_by_id": PACKING, "pack_block_cache_key": PACKING, "pack_mem_info": PACKING,
-        "layer_range_to_tensor_indices": PACKING, "TransferCacheParameters": JOBS, "TransferCacheJob": JOBS,
-        "TransferAsyncThread": JOBS, "_check_block_indices": JOBS, "transfer_cache_async": JOBS,
+        "_INVALID_ID": Private(UINT64_MAX), "_MAX_DISPLAYED_REQ_ID_COUNT": Private(8),
+        "_NUM_TENSORS_PER_LAYER": Private(2),
+        "clone_cache_desc": PROVIDED, "calc_tensor_size": PROVIDED, "verify_cache_shape": PROVIDED,
+        "to_data_type": PROVIDED, "CacheDescParser": PROVIDED, "pack_cache_desc": PROVIDED,
+        "pack_cache_key": PROVIDED, "pack_cache_key_by_id": PROVIDED, "pack_block_cache_key": PROVIDED,
+        "pack_mem_info": PROVIDED, "layer_range_to_tensor_indices": PROVIDED,
+        "TransferCacheParameters": PROVIDED, "TransferCacheJob": PROVIDED, "TransferAsyncThread": PROVIDED,
+        "_check_block_indices": PROVIDED, "transfer_cache_async": PROVIDED,
         # imported there from CANN's package
         "LLMException": PROVIDED, "LLMStatusCode": PROVIDED, "code_2_status": PROVIDED, "DataType": PROVIDED,
         "CacheDesc": PROVIDED, "KvCache": PROVIDED, "CacheKey": PROVIDED, "CacheKeyByIdAndIndex": PROVIDED,
@@ -96,9 +107,11 @@ CANN_V2_NAMES = {
     },
 }
 
-# Where each provided object lives in this package (the v2 name may differ from ours).
-OURS = {"parse_listen_ip_info": python_api._parse_listen_ip_info, "_shutdown_handler": python_api._shutdown_handler}
-for _module in (llm_types, cache_manager, configs, status, data_type, python_api):
+# Where each provided object lives in this package (the v2 name may differ from ours). CANN's
+# helpers that only the v2 modules have live in v2.llm_utils and v2.config.
+OURS = {"_shutdown_handler": python_api._shutdown_handler,
+        "_check_block_indices": v2_llm_utils._check_block_indices}
+for _module in (llm_types, cache_manager, configs, status, data_type, python_api, v2_llm_utils, v2_config):
     for _name in dir(_module):
         if not _name.startswith("_"):
             OURS.setdefault(_name, getattr(_module, _name))
@@ -118,13 +131,23 @@ def test_every_name_cann_s_v2_module_binds_is_provided_or_absent_for_a_reason(mo
         assert getattr(module, name) is OURS[name]
         if name in ld.__all__:
             assert getattr(module, name) is getattr(ld, name)
+    elif isinstance(reason, Private):
+        assert getattr(module, name, reason.value) == reason.value
     else:
         assert not hasattr(module, name), f"{name} is here although the table says: {reason}"
 
 
+def is_standard_library(value) -> bool:
+    """A module, class or function of the standard library (typing's names, dataclass, Thread)."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__.split(".")[0] in sys.stdlib_module_names
+    return getattr(value, "__module__", "").split(".")[0] in sys.stdlib_module_names
+
+
 @pytest.mark.parametrize("module", list(CANN_V2_NAMES), ids=lambda m: m.__name__)
 def test_a_v2_module_has_no_public_name_cann_s_lacks(module):
-    public = {name for name in vars(module) if not name.startswith("_")}
+    public = {name for name, value in vars(module).items()
+              if not name.startswith("_") and not is_standard_library(value)}
     assert public == {name for name, reason in CANN_V2_NAMES[module].items()
                       if reason is PROVIDED and not name.startswith("_")}
 
