@@ -427,6 +427,28 @@ def _recv_lowat() -> int:
 
 _io.set_recv_lowat(_recv_lowat())
 
+#: Default ``LLM_DATADIST_SPIN_US``: how long a link's receive polls before it sleeps.
+DEFAULT_SPIN_US = 50
+
+
+def _spin_us() -> int:
+    """``LLM_DATADIST_SPIN_US`` microseconds (0 = off, at most 10,000), default ``DEFAULT_SPIN_US``;
+    an unusable value is warned about and the default kept."""
+    raw = os.environ.get("LLM_DATADIST_SPIN_US", "").strip()
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        value = int(raw)
+        if not 0 <= value <= 10_000:
+            raise ValueError
+    except ValueError:
+        logger.warning("LLM_DATADIST_SPIN_US=%r is not 0 to 10000 microseconds; using %d", raw, DEFAULT_SPIN_US)
+        return DEFAULT_SPIN_US
+    return value
+
+
+_io.set_spin_us(_spin_us())
+
 
 def close_socket(sock: Optional[socket.socket]) -> None:
     if sock is None:
