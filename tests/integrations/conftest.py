@@ -9,6 +9,12 @@ import pytest
 
 REQUIRED = os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1"
 
+# The connector listens on this host's routable address by default (VLLM_HOST_IP, else the default
+# route's): here, and in the engine processes the tests start, that is loopback, so that no test
+# listens on or sends to an address outside this machine's loopback (the network-namespace tests
+# set their own per namespace).
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
 if REQUIRED and find_spec("vllm") is None:
     raise RuntimeError("LLM_DATADIST_REQUIRE_VLLM=1, but vLLM is not installed: the vLLM connector tests "
                        "(tests/integrations) would be skipped; pip install '.[vllm]'")

@@ -89,13 +89,17 @@ class Engine:
     """A vLLM engine process (``vllm_engine.py``) spoken to one JSON line at a time."""
 
     def __init__(self, model: Path, role: str, log: Path, extra: dict = None, engine_args: dict = None,
-                 env: dict = None):
+                 env: dict = None, enter: tuple = (), unset: tuple = ()):
+        """``enter``: a command prefix that runs the engine elsewhere (``ip netns exec NS``);
+        ``unset``: variables of this environment the engine must not inherit."""
         self.role, self.log = role, log
         self._log_file = open(log, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        for name in unset:
+            env.pop(name, None)
         # the engines import the llm_datadist under test, not another checkout installed with -e
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
+        self.proc = subprocess.Popen([*enter, sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
                                       json.dumps(extra or {}), json.dumps(engine_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
                                      text=True, env=env)

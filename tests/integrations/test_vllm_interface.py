@@ -274,3 +274,31 @@ def test_sleep_mode_unregisters_the_caches_and_restore_registers_them_again():
         worker.close()
     # on vLLM 0.32 the base class has no such hooks: defining them changes nothing there
     assert hasattr(KVConnectorBase_V1, "unregister_kv_caches") == (_vllm_version() >= (0, 33))
+
+
+# -- where the prefill worker listens (issue 23, item 4) -------------------------------------------
+
+def test_the_listener_defaults_to_the_routable_address_vllm_finds(monkeypatch):
+    """No ``listen_host``: VLLM_HOST_IP (here 10.9.8.7, only parsed, never bound), advertised as is;
+    ``0.0.0.0`` listens everywhere and advertises the routable address; given hosts are kept."""
+    from llm_datadist.integrations.vllm.options import Options
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
+    opts = Options.parse({})
+    assert (opts.listen_host, opts.advertise_host) == ("10.9.8.7", "10.9.8.7")
+    opts = Options.parse({"listen_host": "0.0.0.0"})
+    assert (opts.listen_host, opts.advertise_host) == ("0.0.0.0", "10.9.8.7")
+    opts = Options.parse({"listen_host": "127.0.0.1", "advertise_host": "10.1.1.1"})
+    assert (opts.listen_host, opts.advertise_host) == ("127.0.0.1", "10.1.1.1")
+    with pytest.raises(ValueError, match="listen_host must be an address"):
+        Options.parse({"listen_host": 7})
+
+
+def test_without_a_route_the_listener_stays_on_loopback_and_says_so(monkeypatch, caplog):
+    import vllm.utils.network_utils as network_utils
+
+    from llm_datadist.integrations.vllm.options import Options
+    monkeypatch.setattr(network_utils, "get_ip", lambda: "0.0.0.0")
+    caplog.set_level("WARNING")
+    opts = Options.parse({})
+    assert (opts.listen_host, opts.advertise_host) == ("127.0.0.1", "127.0.0.1")
+    assert "no route to other hosts" in caplog.text and "VLLM_HOST_IP" in caplog.text

@@ -133,6 +133,12 @@ def main() -> int:
             results = generate_holding_first(llm, prompts, sampling, request["hold_first_s"])
         else:
             results = llm.generate(prompts, sampling, use_tqdm=False)
+        if role == "producer":
+            # As a served engine's busy loop does after its last request finished: one more step,
+            # whose connector metadata hands the finished requests' leases to the workers (their
+            # read guards admit tcp/staging pulls of those blocks only from then on). LLM.generate
+            # stops stepping when no request is left unfinished.
+            llm.llm_engine.step()
         reply({"outputs": [{"aborted": True} if r is None else
                            {"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
                             "num_cached_tokens": r.num_cached_tokens} for r in results]})

@@ -50,9 +50,13 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
 
 ``kv_connector_extra_config`` keys (all optional):
 
-``listen_host`` (``"127.0.0.1"``)
-    Address the prefill worker's llm_datadist listener binds to.
-``advertise_host`` (``listen_host``; this machine's IP when that is ``0.0.0.0``)
+``listen_host`` (this host's routable address)
+    Address the prefill worker's llm_datadist listener binds to. By default the one vLLM finds
+    for its own processes: ``VLLM_HOST_IP`` if set, else the source address of the default route
+    (127.0.0.1 with a warning where there is none), so that decode engines on other hosts can
+    link; ``0.0.0.0`` listens on every interface. A listener beyond loopback without a
+    ``link_secret`` is warned about once: anyone who can reach it can link.
+``advertise_host`` (``listen_host``; the routable address when that is ``0.0.0.0``)
     Address handed to decode engines in ``remote_host``.
 ``listen_port`` (``0``: any free port)
     llm_datadist listener port of the prefill worker; with a fixed port, the worker of data

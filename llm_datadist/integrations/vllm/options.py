@@ -19,7 +19,7 @@ LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 
 @dataclass
 class Options:
-    listen_host: str = "127.0.0.1"
+    listen_host: str = ""  # "": this host's routable address (``routable_host``)
     advertise_host: str = ""
     listen_port: int = 0
     cluster_id: Optional[int] = None
@@ -62,10 +62,36 @@ class Options:
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:
             # (the value itself stays out of the message)
             raise ValueError("LLMDataDistConnector: link_secret must be a non-empty string")
+        for name in ("listen_host", "advertise_host"):
+            if not isinstance(getattr(opts, name), str):
+                raise ValueError(f"LLMDataDistConnector: {name} must be an address, got {getattr(opts, name)!r}")
+        if not opts.listen_host:
+            opts.listen_host = routable_host()
         if not opts.advertise_host:
             opts.advertise_host = opts.listen_host
-            if opts.listen_host in ("0.0.0.0", "::", ""):
-                from vllm.utils.network_utils import get_ip
-                opts.advertise_host = get_ip()
+            if opts.listen_host in ANY_ADDRESS:
+                opts.advertise_host = routable_host()
         return opts
+
+
+#: Listen addresses that mean every interface (never advertised as such).
+ANY_ADDRESS = ("0.0.0.0", "::")
+
+
+def routable_host() -> str:
+    """The address other hosts reach this one at, as vLLM finds it for its own processes:
+    ``VLLM_HOST_IP`` if set, else the source address of this host's default route (a UDP socket
+    is connected, which sends nothing); 127.0.0.1, with a warning, where there is no route."""
+    import warnings
+
+    from vllm.utils.network_utils import get_ip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vLLM's own warning names only its variables
+        found = get_ip()
+    if found in ANY_ADDRESS or not found:
+        logger.warning("LLMDataDistConnector: this host has no route to other hosts (and VLLM_HOST_IP is not "
+                       "set): listening on 127.0.0.1, so only engines on this host can pull; set listen_host "
+                       "(and advertise_host) or VLLM_HOST_IP")
+        return "127.0.0.1"
+    return found
 

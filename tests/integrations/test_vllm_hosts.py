@@ -1,0 +1,61 @@
+"""Prefill and decode engines on two "hosts" (issue 23, item 4): each in a network namespace of its
+own, joined by a veth pair, with the connector's defaults. The prefill worker must listen on, and
+advertise, the address other hosts reach (the namespace's veth address, found as vLLM finds its own:
+the default route's source address), and the decode engine must pull the KV from there and decode
+the baseline's greedy tokens. Between namespaces the link is a cross-host one, so ``auto`` takes
+the ``tcp`` plane (``tests/transport/test_netns.py`` proves that choice for the library itself).
+
+Needs root and ``ip netns`` (skipped otherwise) and vLLM (``pip install '.[vllm]'``). The
+namespaces' default routes point at each other's veth end and nothing forwards beyond it: no
+traffic leaves the pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from netns import make_pair
+from test_vllm import LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model
+
+pytestmark = needs_vllm
+
+MAX_TOKENS = 8
+PROMPTS = prompts_of([40, 75, 130], seed=31)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-hosts") / "model"
+    write_model(path)
+    return path
+
+
+@needs_vllm
+def test_engines_on_two_hosts_link_with_the_connectors_defaults(request, model, tmp_path):
+    pair = make_pair(request, default_route=True)
+    engines = []
+    request.addfinalizer(lambda: [engine.close() for engine in engines])
+    baseline = Engine(model, "plain", tmp_path / "plain.log")
+    engines.append(baseline)
+    baseline.wait_ready()
+    expected = [o["token_ids"] for o in baseline.generate(PROMPTS, MAX_TOKENS)]
+    baseline.close()
+    # No listen_host, no advertise_host, no VLLM_HOST_IP: the defaults find the veth address.
+    secret = {"link_secret": LINK_SECRET}
+    prefill = Engine(model, "producer", tmp_path / "prefill.log", secret,
+                     enter=("ip", "netns", "exec", pair.server_ns), unset=("VLLM_HOST_IP",))
+    engines.append(prefill)
+    decode = Engine(model, "consumer", tmp_path / "decode.log", secret,
+                    enter=("ip", "netns", "exec", pair.client_ns), unset=("VLLM_HOST_IP",))
+    engines.append(decode)
+    prefill.wait_ready()
+    decode.wait_ready()
+    params = [o["kv_transfer_params"] for o in prefill.generate(PROMPTS, 1, [{"do_remote_decode": True}] * 3)]
+    assert {p["remote_host"] for p in params} == {pair.server_ip}, params[0]
+    before = decode.stats()["stats"]
+    outputs = decode.generate(PROMPTS, MAX_TOKENS, params)
+    assert [o["token_ids"] for o in outputs] == expected
+    pulled = delta(decode.stats()["stats"], before)
+    assert pulled["pulled_requests"] == len(PROMPTS) and pulled["failed_requests"] == 0
+    assert pulled["pulled_blocks"] == sum(math.ceil(len(p) / 32) for p in PROMPTS)
