@@ -59,16 +59,23 @@ def _pong(address, spin: bool, rounds: int) -> None:
         buf, reply = bytearray(PING_BYTES), b"r" * PONG_BYTES
         view = memoryview(buf)
         for _ in range(rounds):
-            got = 0
-            while got < PING_BYTES:
-                try:
-                    n = sock.recv_into(view[got:])
-                except BlockingIOError:
-                    continue
-                if n == 0:
-                    return
-                got += n
+            if not _receive(sock, view):
+                return
             sock.sendall(reply) if not spin else _send_spinning(sock, reply)
+
+
+def _receive(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock`` (retrying at once on a non-blocking one); False if it closed."""
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            continue
+        if n == 0:
+            return False
+        got += n
+    return True
 
 
 def _send_spinning(sock: socket.socket, data: bytes) -> None:
@@ -96,15 +103,8 @@ def ping_pong(spin: bool, rounds: int) -> list:
             for _ in range(rounds):
                 start = time.perf_counter_ns()
                 sock.sendall(ping) if not spin else _send_spinning(sock, ping)
-                got = 0
-                while got < PONG_BYTES:
-                    try:
-                        n = sock.recv_into(view[got:])
-                    except BlockingIOError:
-                        continue
-                    if n == 0:
-                        raise ConnectionError("the ping-pong child closed its end")
-                    got += n
+                if not _receive(sock, view):
+                    raise ConnectionError("the ping-pong child closed its end")
                 out.append((time.perf_counter_ns() - start) / 1e3)
             return out
     finally:
