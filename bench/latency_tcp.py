@@ -15,7 +15,8 @@ batch (``_io.set_spin_us``), and the settings are measured in turn, a batch each
 setting shares the same stretches of a noisy machine. A ping-pong round trip moves 4 KiB one
 way and 28 bytes (a frame header's worth) back, as a push and its reply do. The spin's CPU cost:
 each process's CPU time over the batches of a setting, per push (``cpu_us``), so the price of the
-shorter latency is measured, not assumed.
+shorter latency is measured, not assumed; and how many of the receive waits' spins caught their
+data, ended empty or were skipped (the spin turns itself off where it stops paying: ``_io``).
 
 Reported per kind: median, p99 and min in microseconds, and the ratio to the spinning
 ping-pong (the issue's target: within 2x of it).
@@ -47,8 +48,10 @@ def _set_spin(state, us: int) -> None:
     _io.set_spin_us(us)
 
 
-def _cpu_ns(state) -> int:
-    return time.process_time_ns()
+def _cpu_ns(state) -> tuple:
+    """This process's CPU time and its receive spins' ``(hits, misses, skipped)`` so far."""
+    from llm_datadist import _io
+    return (time.process_time_ns(), *_io.spin_stats())
 
 
 def _pong(address, spin: bool, rounds: int) -> None:
@@ -130,6 +133,7 @@ def main() -> int:
     spins = [int(s) for s in args.spins.split(",")]
     pushes = {(spin, op): [] for spin in spins for op in (PUSH, PUSH_LAYERS)}
     cpu = {spin: [0, 0] for spin in spins}  # CPU ns of (client, server), pushes timed
+    spun = {spin: [0, 0, 0] for spin in spins}  # receive spins that caught data, ended empty, were skipped
     os.environ["LLM_DATADIST_DATA_PLANE"] = "tcp"
     with TransportRig(planes=("tcp",)) as rig:
         rig.use(LATENCY_CASE)
@@ -142,8 +146,10 @@ def main() -> int:
                 for op in (PUSH, PUSH_LAYERS):
                     pushes[(spin, op)] += [ns / 1e3 for ns in rig.measure("tcp", op, args.batch)]
                 after = client.call(_cpu_ns), server.call(_cpu_ns)
-                cpu[spin][0] += after[0] - before[0]
-                cpu[spin][1] += after[1] - before[1]
+                for side in (0, 1):
+                    cpu[spin][side] += after[side][0] - before[side][0]
+                    for k in range(3):
+                        spun[spin][k] += after[side][k + 1] - before[side][k + 1]
     rounds = args.rounds * args.batch
     baselines = {"ping-pong, both blocking": ping_pong(False, rounds),
                  "ping-pong, both spinning": ping_pong(True, rounds)}
@@ -152,12 +158,14 @@ def main() -> int:
     for (spin, op), values in pushes.items():
         per_push = 2 * args.rounds * args.batch
         rows.append(dict(kind=f"tcp {op}, spin {spin} us", **summary(values),
-                         cpu_us_client=cpu[spin][0] / per_push / 1e3, cpu_us_server=cpu[spin][1] / per_push / 1e3))
+                         cpu_us_client=cpu[spin][0] / per_push / 1e3, cpu_us_server=cpu[spin][1] / per_push / 1e3,
+                         spins=dict(zip(("hits", "misses", "skipped"), spun[spin]))))
     rows += [dict(kind=name, **summary(values)) for name, values in baselines.items()]
     print(f"{'kind':34} {'median us':>10} {'p99 us':>9} {'min us':>8} {'x spinning ping-pong':>21}  CPU us/push "
-          "(client, server)")
+          "(client, server); spins caught/empty/skipped")
     for row in rows:
-        cost = f"  {row['cpu_us_client']:.1f}, {row['cpu_us_server']:.1f}" if "cpu_us_client" in row else ""
+        cost = (f"  {row['cpu_us_client']:.1f}, {row['cpu_us_server']:.1f}; "
+                f"{row['spins']['hits']}/{row['spins']['misses']}/{row['spins']['skipped']}") if "spins" in row else ""
         print(f"{row['kind']:34} {row['median']:10.1f} {row['p99']:9.1f} {row['min']:8.1f} "
               f"{row['median'] / spinning:20.2f}x{cost}")
     if args.json:

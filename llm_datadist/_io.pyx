@@ -92,6 +92,27 @@ def get_spin_us():
     return _spin_ns // 1000
 
 
+# Whether spinning pays here and now: shared by the process's threads (a heuristic: a lost update
+# between threads only shifts it a little). A spin that catches its data earns a point (up to
+# _CREDIT_MAX), one that ends empty loses _MISS_COST (down to 0); at 0, waits block at once but for
+# one in _PROBE_EVERY, which spins to see whether it pays again (a catch turns spinning back on). On an idle or lightly loaded host
+# replies come within the spin and it stays on; on an oversubscribed one, where a spinning thread
+# takes the CPU the peer needs to answer, misses turn it off.
+cdef int _spin_credit = 8
+cdef enum:
+    _CREDIT_MAX = 16
+    _MISS_COST = 4
+    _PROBE_EVERY = 64
+cdef unsigned int _spin_waits = 0
+cdef uint64_t _spin_hits = 0, _spin_misses = 0, _spin_skipped = 0
+
+
+def spin_stats():
+    """``(hits, misses, skipped)``: receive waits whose spin caught the data, whose spin ended
+    empty, and that did not spin because spinning had stopped paying (process-wide counts)."""
+    return _spin_hits, _spin_misses, _spin_skipped
+
+
 cdef inline int64_t _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -541,24 +562,34 @@ cdef class BlockRoute:
 cdef unsigned int _wait(int fd, short events, int64_t deadline) noexcept nogil:
     # Wait until ``fd`` is ready for ``events`` or the deadline passes; a receive spins first
     # (``set_spin_us``): polls that do not sleep, until data comes or the spin is over.
+    global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped
     cdef pollfd p
     cdef int rc, ms
     cdef int64_t until
     p.fd = fd
     p.events = events
     if _spin_ns > 0 and events == POLLIN:
-        until = _now_ns() + _spin_ns
-        if deadline >= 0 and deadline < until:
-            until = deadline
-        while True:
-            p.revents = 0
-            rc = poll(&p, 1, 0)
-            if rc > 0:
-                return _status.DD_LLM_SUCCESS
-            if rc < 0 and errno != EINTR:
-                return _status.DD_LLM_FAILED
-            if _now_ns() >= until:
-                break
+        _spin_waits += 1
+        if _spin_credit > 0 or _spin_waits % _PROBE_EVERY == 0:
+            until = _now_ns() + _spin_ns
+            if deadline >= 0 and deadline < until:
+                until = deadline
+            while True:
+                p.revents = 0
+                rc = poll(&p, 1, 0)
+                if rc > 0:
+                    _spin_hits += 1
+                    if _spin_credit < _CREDIT_MAX:
+                        _spin_credit += 1
+                    return _status.DD_LLM_SUCCESS
+                if rc < 0 and errno != EINTR:
+                    return _status.DD_LLM_FAILED
+                if _now_ns() >= until:
+                    break
+            _spin_misses += 1
+            _spin_credit = _spin_credit - _MISS_COST if _spin_credit > _MISS_COST else 0
+        else:
+            _spin_skipped += 1
     while True:
         ms = _remaining_ms(deadline)
         p.revents = 0

@@ -90,3 +90,33 @@ def test_the_environment_sets_the_spin_of_a_process(value, expected):
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) == expected
     assert ("LLM_DATADIST_SPIN_US" in out.stderr) == (value not in ("", "0", "120", "10000"))
+
+
+def test_spinning_stops_where_it_does_not_pay_and_resumes_where_it_does(spin, pair):
+    """Waits whose data comes long after the spin (misses) turn spinning off: later waits block at
+    once (skipped) but for an occasional probe; data that comes within the spin turns it back on."""
+    a, b = pair
+    spin(200)
+    buf = bytearray(1)
+
+    def wait_for_byte(delay: float) -> None:
+        sender = threading.Timer(delay, lambda: b.send(b"x"))
+        sender.start()
+        assert _io.recv_into(a.fileno(), buf, 5000)[0] == _io.SUCCESS
+        sender.join()
+
+    for _ in range(8):  # data 20 ms later: every spin ends empty
+        wait_for_byte(0.02)
+    hits, misses, skipped = _io.spin_stats()
+    for _ in range(8):
+        wait_for_byte(0.02)
+    hits2, misses2, skipped2 = _io.spin_stats()
+    assert skipped2 - skipped >= 6 and misses2 - misses <= 2, (hits2 - hits, misses2 - misses, skipped2 - skipped)
+    spin(10_000)  # data 1 ms later, inside a 10 ms spin: a probe catches it, and spinning is back
+    for _ in range(200):
+        wait_for_byte(0.001)
+        if _io.spin_stats()[0] > hits2:
+            break
+    resumed = _io.spin_stats()
+    wait_for_byte(0.001)
+    assert _io.spin_stats()[0] == resumed[0] + 1 and _io.spin_stats()[2] == resumed[2]
