@@ -10,7 +10,6 @@ stays on the veth pair. Needs root and a working ``ip netns``; skipped otherwise
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import queue
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
@@ -28,6 +26,7 @@ import pytest
 
 import llm_datadist
 from llm_datadist.status import LLMStatusCode
+from netns_pairs import NetnsPair, ip, make_pair
 
 S = LLMStatusCode
 CHILD = Path(__file__).with_name("netns_child.py")
@@ -36,59 +35,12 @@ SYNC_TIMEOUT_MS = 2000
 DEADLINE_S = SYNC_TIMEOUT_MS / 1000 + 1.0
 SERVER_ID, CLIENT_ID = 1, 2
 BLOCK = 64 << 10
-_pairs = itertools.count()
-
-
-def ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
-
-
-@dataclass
-class NetnsPair:
-    server_ns: str
-    client_ns: str
-    server_ip: str
-    client_ip: str
-    server_dev: str
-    client_dev: str
 
 
 @pytest.fixture
-def netns_pair(request):
+def netns_pair(request) -> NetnsPair:
     """Two fresh network namespaces joined by a veth pair with addresses in a private /30."""
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("the ip tool (iproute2) is not installed")
-    number = next(_pairs)
-    tag = f"{os.getpid() % 100000}x{number}"
-    pair = NetnsPair(f"lldd{tag}s", f"lldd{tag}c", f"10.213.{number % 64 * 4}.1", f"10.213.{number % 64 * 4}.2",
-                     f"lv{tag}s", f"lv{tag}c")
-    made = []
-
-    def remove() -> None:
-        for ns in made:
-            ip("netns", "del", ns)
-
-    request.addfinalizer(remove)
-    for ns in (pair.server_ns, pair.client_ns):
-        result = ip("netns", "add", ns)
-        if result.returncode != 0:
-            pytest.skip(f"ip netns add failed: {result.stderr.strip()}")
-        made.append(ns)
-    steps = [
-        ("-n", pair.server_ns, "link", "add", pair.server_dev, "type", "veth", "peer", "name", pair.client_dev,
-         "netns", pair.client_ns),
-        ("-n", pair.server_ns, "addr", "add", f"{pair.server_ip}/30", "dev", pair.server_dev),
-        ("-n", pair.client_ns, "addr", "add", f"{pair.client_ip}/30", "dev", pair.client_dev),
-        ("-n", pair.server_ns, "link", "set", pair.server_dev, "up"),
-        ("-n", pair.client_ns, "link", "set", pair.client_dev, "up"),
-    ]
-    for step in steps:
-        result = ip(*step)
-        if result.returncode != 0:
-            pytest.skip(f"ip {' '.join(step)} failed: {result.stderr.strip()}")
-    return pair
+    return make_pair(request)
 
 
 class NetnsChild:
