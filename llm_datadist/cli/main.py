@@ -45,6 +45,24 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _timeout(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value}")
+    return value
+
+
+def _address(listening: bool):
+    """An argparse type: ``HOST:PORT`` (``two_hosts.parse_address``)."""
+    def parse(text: str) -> tuple:
+        from llm_datadist.cli.two_hosts import parse_address
+        try:
+            return parse_address(text, listening)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
 def _size(text: str) -> int:
     from llm_datadist.cli.console import parse_size
     try:
@@ -140,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_datadist import __version__
     from llm_datadist.cli.console import short_size
     from llm_datadist.cli.demo import MAX_REQUESTS
+    from llm_datadist.cli.two_hosts import DEFAULT_TIMEOUT_S
     from llm_datadist import runtimes
     parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
@@ -184,6 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="self-test of the verifier: after the transfer, flip one byte of block N of "
                              "the batch (counted over the requests in order; layer 0, K) on the decode "
                              "side; the demo must report that block and exit with status 1")
+    hosts = demo.add_argument_group(
+        "two hosts", "run one side here and the other on another host: the prefill side sends its workload "
+                     "flags, which must equal the decode side's; the decode side checks every byte and both "
+                     "exit with its verdict")
+    hosts.add_argument("--role", choices=("prefill", "decode"), default=None,
+                       help="this host's side: decode listens (--listen), prefill links to it (--peer)")
+    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
+                       help="decode: the address to listen on (port 0: any free port; the port is printed)")
+    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
+                       help="prefill: the decode side's address")
+    hosts.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="a file holding the link secret both sides share (its text; the file must not be "
+                            "readable by every user)")
+    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                       help=f"the longest wait for the other side: to link, to answer, to speak again, and for "
+                            f"one transfer call (default {DEFAULT_TIMEOUT_S:g})")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser(
