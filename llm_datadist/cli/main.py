@@ -106,22 +106,42 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from llm_datadist.cli import bench as _bench
-    planes = args.planes
-    if planes is None and args.gpu == "only":
-        planes = ()
-    elif planes is None:  # every plane this host has
-        planes, note = _bench.available_planes()
-        if note:
-            print(f"note: {note}", flush=True)
-    config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
-                                total=args.total, min_time=args.min_time, gpu=args.gpu,
-                                gpu_sizes=args.gpu_sizes, gpu_total=args.gpu_total)
-    json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
+    from llm_datadist import LLMException
+    from llm_datadist.cli import bench as _bench, bench_roles
+    from llm_datadist.cli.two_hosts import TwoHostError
+    from llm_datadist.testing import ChildError
+    problem = bench_roles.check_args(args, build_parser().parse_args(["bench"]))
+    if problem is not None:
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
+    out = lambda line: print(line, flush=True)  # noqa: E731
+    planes, gpu, client = args.planes, args.gpu, None
     try:
-        return _bench.run(config, json_path, args.plot, lambda line: print(line, flush=True))
-    except (_bench.BenchError, OSError) as exc:
+        if args.role == "server":
+            return bench_roles.serve(args, out)
+        if args.role == "client":
+            client = bench_roles.ClientSide(args)
+            planes = planes if planes is not None else _bench.cross_host_planes()
+            gpu = "off"  # the GPU rows are same-host ones
+        if planes is None and gpu == "only":
+            planes = ()
+        elif planes is None:  # every plane this host has
+            planes, note = _bench.available_planes()
+            if note:
+                print(f"note: {note}", flush=True)
+        config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
+                                    total=args.total, min_time=args.min_time, gpu=gpu,
+                                    gpu_sizes=args.gpu_sizes, gpu_total=args.gpu_total)
+        json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
+        return _bench.run(config, json_path, args.plot, out, client)
+    except ChildError as exc:  # a client process of the client role failed (say, to link)
+        print(f"bench: {exc.message}", file=sys.stderr)
+        return 2
+    except (_bench.BenchError, TwoHostError, OSError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    except LLMException as exc:
+        print(f"bench: {str(exc).split(' (status_code')[0]}", file=sys.stderr)
         return 2
 
 
@@ -256,6 +276,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "in the current directory)")
     bench.add_argument("--plot", metavar="FILE.png", default=None,
                        help="draw GB/s against block size (needs matplotlib: pip install 'llm_datadist[plot]')")
+    hosts = bench.add_argument_group(
+        "two hosts", "the table between this host and another: the server serves the caches that transfers "
+                     "reach, the client measures (its planes, its memcpy baseline) and prints the table")
+    hosts.add_argument("--role", choices=("server", "client"), default=None,
+                       help="this host's side: server listens (--listen), client links to it (--peer) and takes "
+                            "the sweep's flags (default planes there: local and tcp; no GPU rows)")
+    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
+                       help="server: the address to listen on (port 0: any free port; the port is printed)")
+    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
+                       help="client: the server's address")
+    hosts.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="a file holding the link secret both sides share (its text; the file must not be "
+                            "readable by every user)")
+    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                       help=f"the longest wait for the other side: to link, to answer, to speak again "
+                            f"(default {DEFAULT_TIMEOUT_S:g})")
     bench.set_defaults(func=_bench)
 
     info = sub.add_parser("info", help="version, build, device runtimes, data planes of this host")

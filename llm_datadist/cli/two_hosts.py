@@ -248,11 +248,12 @@ class PeerChannel:
         self.linked.add(peer_id)
         self.last_heard = time.monotonic()
 
-    def wait(self, kind: str, silence_s: float, doing: str) -> dict:
-        """The next message, which must be of ``kind``; ``TwoHostError`` if the peer sends
-        another kind or a malformed ``abort``, its link ends, or it stays silent for
-        ``silence_s`` (``doing`` says what was awaited); ``PeerAborted`` with its reason if it
-        stopped."""
+    def wait(self, kind, silence_s: float, doing: str) -> dict:
+        """The next message, which must be of ``kind`` (a kind or a tuple of kinds);
+        ``TwoHostError`` if the peer sends another kind or a malformed ``abort``, its link ends,
+        or it stays silent for ``silence_s`` (``doing`` says what was awaited); ``PeerAborted``
+        with its reason if it stopped."""
+        kinds = (kind,) if isinstance(kind, str) else tuple(kind)
         while True:
             try:
                 peer_id, message = self._queue.get(timeout=0.05)
@@ -263,8 +264,9 @@ class PeerChannel:
             got = message[self.key]
             if got == "abort":
                 raise self._aborted(message)
-            if got != kind:
-                raise TwoHostError(f"the {self.peer_name} sent {_short(got)} while this side waited for {kind}")
+            if got not in kinds:
+                raise TwoHostError(f"the {self.peer_name} sent {_short(got)} while this side waited for "
+                                   f"{' or '.join(kinds)}")
             return message
 
     def _check_peer(self, silence_s: float, doing: str) -> None:

@@ -316,3 +316,64 @@ def test_demo_roles_between_two_network_namespaces_over_tcp(sides, secret_file, 
     assert_same_run(prefill, decode, "push_blocks")
     assert prefill["data_plane"] == "tcp"  # auto, between two hosts
     assert prefill["peer"].startswith(f"{pair.server_ip}:")
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+def test_bench_roles_print_a_cross_host_table_on_loopback(sides, secret_file, tmp_path):
+    server = sides(["bench", "--role", "server", "--listen", "127.0.0.1:0", "--secret-file", str(secret_file),
+                    *TIMEOUT], "server")
+    path = tmp_path / "sweep.json"
+    client = sides(["bench", "--role", "client", "--peer", f"127.0.0.1:{server.port()}", "--secret-file",
+                    str(secret_file), *TIMEOUT, "--sizes", "4KiB,64KiB", "--total", "256KiB", "--min-time", "0.01",
+                    "--json", str(path)], "client")
+    assert (client.finish(), server.finish()) == (0, 0), (client.stderr, server.stderr)
+    data = json.loads(path.read_text())
+    kinds = {(row["plane"], row["direction"]) for row in data["results"]}
+    assert kinds == {("memcpy", "baseline"), ("local", "copy"), ("tcp", "push"), ("tcp", "pull")}
+    assert len(data["results"]) == 2 * len(kinds)
+    assert data["gpu"]["results"] == [] and data["meta"]["server"]["address"][0] == "127.0.0.1"
+    assert data["meta"]["server"]["host"]["cpus"] == os.cpu_count()
+    for row in data["results"]:
+        assert row["bytes_per_call"] == 256 << 10 and row["ratio"] > 0
+        line = f"{row['block']:>7} {row['plane']:6} {row['direction']:9} {row['threads']:7d} {row['gbps']:7.2f}"
+        assert row["plane"] == "memcpy" or line in client.stdout
+    assert "server host: llm_datadist " in client.stdout
+    assert "served:    2 block sizes (4,096 B, 65,536 B)" in server.stdout
+    for side in (client, server):
+        assert SECRET not in side.stdout + side.stderr
+
+
+def test_bench_server_refuses_malformed_or_oversized_cases():
+    from llm_datadist.cli.bench_roles import BenchServer
+    from llm_datadist.cli.two_hosts import TwoHostError
+    server = BenchServer(state=None)  # every refusal comes before the state is touched
+    good = {"bench": "case", "model_id": 100, "block_bytes": 4096, "moved": 64}
+    for bad, refusal in ((dict(good, model_id=True), "model_id"), (dict(good, block_bytes=0), "block_bytes"),
+                         (dict(good, moved=1 << 30), "moved"), (dict(good, extra=1), "unknown fields .extra."),
+                         ({"bench": "case"}, "lacks"), (dict(good, block_bytes=1 << 30, moved=2), "more than the")):
+        with pytest.raises(TwoHostError, match=refusal):
+            server.serve(bad)
+    with pytest.raises(TwoHostError, match="no case"):
+        server.sample({"bench": "sample", "op": "push", "index": 0})
+    with pytest.raises(TwoHostError, match="index"):
+        server.sample({"bench": "sample", "op": "push", "index": 2})
+    with pytest.raises(TwoHostError, match="version 7"):
+        server.hello({"bench": "hello", "version": 7})
+
+
+def test_bench_role_flags_are_checked_before_anything_starts():
+    from llm_datadist.cli.bench_roles import check_args
+    from llm_datadist.cli.main import build_parser
+    parser = build_parser()
+    defaults = parser.parse_args(["bench"])
+    for args, refusal in ((["--role", "server", "--secret-file", "s"], "needs --listen"),
+                          (["--role", "client", "--peer", "h:1"], "needs --secret-file"),
+                          (["--listen", "h:0"], "--listen needs --role server or --role client"),
+                          (["--role", "server", "--listen", "h:0", "--secret-file", "s", "--sizes", "4K", "--planes",
+                            "tcp"], "give --sizes, --planes to the client"),
+                          (["--role", "client", "--peer", "h:1", "--secret-file", "s", "--gpu", "only"],
+                           "GPU rows are measured on one host")):
+        assert refusal in check_args(parser.parse_args(["bench", *args]), defaults)
+    assert check_args(parser.parse_args(["bench", "--role", "client", "--peer", "h:1", "--secret-file", "s",
+                                         "--planes", "local,tcp"]), defaults) is None
