@@ -1,8 +1,10 @@
 """Command line: ``python -m llm_datadist {demo,bench,info}``.
 
 * ``demo``: a prefill and a decode process on this host, a paged KV cache of a 7B-class model,
-  a batch of requests moved and verified byte for byte (``demo.py``);
-* ``bench``: block size x data plane x direction against an in-run memcpy (``bench.py``);
+  a batch of requests moved and verified byte for byte (``demo.py``); with ``--role``, one side on
+  each of two hosts (``demo_roles.py``);
+* ``bench``: block size x data plane x direction against an in-run memcpy (``bench.py``); with
+  ``--role``, the table between two hosts (``bench_roles.py``);
 * ``info``: version, build, device runtimes, data planes of this host (``info.py``).
 
 Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run;

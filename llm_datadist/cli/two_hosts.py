@@ -162,8 +162,10 @@ class _FailedAttempts(logging.Filter):
         self.last: Optional[str] = None
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith("link "):
+            return True
         message = record.getMessage()
-        if record.msg.startswith("link ") and " failed: " in message:
+        if " failed: " in message:
             self.last = message.split(" failed: ", 1)[1]
             return False
         return True
