@@ -32,6 +32,7 @@ import os
 import re
 from typing import Dict, Optional
 
+from llm_datadist.cli.console import count
 from llm_datadist.cli.two_hosts import (
     CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerChannel, TwoHostError, check_fields, heartbeat_interval, is_int,
     link_to, read_secret_file, resolve, send, text_field,
@@ -301,7 +302,7 @@ def serve(args, out) -> int:
         while channel.wait(("case", "sample", "drop", "bye"), timeout, "waiting for the client")[KEY] != "bye":
             pass
         sizes = ", ".join(f"{size:,} B" for size in server.block_sizes)
-        out(f"served:    {len(server.block_sizes)} block sizes ({sizes or 'none'})")
+        out(f"served:    {count(len(server.block_sizes), 'block size')} ({sizes or 'none'})")
         for client in engine.linked_clusters():
             channel.wait_gone(client, CLOSING_WAIT_S)
         return 0

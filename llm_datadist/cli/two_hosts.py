@@ -166,7 +166,7 @@ class _FailedAttempts(logging.Filter):
             return True
         message = record.getMessage()
         if " failed: " in message:
-            self.last = message.split(" failed: ", 1)[1]
+            self.last = message.split(" failed: ", 1)[1].split(" (status_code=")[0]
             return False
         return True
 
@@ -174,7 +174,8 @@ class _FailedAttempts(logging.Filter):
 def link_to(engine, ip: str, port: int, timeout_s: float, expected_id: int, peer_name: str) -> None:
     """Link ``engine`` to the listener at ``ip:port``, which must be cluster ``expected_id`` (the
     ``peer_name`` side), retrying every ``RELINK_PAUSE_S`` while nothing answers, until
-    ``timeout_s`` have passed. A peer that refuses the link secret ends the attempts at once."""
+    ``timeout_s`` have passed. A peer that refuses the link secret, or any peer that answers and
+    still fails the link, ends the attempts at once."""
     deadline = time.monotonic() + timeout_s
     attempts = _FailedAttempts()
     logger = logging.getLogger("llm_datadist")
@@ -189,6 +190,9 @@ def link_to(engine, ip: str, port: int, timeout_s: float, expected_id: int, peer
             if engine.link_stats().get("auth_failures", 0) > auth_failures:
                 raise TwoHostError(f"the {peer_name} at {ip}:{port} refused the link: {attempts.last or status.name} "
                                    f"(is the secret file the same on both sides?)")
+            if peer_id is not None:  # a cluster answered there, and the link failed all the same
+                raise TwoHostError(f"the link to the {peer_name} at {ip}:{port} failed: "
+                                   f"{attempts.last or getattr(status, 'name', status)}")
             if time.monotonic() + RELINK_PAUSE_S >= deadline:
                 why = attempts.last or getattr(status, "name", str(status))
                 raise TwoHostError(f"no {peer_name} linked at {ip}:{port} within {timeout_s:g} s (last attempt: {why})")

@@ -213,6 +213,21 @@ def test_demo_roles_end_when_the_peer_vanishes(sides, secret_file):
                                               "demo: the prefill closed the link"), decode.stderr
 
 
+def test_demo_roles_ctrl_c_on_one_side_stops_both(sides, secret_file):
+    """SIGINT to the prefill's group, as a terminal's Ctrl-C: it exits 130 quietly after telling
+    the decode side, which exits 2 saying why."""
+    many = ["--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--requests", "4000", "--tokens", "16"]
+    decode = sides(["demo", "--role", "decode", "--listen", "127.0.0.1:0", "--secret-file", str(secret_file),
+                    *TIMEOUT, *many], "decode")
+    prefill = sides(["demo", "--role", "prefill", "--peer", f"127.0.0.1:{decode.port()}", "--secret-file",
+                     str(secret_file), *TIMEOUT, *many], "prefill")
+    prefill.wait_for_line("caches: ")
+    os.killpg(prefill.proc.pid, signal.SIGINT)
+    assert (prefill.finish(), decode.finish()) == (130, 2), (prefill.stderr, decode.stderr)
+    assert prefill.stderr == "demo: interrupted\n"
+    assert decode.stderr.splitlines()[-1] == "demo: the prefill stopped: interrupted (Ctrl-C)"
+
+
 def test_demo_roles_refuse_a_malformed_hello(sides, secret_file, tmp_path):
     """A peer holding the secret is still untrusted: a hello whose flags are not all integers is
     refused, the peer is told why, and the decode side stops with exit 2."""
