@@ -40,8 +40,8 @@ from llm_datadist.cli.demo import (
     plane_to, side_setup, staging_blocks, transfer_request, verify_request, verify_untouched, workload_lines,
 )
 from llm_datadist.cli.two_hosts import (
-    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerChannel, TwoHostError, check_fields, heartbeat_interval, is_int,
-    link_to, read_secret_file, receive_ints, resolve, send_ints, text_field,
+    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerAborted, PeerChannel, TwoHostError, check_fields,
+    heartbeat_interval, is_int, link_to, read_secret_file, receive_ints, resolve, send_ints, text_field,
 )
 
 ROLES = ("prefill", "decode")
@@ -251,6 +251,8 @@ def run(args, out, note) -> dict:
         if not str(exc).startswith("the workload flags"):  # the peer found the same difference
             channel.abort(side.peer_id if linked else None, str(exc))
         raise
+    except PeerAborted as exc:  # nothing to tell a peer that stopped
+        raise DemoError(str(exc)) from None
     except TwoHostError as exc:
         channel.abort(side.peer_id if linked else None, str(exc))
         raise DemoError(str(exc)) from None

@@ -42,6 +42,8 @@ CLOSING_WAIT_S = 5.0
 MAX_INT = (1 << 63) - 1
 #: Longest text a peer may send in a message (a reason, a plane name, a version).
 MAX_TEXT = 200
+#: Messages of the peer waiting for the main thread, at most (it expects a few at a time).
+MAX_QUEUED = 256
 
 
 class TwoHostError(Exception):
@@ -211,10 +213,12 @@ class PeerChannel:
 
     A message is a JSON object whose field ``key`` names its kind. ``alive`` (a heartbeat) is
     answered and dropped, ``answers[kind](message)`` gives the reply of a kind that wants one
-    (run on the link's thread: it must be quick and must not raise), any other known kind is
-    answered with ``{}``; every known message goes to the queue the main thread reads with
-    ``wait``. A message from a cluster other than ``peers`` (once one is known), or of an unknown
-    kind, is refused and remembered as a protocol error, which ``wait`` raises."""
+    (run on the link's thread: it must be quick; a ``TwoHostError`` it raises for a malformed
+    message goes back to the peer as the reply's ``error`` and is raised by ``wait``), any other
+    known kind is answered with ``{}``; every known message goes to the queue the main thread
+    reads with ``wait``. A message from a cluster not in ``peers`` (when given) is refused; one of
+    an unknown kind, or beyond ``MAX_QUEUED`` waiting ones, is refused and remembered as a
+    protocol error, which ``wait`` raises."""
 
     def __init__(self, engine, key: str, kinds: Iterable[str], peer_name: str,
                  answers: Optional[Dict[str, Callable[[dict], dict]]] = None,
@@ -227,14 +231,14 @@ class PeerChannel:
         self.peers = set(peers)
         self.linked: set = set()  # peers seen linked: their link ending is the peer leaving
         self.last_heard = time.monotonic()
-        self._queue: "queue.Queue[Tuple[int, dict]]" = queue.Queue()
+        self._queue: "queue.Queue[Tuple[int, dict]]" = queue.Queue(MAX_QUEUED)
         self._problem: Optional[str] = None
 
     def handler(self, peer_id: int, message: Any) -> dict:
         if self.peers and peer_id not in self.peers:
             return {"error": f"cluster {peer_id} is not this run's {self.peer_name}"}
         kind = message.get(self.key) if isinstance(message, dict) else None
-        if kind not in self.kinds:
+        if not isinstance(kind, str) or kind not in self.kinds:
             self._problem = self._problem or f"the {self.peer_name} sent a message of unknown kind {_short(kind)}"
             return {"error": "unknown message"}
         self.last_heard = time.monotonic()
@@ -246,7 +250,11 @@ class PeerChannel:
         except TwoHostError as exc:  # a malformed message: the peer is told, the main thread stops
             self._problem = self._problem or str(exc)
             return {"error": str(exc)[:MAX_TEXT]}
-        self._queue.put((peer_id, message))
+        try:
+            self._queue.put_nowait((peer_id, message))
+        except queue.Full:
+            self._problem = self._problem or f"the {self.peer_name} sent more than {MAX_QUEUED} messages unasked"
+            return {"error": "too many messages"}
         return reply
 
     def heard_from(self, peer_id: int) -> None:

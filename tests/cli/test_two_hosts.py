@@ -321,6 +321,39 @@ def test_workload_flags_are_checked_strictly():
         "--tokens (prefill 40, decode 41), --pull (prefill off, decode on)"
 
 
+class _NoLinks:
+    """An engine seam with no links, for ``PeerChannel`` alone."""
+
+    def lost_links(self) -> dict:
+        return {}
+
+    def linked_clusters(self) -> list:
+        return []
+
+
+def test_peer_channel_refuses_what_it_does_not_expect():
+    from llm_datadist.cli.two_hosts import MAX_QUEUED, PeerChannel, TwoHostError
+
+    def channel() -> PeerChannel:
+        return PeerChannel(_NoLinks(), "demo", ["ready"], "prefill", peers={1})
+    assert channel().handler(3, {"demo": "ready"}) == {"error": "cluster 3 is not this run's prefill"}
+    for message in ({"demo": ["ready"]}, {"demo": "verdict"}, ["demo"], {"other": "ready"}):
+        refused = channel()
+        assert refused.handler(1, message) == {"error": "unknown message"}
+        with pytest.raises(TwoHostError, match="unknown kind"):
+            refused.wait("ready", 5, "testing")
+    flooded = channel()
+    assert all(flooded.handler(1, {"demo": "ready"}) == {} for _ in range(MAX_QUEUED))
+    assert flooded.handler(1, {"demo": "ready"}) == {"error": "too many messages"}
+    assert flooded.handler(1, {"demo": "alive"}) == {}  # heartbeats are never queued
+    malformed_abort = channel()
+    malformed_abort.handler(1, {"demo": "abort", "why": "x" * 500})
+    with pytest.raises(TwoHostError, match="malformed"):
+        malformed_abort.wait("ready", 5, "testing")
+    with pytest.raises(TwoHostError, match=r"no word from the prefill for 0\.1 s \(--timeout\) while testing"):
+        channel().wait("ready", 0.1, "testing")
+
+
 # -- between two network namespaces -----------------------------------------------------------------
 
 def test_demo_roles_between_two_network_namespaces_over_tcp(sides, secret_file, request):
