@@ -107,16 +107,16 @@ def require_matplotlib():
     return plt
 
 
-def memory_needed(config: SweepConfig) -> int:
-    """Peak host bytes of the sweep's caches: per block size, the server's cache, one per client
-    and the baseline's second buffer, each twice the moved blocks (block sizes run one at a
-    time); for the GPU rows, the host caches, fill buffers and the pinned buffer, at most eight
-    times the bytes a call moves."""
+def memory_needed(config: SweepConfig, server_here: bool = True) -> int:
+    """Peak host bytes of the sweep's caches on this host: per block size, the server's cache
+    (unless the server is on another host), one per client and the baseline's second buffer,
+    each twice the moved blocks (block sizes run one at a time); for the GPU rows, the host
+    caches, fill buffers and the pinned buffer, at most eight times the bytes a call moves."""
     gpu = 8 * max(_moved(size, config.gpu_total) * size for size in config.gpu_sizes) if config.gpu != "off" else 0
     if config.gpu == "only":
         return gpu
     remote = [p for p in config.planes if p != LOCAL]
-    buffers = (1 + len(remote) if remote else 1) + 1
+    buffers = (int(server_here) + len(remote) if remote else 1) + 1
     return max(gpu, max(2 * _moved(size, config.total) * size for size in config.sizes) * buffers)
 
 
@@ -182,15 +182,16 @@ def _rows(case, durations: Dict[tuple, List[int]]) -> List[dict]:
     return rows
 
 
-def sweep(config: SweepConfig, progress: Optional[Progress] = None) -> List[dict]:
-    """Run the sweep; one row per (block size, kind), baseline rows included."""
+def sweep(config: SweepConfig, progress: Optional[Progress] = None, make_rig: Optional[Callable] = None) -> List[dict]:
+    """Run the sweep; one row per (block size, kind), baseline rows included. ``make_rig(planes)``
+    gives the rig (default: ``TransportRig``, its server on this host)."""
     from llm_datadist.cli.workload import Case, TransportRig, kinds
     remote = tuple(p for p in all_planes() if p != LOCAL and p in config.planes)
     rows: List[dict] = []
     progress = progress or Progress(0)
     with contextlib.ExitStack() as stack:
         with sigint_for_parent_only():  # Ctrl-C is this process's to handle: it closes the rig
-            rig = stack.enter_context(TransportRig(remote))
+            rig = stack.enter_context((make_rig or TransportRig)(remote))
         for block_bytes in config.sizes:
             case = Case(short_size(block_bytes), block_bytes, moved=_moved(block_bytes, config.total),
                         rounds=0, batch=MAX_REPETITIONS)
@@ -259,6 +260,13 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     plt.close(figure)
 
 
+def cross_host_planes() -> Tuple[str, ...]:
+    """``local`` and the planes that work between any two hosts (the registry's fallbacks:
+    ``tcp``): what the client role measures unless ``--planes`` says otherwise."""
+    from llm_datadist.transport import planes
+    return (LOCAL,) + planes.fallbacks()
+
+
 def available_planes() -> tuple:
     """The planes this host can measure, and a note on any left out."""
     from llm_datadist.transport import planes
@@ -291,8 +299,10 @@ def gpu_sweep(config: SweepConfig, runtime: str, progress: Optional[Progress] = 
         return table, dict(rig.notes), dict(rig.facts)
 
 
-def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Callable[[str], None] = print) -> int:
-    """The ``bench`` command: sweep, table, JSON (and plot). Raises ``BenchError``."""
+def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Callable[[str], None] = print,
+        client=None) -> int:
+    """The ``bench`` command: sweep, table, JSON (and plot). Raises ``BenchError``. ``client``: the
+    client role's ``bench_roles.ClientSide`` (the server on another host; no GPU rows)."""
     from llm_datadist.testing import ChildError
     if plot_path is not None:
         require_matplotlib()  # before minutes of measuring, not after
@@ -300,7 +310,7 @@ def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Call
         folder = os.path.dirname(os.path.abspath(path))
         if not os.access(folder, os.W_OK):
             raise BenchError(f"cannot write {path}: {folder} is not a writable directory")
-    shortfall = memory_shortfall(memory_needed(config))
+    shortfall = memory_shortfall(memory_needed(config, server_here=client is None))
     if shortfall:
         raise BenchError(f"the sweep's caches would take {shortfall}; lower --total or the largest of --sizes")
     host, build = host_facts(), build_facts()
@@ -314,6 +324,9 @@ def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Call
         gpu_runtime, gpu_why = device_runtime()
         if gpu_runtime is None and config.gpu == "only":
             raise BenchError(f"--gpu only, but {gpu_why}")
+    if client is not None:
+        out(f"server: {client.address[0]}:{client.address[1]} (transfers cross the network to it; the baselines "
+            f"are this host's)")
     if config.gpu != "only":
         out(f"sweep: blocks {', '.join(short_size(s) for s in config.sizes)}; planes {', '.join(config.planes)}; "
             f"directions {', '.join(config.directions)}; {format_size(config.total)} per call (at least one block); "
@@ -331,14 +344,19 @@ def run(config: SweepConfig, json_path: str, plot_path: Optional[str], out: Call
     try:
         with Progress(max(1, steps)) as progress:
             if config.gpu != "only":
-                rows = sweep(config, progress)
+                rows = sweep(config, progress, client.rig if client is not None else None)
             if gpu_runtime is not None:
                 gpu_rows, gpu_notes, gpu_facts = gpu_sweep(config, gpu_runtime, progress)
     except ChildError as exc:
+        if exc.kind in ("TwoHostError", "PeerAborted"):  # the client role's link to its server
+            raise BenchError(exc.message) from None
         raise BenchError(f"{exc.kind} in a cluster process: {exc.message}") from None
     except (RuntimeError, TimeoutError) as exc:
         raise BenchError(str(exc)) from None
     meta.update(seconds=time.perf_counter() - started, loadavg_end=os.getloadavg())
+    if client is not None:
+        meta.update(server=dict(address=list(client.address), host=client.server.facts if client.server else None))
+        out(f"server host: {client.describe_server()}")
     if rows:
         out("")
         print_table(rows, out)

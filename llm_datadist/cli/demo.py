@@ -135,11 +135,13 @@ def batch_shape(requests: int, tokens: int, block_tokens: int) -> BatchShape:
     return BatchShape(requests, per_request, max(1, int(requests * per_request * SPARE_FRACTION)))
 
 
-def check_budget(geometry: Geometry, shape: BatchShape, caches_in_host_memory: bool = True) -> None:
+def check_budget(geometry: Geometry, shape: BatchShape, caches_in_host_memory: bool = True,
+                 sides: Sequence[str] = ("prefill", "decode")) -> None:
     """Refuse (``DemoError``, naming the flags to change) a batch beyond the demo's limits or the
     memory available, from the sizes alone: before anything is allocated or started. The caches
-    count against host memory when the runtime's device memory is host memory
-    (``caches_in_host_memory``); the two HOST staging caches always do."""
+    of ``sides`` (both on one host; one side's with ``--role``) count against host memory when the
+    runtime's device memory is host memory (``caches_in_host_memory``); their HOST staging caches
+    always do."""
     if shape.requests > MAX_REQUESTS:
         raise DemoError(f"--requests {shape.requests} is more than the demo's {MAX_REQUESTS:,} (each request is "
                         f"a call into the cluster processes); use fewer --requests")
@@ -149,14 +151,16 @@ def check_budget(geometry: Geometry, shape: BatchShape, caches_in_host_memory: b
                         f"{geometry.num_tensors} tensors), more than the {MAX_BLOCK_COPIES:,} the demo writes and "
                         f"checks one by one; use fewer --requests, --tokens or --layers, or a larger --block-size")
     per_block = geometry.block_bytes * geometry.num_tensors
-    cache_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * per_block if caches_in_host_memory else 0
-    cache_bytes += 2 * staging_blocks(shape) * per_block
-    table_bytes = (shape.prefill_cache_blocks + shape.decode_cache_blocks) * TABLE_BYTES_PER_BLOCK \
-        + copies * PLAN_BYTES_PER_BLOCK_COPY
+    blocks = sum({"prefill": shape.prefill_cache_blocks, "decode": shape.decode_cache_blocks}[side] for side in sides)
+    cache_bytes = blocks * per_block if caches_in_host_memory else 0
+    cache_bytes += len(sides) * staging_blocks(shape) * per_block
+    table_bytes = blocks * TABLE_BYTES_PER_BLOCK + copies * PLAN_BYTES_PER_BLOCK_COPY
     shortfall = memory_shortfall(cache_bytes + table_bytes)
     if shortfall:
-        what = "the two caches" if caches_in_host_memory else "the two HOST staging caches"
-        raise DemoError(f"{what} and their block tables would take {shortfall}; {SIZE_FLAGS}")
+        caches = "the two caches" if len(sides) == 2 else f"the {sides[0]} cache"
+        what = caches if caches_in_host_memory else caches.replace("cache", "HOST staging cache")
+        raise DemoError(f"{what} and {'their' if len(sides) == 2 else 'its'} block tables would take {shortfall}; "
+                        f"{SIZE_FLAGS}")
 
 
 def staging_blocks(shape: BatchShape) -> int:
@@ -391,6 +395,14 @@ def check_plane_carries(asked_plane: str, host_addressable: bool) -> None:
                         f"use --plane {' or --plane '.join(device_planes())} or auto")
 
 
+def workload_lines(geometry: Geometry, tokens: int, batch: Batch) -> List[str]:
+    """The report's ``geometry:`` and ``batch:`` lines."""
+    requests = len(batch.prefill_blocks)
+    return [f"geometry:  {geometry.describe()}",
+            f"batch:     {count(requests, 'request')} x {count(tokens, 'token')} = "
+            f"{count(len(batch.prefill_blocks[0]), 'block')} each, {count(batch.total_blocks, 'block')}"]
+
+
 def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optional[str],
         device: Optional[str], seed: int, corrupt_block: Optional[int] = None, out=None) -> dict:
     """Run the demo and return its report (``report["verified"]`` says whether every byte
@@ -413,9 +425,8 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
     staging = staging_blocks(shape)
 
     op = "pull_blocks" if pull else "push_blocks"
-    out(f"geometry:  {geometry.describe()}")
-    out(f"batch:     {count(requests, 'request')} x {count(tokens, 'token')} = "
-        f"{count(shape.blocks_per_request, 'block')} each, {count(batch.total_blocks, 'block')}")
+    for line in workload_lines(geometry, tokens, batch):
+        out(line)
     sizes = [format_size(blocks * per_block) for blocks in (batch.prefill_cache_blocks, batch.decode_cache_blocks)]
     out(f"caches:    prefill {count(batch.prefill_cache_blocks, 'block')} ({sizes[0]}), "
         f"decode {count(batch.decode_cache_blocks, 'block')} ({sizes[1]}), "
@@ -513,13 +524,18 @@ def print_report(report: dict, out) -> None:
         f"{report['tensors']} tensors, {format_size(report['bytes_per_request'])}, completion included): "
         f"median {lat['median']:.2f} ms{p99}, max {lat['max']:.2f} ms over {count(report['requests'], 'request')}"
         + ("" if p99 else " (too few for a p99)"))
+    # With --role, the prefill side reports the decode side's verdict, which lists the first
+    # failures only and counts them all (``failure_count``, ``untouched_count``).
+    where = f" (checked by the {report['checked_by']})" if report.get("checked_by") else ""
     if report["verified"]:
         out(f"verified:  every byte of {count(report['blocks'], 'block')} x {report['tensors']} tensors matches; "
-            f"{count(report['spare_decode_blocks'], 'spare decode block')} untouched")
+            f"{count(report['spare_decode_blocks'], 'spare decode block')} untouched{where}")
         return
     failures, untouched = report["failures"], report["untouched_failures"]
-    out(f"VERIFICATION FAILED: {len(failures)} of {report['descriptors']} block tensors differ, "
-        f"{len(untouched)} spare block tensors were written")
+    failed = report.get("failure_count", len(failures))
+    written = report.get("untouched_count", len(untouched))
+    out(f"VERIFICATION FAILED: {failed} of {report['descriptors']} block tensors differ, "
+        f"{written} spare block tensors were written{where}")
     for f in failures[:REPORTED_FAILURES]:
         out(f"  request {f['request']} block {f['block']} (decode block {f['decode_block']}), layer "
             f"{f['layer']} {f['kv']}: {_bytes(f['bytes_wrong'], 'differs', 'differ')}, first at byte {f['first_byte']} "
@@ -527,7 +543,7 @@ def print_report(report: dict, out) -> None:
     for f in untouched[:REPORTED_FAILURES]:
         out(f"  spare decode block {f['decode_block']}, layer {f['layer']} {f['kv']}: "
             f"{_bytes(f['bytes_wrong'], 'written', 'written')}, first at byte {f['first_byte']}")
-    hidden = max(0, len(failures) - REPORTED_FAILURES) + max(0, len(untouched) - REPORTED_FAILURES)
+    hidden = failed - len(failures[:REPORTED_FAILURES]) + written - len(untouched[:REPORTED_FAILURES])
     if hidden:
         out(f"  ... and {hidden} more")
 
@@ -535,12 +551,22 @@ def print_report(report: dict, out) -> None:
 def main(args) -> int:
     """The ``demo`` command (``args`` from ``__main__``'s parser): 0 verified, 1 verification
     failed, 2 could not run (130 on Ctrl-C: ``__main__`` turns the interrupt into it)."""
+    from llm_datadist.cli import demo_roles
+    problem = demo_roles.check_args(args)
+    if problem is not None:
+        print(f"demo: {problem}", file=sys.stderr)
+        return 2
     geometry = Geometry(args.layers, args.block_size, args.kv_heads, args.head_dim)
     out = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    # Lines a user needs even with --json (where the decode side listens): on stderr then.
+    note = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else out
     started = time.perf_counter()
     try:
-        report = run(geometry, args.requests, args.tokens, args.pull, args.plane, args.device, args.seed,
-                     args.corrupt_block, out)
+        if args.role is not None:
+            report = demo_roles.run(args, out, note)
+        else:
+            report = run(geometry, args.requests, args.tokens, args.pull, args.plane, args.device, args.seed,
+                         args.corrupt_block, out)
     except DemoError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
 """Command line: ``python -m llm_datadist {demo,bench,info}``.
 
 * ``demo``: a prefill and a decode process on this host, a paged KV cache of a 7B-class model,
-  a batch of requests moved and verified byte for byte (``demo.py``);
-* ``bench``: block size x data plane x direction against an in-run memcpy (``bench.py``);
+  a batch of requests moved and verified byte for byte (``demo.py``); with ``--role``, one side on
+  each of two hosts (``demo_roles.py``);
+* ``bench``: block size x data plane x direction against an in-run memcpy (``bench.py``); with
+  ``--role``, the table between two hosts (``bench_roles.py``);
 * ``info``: version, build, device runtimes, data planes of this host (``info.py``).
 
 Exit status: 0 success; 1 the demo's verification failed; 2 bad input or the command could not run;
@@ -43,6 +45,24 @@ def _seconds(text: str) -> float:
     if not 0 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"must be in [0, 3600] seconds, got {value}")
     return value
+
+
+def _timeout(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value}")
+    return value
+
+
+def _address(listening: bool):
+    """An argparse type: ``HOST:PORT`` (``two_hosts.parse_address``)."""
+    def parse(text: str) -> tuple:
+        from llm_datadist.cli.two_hosts import parse_address
+        try:
+            return parse_address(text, listening)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def _size(text: str) -> int:
@@ -88,22 +108,42 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from llm_datadist.cli import bench as _bench
-    planes = args.planes
-    if planes is None and args.gpu == "only":
-        planes = ()
-    elif planes is None:  # every plane this host has
-        planes, note = _bench.available_planes()
-        if note:
-            print(f"note: {note}", flush=True)
-    config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
-                                total=args.total, min_time=args.min_time, gpu=args.gpu,
-                                gpu_sizes=args.gpu_sizes, gpu_total=args.gpu_total)
-    json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
+    from llm_datadist import LLMException
+    from llm_datadist.cli import bench as _bench, bench_roles
+    from llm_datadist.cli.two_hosts import TwoHostError
+    from llm_datadist.testing import ChildError
+    problem = bench_roles.check_args(args, build_parser().parse_args(["bench"]))
+    if problem is not None:
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
+    out = lambda line: print(line, flush=True)  # noqa: E731
+    planes, gpu, client = args.planes, args.gpu, None
     try:
-        return _bench.run(config, json_path, args.plot, lambda line: print(line, flush=True))
-    except (_bench.BenchError, OSError) as exc:
+        if args.role == "server":
+            return bench_roles.serve(args, out)
+        if args.role == "client":
+            client = bench_roles.ClientSide(args)
+            planes = planes if planes is not None else _bench.cross_host_planes()
+            gpu = "off"  # the GPU rows are same-host ones
+        if planes is None and gpu == "only":
+            planes = ()
+        elif planes is None:  # every plane this host has
+            planes, note = _bench.available_planes()
+            if note:
+                print(f"note: {note}", flush=True)
+        config = _bench.SweepConfig(sizes=args.sizes, planes=planes, directions=args.directions,
+                                    total=args.total, min_time=args.min_time, gpu=gpu,
+                                    gpu_sizes=args.gpu_sizes, gpu_total=args.gpu_total)
+        json_path = args.json or time.strftime("llm_datadist-bench-%Y%m%d-%H%M%S.json")
+        return _bench.run(config, json_path, args.plot, out, client)
+    except ChildError as exc:  # a client process of the client role failed (say, to link)
+        print(f"bench: {exc.message}", file=sys.stderr)
+        return 2
+    except (_bench.BenchError, TwoHostError, OSError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    except LLMException as exc:
+        print(f"bench: {str(exc).split(' (status_code')[0]}", file=sys.stderr)
         return 2
 
 
@@ -140,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_datadist import __version__
     from llm_datadist.cli.console import short_size
     from llm_datadist.cli.demo import MAX_REQUESTS
+    from llm_datadist.cli.two_hosts import DEFAULT_TIMEOUT_S
     from llm_datadist import runtimes
     parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
@@ -184,6 +225,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="self-test of the verifier: after the transfer, flip one byte of block N of "
                              "the batch (counted over the requests in order; layer 0, K) on the decode "
                              "side; the demo must report that block and exit with status 1")
+    hosts = demo.add_argument_group(
+        "two hosts", "run one side here and the other on another host: the prefill side sends its workload "
+                     "flags, which must equal the decode side's; the decode side checks every byte and both "
+                     "exit with its verdict")
+    hosts.add_argument("--role", choices=("prefill", "decode"), default=None,
+                       help="this host's side: decode listens (--listen), prefill links to it (--peer)")
+    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
+                       help="decode: the address to listen on (port 0: any free port; the port is printed)")
+    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
+                       help="prefill: the decode side's address")
+    hosts.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="a file holding the link secret both sides share (its text; the file must not be "
+                            "readable by every user)")
+    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                       help=f"the longest wait for the other side: to link, to answer, to speak again, and for "
+                            f"one transfer call (default {DEFAULT_TIMEOUT_S:g})")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser(
@@ -221,6 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "in the current directory)")
     bench.add_argument("--plot", metavar="FILE.png", default=None,
                        help="draw GB/s against block size (needs matplotlib: pip install 'llm_datadist[plot]')")
+    hosts = bench.add_argument_group(
+        "two hosts", "the table between this host and another: the server serves the caches that transfers "
+                     "reach, the client measures (its planes, its memcpy baseline) and prints the table")
+    hosts.add_argument("--role", choices=("server", "client"), default=None,
+                       help="this host's side: server listens (--listen), client links to it (--peer) and takes "
+                            "the sweep's flags (default planes there: local and tcp; no GPU rows)")
+    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
+                       help="server: the address to listen on (port 0: any free port; the port is printed)")
+    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
+                       help="client: the server's address")
+    hosts.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="a file holding the link secret both sides share (its text; the file must not be "
+                            "readable by every user)")
+    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                       help=f"the longest wait for the other side: to link, to answer, to speak again "
+                            f"(default {DEFAULT_TIMEOUT_S:g})")
     bench.set_defaults(func=_bench)
 
     info = sub.add_parser("info", help="version, build, device runtimes, data planes of this host")

@@ -3,9 +3,10 @@
 bench`` (the sweep), kept in one place so that all of them measure exactly the same thing. It
 lives in the package (not in ``bench/``) so that the command works from an installed wheel.
 
-Processes (``llm_datadist.testing.Cluster``, one engine each, all on this host):
+Processes (``llm_datadist.testing.Cluster``, one engine each, all on this host; with
+``bench --role client`` the server is on another host instead, ``bench_roles.RemoteServer``):
 
-* the server, cluster 1, listening, ``llm.DataPlane=auto``: owns the remote blocks cache,
+* the server, cluster 1, listening, ``llm.DataPlane=auto`` (``LocalServer``): owns the remote blocks cache,
   registered under ``BlocksCacheKey(1, model_id)``. Each case uses a fresh model_id, so that a
   client's copy of the server's cache table misses it and is refreshed: re-registering a
   model_id with another geometry leaves the clients planning against the old one;
@@ -224,6 +225,12 @@ def sample(state, name: str, ids: Sequence[int]) -> np.ndarray:
     return np.concatenate([arr[ids, ::4096], arr[ids, -1:]], axis=1)
 
 
+def sample_digest(state, name: str, ids: Sequence[int]) -> str:
+    """SHA-256 of ``sample`` (what a server on another host sends instead of the bytes)."""
+    import hashlib
+    return hashlib.sha256(np.ascontiguousarray(sample(state, name, ids)).tobytes()).hexdigest()
+
+
 def _op(state, op: str):
     """``(fn, args, kwargs)`` of a timed operation (kwargs optional in ``scratch["ops"]``)."""
     entry = state.scratch["ops"][op]
@@ -302,19 +309,60 @@ def kind_label(plane: Optional[str], op: str) -> str:
     return op if plane is None else f"{plane} {op}"
 
 
+class LocalServer:
+    """The rig's server: a cluster process of this host, listening on 127.0.0.1 with
+    ``llm.DataPlane=auto``. ``bench_roles.RemoteServer`` is the same for a server on another
+    host (``bench --role server``)."""
+
+    def __init__(self, options: Dict[str, str]) -> None:
+        from llm_datadist.testing import Cluster
+        self.cluster = Cluster(SERVER_ID, role="PROMPT", listen=True, options={**options, "llm.DataPlane": "auto"})
+
+    def link(self, client, plane: str) -> None:
+        from llm_datadist.testing import link
+        status, per_cluster = link(client, self.cluster, timeout_ms=10000)
+        if status != 0:
+            raise RuntimeError(f"the {plane} client could not link to the server: status {status}, {per_cluster}")
+
+    def attach(self, home) -> None:
+        """``home`` is the process that times the baselines (nothing to do for a local server)."""
+
+    def serve(self, case: Case, model_id: int) -> None:
+        self.cluster.call(serve_case, case, model_id, timeout=CALL_TIMEOUT_S)
+
+    def digest(self, case: Case, op: str, index: int) -> str:
+        """``sample_digest`` of the server's blocks ``block_ids(case)[op][index]``."""
+        return self.cluster.call(sample_digest, "cache", block_ids(case)[op][index], timeout=CALL_TIMEOUT_S)
+
+    def drop(self) -> None:
+        if self.cluster.process.is_alive():
+            self.cluster.call(drop_case, timeout=CALL_TIMEOUT_S)
+
+    def finish(self) -> None:
+        """The last word before the clients unlink (nothing for a local server)."""
+
+    def unlink(self, client) -> None:
+        client.call(unlink_peer, SERVER_ID, *self.cluster.address, timeout=UNLINK_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
 class TransportRig:
     """The server and a client per plane of ``planes`` (default both), linked; one case set up
-    at a time (``use``). With no plane, one process for the local measurements."""
+    at a time (``use``). With no plane, one process for the local measurements. ``server``: a
+    factory of the server given the clusters' common options (default ``LocalServer``);
+    ``options``: more options for every cluster (a link secret)."""
 
-    def __init__(self, planes: Sequence[str] = PLANES) -> None:
-        from llm_datadist.testing import Cluster, link
+    def __init__(self, planes: Sequence[str] = PLANES, server=None, options: Optional[Dict[str, str]] = None) -> None:
+        from llm_datadist.testing import Cluster
         unknown = set(planes) - set(PLANES)
         if unknown:
             raise ValueError(f"unknown data planes {sorted(unknown)}; known: {', '.join(PLANES)}")
         # HOST caches need no device runtime: unless the caller chose one, the children use cpu
         # rather than probe for acl or cuda.
         os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
-        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS)}
+        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), **(options or {})}
         self.case: Optional[Case] = None
         self._next_model_id = 100
         self.clusters: list = []
@@ -322,19 +370,15 @@ class TransportRig:
         self.clients = {}
         try:
             if planes:
-                self.server = Cluster(SERVER_ID, role="PROMPT", listen=True,
-                                      options={**common, "llm.DataPlane": "auto"})
-                self.clusters.append(self.server)
+                self.server = (server or LocalServer)(common)
             for plane in (p for p in PLANES if p in planes):
                 client = Cluster(CLIENT_IDS[plane], role="DECODER", options={**common, "llm.DataPlane": plane})
                 self.clusters.append(client)
-                status, per_cluster = link(client, self.server, timeout_ms=10000)
-                if status != 0:
-                    raise RuntimeError(f"the {plane} client could not link to the server: "
-                                       f"status {status}, {per_cluster}")
+                self.server.link(client, plane)
                 self.clients[plane] = client
             if self.clients:
                 self.home = next(iter(self.clients.values()))  # the first plane's, in registry order
+                self.server.attach(self.home)
             else:
                 self.home = Cluster(LONE_ID, role="PROMPT", options=common)
                 self.clusters.append(self.home)
@@ -360,7 +404,7 @@ class TransportRig:
         self._next_model_id += 1
         try:
             if self.server is not None:
-                self.server.call(serve_case, case, model_id, timeout=CALL_TIMEOUT_S)
+                self.server.serve(case, model_id)
             for client in self.clients.values():
                 client.call(client_case, case, model_id, client is self.home, timeout=CALL_TIMEOUT_S)
             if not self.clients:
@@ -380,11 +424,13 @@ class TransportRig:
         if not np.array_equal(self.home.call(sample, "cache", src_ids), self.home.call(sample, "cache", dst_ids)):
             raise AssertionError("copy_blocks did not copy the source blocks")
         for plane, client in self.clients.items():
-            for op, source, dest in ((PUSH, client, self.server), (PUSH_LAYERS, client, self.server),
-                                     (PULL, self.server, client)):
+            for op in (PUSH, PUSH_LAYERS, PULL):
                 client.call(timed, op, 1, timeout=CALL_TIMEOUT_S)
-                src_ids, dst_ids = ids[PUSH if op == PUSH_LAYERS else op]
-                if not np.array_equal(source.call(sample, "cache", src_ids), dest.call(sample, "cache", dst_ids)):
+                moved = PUSH if op == PUSH_LAYERS else op
+                # push: the client's sources land in the server's destinations; pull: the reverse.
+                local_ids = ids[moved][0 if moved == PUSH else 1]
+                mine = client.call(sample_digest, "cache", local_ids, timeout=CALL_TIMEOUT_S)
+                if mine != self.server.digest(case, moved, 1 if moved == PUSH else 0):
                     raise AssertionError(f"{plane} {op} did not deliver the source blocks")
 
     def measure(self, plane: Optional[str], op: str, repetitions: int) -> List[int]:
@@ -408,18 +454,26 @@ class TransportRig:
         for cluster in self.clusters:
             if cluster.process.is_alive():
                 cluster.call(drop_case, timeout=CALL_TIMEOUT_S)
+        if self.server is not None:
+            self.server.drop()
 
     def close(self, unlink: bool = True) -> None:
-        """Stop every process; with ``unlink``, each client first unlinks from the server (telling
-        it), so that no side reports a lost link. Leaving a ``with`` block on an exception skips
-        that: a call may still be under way in a client."""
-        if unlink and self.server is not None:
-            for client in self.clients.values():
-                if client.process.is_alive():
-                    client.call(unlink_peer, SERVER_ID, *self.server.address, timeout=UNLINK_TIMEOUT_S)
-        for cluster in reversed(self.clusters):
-            cluster.close()
-        self.clusters = []
+        """Stop every process; with ``unlink``, the server has its last word and each client
+        then unlinks from it (telling it), so that no side reports a lost link. Leaving a
+        ``with`` block on an exception skips that: a call may still be under way in a client."""
+        try:
+            if unlink and self.server is not None:
+                self.server.finish()
+                for client in self.clients.values():
+                    if client.process.is_alive():
+                        self.server.unlink(client)
+        finally:
+            for cluster in reversed(self.clusters):
+                cluster.close()
+            self.clusters = []
+            if self.server is not None:
+                self.server.close()
+                self.server = None
 
     def __enter__(self) -> "TransportRig":
         return self

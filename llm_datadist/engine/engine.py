@@ -166,6 +166,10 @@ class Engine:
         """Clusters whose link ended without an unlink here, with the reason (empty before init)."""
         return self.links.lost_links() if self.initialized else {}
 
+    def linked_clusters(self) -> List[int]:
+        """The clusters this one has a link to now, either side's (empty before init)."""
+        return self.links.linked_clusters() if self.initialized else []
+
     def link_stats(self) -> Dict[str, int]:
         """This cluster's counters of what its links refused, lost or found malformed: the link
         manager's (``LinkManager.link_stats``: the caps' and the byte budgets' ``refused_*``,

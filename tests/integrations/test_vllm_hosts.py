@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from netns import make_pair
+from netns_pairs import make_pair
 from test_vllm import LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model
 
 pytestmark = needs_vllm

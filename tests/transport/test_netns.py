@@ -26,7 +26,7 @@ import pytest
 
 import llm_datadist
 from llm_datadist.status import LLMStatusCode
-from netns import NetnsPair, ip, make_pair
+from netns_pairs import NetnsPair, ip, make_pair
 
 S = LLMStatusCode
 CHILD = Path(__file__).with_name("netns_child.py")
@@ -38,7 +38,7 @@ BLOCK = 64 << 10
 
 
 @pytest.fixture
-def netns_pair(request):
+def netns_pair(request) -> NetnsPair:
     """Two fresh network namespaces joined by a veth pair with addresses in a private /30."""
     return make_pair(request)
 

@@ -1,7 +1,12 @@
-"""Two network namespaces joined by a veth pair: two "hosts" on one machine for tests of what
-crosses a network. Each pair is this test's own (names carry this process's pid and a counter,
-addresses are a private /30) and is removed when the test ends, whatever happens; traffic stays on
-the veth pair. Needs root and a working ``ip netns``: the test is skipped otherwise."""
+"""Two network namespaces joined by a veth pair, for tests that put processes on "two hosts"
+(``tests/transport/test_netns.py``, ``tests/cli/test_two_hosts.py``,
+``tests/integrations/test_vllm_hosts.py``).
+
+``make_pair(request)`` creates a fresh pair (names carry this process's pid and a counter;
+addresses are a private /30) and registers its removal with the test; it skips the test, with the
+reason, where that is impossible: not root, no ``ip`` tool, or ``ip netns`` refused. Traffic stays
+on the veth pair.
+"""
 
 from __future__ import annotations
 
@@ -31,10 +36,11 @@ class NetnsPair:
 
 
 def make_pair(request, default_route: bool = False) -> NetnsPair:
-    """A new pair, removed by ``request``'s finalizer. With ``default_route`` each namespace's
-    default route points at the other end of the veth (and loopback is up), so that a process
-    there that asks which address reaches other hosts (a connected UDP socket, which sends
-    nothing) finds its veth address; nothing behind the other end forwards anywhere."""
+    """Two fresh network namespaces joined by a veth pair, removed when the test ends. With
+    ``default_route`` each namespace's default route points at the other end of the veth (and
+    loopback is up), so that a process there that asks which address reaches other hosts (a
+    connected UDP socket, which sends nothing) finds its veth address; nothing behind the other
+    end forwards anywhere."""
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     if shutil.which("ip") is None:
