@@ -224,6 +224,14 @@ def _check_vllm_serve(args: List[str]) -> None:
     assert config["kv_role"] in ("kv_producer", "kv_consumer", "kv_both")
 
 
+def _check_ssh(args: List[str]) -> None:
+    """An SSH port forward: ``-N -L LOCAL_PORT:HOST:REMOTE_PORT destination``."""
+    assert "-N" in args and "-L" in args, args
+    forward = args[args.index("-L") + 1]
+    assert re.fullmatch(r"\d{1,5}:[\w.]+:\d{1,5}", forward), forward
+    assert args[-1] not in ("-N", "-L", forward) and not args[-1].startswith("-"), args
+
+
 def check_command(words: List[str]) -> None:
     if words[0] == "pip":
         _check_pip(words)
@@ -237,6 +245,8 @@ def check_command(words: List[str]) -> None:
         _check_pytest_benchmark(words[1:])
     elif words[0] == "vllm":
         _check_vllm_serve(words[1:])
+    elif words[0] == "ssh":
+        _check_ssh(words[1:])
     else:
         pytest.fail(f"README.md runs {words[0]!r}, which tests/test_readme.py does not know how to check")
 
@@ -253,6 +263,8 @@ def test_the_checks_catch_what_they_are_for():
     """Each check refuses the kind of mistake it exists for."""
     with pytest.raises(AssertionError):
         _check_llm_datadist(["bench", "--no-such-flag"])
+    with pytest.raises(AssertionError):
+        _check_ssh(["-N", "-L", "7000:127.0.0.1", "user@host"])
     with pytest.raises(AssertionError):
         _check_pip(["pip", "install", ".[no_such_extra]"])
     with pytest.raises(AssertionError):
