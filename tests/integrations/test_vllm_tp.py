@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -189,6 +190,15 @@ def test_a_tp2_prefill_with_other_weights_changes_the_tp2_decode(tp_engines):
 
 # -- without engines ------------------------------------------------------------------------------
 
+def _answers(answers: dict):
+    """A step's worker output carrying the answers of prefill engines asked about ranks."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from llm_datadist.integrations.vllm.meta import LLMDataDistWorkerMetadata
+
+    return KVConnectorOutput(kv_connector_worker_meta=LLMDataDistWorkerMetadata(answers))
+
+
 def _params(**changes) -> dict:
     ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"} for r in range(2)]
     params = {"remote_block_ids": [4, 5], "remote_host": "127.0.0.1", "remote_port": 7000, "remote_cluster_id": 10,
@@ -220,12 +230,21 @@ def test_kv_transfer_params_name_every_rank_and_hostile_ones_are_unusable():
     moved = recv_spec(_params(remote_port=8000, remote_request_id="req.moved"))
     assert [(p.port, p.remote_request_id) for p in moved.peers(0, 2)] == [(8000, "req.moved")]
     assert [p.port for p in moved.peers(1, 2)] == [7001]
-    # a prefill without remote_ranks is TP 1 (older versions, or a router that kept only NIXL's fields)
+    # a prefill without remote_ranks or tp_size is TP 1
     plain = recv_spec({k: v for k, v in _params().items() if k not in ("remote_ranks", "tp_size")})
-    assert plain.tp_size == 1 and [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []
+    assert plain.tp_size == 1 and not plain.ranks_unknown
+    assert [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []
+    # tp_size without remote_ranks (a router that forwards only NIXL's fields): rank 0 is known,
+    # the others are to be asked for; meanwhile rank 0 is all a decode rank may release
+    for stripped in (recv_spec({k: v for k, v in _params().items() if k != "remote_ranks"}),
+                     recv_spec(_params(remote_ranks=None))):
+        assert stripped.tp_size == 2 and stripped.ranks_unknown and stripped.ranks == ()
+        assert [(p.port, p.remote_request_id) for p in stripped.peers(0, 2)] == [(7000, "req.t0")]
+        assert stripped.peers(1, 2) == [] and [p.port for p in stripped.peers(0, 1)] == [7000]
+    assert not recv_spec(_params()).ranks_unknown
     hostile = [
         _params(tp_size=3), _params(tp_size=True), _params(tp_size=0), _params(tp_size=MAX_TP_SIZE + 1),
-        _params(tp_size="2"), _params(remote_ranks=None), _params(remote_ranks="ranks"),
+        _params(tp_size="2"), _params(tp_size=MAX_TP_SIZE + 1, remote_ranks=None), _params(remote_ranks="ranks"),
         _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1, "request_id": "r"}, 5]),
         _params(remote_ranks=[{"host": "h", "port": 0, "cluster_id": 1, "request_id": "r"}] * 2),
         _params(remote_ranks=[{"host": "h", "port": 1 << 16, "cluster_id": 1, "request_id": "r"}] * 2),
@@ -324,6 +343,307 @@ def test_a_prefill_engine_frees_blocks_only_when_every_rank_was_released():
         # rank 0 released: not freed yet; rank 1 too: freed
         assert step() == (set() if rank == 0 else {"req-1"})
     assert step() == set()
+
+
+# -- rank queries (a router that forwards only NIXL's fields), without engines -------------------------
+
+def _tp2_prefill(**extra):
+    """A prefill scheduler of TP size 2 and its ranks' lease books (what each rank's worker holds)."""
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    options = _Options.parse(dict({"kv_lease_s": 60}, **extra))
+    books = [LeaseBook(options) for _ in range(2)]
+    scheduler = _Scheduler("prefill", options, 32, producer=False, tp_size=2)
+    scheduler.set_workers({r: LLMDataDistHandshakeMetadata("prefill", 10 + r, "127.0.0.1", 7000 + r,
+                                                           books[r].key.hex(), r, 2) for r in range(2)})
+    return scheduler, books
+
+
+def _finish(scheduler, req_id: str) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    request = SimpleNamespace(request_id=req_id, kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    return scheduler.request_finished(request, [[1, 2]])[1]
+
+
+def _lease_step(scheduler, books):
+    """One prefill step: each rank's worker takes the leases, rank 0 the rank lists too."""
+    meta = scheduler.build_connector_meta()
+    for rank, book in enumerate(books):
+        book.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send,
+                         meta.ranks_to_send if rank == 0 else None)
+    return meta
+
+
+def _ask(book, remote_id) -> dict:
+    return book.on_message(9, {"op": "ranks", "request_id": remote_id})
+
+
+def _forged(remote_id: str) -> str:
+    """``remote_id`` with the last character of its token changed."""
+    return remote_id[:-1] + ("B" if remote_id[-1] == "A" else "A")
+
+
+@needs_vllm
+def test_rank_0_answers_a_rank_query_with_that_leases_ranks_and_nothing_else(monkeypatch):
+    """Only rank 0 keeps the rank lists, and only with tensor parallelism; a query names the
+    request with rank 0's lease token and gets that request's ``remote_ranks`` as handed out. A bare
+    id, a forged token, another request's token on this id, another rank's token, an id over the
+    limit, a request never leased: refused (counted), never another request's ranks; a lease one
+    step late is waited for."""
+    import threading
+
+    from llm_datadist.integrations.vllm import leases
+    from llm_datadist.integrations.vllm.leases import lease_request_id
+
+    scheduler, books = _tp2_prefill()
+    params = {r: _finish(scheduler, r) for r in ("req-1", "req-2")}
+    meta = _lease_step(scheduler, books)
+    assert meta.ranks_to_send == {r: p["remote_ranks"] for r, p in params.items()}
+    assert set(books[0].ranks) == {"req-1", "req-2"} and books[1].ranks == {}
+    for p in params.values():
+        assert _ask(books[0], p["remote_request_id"]) == {"request_id": p["remote_request_id"],
+                                                          "ranks": p["remote_ranks"], "readers_counted": True}
+    one, two = params["req-1"], params["req-2"]
+    monkeypatch.setattr(leases, "LEASE_WAIT_S", 0.2)  # (what a request never leased waits)
+    refusals = [
+        (books[0], "req-1", "bad_token"),
+        (books[0], _forged(one["remote_request_id"]), "bad_token"),
+        (books[0], "req-1." + two["remote_request_id"].rpartition(".")[2], "bad_token"),
+        (books[0], one["remote_ranks"][1]["request_id"], "bad_token"),  # rank 1's token: not rank 0's
+        (books[1], one["remote_ranks"][1]["request_id"], "unknown"),  # rank 1 keeps no rank lists
+        (books[0], lease_request_id(books[0].key, "req-9"), "unknown"),
+        (books[0], "r" * 10_000, "too_long"),
+        (books[0], 12, "malformed"),
+    ]
+    for book, remote_id, reason in refusals:
+        answer = _ask(book, remote_id)
+        assert answer["ranks"] is None and answer["refused"] == reason, (remote_id, answer)
+        assert set(answer) == {"request_id", "ranks", "refused", "why"}
+    assert books[0].stats["ranks_refused"] == 7 and books[1].stats["ranks_refused"] == 1
+    assert books[0].stats["ranks_answered"] == 2
+    assert books[0].stats["refused"] == 0 and "req-1" in books[0].held  # no release was refused or made
+    # a query that beats the lease (the prefill's next step hands it over) waits for it
+    monkeypatch.setattr(leases, "LEASE_WAIT_S", 30.0)
+    three = _finish(scheduler, "req-3")
+    early = []
+    thread = threading.Thread(target=lambda: early.append(_ask(books[0], three["remote_request_id"])))
+    thread.start()
+    time.sleep(0.1)
+    _lease_step(scheduler, books)
+    thread.join(30)
+    assert early == [{"request_id": three["remote_request_id"], "ranks": three["remote_ranks"],
+                      "readers_counted": True}]
+    # the same request id leased again (a client's reused id): a query with the old token is refused
+    # (its lease is gone) and one with the new token gets the new lease's ranks
+    answer = books[0].on_release(9, {"op": "release", "request_id": three["remote_request_id"]})
+    assert answer["released"] is True
+    again = _finish(scheduler, "req-3")
+    _lease_step(scheduler, books)
+    if again["remote_request_id"] != three["remote_request_id"]:  # (issued in another second)
+        assert _ask(books[0], three["remote_request_id"])["ranks"] is None
+    assert _ask(books[0], again["remote_request_id"])["ranks"] == again["remote_ranks"]
+
+
+@needs_vllm
+def test_rank_lists_are_held_with_their_lease_and_within_a_budget(monkeypatch):
+    """A rank list goes with its lease (released, expired, freed for shutdown or sleep); the lists
+    count their JSON bytes within ``release_records_bytes`` (a list that does not fit is not kept:
+    its query is refused); an answer over ``MAX_RANKS_ANSWER_BYTES`` is refused; an engine without
+    tensor parallelism hands its rank 0 nothing and answers with its own address."""
+    from llm_datadist.integrations.vllm import leases
+    from llm_datadist.integrations.vllm.leases import MAX_RANKS_ANSWER_BYTES, LeaseBook, lease_request_id
+    from llm_datadist.integrations.vllm.options import Options as _Options
+
+    monkeypatch.setattr(leases, "LEASE_WAIT_S", 0.2)
+    scheduler, books = _tp2_prefill()
+    params = {r: _finish(scheduler, r) for r in ("a", "b", "c")}
+    _lease_step(scheduler, books)
+    book = books[0]
+    cost = book.ranks_bytes // 3
+    assert book.ranks_bytes == 3 * cost and cost < 1024
+    assert book.on_release(9, {"op": "release", "request_id": params["a"]["remote_request_id"]})["released"]
+    assert "a" not in book.ranks and book.ranks_bytes == 2 * cost
+    assert _ask(book, params["a"]["remote_request_id"])["refused"] == "freed"
+    book.held["b"] = time.monotonic() - 1  # its lease ran out
+    assert book.take_finished() == {"a", "b"} and set(book.ranks) == {"c"} and book.ranks_bytes == cost
+    assert book.free_held("the KV cache was put to sleep") == 1 and book.ranks == {} and book.ranks_bytes == 0
+    assert _ask(book, params["c"]["remote_request_id"])["refused"] == "freed"
+
+    # within the budget: ten leases, room for three lists
+    scheduler, books = _tp2_prefill(release_records_bytes=3 * cost + cost // 2)
+    params = {f"r{i}": _finish(scheduler, f"r{i}") for i in range(10)}
+    _lease_step(scheduler, books)
+    book = books[0]
+    assert len(book.held) == 10 and len(book.ranks) == 3 and book.ranks_bytes <= 3 * cost + cost // 2
+    assert book.stats["ranks_not_kept"] == 7
+    answered = [r for r, p in params.items() if _ask(book, p["remote_request_id"])["ranks"] == p["remote_ranks"]]
+    assert answered == sorted(book.ranks)
+    assert book.close() == 10 and book.ranks == {} and book.ranks_bytes == 0
+
+    # an answer too long for a notification reply
+    book = LeaseBook(_Options.parse({"kv_lease_s": 60}))
+    big = lease_request_id(book.key, "big")
+    listed = [{"host": "127.0.0.1", "port": 7000, "cluster_id": 10, "request_id": big}] + \
+        [{"host": "h" * 200, "port": 7001, "cluster_id": 11, "request_id": "x" * 280}] * 80
+    book.take_leases({"big": 60.0}, False, {"big": [1]}, {"big": listed})
+    answer = _ask(book, big)
+    assert answer["refused"] == "too_large" and str(MAX_RANKS_ANSWER_BYTES) in answer["why"]
+
+    # TP 1: nothing handed to the workers; the worker answers with its own address
+    options = _Options.parse({"kv_lease_s": 60})
+    solo = LeaseBook(options)
+    solo.own_rank = {"host": "10.0.0.1", "port": 7100, "cluster_id": 33}
+    remote_id = lease_request_id(solo.key, "s-1")
+    solo.take_leases({"s-1": 60.0}, False, {"s-1": [3]})
+    assert solo.ranks == {} and _ask(solo, remote_id) == {
+        "request_id": remote_id, "readers_counted": True,
+        "ranks": [{"host": "10.0.0.1", "port": 7100, "cluster_id": 33, "request_id": remote_id}]}
+    # without lease tokens any linked peer may ask, by the plain request id (as it may release)
+    plain = LeaseBook(_Options.parse({"kv_lease_s": 60, "lease_tokens": False}))
+    plain.own_rank = dict(solo.own_rank)
+    plain.take_leases({"s-2": 60.0}, False)
+    assert _ask(plain, "s-2")["ranks"][0]["request_id"] == "s-2"
+
+
+def _decode_request(params: dict, req_id: str = "d-1"):
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=dict(params, do_remote_prefill=True),
+                           prompt_token_ids=list(range(40)))
+
+
+@needs_vllm
+def test_a_decode_scheduler_asks_prefill_rank_0_for_the_ranks_a_router_dropped(caplog):
+    """kv_transfer_params cut to NIXL's fields (no ``remote_ranks``, ``remote_cluster_id`` or
+    ``readers_counted``): the decode scheduler says "not yet" (None) and has its rank 0 worker ask,
+    once; with the answer it loads exactly as if the ranks had come (same TP size: rank by rank;
+    TP 1: head by head), rank 0 still linked by address. An answer that says nothing usable (an
+    older release, a refusal, a malformed list, none in time) makes it compute the prompt, with one
+    line, and release prefill rank 0 (the rank it knows); a request aborted while asking releases
+    it too."""
+    from test_vllm_leases import NIXL_FIELDS
+
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+    from llm_datadist.integrations.vllm.worker import read_ranks_reply
+
+    prefill, books = _tp2_prefill()
+    full = _finish(prefill, "p-1")
+    _lease_step(prefill, books)
+    stripped = {k: v for k, v in full.items() if k in NIXL_FIELDS}
+    assert "remote_ranks" not in stripped and "readers_counted" not in stripped and stripped["tp_size"] == 2
+
+    def asked(decode, request) -> object:
+        """Ask until the scheduler hands its worker the question; the spec it asks with."""
+        assert decode.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert decode.get_num_new_matched_tokens(request, 0) == (None, False)  # asked once
+        meta = decode.build_connector_meta()
+        assert list(meta.reqs_to_ask) == [request.request_id]
+        assert decode.build_connector_meta().reqs_to_ask == {}
+        return meta.reqs_to_ask[request.request_id]
+
+    for tp_size in (2, 1):
+        decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=tp_size, kv_heads=4)
+        request = _decode_request(stripped)
+        spec = asked(decode, request)
+        assert spec.ranks_unknown and spec.cluster_id is None
+        # (the worker's question, answered here by rank 0's book; the answer comes back with a step)
+        answer = read_ranks_reply(_ask(books[0], spec.remote_request_id), spec.remote_request_id)
+        decode.update_connector_output(_answers({"d-1": answer, "no-such": answer}))
+        assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
+        decode.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8]), 40)
+        got = decode.build_connector_meta().reqs_to_recv["d-1"]
+        assert got.awaiting and got.readers_counted and not got.ranks_unknown and got.tp_size == 2
+        assert request.kv_transfer_params["remote_ranks"] == full["remote_ranks"]
+        if tp_size == 2:
+            assert [(p.port, p.cluster_id, p.remote_request_id, p.heads) for p in got.peers(1, 2)] == [
+                (7001, 11, full["remote_ranks"][1]["request_id"], 0)]
+            assert [(p.port, p.cluster_id) for p in got.peers(0, 2)] == [(7000, None)]  # by address
+        else:
+            assert got.kv_heads == 4
+            assert [(p.port, p.heads, p.dst_head) for p in got.peers(0, 1)] == [(7000, 2, 0), (7001, 2, 2)]
+        assert decode._asking == {} and decode._answers == {}
+
+    bad_answers = {
+        "older": {"why": "it does not answer rank queries (an older release?)"},
+        "refused": read_ranks_reply(_ask(books[0], "p-1"), "p-1"),
+        "short": {"ranks": full["remote_ranks"][:1], "readers_counted": True},
+        "hostile": {"ranks": [{"host": "h", "port": 0, "cluster_id": 1, "request_id": "r"}] * 2},
+        "late": None,
+    }
+    assert "refused" in bad_answers["refused"]["why"]
+    for name, answer in bad_answers.items():
+        decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=4)
+        request = _decode_request(stripped)
+        asked(decode, request)
+        if answer is None:
+            decode.ask_s = 0.0
+        else:
+            decode.update_connector_output(_answers({"d-1": answer}))
+        caplog.clear()
+        assert decode.get_num_new_matched_tokens(request, 0) == (0, False), name
+        lines = [r.getMessage() for r in caplog.records if "computing the prompt locally" in r.getMessage()]
+        assert len(lines) == 1 and "tensor parallel ranks" in lines[0], (name, lines)
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+        sent = decode.build_connector_meta().reqs_to_recv["d-1"]
+        assert not sent.awaiting
+        assert [(p.port, p.remote_request_id) for p in sent.peers(0, 2)] == [(7000, full["remote_request_id"])]
+        assert sent.peers(1, 2) == []
+
+    # aborted while asking: rank 0 is released, and the answer that comes later is dropped
+    decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=4)
+    request = _decode_request(stripped)
+    asked(decode, request)
+    assert decode.request_finished(request, []) == (False, None)
+    assert [p.port for p in decode.build_connector_meta().reqs_to_recv["d-1"].peers(0, 2)] == [7000]
+    decode.update_connector_output(_answers({"d-1": {"why": "late"}}))
+    assert decode._asking == {} and decode._answers == {}
+
+
+@needs_vllm
+def test_a_decode_worker_asks_prefill_rank_0_over_its_link():
+    """Real links (the prefill worker in a child process, standing for rank 0 of a TP 2 engine):
+    the decode worker links by address, asks with rank 0's release id, and hands the scheduler
+    the ranks; a forged id is refused, and a prefill engine of the release before rank queries says
+    nothing usable."""
+    from test_vllm_leases import NIXL_FIELDS
+    from test_vllm_peers import CONSUMER, prefill_child, wait_for, worker
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata
+    from llm_datadist.integrations.vllm.meta import recv_spec
+
+    def ask(decode, specs: dict) -> dict:
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_ask = specs
+        decode.start(meta)
+        answers = {}
+
+        def answered() -> bool:
+            taken = decode.take_worker_meta()
+            answers.update(taken.answers if taken is not None else {})
+            return len(answers) == len(specs)
+
+        wait_for(answered, 60, "no answer")
+        return answers
+
+    with prefill_child(kv_lease_s=60) as prefill, worker(CONSUMER) as decode:
+        full = prefill.call("hand_out_tp", ["p-1", "p-2"], 60)
+        assert all(p["tp_size"] == 2 and len(p["remote_ranks"]) == 2 for p in full.values())
+        stripped = recv_spec({k: v for k, v in full["p-1"].items() if k in NIXL_FIELDS})
+        forged = replace(stripped, remote_request_id=_forged(full["p-2"]["remote_request_id"]))
+        answers = ask(decode, {"d-1": stripped, "d-2": forged})
+        assert answers["d-1"] == {"ranks": full["p-1"]["remote_ranks"], "readers_counted": True}
+        assert answers["d-2"]["why"].startswith("it refused: no valid lease token")
+        prefill.call("act_older")
+        answers = ask(decode, {"d-3": recv_spec({k: v for k, v in full["p-2"].items() if k in NIXL_FIELDS})})
+        assert answers["d-3"] == {"why": "it does not answer rank queries (an older release?)"}
+        stats = prefill.call("stats")
+        assert (stats["ranks_answered"], stats["ranks_refused"], stats["released"]) == (1, 1, 0)
+        assert decode.stats["links"] == 1 and decode.stats["ranks_asked"] == 3
+        assert decode.stats["ranks_unanswered"] == 2 and decode.take_worker_meta() is None
 
 
 def _free_port_run(count: int) -> int:
@@ -451,6 +771,12 @@ def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_even
         params = _params(tp_size=1, remote_ranks=one, remote_block_ids=[4, 5], do_remote_prefill=True, **changes)
         request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
         matched = decode.get_num_new_matched_tokens(request, 0)
+        if matched[0] is None:
+            # no readers_counted: the prefill engine is asked whether it counts them; here it is
+            # an older release, which does not answer that
+            assert set(decode.build_connector_meta().reqs_to_ask) == {"d-1"}
+            decode.update_connector_output(_answers({"d-1": {"why": "an older release"}}))
+            matched = decode.get_num_new_matched_tokens(request, 0)
         if matched[1]:
             blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8])
             decode.update_state_after_alloc(request, blocks, matched[0])

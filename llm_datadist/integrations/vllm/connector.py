@@ -3,7 +3,7 @@ the engine core, the worker half (``worker.Worker``) in each worker."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -15,11 +15,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from llm_datadist.integrations.vllm import compat, layout
-from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
+from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
+                                                 LLMDataDistWorkerMetadata)
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.scheduler import Scheduler
 from llm_datadist.integrations.vllm.worker import Worker
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
 
 
 class LLMDataDistConnector(KVConnectorBase_V1):
@@ -84,6 +88,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # (the answers of prefill engines asked for what a request's params lacked)
+        self._scheduler.update_connector_output(connector_output)
+
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
         # Under MultiConnector every child gets the metadata one of them published: another
         # connector's is not ours to read (and does not replace ours).
@@ -122,6 +130,9 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[LLMDataDistWorkerMetadata]:
+        return self._worker.take_worker_meta() if self._worker is not None else None
 
     # -- vLLM's stat loggers (metrics.py) -----------------------------------------------------------
     def get_kv_connector_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
