@@ -53,8 +53,8 @@ class _Prefill:
 
     def hand_out_tp(self, req_ids, lease_s: float) -> dict:
         """``hand_out`` as rank 0 of a prefill engine of tensor parallel size 2 (rank 1 a stand-in:
-        its handshake only) does it: their kv_transfer_params name both ranks, and this worker keeps
-        the rank lists with the leases."""
+        its handshake only) does it: their kv_transfer_params name both ranks, and this worker gets
+        the table of ranks it answers rank queries with."""
         from vllm.v1.request import RequestStatus
 
         from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata
@@ -73,7 +73,7 @@ class _Prefill:
             params[req_id] = scheduler.request_finished(request, [[i % BLOCKS]])[1]
         built = scheduler.build_connector_meta()
         meta = LLMDataDistConnectorMetadata()
-        meta.reqs_to_send, meta.ranks_to_send = built.reqs_to_send, built.ranks_to_send
+        meta.reqs_to_send, meta.rank_table = built.reqs_to_send, built.rank_table
         self.worker.start(meta)
         return params
 

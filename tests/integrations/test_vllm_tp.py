@@ -9,6 +9,7 @@ The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distribut
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 from dataclasses import replace
@@ -371,11 +372,12 @@ def _finish(scheduler, req_id: str) -> dict:
 
 
 def _lease_step(scheduler, books):
-    """One prefill step: each rank's worker takes the leases, rank 0 the rank lists too."""
+    """One prefill step: each rank's worker takes the leases, rank 0 the table of ranks (once)."""
     meta = scheduler.build_connector_meta()
     for rank, book in enumerate(books):
-        book.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send,
-                         meta.ranks_to_send if rank == 0 else None)
+        book.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
+        if rank == 0 and meta.rank_table:
+            book.set_rank_table(meta.rank_table)
     return meta
 
 
@@ -389,34 +391,35 @@ def _forged(remote_id: str) -> str:
 
 
 @needs_vllm
-def test_rank_0_answers_a_rank_query_with_that_leases_ranks_and_nothing_else(monkeypatch):
-    """Only rank 0 keeps the rank lists, and only with tensor parallelism; a query names the
-    request with rank 0's lease token and gets that request's ``remote_ranks`` as handed out. A bare
-    id, a forged token, another request's token on this id, another rank's token, an id over the
-    limit, a request never leased: refused (counted), never another request's ranks; a lease one
-    step late is waited for."""
-    import threading
-
-    from llm_datadist.integrations.vllm import leases
+def test_rank_0_answers_a_rank_query_with_that_requests_ranks_and_nothing_else():
+    """A query names the request with rank 0's lease token and gets that request's
+    ``remote_ranks``, exactly as handed out, whether its lease has reached the worker yet or not
+    (the prefill's next step hands it over). A bare id, a forged token, another request's token on
+    this id, another rank's token, an id over the limit, a query to a rank other than 0: refused
+    (counted), never another request's ranks; no release is made or refused by a query."""
     from llm_datadist.integrations.vllm.leases import lease_request_id
 
     scheduler, books = _tp2_prefill()
+    first = scheduler.build_connector_meta()  # the step before any request finished
+    assert [r["cluster_id"] for r in first.rank_table] == [10, 11]
+    assert first.rank_table[1]["lease_key"] == books[1].key.hex()
+    books[0].set_rank_table(first.rank_table)
+    assert scheduler.build_connector_meta().rank_table is None  # handed over once
     params = {r: _finish(scheduler, r) for r in ("req-1", "req-2")}
-    meta = _lease_step(scheduler, books)
-    assert meta.ranks_to_send == {r: p["remote_ranks"] for r, p in params.items()}
-    assert set(books[0].ranks) == {"req-1", "req-2"} and books[1].ranks == {}
-    for p in params.values():
+    for p in params.values():  # (before the step that hands the leases over)
         assert _ask(books[0], p["remote_request_id"]) == {"request_id": p["remote_request_id"],
                                                           "ranks": p["remote_ranks"], "readers_counted": True}
+    _lease_step(scheduler, books)
+    for p in params.values():
+        assert _ask(books[0], p["remote_request_id"])["ranks"] == p["remote_ranks"]
     one, two = params["req-1"], params["req-2"]
-    monkeypatch.setattr(leases, "LEASE_WAIT_S", 0.2)  # (what a request never leased waits)
     refusals = [
         (books[0], "req-1", "bad_token"),
         (books[0], _forged(one["remote_request_id"]), "bad_token"),
         (books[0], "req-1." + two["remote_request_id"].rpartition(".")[2], "bad_token"),
         (books[0], one["remote_ranks"][1]["request_id"], "bad_token"),  # rank 1's token: not rank 0's
-        (books[1], one["remote_ranks"][1]["request_id"], "unknown"),  # rank 1 keeps no rank lists
-        (books[0], lease_request_id(books[0].key, "req-9"), "unknown"),
+        (books[0], lease_request_id(os.urandom(32), "req-1"), "bad_token"),  # another engine's
+        (books[1], one["remote_ranks"][1]["request_id"], "unknown"),  # rank 1 knows no table
         (books[0], "r" * 10_000, "too_long"),
         (books[0], 12, "malformed"),
     ]
@@ -425,89 +428,75 @@ def test_rank_0_answers_a_rank_query_with_that_leases_ranks_and_nothing_else(mon
         assert answer["ranks"] is None and answer["refused"] == reason, (remote_id, answer)
         assert set(answer) == {"request_id", "ranks", "refused", "why"}
     assert books[0].stats["ranks_refused"] == 7 and books[1].stats["ranks_refused"] == 1
-    assert books[0].stats["ranks_answered"] == 2
-    assert books[0].stats["refused"] == 0 and "req-1" in books[0].held  # no release was refused or made
-    # a query that beats the lease (the prefill's next step hands it over) waits for it
-    monkeypatch.setattr(leases, "LEASE_WAIT_S", 30.0)
-    three = _finish(scheduler, "req-3")
-    early = []
-    thread = threading.Thread(target=lambda: early.append(_ask(books[0], three["remote_request_id"])))
-    thread.start()
-    time.sleep(0.1)
-    _lease_step(scheduler, books)
-    thread.join(30)
-    assert early == [{"request_id": three["remote_request_id"], "ranks": three["remote_ranks"],
-                      "readers_counted": True}]
-    # the same request id leased again (a client's reused id): a query with the old token is refused
-    # (its lease is gone) and one with the new token gets the new lease's ranks
-    answer = books[0].on_release(9, {"op": "release", "request_id": three["remote_request_id"]})
-    assert answer["released"] is True
-    again = _finish(scheduler, "req-3")
-    _lease_step(scheduler, books)
-    if again["remote_request_id"] != three["remote_request_id"]:  # (issued in another second)
-        assert _ask(books[0], three["remote_request_id"])["ranks"] is None
-    assert _ask(books[0], again["remote_request_id"])["ranks"] == again["remote_ranks"]
+    assert books[0].stats["ranks_answered"] == 4
+    assert books[0].stats["refused"] == books[0].stats["released"] == 0 and set(books[0].held) == {"req-1", "req-2"}
 
 
 @needs_vllm
-def test_rank_lists_are_held_with_their_lease_and_within_a_budget(monkeypatch):
-    """A rank list goes with its lease (released, expired, freed for shutdown or sleep); the lists
-    count their JSON bytes within ``release_records_bytes`` (a list that does not fit is not kept:
-    its query is refused); an answer over ``MAX_RANKS_ANSWER_BYTES`` is refused; an engine without
-    tensor parallelism hands its rank 0 nothing and answers with its own address."""
+def test_a_rank_query_keeps_nothing_and_ends_with_its_lease(monkeypatch):
+    """Rank 0 keeps no record per request (its answer is made from the table and the token's issue
+    time), so its memory does not grow with queries or leases; a query for a lease that was
+    released, expired or freed at shutdown is refused, and so is one whose token is older than a
+    lease and its slack (its record gone); an answer over ``MAX_RANKS_ANSWER_BYTES`` is refused; an
+    engine without tensor parallelism answers with its own address, and without lease tokens by the
+    plain request id."""
+    import tracemalloc
+
     from llm_datadist.integrations.vllm import leases
     from llm_datadist.integrations.vllm.leases import MAX_RANKS_ANSWER_BYTES, LeaseBook, lease_request_id
     from llm_datadist.integrations.vllm.options import Options as _Options
 
-    monkeypatch.setattr(leases, "LEASE_WAIT_S", 0.2)
     scheduler, books = _tp2_prefill()
-    params = {r: _finish(scheduler, r) for r in ("a", "b", "c")}
+    params = {r: _finish(scheduler, r) for r in ("a", "b", "c", "d")}
     _lease_step(scheduler, books)
     book = books[0]
-    cost = book.ranks_bytes // 3
-    assert book.ranks_bytes == 3 * cost and cost < 1024
     assert book.on_release(9, {"op": "release", "request_id": params["a"]["remote_request_id"]})["released"]
-    assert "a" not in book.ranks and book.ranks_bytes == 2 * cost
-    assert _ask(book, params["a"]["remote_request_id"])["refused"] == "freed"
     book.held["b"] = time.monotonic() - 1  # its lease ran out
-    assert book.take_finished() == {"a", "b"} and set(book.ranks) == {"c"} and book.ranks_bytes == cost
-    assert book.free_held("the KV cache was put to sleep") == 1 and book.ranks == {} and book.ranks_bytes == 0
-    assert _ask(book, params["c"]["remote_request_id"])["refused"] == "freed"
+    assert book.take_finished() == {"a", "b"}
+    assert book.take_leases({}, stopping=True) == 2  # c and d: freed at shutdown
+    for name, why in (("a", "released"), ("b", "lease ended"), ("c", "the engine is shutting down")):
+        answer = _ask(book, params[name]["remote_request_id"])
+        assert answer["refused"] == "freed" and why in answer["why"], (name, answer)
+    # a token older than a lease and the records' slack: refused without a record
+    old = lease_request_id(book.key, "e", int(time.time() - 60 - leases._RECORD_SLACK_S - 5))
+    assert _ask(book, old)["refused"] == "ended"
 
-    # within the budget: ten leases, room for three lists
-    scheduler, books = _tp2_prefill(release_records_bytes=3 * cost + cost // 2)
-    params = {f"r{i}": _finish(scheduler, f"r{i}") for i in range(10)}
+    # queries keep nothing: thousands of them leave the book as it was
+    scheduler, books = _tp2_prefill()
+    params = [_finish(scheduler, f"r{i}") for i in range(50)]
     _lease_step(scheduler, books)
     book = books[0]
-    assert len(book.held) == 10 and len(book.ranks) == 3 and book.ranks_bytes <= 3 * cost + cost // 2
-    assert book.stats["ranks_not_kept"] == 7
-    answered = [r for r, p in params.items() if _ask(book, p["remote_request_id"])["ranks"] == p["remote_ranks"]]
-    assert answered == sorted(book.ranks)
-    assert book.close() == 10 and book.ranks == {} and book.ranks_bytes == 0
+    before = (len(book.held), len(book.blocks), len(book.gone), len(book.released), book.record_bytes)
+    tracemalloc.start()
+    try:
+        for i in range(4000):
+            assert _ask(book, params[i % 50]["remote_request_id"])["ranks"] is not None
+            assert _ask(book, _forged(params[i % 50]["remote_request_id"]))["ranks"] is None
+        size = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert size < 64 << 10, size
+    assert (len(book.held), len(book.blocks), len(book.gone), len(book.released), book.record_bytes) == before
 
     # an answer too long for a notification reply
     book = LeaseBook(_Options.parse({"kv_lease_s": 60}))
-    big = lease_request_id(book.key, "big")
-    listed = [{"host": "127.0.0.1", "port": 7000, "cluster_id": 10, "request_id": big}] + \
-        [{"host": "h" * 200, "port": 7001, "cluster_id": 11, "request_id": "x" * 280}] * 80
-    book.take_leases({"big": 60.0}, False, {"big": [1]}, {"big": listed})
-    answer = _ask(book, big)
+    book.set_rank_table([{"host": "h" * 200, "port": 7000 + r, "cluster_id": r, "lease_key": os.urandom(32).hex()}
+                         for r in range(128)])
+    answer = _ask(book, lease_request_id(book.key, "x" * 250))
     assert answer["refused"] == "too_large" and str(MAX_RANKS_ANSWER_BYTES) in answer["why"]
 
-    # TP 1: nothing handed to the workers; the worker answers with its own address
-    options = _Options.parse({"kv_lease_s": 60})
-    solo = LeaseBook(options)
+    # TP 1: no table; the worker answers with its own address
+    solo = LeaseBook(_Options.parse({"kv_lease_s": 60}))
     solo.own_rank = {"host": "10.0.0.1", "port": 7100, "cluster_id": 33}
     remote_id = lease_request_id(solo.key, "s-1")
-    solo.take_leases({"s-1": 60.0}, False, {"s-1": [3]})
-    assert solo.ranks == {} and _ask(solo, remote_id) == {
+    assert _ask(solo, remote_id) == {
         "request_id": remote_id, "readers_counted": True,
         "ranks": [{"host": "10.0.0.1", "port": 7100, "cluster_id": 33, "request_id": remote_id}]}
     # without lease tokens any linked peer may ask, by the plain request id (as it may release)
-    plain = LeaseBook(_Options.parse({"kv_lease_s": 60, "lease_tokens": False}))
-    plain.own_rank = dict(solo.own_rank)
-    plain.take_leases({"s-2": 60.0}, False)
-    assert _ask(plain, "s-2")["ranks"][0]["request_id"] == "s-2"
+    scheduler, books = _tp2_prefill(lease_tokens=False)
+    plain = _finish(scheduler, "s-2")
+    _lease_step(scheduler, books)
+    assert plain["remote_request_id"] == "s-2" and _ask(books[0], "s-2")["ranks"] == plain["remote_ranks"]
 
 
 def _decode_request(params: dict, req_id: str = "d-1"):

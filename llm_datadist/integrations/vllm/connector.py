@@ -178,7 +178,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         what the release records count now. Renewals of the leases of requests waiting in the queue:
         on the decode side ``renewed``, ``renew_refused`` (the prefill side said no: bad token,
         freed...), ``renew_failed`` (not delivered; tried again), and ``links_evicted`` (idle links
-        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``."""
+        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``. Rank queries (a
+        request whose ``kv_transfer_params`` lacked ``remote_ranks``): on the decode side
+        ``ranks_asked`` and ``ranks_unanswered`` (no usable answer: the prompt was computed); on
+        the prefill side ``ranks_answered`` and ``ranks_refused``."""
         if self._worker is None:
             return {}
         return dict(self._worker.stats, release_record_bytes=self._worker.leases.record_bytes)

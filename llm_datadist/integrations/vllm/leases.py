@@ -7,9 +7,9 @@ every third of a lease). The book keeps the leases, the releases that came befor
 and the requests already freed, within a byte budget, and ages the records out; a renewal keeps
 no record. It is also the engine's read guard: a pull over a server-mediated plane (``tcp``,
 ``staging``) tagged with ``remote_request_id`` reads only the blocks leased for that request,
-while the lease lasts (``read_guard``). With tensor parallelism, rank 0's book also keeps each
-held request's rank list (every rank's address and release id) to answer a decode side that did
-not get it (``on_ranks``: a router that forwards only NIXL's fields), checked like a release."""
+while the lease lasts (``read_guard``). It also answers a decode side whose ``kv_transfer_params``
+lost ``remote_ranks`` (a router that forwards only NIXL's fields) with every rank's address and
+release id, checked like a release (``on_ranks``: rank 0 of an engine with tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ MAX_RENEW_IDS = 4096
 #: The largest answer to a rank query (``on_ranks``), in bytes of compact JSON: below the links'
 #: smallest sensible message budget (``LLM_DATADIST_MAX_MESSAGE_BYTES``, 64 KiB by default), which a
 #: decode side holds a reply to (a longer one would break its link). A rank list that does not fit
-#: is refused (``too_large``); with request ids of at most ``MAX_REQUEST_ID_BYTES`` it fits up to
-#: about 80 ranks.
+#: is refused (``too_large``); with request ids of at most ``MAX_REQUEST_ID_BYTES`` and short host
+#: names it fits about 90 ranks.
 MAX_RANKS_ANSWER_BYTES = 32 << 10
 
 
@@ -123,10 +123,9 @@ class LeaseBook:
     requests whose blocks vLLM may free (its ``finished_sending``). Thread-safe: the link's thread
     hands releases in while vLLM's steps hand leases and take the finished ones.
 
-    ``ranks`` (tensor parallel rank 0 of a prefill engine): request id -> its ``remote_ranks``,
-    kept while the request is held (dropped with its lease), within ``release_records_bytes`` of
-    their own (``ranks_bytes``: each list's JSON bytes plus 256); ``own_rank`` (an engine without
-    tensor parallelism): this worker's ``host``, ``port`` and ``cluster_id``, its one rank."""
+    Rank queries (``on_ranks``) are answered from ``_rank_table`` (tensor parallel rank 0: every
+    rank's address and lease key, ``set_rank_table``) or ``own_rank`` (an engine without tensor
+    parallelism: this worker's ``host``, ``port`` and ``cluster_id``); nothing per request."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -144,7 +143,7 @@ class LeaseBook:
         self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
                       "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0,
                       "lease_renewed": 0, "renewal_refused": 0, "bad_readers": 0,
-                      "ranks_answered": 0, "ranks_refused": 0, "ranks_not_kept": 0}
+                      "ranks_answered": 0, "ranks_refused": 0}
         self._lock = threading.Lock()
         #: what a guarded read may touch (``read_guard``): request id -> its leased block ids,
         #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
@@ -156,23 +155,18 @@ class LeaseBook:
         self._tensors: List[int] = []
         self._block_bytes = 0
         self._leased = threading.Condition(self._lock)  # a lease came (``read_guard`` waits for it)
-        self.ranks: Dict[str, List[Dict[str, Any]]] = {}
-        self._ranks_cost: Dict[str, int] = {}
-        self.ranks_bytes = 0
+        self._rank_table: List[Tuple[str, int, int, bytes]] = []
         self.own_rank: Optional[Dict[str, Any]] = None
 
     # -- vLLM's steps -------------------------------------------------------------------------------
     def take_leases(self, to_send: Dict[str, float], stopping: bool,
-                    blocks: Optional[Dict[str, List[int]]] = None,
-                    ranks: Optional[Dict[str, List[Dict[str, Any]]]] = None) -> Optional[int]:
+                    blocks: Optional[Dict[str, List[int]]] = None) -> Optional[int]:
         """Hold the blocks of ``to_send`` (request id -> seconds; ``blocks``: request id -> its
-        block ids, which guarded reads may then touch; ``ranks``: request id -> its rank list, kept
-        for rank queries while it is held); with ``stopping``, free them all. If the engine began
-        to stop in this step, how many requests' blocks were freed; else None."""
+        block ids, which guarded reads may then touch); with ``stopping``, free them all. If the
+        engine began to stop in this step, how many requests' blocks were freed; else None."""
         now = time.monotonic()
         began, freed = False, 0
         blocks = blocks or {}
-        ranks = ranks or {}
         with self._lock:
             if stopping and not self.stopping:
                 # vLLM waits for these before it stops: free them now (finished_sending)
@@ -190,7 +184,6 @@ class LeaseBook:
                         self.held[req_id] = now + seconds
                         self.blocks[req_id] = list(blocks.get(req_id, ()))
                         self._ranges.pop(req_id, None)
-                        self._keep_ranks(req_id, ranks.get(req_id))
                         continue
                     self.finished.add(req_id)  # its decode side was done before the lease came
                     self._forget(req_id, "released")
@@ -201,7 +194,6 @@ class LeaseBook:
                     self.held[req_id] = now + seconds
                     self.blocks[req_id] = list(blocks.get(req_id, ()))
                     self._ranges.pop(req_id, None)
-                    self._keep_ranks(req_id, ranks.get(req_id))
             self._drop_blocks()
             self._leased.notify_all()
         return freed if began else None
@@ -232,7 +224,6 @@ class LeaseBook:
             for req_id in held:
                 self.finished.add(req_id)
                 self._forget(req_id, why)
-            self._drop_blocks()
         return len(held)
 
     def close(self) -> int:
@@ -240,7 +231,6 @@ class LeaseBook:
         with self._lock:
             held, self.held = len(self.held), {}
             self.blocks, self.reads, self._ranges = {}, {}, {}
-            self.ranks, self._ranks_cost, self.ranks_bytes = {}, {}, 0
         return held
 
     def _free_at_shutdown(self, req_id: str) -> None:
@@ -373,7 +363,6 @@ class LeaseBook:
                 del self.held[req_id]
                 self.blocks.pop(req_id, None)
                 self._ranges.pop(req_id, None)
-                self._drop_ranks(req_id)
                 self.finished.add(req_id)
                 self._forget(req_id, "released")
                 return True, ""
@@ -451,45 +440,34 @@ class LeaseBook:
                            what, count)
 
     def _drop_blocks(self) -> None:
-        """Forget the block ids and rank lists of requests no longer held (called with the lock)."""
+        """Forget the block ids of requests no longer held (called with the lock)."""
         if len(self.blocks) != len(self.held):
             for req_id in [r for r in self.blocks if r not in self.held]:
                 del self.blocks[req_id]
         for req_id in [r for r in self._ranges if r not in self.blocks]:
             del self._ranges[req_id]
-        for req_id in [r for r in self.ranks if r not in self.held]:
-            self._drop_ranks(req_id)
 
-    # -- rank lists (tensor parallel rank 0; a rank query on the link's thread: quick) -------------
-    def _keep_ranks(self, req_id: str, ranks: Optional[List[Dict[str, Any]]]) -> None:
-        """Keep a held request's rank list for rank queries, if it fits ``release_records_bytes``
-        beside the others (lock held); else it is not kept (``ranks_not_kept``: that request's
-        query is then refused, and its decode side computes the prompt)."""
-        self._drop_ranks(req_id)
-        if not ranks:
-            return
-        cost = len(json.dumps(ranks, separators=(",", ":"))) + _RECORD_OVERHEAD_BYTES
-        if self.ranks_bytes + cost > self.options.release_records_bytes:
-            self.stats["ranks_not_kept"] += 1
-            return
-        self.ranks[req_id] = ranks
-        self._ranks_cost[req_id] = cost
-        self.ranks_bytes += cost
-
-    def _drop_ranks(self, req_id: str) -> None:
-        if self.ranks.pop(req_id, None) is not None:
-            self.ranks_bytes -= self._ranks_cost.pop(req_id)
+    # -- rank queries (the link's thread: quick) -------------------------------------------------------
+    def set_rank_table(self, table: List[Dict[str, Any]]) -> None:
+        """Every tensor parallel rank of this engine, rank 0 (this worker) first: ``host``,
+        ``port``, ``cluster_id`` and ``lease_key`` (hex), as the scheduler has them from the
+        handshakes; rank 0 answers rank queries with it."""
+        rows = [(str(r["host"]), int(r["port"]), int(r["cluster_id"]), bytes.fromhex(r["lease_key"])) for r in table]
+        with self._lock:
+            self._rank_table = rows
 
     def on_ranks(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
         """A linked decode worker's ``{"op": "ranks", "request_id": remote_request_id}`` (a request
         whose ``kv_transfer_params`` came without ``remote_ranks`` or ``readers_counted``) ->
         ``{"request_id": remote_request_id, "ranks": [{"host", "port", "cluster_id", "request_id"},
-        ...], "readers_counted": true}``: every tensor parallel rank of this engine, with its
-        release id for that request, as the scheduler handed them out (this engine's own with
-        ``own_rank``). Checked like a release: with lease tokens only the id this engine handed out,
-        token included, and only while its lease is held (a valid token whose lease is a step late
-        waits up to ``LEASE_WAIT_S``); anything else gets ``{"request_id", "ranks": None, "why"}``
-        (counted, ``ranks_refused``) and never another request's ranks."""
+        ...], "readers_counted": true}``: every tensor parallel rank of this engine with its release
+        id for that request, the ``remote_ranks`` the scheduler handed out. Checked like a release:
+        with lease tokens only the id this engine handed out, token included, and only while its
+        lease may still be held (held, or on its way: not freed, not older than a lease and its
+        slack); anything else gets ``{"request_id", "ranks": None, "refused", "why"}`` (counted,
+        ``ranks_refused``), never another request's ranks. Nothing is kept per request: each rank's
+        release id is its token for the request id and issue time rank 0's token carries, made with
+        that rank's key (``set_rank_table``; an engine without tensor parallelism: ``own_rank``)."""
         remote_id = message.get("request_id") if isinstance(message, dict) else None
         if not isinstance(remote_id, str):
             return self._refuse_ranks(peer_cluster_id, "", "malformed", "request_id must be a string")
@@ -503,25 +481,23 @@ class LeaseBook:
                 return self._refuse_ranks(peer_cluster_id, remote_id, "bad_token",
                                           "no valid lease token for this request")
             req_id, issued = checked
-        deadline = time.monotonic() + LEASE_WAIT_S
         with self._lock:
-            while req_id not in self.held and req_id not in self.gone and not self.stopping and \
-                    (issued is None or time.time() - issued <= self.options.kv_lease_s):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._leased.wait(left)
-            ranks = self.ranks.get(req_id) if req_id in self.held else None
-            if ranks is None and req_id in self.held and self.own_rank is not None:
-                ranks = [dict(self.own_rank, request_id=remote_id)]
-            gone = self.gone.get(req_id)
-        if ranks is None:
-            why = f"its blocks were already freed ({gone[0]})" if gone is not None else \
-                "this engine holds no lease of it with a rank list"
-            return self._refuse_ranks(peer_cluster_id, remote_id, "freed" if gone is not None else "unknown", why)
-        if self.options.lease_tokens and ranks[0].get("request_id") != remote_id:
-            # the same request id leased again under another token: not this lease's ranks
-            return self._refuse_ranks(peer_cluster_id, remote_id, "bad_token", "not the lease of this token")
+            gone = self.gone.get(req_id) if req_id not in self.held else None
+            table = self._rank_table
+        if gone is not None:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "freed", f"its blocks were already freed ({gone[0]})")
+        if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "ended", "its lease has ended")
+        if table:
+            ranks = [{"host": host, "port": port, "cluster_id": cluster_id,
+                      "request_id": remote_id if rank == 0 else
+                      lease_request_id(key, req_id, issued) if issued is not None else req_id}
+                     for rank, (host, port, cluster_id, key) in enumerate(table)]
+        elif self.own_rank is not None:
+            ranks = [dict(self.own_rank, request_id=remote_id)]
+        else:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "unknown",
+                                      "this worker does not know its engine's ranks (not rank 0?)")
         answer = {"request_id": remote_id, "ranks": ranks, "readers_counted": True}
         if len(json.dumps(answer, separators=(",", ":"))) > MAX_RANKS_ANSWER_BYTES:
             return self._refuse_ranks(peer_cluster_id, remote_id, "too_large",

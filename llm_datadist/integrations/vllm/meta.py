@@ -153,9 +153,10 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
         self.reqs_parked: Dict[str, Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
         self.blocks_to_send: Dict[str, List[int]] = {}  # request id -> those blocks (the read guard's)
-        #: prefill side, with tensor parallelism: request id -> its ``remote_ranks``, which rank 0
-        #: keeps with the lease to answer decode sides that did not get them (``ranks`` queries)
-        self.ranks_to_send: Dict[str, List[Dict[str, Any]]] = {}
+        #: prefill side, with tensor parallelism, once: every rank's ``host``, ``port``,
+        #: ``cluster_id`` and ``lease_key``, with which rank 0 answers the decode sides that did not
+        #: get ``remote_ranks`` (``ranks`` queries, ``LeaseBook.on_ranks``)
+        self.rank_table: Optional[List[Dict[str, Any]]] = None
         #: decode side: requests whose prefill engine rank 0 is to be asked what their params lack
         #: (every rank's address and release id; whether it counts readers); rank 0 asks
         self.reqs_to_ask: Dict[str, Recv] = {}

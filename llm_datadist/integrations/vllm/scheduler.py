@@ -87,7 +87,8 @@ class Scheduler:
         self._parked: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
         self._send_blocks: Dict[str, List[int]] = {}
-        self._send_ranks: Dict[str, List[Dict[str, Any]]] = {}
+        #: every rank's address and lease key, for rank 0's worker (rank queries), until handed over
+        self._rank_table: Optional[List[Dict[str, Any]]] = None
         #: decode side, requests whose params lack what only their prefill engine can say: those
         #: to ask at the next step, those asked (-> when, monotonic) and the answers come back
         self._ask: Dict[str, Recv] = {}
@@ -121,6 +122,9 @@ class Scheduler:
             return
         self.workers = [by_rank[rank] for rank in range(self.tp_size)]
         self.worker = self.workers[0]
+        if self.tp_size > 1:
+            self._rank_table = [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "lease_key": w.lease_key}
+                                for w in self.workers]
 
     def on_new_request(self, request) -> None:
         """A request that will load its prompt from a prefill engine waits in vLLM's queue until
@@ -266,7 +270,7 @@ class Scheduler:
         self._parked = {}
         meta.reqs_to_send, self._send = self._send, {}
         meta.blocks_to_send, self._send_blocks = self._send_blocks, {}
-        meta.ranks_to_send, self._send_ranks = self._send_ranks, {}
+        meta.rank_table, self._rank_table = self._rank_table, None
         meta.reqs_to_ask, self._ask = self._ask, {}
         meta.stopping = self._signals.stopping
         return meta
@@ -309,13 +313,8 @@ class Scheduler:
         issued = int(time.time())
         remote_ids = [lease_request_id(bytes.fromhex(w.lease_key), request.request_id, issued)
                       if self.options.lease_tokens else request.request_id for w in self.workers]
-        ranks = [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "request_id": remote_id}
-                 for w, remote_id in zip(self.workers, remote_ids)]
         self._send[request.request_id] = self.options.kv_lease_s
         self._send_blocks[request.request_id] = ids  # what the decode side may read (LeaseBook.read_guard)
-        if self.tp_size > 1:
-            # rank 0 keeps them with the lease, for a decode side whose router drops remote_ranks
-            self._send_ranks[request.request_id] = ranks
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -329,7 +328,8 @@ class Scheduler:
             "remote_block_size": self.block_size,
             "tp_size": self.tp_size,
             # every rank (rank 0 again first): a decode rank pulls from the prefill rank of its number
-            "remote_ranks": ranks,
+            "remote_ranks": [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "request_id": remote_id}
+                             for w, remote_id in zip(self.workers, remote_ids)],
             # each rank frees its blocks after as many releases as the decode side has readers of
             # it (a decode engine of another TP size reads one rank from several of its own)
             "readers_counted": True,

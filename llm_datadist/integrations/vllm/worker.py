@@ -209,9 +209,14 @@ class Worker:
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
-        # (rank 0 answers rank queries: a decode side asks remote_host:remote_port, which is rank 0)
-        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send,
-                                        meta.ranks_to_send if self.tp_rank == 0 else None)
+        freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
+        if meta.rank_table and self.tp_rank == 0:
+            # rank 0 answers rank queries: a decode side asks remote_host:remote_port, which is rank 0
+            if meta.rank_table[0].get("cluster_id") == self.cluster_id:
+                self.leases.set_rank_table(meta.rank_table)
+            else:
+                logger.error("llm_datadist: the scheduler's table of ranks does not begin with this worker (cluster "
+                             "%d); rank queries are refused", self.cluster_id)
         if self.tp_rank == 0:  # one question per request, from one rank; the scheduler tells the others
             for req_id, spec in meta.reqs_to_ask.items():
                 self._count("ranks_asked", 1)
