@@ -1,7 +1,8 @@
 """Tensor parallelism: every prefill rank's address and lease token in ``kv_transfer_params``,
-decode rank r pulling from prefill rank r, the listen-port rule, and engines of different TP sizes
+decode rank r pulling from prefill rank r, the listen-port rule, engines of different TP sizes
 moving KV head by head (each decode rank pulls its heads' byte range of each block from the prefill
-ranks holding them, and each prefill rank frees its blocks after the last of its readers' releases).
+ranks holding them, and each prefill rank frees its blocks after the last of its readers' releases),
+and a decode engine that got only NIXL's fields (no ``remote_ranks``) asking prefill rank 0 for them.
 
 The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distributed_executor_backend
 ="mp"``, gloo) on the tiny model of ``test_vllm``, one P/D pair at a time."""
@@ -28,6 +29,10 @@ TP1_TO_TP2 = prompts_of([45], seed=22)
 TP2_TO_TP1 = prompts_of([50], seed=23)
 OTHER_WEIGHTS = prompts_of([60], seed=24)
 OTHER_WEIGHTS_TP1 = prompts_of([55], seed=25)
+#: Prompts whose kv_transfer_params reach the decode engine cut to NIXL's fields (no remote_ranks):
+#: P TP 2 -> D TP 2, and P TP 2 -> D TP 1.
+NIXL_ONLY = prompts_of([60, 35], seed=26)
+NIXL_ONLY_TP1 = prompts_of([48], seed=27)
 START_S = 480  # TP 2 engines on two shared cores start slowly
 
 
@@ -82,7 +87,7 @@ def tp_engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         start(plain)
-        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1
+        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1 + NIXL_ONLY + NIXL_ONLY_TP1
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
         plain.close()
         prefill = Engine(work / "model", "producer", work / "prefill2.log",
@@ -100,6 +105,15 @@ def tp_engines(tmp_path_factory):
 def prefill(engine: Engine, prompts) -> list:
     outputs = engine.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts), timeout=2 * CALL_TIMEOUT_S)
     return [o["kv_transfer_params"] for o in outputs]
+
+
+def nixl_only(params: dict) -> dict:
+    """``params`` as a router that forwards only NIXL's fields passes them on."""
+    from test_vllm_leases import NIXL_FIELDS
+
+    cut = {k: v for k, v in params.items() if k in NIXL_FIELDS}
+    assert "remote_ranks" not in cut and "remote_cluster_id" not in cut and "readers_counted" not in cut
+    return cut
 
 
 @needs_vllm
@@ -124,6 +138,26 @@ def test_tp2_prefill_to_tp2_decode_pulls_rank_by_rank(tp_engines):
     assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, SAME_TP))
     for p in params:  # each decode rank released its prefill rank
         assert_released_by_decode(p, [0, 1])
+
+
+@needs_vllm
+def test_a_router_of_nixls_fields_only_still_reaches_every_prefill_rank(tp_engines):
+    """P TP 2 -> D TP 2 with kv_transfer_params cut to NIXL's fields: the decode engine asks prefill
+    rank 0 for the ranks, then pulls rank by rank (the baseline's tokens, no prompt token computed)
+    and releases every prefill rank (no lease left to run out)."""
+    _, baseline, prefill2, decode2 = tp_engines
+    params = prefill(prefill2, NIXL_ONLY)
+    before = decode2.prompt_tokens()
+
+    outputs = decode2.generate(NIXL_ONLY, MAX_TOKENS, [nixl_only(p) for p in params], timeout=2 * CALL_TIMEOUT_S)
+
+    for prompt, out in zip(NIXL_ONLY, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    sources = delta(decode2.prompt_tokens(), before)
+    assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, NIXL_ONLY))
+    for p in params:
+        assert_released_by_decode(p, [0, 1])
+    assert "computing the prompt locally" not in decode2.tail(400)
 
 
 @needs_vllm
@@ -167,6 +201,15 @@ def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(
         assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(TP2_TO_TP1[0])
         assert "computing the prompt locally" not in decode1.tail(200)
         assert_released_by_decode(params[0], [0, 1])  # both by the one decode rank, which read both
+        # the same through a router of NIXL's fields only: the decode engine asks rank 0 for the ranks
+        params = prefill(prefill2, NIXL_ONLY_TP1)
+        before = decode1.prompt_tokens()
+        outputs = decode1.generate(NIXL_ONLY_TP1, MAX_TOKENS, [nixl_only(params[0])], timeout=2 * CALL_TIMEOUT_S)
+        assert outputs[0]["token_ids"] == baseline[tuple(NIXL_ONLY_TP1[0])]
+        sources = delta(decode1.prompt_tokens(), before)
+        assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(NIXL_ONLY_TP1[0])
+        assert "computing the prompt locally" not in decode1.tail(200)
+        assert_released_by_decode(params[0], [0, 1])
     finally:
         decode1.close()
 
