@@ -51,6 +51,44 @@ class _Prefill:
         self.worker.start(meta)
         return params
 
+    def hand_out_tp(self, req_ids, lease_s: float) -> dict:
+        """``hand_out`` as rank 0 of a prefill engine of tensor parallel size 2 (rank 1 a stand-in:
+        its handshake only) does it: their kv_transfer_params name both ranks, and this worker gets
+        the table of ranks it answers rank queries with."""
+        from vllm.v1.request import RequestStatus
+
+        from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata
+        from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata
+        from llm_datadist.integrations.vllm.options import Options
+        from llm_datadist.integrations.vllm.scheduler import Scheduler
+
+        scheduler = Scheduler("prefill", Options.parse({"kv_lease_s": lease_s}), 16, producer=False, tp_size=2)
+        rank1 = LLMDataDistHandshakeMetadata("prefill", self.worker.cluster_id + 1, "127.0.0.1", 9,
+                                             lease_key="ab" * 32, tp_rank=1, tp_size=2)
+        scheduler.set_workers({0: self.worker.handshake(), 1: rank1})
+        params = {}
+        for i, req_id in enumerate(req_ids):
+            request = SimpleNamespace(request_id=req_id, kv_transfer_params={"do_remote_decode": True},
+                                      status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=16)
+            params[req_id] = scheduler.request_finished(request, [[i % BLOCKS]])[1]
+        built = scheduler.build_connector_meta()
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_send, meta.rank_table = built.reqs_to_send, built.rank_table
+        self.worker.start(meta)
+        return params
+
+    def act_older(self) -> None:
+        """Answer notifications as the release before rank queries did: a rank query is taken for
+        a malformed release."""
+        worker = self.worker
+
+        def older(peer_id, message):
+            if isinstance(message, dict) and message.get("op") == "ranks":
+                return worker.leases.on_release(peer_id, message)
+            return worker._on_notify(peer_id, message)
+
+        worker.dd.engine.set_notify_handler(older)
+
     def count_batches(self) -> None:
         """Note each renewal's request ids' JSON size before the lease book answers it."""
         handler = self.worker.leases.on_message

@@ -1,7 +1,8 @@
 """Tensor parallelism: every prefill rank's address and lease token in ``kv_transfer_params``,
-decode rank r pulling from prefill rank r, the listen-port rule, and engines of different TP sizes
+decode rank r pulling from prefill rank r, the listen-port rule, engines of different TP sizes
 moving KV head by head (each decode rank pulls its heads' byte range of each block from the prefill
-ranks holding them, and each prefill rank frees its blocks after the last of its readers' releases).
+ranks holding them, and each prefill rank frees its blocks after the last of its readers' releases),
+and a decode engine that got only NIXL's fields (no ``remote_ranks``) asking prefill rank 0 for them.
 
 The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distributed_executor_backend
 ="mp"``, gloo) on the tiny model of ``test_vllm``, one P/D pair at a time."""
@@ -9,7 +10,9 @@ The live tests run vLLM CPU engines with ``tensor_parallel_size=2`` (``distribut
 from __future__ import annotations
 
 import math
+import os
 import socket
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -26,6 +29,10 @@ TP1_TO_TP2 = prompts_of([45], seed=22)
 TP2_TO_TP1 = prompts_of([50], seed=23)
 OTHER_WEIGHTS = prompts_of([60], seed=24)
 OTHER_WEIGHTS_TP1 = prompts_of([55], seed=25)
+#: Prompts whose kv_transfer_params reach the decode engine cut to NIXL's fields (no remote_ranks):
+#: P TP 2 -> D TP 2, and P TP 2 -> D TP 1.
+NIXL_ONLY = prompts_of([60, 35], seed=26)
+NIXL_ONLY_TP1 = prompts_of([48], seed=27)
 START_S = 480  # TP 2 engines on two shared cores start slowly
 
 
@@ -80,7 +87,7 @@ def tp_engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         start(plain)
-        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1
+        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1 + NIXL_ONLY + NIXL_ONLY_TP1
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
         plain.close()
         prefill = Engine(work / "model", "producer", work / "prefill2.log",
@@ -98,6 +105,15 @@ def tp_engines(tmp_path_factory):
 def prefill(engine: Engine, prompts) -> list:
     outputs = engine.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts), timeout=2 * CALL_TIMEOUT_S)
     return [o["kv_transfer_params"] for o in outputs]
+
+
+def nixl_only(params: dict) -> dict:
+    """``params`` as a router that forwards only NIXL's fields passes them on."""
+    from test_vllm_leases import NIXL_FIELDS
+
+    cut = {k: v for k, v in params.items() if k in NIXL_FIELDS}
+    assert "remote_ranks" not in cut and "remote_cluster_id" not in cut and "readers_counted" not in cut
+    return cut
 
 
 @needs_vllm
@@ -122,6 +138,26 @@ def test_tp2_prefill_to_tp2_decode_pulls_rank_by_rank(tp_engines):
     assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, SAME_TP))
     for p in params:  # each decode rank released its prefill rank
         assert_released_by_decode(p, [0, 1])
+
+
+@needs_vllm
+def test_a_router_of_nixls_fields_only_still_reaches_every_prefill_rank(tp_engines):
+    """P TP 2 -> D TP 2 with kv_transfer_params cut to NIXL's fields: the decode engine asks prefill
+    rank 0 for the ranks, then pulls rank by rank (the baseline's tokens, no prompt token computed)
+    and releases every prefill rank (no lease left to run out)."""
+    _, baseline, prefill2, decode2 = tp_engines
+    params = prefill(prefill2, NIXL_ONLY)
+    before = decode2.prompt_tokens()
+
+    outputs = decode2.generate(NIXL_ONLY, MAX_TOKENS, [nixl_only(p) for p in params], timeout=2 * CALL_TIMEOUT_S)
+
+    for prompt, out in zip(NIXL_ONLY, outputs):
+        assert out["token_ids"] == baseline[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    sources = delta(decode2.prompt_tokens(), before)
+    assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, NIXL_ONLY))
+    for p in params:
+        assert_released_by_decode(p, [0, 1])
+    assert "computing the prompt locally" not in decode2.tail(400)
 
 
 @needs_vllm
@@ -165,6 +201,15 @@ def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(
         assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(TP2_TO_TP1[0])
         assert "computing the prompt locally" not in decode1.tail(200)
         assert_released_by_decode(params[0], [0, 1])  # both by the one decode rank, which read both
+        # the same through a router of NIXL's fields only: the decode engine asks rank 0 for the ranks
+        params = prefill(prefill2, NIXL_ONLY_TP1)
+        before = decode1.prompt_tokens()
+        outputs = decode1.generate(NIXL_ONLY_TP1, MAX_TOKENS, [nixl_only(params[0])], timeout=2 * CALL_TIMEOUT_S)
+        assert outputs[0]["token_ids"] == baseline[tuple(NIXL_ONLY_TP1[0])]
+        sources = delta(decode1.prompt_tokens(), before)
+        assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == len(NIXL_ONLY_TP1[0])
+        assert "computing the prompt locally" not in decode1.tail(200)
+        assert_released_by_decode(params[0], [0, 1])
     finally:
         decode1.close()
 
@@ -188,6 +233,15 @@ def test_a_tp2_prefill_with_other_weights_changes_the_tp2_decode(tp_engines):
 
 
 # -- without engines ------------------------------------------------------------------------------
+
+def _answers(answers: dict):
+    """A step's worker output carrying the answers of prefill engines asked about ranks."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from llm_datadist.integrations.vllm.meta import LLMDataDistWorkerMetadata
+
+    return KVConnectorOutput(kv_connector_worker_meta=LLMDataDistWorkerMetadata(answers))
+
 
 def _params(**changes) -> dict:
     ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"} for r in range(2)]
@@ -220,12 +274,21 @@ def test_kv_transfer_params_name_every_rank_and_hostile_ones_are_unusable():
     moved = recv_spec(_params(remote_port=8000, remote_request_id="req.moved"))
     assert [(p.port, p.remote_request_id) for p in moved.peers(0, 2)] == [(8000, "req.moved")]
     assert [p.port for p in moved.peers(1, 2)] == [7001]
-    # a prefill without remote_ranks is TP 1 (older versions, or a router that kept only NIXL's fields)
+    # a prefill without remote_ranks or tp_size is TP 1
     plain = recv_spec({k: v for k, v in _params().items() if k not in ("remote_ranks", "tp_size")})
-    assert plain.tp_size == 1 and [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []
+    assert plain.tp_size == 1 and not plain.ranks_unknown
+    assert [p.port for p in plain.peers(0, 2)] == [7000] and plain.peers(1, 2) == []
+    # tp_size without remote_ranks (a router that forwards only NIXL's fields): rank 0 is known,
+    # the others are to be asked for; meanwhile rank 0 is all a decode rank may release
+    for stripped in (recv_spec({k: v for k, v in _params().items() if k != "remote_ranks"}),
+                     recv_spec(_params(remote_ranks=None))):
+        assert stripped.tp_size == 2 and stripped.ranks_unknown and stripped.ranks == ()
+        assert [(p.port, p.remote_request_id) for p in stripped.peers(0, 2)] == [(7000, "req.t0")]
+        assert stripped.peers(1, 2) == [] and [p.port for p in stripped.peers(0, 1)] == [7000]
+    assert not recv_spec(_params()).ranks_unknown
     hostile = [
         _params(tp_size=3), _params(tp_size=True), _params(tp_size=0), _params(tp_size=MAX_TP_SIZE + 1),
-        _params(tp_size="2"), _params(remote_ranks=None), _params(remote_ranks="ranks"),
+        _params(tp_size="2"), _params(tp_size=MAX_TP_SIZE + 1, remote_ranks=None), _params(remote_ranks="ranks"),
         _params(remote_ranks=[{"host": "h", "port": 1, "cluster_id": 1, "request_id": "r"}, 5]),
         _params(remote_ranks=[{"host": "h", "port": 0, "cluster_id": 1, "request_id": "r"}] * 2),
         _params(remote_ranks=[{"host": "h", "port": 1 << 16, "cluster_id": 1, "request_id": "r"}] * 2),
@@ -324,6 +387,295 @@ def test_a_prefill_engine_frees_blocks_only_when_every_rank_was_released():
         # rank 0 released: not freed yet; rank 1 too: freed
         assert step() == (set() if rank == 0 else {"req-1"})
     assert step() == set()
+
+
+# -- rank queries (a router that forwards only NIXL's fields), without engines -------------------------
+
+def _tp2_prefill(**extra):
+    """A prefill scheduler of TP size 2 and its ranks' lease books (what each rank's worker holds)."""
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+
+    options = _Options.parse(dict({"kv_lease_s": 60}, **extra))
+    books = [LeaseBook(options) for _ in range(2)]
+    scheduler = _Scheduler("prefill", options, 32, producer=False, tp_size=2)
+    scheduler.set_workers({r: LLMDataDistHandshakeMetadata("prefill", 10 + r, "127.0.0.1", 7000 + r,
+                                                           books[r].key.hex(), r, 2) for r in range(2)})
+    return scheduler, books
+
+
+def _finish(scheduler, req_id: str) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    request = SimpleNamespace(request_id=req_id, kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    return scheduler.request_finished(request, [[1, 2]])[1]
+
+
+def _lease_step(scheduler, books):
+    """One prefill step: each rank's worker takes the leases, rank 0 the table of ranks (once)."""
+    meta = scheduler.build_connector_meta()
+    for rank, book in enumerate(books):
+        book.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
+        if rank == 0 and meta.rank_table:
+            book.set_rank_table(meta.rank_table)
+    return meta
+
+
+def _ask(book, remote_id) -> dict:
+    return book.on_message(9, {"op": "ranks", "request_id": remote_id})
+
+
+def _forged(remote_id: str) -> str:
+    """``remote_id`` with the last character of its token changed."""
+    return remote_id[:-1] + ("B" if remote_id[-1] == "A" else "A")
+
+
+@needs_vllm
+def test_rank_0_answers_a_rank_query_with_that_requests_ranks_and_nothing_else():
+    """A query names the request with rank 0's lease token and gets that request's
+    ``remote_ranks``, exactly as handed out, whether its lease has reached the worker yet or not
+    (the prefill's next step hands it over). A bare id, a forged token, another request's token on
+    this id, another rank's token, an id over the limit, a query to a rank other than 0: refused
+    (counted), never another request's ranks; no release is made or refused by a query."""
+    from llm_datadist.integrations.vllm.leases import lease_request_id
+
+    scheduler, books = _tp2_prefill()
+    first = scheduler.build_connector_meta()  # the step before any request finished
+    assert [r["cluster_id"] for r in first.rank_table] == [10, 11]
+    assert first.rank_table[1]["lease_key"] == books[1].key.hex()
+    books[0].set_rank_table(first.rank_table)
+    assert scheduler.build_connector_meta().rank_table is None  # handed over once
+    params = {r: _finish(scheduler, r) for r in ("req-1", "req-2")}
+    for p in params.values():  # (before the step that hands the leases over)
+        assert _ask(books[0], p["remote_request_id"]) == {"request_id": p["remote_request_id"],
+                                                          "ranks": p["remote_ranks"], "readers_counted": True}
+    _lease_step(scheduler, books)
+    for p in params.values():
+        assert _ask(books[0], p["remote_request_id"])["ranks"] == p["remote_ranks"]
+    one, two = params["req-1"], params["req-2"]
+    refusals = [
+        (books[0], "req-1", "bad_token"),
+        (books[0], _forged(one["remote_request_id"]), "bad_token"),
+        (books[0], "req-1." + two["remote_request_id"].rpartition(".")[2], "bad_token"),
+        (books[0], one["remote_ranks"][1]["request_id"], "bad_token"),  # rank 1's token: not rank 0's
+        (books[0], lease_request_id(os.urandom(32), "req-1"), "bad_token"),  # another engine's
+        (books[1], one["remote_ranks"][1]["request_id"], "unknown"),  # rank 1 knows no table
+        (books[0], "r" * 10_000, "too_long"),
+        (books[0], 12, "malformed"),
+    ]
+    for book, remote_id, reason in refusals:
+        answer = _ask(book, remote_id)
+        assert answer["ranks"] is None and answer["refused"] == reason, (remote_id, answer)
+        assert set(answer) == {"request_id", "ranks", "refused", "why"}
+    assert books[0].stats["ranks_refused"] == 7 and books[1].stats["ranks_refused"] == 1
+    assert books[0].stats["ranks_answered"] == 4
+    assert books[0].stats["refused"] == books[0].stats["released"] == 0 and set(books[0].held) == {"req-1", "req-2"}
+
+
+@needs_vllm
+def test_a_rank_query_keeps_nothing_and_ends_with_its_lease(monkeypatch):
+    """Rank 0 keeps no record per request (its answer is made from the table and the token's issue
+    time), so its memory does not grow with queries or leases; a query for a lease that was
+    released, expired or freed at shutdown is refused, and so is one whose token is older than a
+    lease and its slack (its record gone); an answer over ``MAX_RANKS_ANSWER_BYTES`` is refused; an
+    engine without tensor parallelism answers with its own address, and without lease tokens by the
+    plain request id."""
+    import tracemalloc
+
+    from llm_datadist.integrations.vllm import leases
+    from llm_datadist.integrations.vllm.leases import MAX_RANKS_ANSWER_BYTES, LeaseBook, lease_request_id
+    from llm_datadist.integrations.vllm.options import Options as _Options
+
+    scheduler, books = _tp2_prefill()
+    params = {r: _finish(scheduler, r) for r in ("a", "b", "c", "d")}
+    _lease_step(scheduler, books)
+    book = books[0]
+    assert book.on_release(9, {"op": "release", "request_id": params["a"]["remote_request_id"]})["released"]
+    book.held["b"] = time.monotonic() - 1  # its lease ran out
+    assert book.take_finished() == {"a", "b"}
+    assert book.take_leases({}, stopping=True) == 2  # c and d: freed at shutdown
+    for name, why in (("a", "released"), ("b", "lease ended"), ("c", "the engine is shutting down")):
+        answer = _ask(book, params[name]["remote_request_id"])
+        assert answer["refused"] == "freed" and why in answer["why"], (name, answer)
+    # a token older than a lease and the records' slack: refused without a record
+    old = lease_request_id(book.key, "e", int(time.time() - 60 - leases._RECORD_SLACK_S - 5))
+    assert _ask(book, old)["refused"] == "ended"
+
+    # queries keep nothing: thousands of them leave the book as it was
+    scheduler, books = _tp2_prefill()
+    params = [_finish(scheduler, f"r{i}") for i in range(50)]
+    _lease_step(scheduler, books)
+    book = books[0]
+    before = (len(book.held), len(book.blocks), len(book.gone), len(book.released), book.record_bytes)
+    tracemalloc.start()
+    try:
+        for i in range(4000):
+            assert _ask(book, params[i % 50]["remote_request_id"])["ranks"] is not None
+            assert _ask(book, _forged(params[i % 50]["remote_request_id"]))["ranks"] is None
+        size = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert size < 64 << 10, size
+    assert (len(book.held), len(book.blocks), len(book.gone), len(book.released), book.record_bytes) == before
+
+    # an answer too long for a notification reply
+    book = LeaseBook(_Options.parse({"kv_lease_s": 60}))
+    book.set_rank_table([{"host": "h" * 200, "port": 7000 + r, "cluster_id": r, "lease_key": os.urandom(32).hex()}
+                         for r in range(128)])
+    answer = _ask(book, lease_request_id(book.key, "x" * 250))
+    assert answer["refused"] == "too_large" and str(MAX_RANKS_ANSWER_BYTES) in answer["why"]
+
+    # TP 1: no table; the worker answers with its own address
+    solo = LeaseBook(_Options.parse({"kv_lease_s": 60}))
+    solo.own_rank = {"host": "10.0.0.1", "port": 7100, "cluster_id": 33}
+    remote_id = lease_request_id(solo.key, "s-1")
+    assert _ask(solo, remote_id) == {
+        "request_id": remote_id, "readers_counted": True,
+        "ranks": [{"host": "10.0.0.1", "port": 7100, "cluster_id": 33, "request_id": remote_id}]}
+    # without lease tokens any linked peer may ask, by the plain request id (as it may release)
+    scheduler, books = _tp2_prefill(lease_tokens=False)
+    plain = _finish(scheduler, "s-2")
+    _lease_step(scheduler, books)
+    assert plain["remote_request_id"] == "s-2" and _ask(books[0], "s-2")["ranks"] == plain["remote_ranks"]
+
+
+def _decode_request(params: dict, req_id: str = "d-1"):
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=dict(params, do_remote_prefill=True),
+                           prompt_token_ids=list(range(40)))
+
+
+@needs_vllm
+def test_a_decode_scheduler_asks_prefill_rank_0_for_the_ranks_a_router_dropped(caplog):
+    """kv_transfer_params cut to NIXL's fields (no ``remote_ranks``, ``remote_cluster_id`` or
+    ``readers_counted``): the decode scheduler says "not yet" (None) and has its rank 0 worker ask,
+    once; with the answer it loads exactly as if the ranks had come (same TP size: rank by rank;
+    TP 1: head by head), rank 0 still linked by address. An answer that says nothing usable (an
+    older release, a refusal, a malformed list, none in time) makes it compute the prompt, with one
+    line, and release prefill rank 0 (the rank it knows); a request aborted while asking releases
+    it too."""
+    from test_vllm_leases import NIXL_FIELDS
+
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+    from llm_datadist.integrations.vllm.worker import read_ranks_reply
+
+    prefill, books = _tp2_prefill()
+    full = _finish(prefill, "p-1")
+    _lease_step(prefill, books)
+    stripped = {k: v for k, v in full.items() if k in NIXL_FIELDS}
+    assert "remote_ranks" not in stripped and "readers_counted" not in stripped and stripped["tp_size"] == 2
+
+    def asked(decode, request) -> object:
+        """Ask until the scheduler hands its worker the question; the spec it asks with."""
+        assert decode.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert decode.get_num_new_matched_tokens(request, 0) == (None, False)  # asked once
+        meta = decode.build_connector_meta()
+        assert list(meta.reqs_to_ask) == [request.request_id]
+        assert decode.build_connector_meta().reqs_to_ask == {}
+        return meta.reqs_to_ask[request.request_id]
+
+    for tp_size in (2, 1):
+        decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=tp_size, kv_heads=4)
+        request = _decode_request(stripped)
+        spec = asked(decode, request)
+        assert spec.ranks_unknown and spec.cluster_id is None
+        # (the worker's question, answered here by rank 0's book; the answer comes back with a step)
+        answer = read_ranks_reply(_ask(books[0], spec.remote_request_id), spec.remote_request_id)
+        decode.update_connector_output(_answers({"d-1": answer, "no-such": answer}))
+        assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
+        decode.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8]), 40)
+        got = decode.build_connector_meta().reqs_to_recv["d-1"]
+        assert got.awaiting and got.readers_counted and not got.ranks_unknown and got.tp_size == 2
+        assert request.kv_transfer_params["remote_ranks"] == full["remote_ranks"]
+        if tp_size == 2:
+            assert [(p.port, p.cluster_id, p.remote_request_id, p.heads) for p in got.peers(1, 2)] == [
+                (7001, 11, full["remote_ranks"][1]["request_id"], 0)]
+            assert [(p.port, p.cluster_id) for p in got.peers(0, 2)] == [(7000, None)]  # by address
+        else:
+            assert got.kv_heads == 4
+            assert [(p.port, p.heads, p.dst_head) for p in got.peers(0, 1)] == [(7000, 2, 0), (7001, 2, 2)]
+        assert decode._asking == {} and decode._answers == {}
+
+    bad_answers = {
+        "older": {"why": "it does not answer rank queries (an older release?)"},
+        "refused": read_ranks_reply(_ask(books[0], "p-1"), "p-1"),
+        "short": {"ranks": full["remote_ranks"][:1], "readers_counted": True},
+        "hostile": {"ranks": [{"host": "h", "port": 0, "cluster_id": 1, "request_id": "r"}] * 2},
+        "late": None,
+    }
+    assert "refused" in bad_answers["refused"]["why"]
+    for name, answer in bad_answers.items():
+        decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=4)
+        request = _decode_request(stripped)
+        asked(decode, request)
+        if answer is None:
+            decode.ask_s = 0.0
+        else:
+            decode.update_connector_output(_answers({"d-1": answer}))
+        caplog.clear()
+        assert decode.get_num_new_matched_tokens(request, 0) == (0, False), name
+        lines = [r.getMessage() for r in caplog.records if "computing the prompt locally" in r.getMessage()]
+        assert len(lines) == 1 and "tensor parallel ranks" in lines[0], (name, lines)
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+        sent = decode.build_connector_meta().reqs_to_recv["d-1"]
+        assert not sent.awaiting
+        assert [(p.port, p.remote_request_id) for p in sent.peers(0, 2)] == [(7000, full["remote_request_id"])]
+        assert sent.peers(1, 2) == []
+
+    # aborted while asking: rank 0 is released, and the answer that comes later is dropped
+    decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=4)
+    request = _decode_request(stripped)
+    asked(decode, request)
+    assert decode.request_finished(request, []) == (False, None)
+    assert [p.port for p in decode.build_connector_meta().reqs_to_recv["d-1"].peers(0, 2)] == [7000]
+    decode.update_connector_output(_answers({"d-1": {"why": "late"}}))
+    assert decode._asking == {} and decode._answers == {}
+
+
+@needs_vllm
+def test_a_decode_worker_asks_prefill_rank_0_over_its_link():
+    """Real links (the prefill worker in a child process, standing for rank 0 of a TP 2 engine):
+    the decode worker links by address, asks with rank 0's release id, and hands the scheduler
+    the ranks; a forged id is refused, and a prefill engine of the release before rank queries says
+    nothing usable."""
+    from test_vllm_leases import NIXL_FIELDS
+    from test_vllm_peers import CONSUMER, prefill_child, wait_for, worker
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnectorMetadata
+    from llm_datadist.integrations.vllm.meta import recv_spec
+
+    def ask(decode, specs: dict) -> dict:
+        meta = LLMDataDistConnectorMetadata()
+        meta.reqs_to_ask = specs
+        decode.start(meta)
+        answers = {}
+
+        def answered() -> bool:
+            taken = decode.take_worker_meta()
+            answers.update(taken.answers if taken is not None else {})
+            return len(answers) == len(specs)
+
+        wait_for(answered, 60, "no answer")
+        return answers
+
+    with prefill_child(kv_lease_s=60) as prefill, worker(CONSUMER) as decode:
+        full = prefill.call("hand_out_tp", ["p-1", "p-2"], 60)
+        assert all(p["tp_size"] == 2 and len(p["remote_ranks"]) == 2 for p in full.values())
+        stripped = recv_spec({k: v for k, v in full["p-1"].items() if k in NIXL_FIELDS})
+        forged = replace(stripped, remote_request_id=_forged(full["p-2"]["remote_request_id"]))
+        answers = ask(decode, {"d-1": stripped, "d-2": forged})
+        assert answers["d-1"] == {"ranks": full["p-1"]["remote_ranks"], "readers_counted": True}
+        assert answers["d-2"]["why"].startswith("it refused: no valid lease token")
+        prefill.call("act_older")
+        answers = ask(decode, {"d-3": recv_spec({k: v for k, v in full["p-2"].items() if k in NIXL_FIELDS})})
+        assert answers["d-3"] == {"why": "it does not answer rank queries (an older release?)"}
+        stats = prefill.call("stats")
+        assert (stats["ranks_answered"], stats["ranks_refused"], stats["released"]) == (1, 1, 0)
+        assert decode.stats["links"] == 1 and decode.stats["ranks_asked"] == 3
+        assert decode.stats["ranks_unanswered"] == 2 and decode.take_worker_meta() is None
 
 
 def _free_port_run(count: int) -> int:
@@ -451,6 +803,12 @@ def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_even
         params = _params(tp_size=1, remote_ranks=one, remote_block_ids=[4, 5], do_remote_prefill=True, **changes)
         request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
         matched = decode.get_num_new_matched_tokens(request, 0)
+        if matched[0] is None:
+            # no readers_counted: the prefill engine is asked whether it counts them; here it is
+            # an older release, which does not answer that
+            assert set(decode.build_connector_meta().reqs_to_ask) == {"d-1"}
+            decode.update_connector_output(_answers({"d-1": {"why": "an older release"}}))
+            matched = decode.get_num_new_matched_tokens(request, 0)
         if matched[1]:
             blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8])
             decode.update_state_after_alloc(request, blocks, matched[0])

@@ -16,7 +16,8 @@ How a request flows (the same protocol as vLLM's NIXL connector, so its proxies 
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` (its llm_datadist
    listener), plus ``remote_cluster_id`` (optional for the decode side: without it, the cluster the
    link's handshake finds at that address), ``tp_size`` and ``remote_ranks`` (each tensor parallel
-   rank's ``host``, ``port``, ``cluster_id`` and release ``request_id``).
+   rank's ``host``, ``port``, ``cluster_id`` and release ``request_id``; optional too: without it,
+   the decode side asks rank 0 at ``remote_host:remote_port`` for them, see below).
 3. The proxy sends the prompt to the decode engine with those ``kv_transfer_params``. While it
    waits in the queue, the decode worker renews its lease (batched ``renew`` notifications, see
    ``peers``). Then the decode scheduler allocates blocks and reports the prompt as loaded
@@ -125,6 +126,19 @@ its KV heads (one byte range of each block) from every prefill rank holding some
 prefill rank read by k decode ranks frees its blocks at the k-th release; where the heads do not
 split evenly (replicated KV heads) the decode engine computes the prompt itself (logged) and
 releases every prefill rank.
+
+``kv_transfer_params`` without ``remote_ranks`` (or, between TP sizes, ``readers_counted``), as a
+router that forwards only NIXL's fields passes them on: the decode scheduler answers vLLM "not yet"
+(``get_num_new_matched_tokens`` -> None) and its rank 0 worker asks the prefill worker at
+``remote_host:remote_port`` (rank 0) over the link, in a ``ranks`` notification naming
+``remote_request_id``. Rank 0 checks the lease token as for a release and answers with the
+request's ``remote_ranks`` (``LeaseBook.on_ranks``), made from the table of every rank's address
+and lease key its scheduler handed it once (TP > 1 only) and the token's issue time: nothing is
+kept per request, and a lease already freed or ended is refused, as is anything else (counted).
+The answer reaches the decode scheduler as worker metadata (``build_connector_worker_meta``,
+``update_connector_output``) and goes into the request's params, which then load as if they had
+come whole. A prefill engine that cannot answer (an older release, a refusal, unreachable, no
+answer in time) makes the decode engine compute the prompt (one line) and release rank 0.
 
 Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's), tensor parallelism
 (equal or different sizes on the two sides), data parallelism, memory the llm_datadist device

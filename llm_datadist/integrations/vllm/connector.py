@@ -3,7 +3,7 @@ the engine core, the worker half (``worker.Worker``) in each worker."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -15,11 +15,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from llm_datadist.integrations.vllm import compat, layout
-from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata
+from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
+                                                 LLMDataDistWorkerMetadata)
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.scheduler import Scheduler
 from llm_datadist.integrations.vllm.worker import Worker
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
 
 
 class LLMDataDistConnector(KVConnectorBase_V1):
@@ -84,6 +88,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # (the answers of prefill engines asked for what a request's params lacked)
+        self._scheduler.update_connector_output(connector_output)
+
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
         # Under MultiConnector every child gets the metadata one of them published: another
         # connector's is not ours to read (and does not replace ours).
@@ -122,6 +130,9 @@ class LLMDataDistConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[LLMDataDistWorkerMetadata]:
+        return self._worker.take_worker_meta() if self._worker is not None else None
 
     # -- vLLM's stat loggers (metrics.py) -----------------------------------------------------------
     def get_kv_connector_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
@@ -167,7 +178,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         what the release records count now. Renewals of the leases of requests waiting in the queue:
         on the decode side ``renewed``, ``renew_refused`` (the prefill side said no: bad token,
         freed...), ``renew_failed`` (not delivered; tried again), and ``links_evicted`` (idle links
-        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``."""
+        dropped); on the prefill side ``lease_renewed`` and ``renewal_refused``. Rank queries (a
+        request whose ``kv_transfer_params`` lacked ``remote_ranks``): on the decode side
+        ``ranks_asked`` and ``ranks_unanswered`` (no usable answer: the prompt was computed); on
+        the prefill side ``ranks_answered`` and ``ranks_refused``."""
         if self._worker is None:
             return {}
         return dict(self._worker.stats, release_record_bytes=self._worker.leases.record_bytes)

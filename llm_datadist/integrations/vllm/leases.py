@@ -7,7 +7,9 @@ every third of a lease). The book keeps the leases, the releases that came befor
 and the requests already freed, within a byte budget, and ages the records out; a renewal keeps
 no record. It is also the engine's read guard: a pull over a server-mediated plane (``tcp``,
 ``staging``) tagged with ``remote_request_id`` reads only the blocks leased for that request,
-while the lease lasts (``read_guard``)."""
+while the lease lasts (``read_guard``). It also answers a decode side whose ``kv_transfer_params``
+lost ``remote_ranks`` (a router that forwards only NIXL's fields) with every rank's address and
+release id, checked like a release (``on_ranks``: rank 0 of an engine with tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import threading
@@ -61,6 +64,13 @@ LEASE_WAIT_S = 2.0
 
 #: Most request ids one renewal may name (its bytes are bounded by the links' message budget).
 MAX_RENEW_IDS = 4096
+
+#: The largest answer to a rank query (``on_ranks``), in bytes of compact JSON: below the links'
+#: smallest sensible message budget (``LLM_DATADIST_MAX_MESSAGE_BYTES``, 64 KiB by default), which a
+#: decode side holds a reply to (a longer one would break its link). A rank list that does not fit
+#: is refused (``too_large``); with request ids of at most ``MAX_REQUEST_ID_BYTES`` and short host
+#: names it fits about 90 ranks.
+MAX_RANKS_ANSWER_BYTES = 32 << 10
 
 
 def utf8_len(text: str) -> int:
@@ -111,7 +121,11 @@ class LeaseBook:
     (``record_bytes``) within ``options.release_records_bytes``: ``released`` (a release that came
     before its lease -> when) and ``gone`` (blocks freed -> (why, when)). ``finished`` collects the
     requests whose blocks vLLM may free (its ``finished_sending``). Thread-safe: the link's thread
-    hands releases in while vLLM's steps hand leases and take the finished ones."""
+    hands releases in while vLLM's steps hand leases and take the finished ones.
+
+    Rank queries (``on_ranks``) are answered from ``_rank_table`` (tensor parallel rank 0: every
+    rank's address and lease key, ``set_rank_table``) or ``own_rank`` (an engine without tensor
+    parallelism: this worker's ``host``, ``port`` and ``cluster_id``); nothing per request."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -128,7 +142,8 @@ class LeaseBook:
         self.stopping = False
         self.stats = {"released": 0, "refused": 0, "bad_token": 0, "too_long": 0, "over_budget": 0,
                       "expired": 0, "freed_at_shutdown": 0, "records_dropped": 0, "refused_reads": 0,
-                      "lease_renewed": 0, "renewal_refused": 0, "bad_readers": 0}
+                      "lease_renewed": 0, "renewal_refused": 0, "bad_readers": 0,
+                      "ranks_answered": 0, "ranks_refused": 0}
         self._lock = threading.Lock()
         #: what a guarded read may touch (``read_guard``): request id -> its leased block ids,
         #: kept while the request is in ``held``; and the registered tensors' addresses and bytes
@@ -140,6 +155,8 @@ class LeaseBook:
         self._tensors: List[int] = []
         self._block_bytes = 0
         self._leased = threading.Condition(self._lock)  # a lease came (``read_guard`` waits for it)
+        self._rank_table: List[Tuple[str, int, int, bytes]] = []
+        self.own_rank: Optional[Dict[str, Any]] = None
 
     # -- vLLM's steps -------------------------------------------------------------------------------
     def take_leases(self, to_send: Dict[str, float], stopping: bool,
@@ -223,10 +240,12 @@ class LeaseBook:
 
     # -- releases and renewals from decode sides (on the link's thread: quick) ----------------------
     def on_message(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
-        """The notification handler: a renewal (``on_renew``) or a release (``on_release``, which
-        also answers anything else)."""
+        """The notification handler: a renewal (``on_renew``), a rank query (``on_ranks``) or a
+        release (``on_release``, which also answers anything else)."""
         if isinstance(message, dict) and message.get("op") == "renew":
             return self.on_renew(peer_cluster_id, message)
+        if isinstance(message, dict) and message.get("op") == "ranks":
+            return self.on_ranks(peer_cluster_id, message)
         return self.on_release(peer_cluster_id, message)
 
     def on_renew(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
@@ -427,6 +446,75 @@ class LeaseBook:
                 del self.blocks[req_id]
         for req_id in [r for r in self._ranges if r not in self.blocks]:
             del self._ranges[req_id]
+
+    # -- rank queries (the link's thread: quick) -------------------------------------------------------
+    def set_rank_table(self, table: List[Dict[str, Any]]) -> None:
+        """Every tensor parallel rank of this engine, rank 0 (this worker) first: ``host``,
+        ``port``, ``cluster_id`` and ``lease_key`` (hex), as the scheduler has them from the
+        handshakes; rank 0 answers rank queries with it."""
+        rows = [(str(r["host"]), int(r["port"]), int(r["cluster_id"]), bytes.fromhex(r["lease_key"])) for r in table]
+        with self._lock:
+            self._rank_table = rows
+
+    def on_ranks(self, peer_cluster_id: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A linked decode worker's ``{"op": "ranks", "request_id": remote_request_id}`` (a request
+        whose ``kv_transfer_params`` came without ``remote_ranks`` or ``readers_counted``) ->
+        ``{"request_id": remote_request_id, "ranks": [{"host", "port", "cluster_id", "request_id"},
+        ...], "readers_counted": true}``: every tensor parallel rank of this engine with its release
+        id for that request, the ``remote_ranks`` the scheduler handed out. Checked like a release:
+        with lease tokens only the id this engine handed out, token included, and only while its
+        lease may still be held (held, or on its way: not freed, not older than a lease and its
+        slack); anything else gets ``{"request_id", "ranks": None, "refused", "why"}`` (counted,
+        ``ranks_refused``), never another request's ranks. Nothing is kept per request: each rank's
+        release id is its token for the request id and issue time rank 0's token carries, made with
+        that rank's key (``set_rank_table``; an engine without tensor parallelism: ``own_rank``)."""
+        remote_id = message.get("request_id") if isinstance(message, dict) else None
+        if not isinstance(remote_id, str):
+            return self._refuse_ranks(peer_cluster_id, "", "malformed", "request_id must be a string")
+        if len(remote_id) > MAX_RELEASE_ID_BYTES or utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:
+            return self._refuse_ranks(peer_cluster_id, remote_id[:MAX_RELEASE_ID_BYTES], "too_long",
+                                      f"request id longer than {MAX_RELEASE_ID_BYTES} bytes")
+        req_id, issued = remote_id, None
+        if self.options.lease_tokens:
+            checked = check_lease(self.key, remote_id)
+            if checked is None:
+                return self._refuse_ranks(peer_cluster_id, remote_id, "bad_token",
+                                          "no valid lease token for this request")
+            req_id, issued = checked
+        with self._lock:
+            gone = self.gone.get(req_id) if req_id not in self.held else None
+            table = self._rank_table
+        if gone is not None:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "freed", f"its blocks were already freed ({gone[0]})")
+        if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "ended", "its lease has ended")
+        if table:
+            ranks = [{"host": host, "port": port, "cluster_id": cluster_id,
+                      "request_id": remote_id if rank == 0 else
+                      lease_request_id(key, req_id, issued) if issued is not None else req_id}
+                     for rank, (host, port, cluster_id, key) in enumerate(table)]
+        elif self.own_rank is not None:
+            ranks = [dict(self.own_rank, request_id=remote_id)]
+        else:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "unknown",
+                                      "this worker does not know its engine's ranks (not rank 0?)")
+        answer = {"request_id": remote_id, "ranks": ranks, "readers_counted": True}
+        if len(json.dumps(answer, separators=(",", ":"))) > MAX_RANKS_ANSWER_BYTES:
+            return self._refuse_ranks(peer_cluster_id, remote_id, "too_large",
+                                      f"its rank list is longer than {MAX_RANKS_ANSWER_BYTES} bytes")
+        with self._lock:
+            self.stats["ranks_answered"] += 1
+        return answer
+
+    def _refuse_ranks(self, peer_cluster_id: int, remote_id: str, reason: str, why: str) -> Dict[str, Any]:
+        """Count a refused rank query (log it the first time and then every 1000th); its answer."""
+        with self._lock:
+            self.stats["ranks_refused"] += 1
+            count = self.stats["ranks_refused"]
+        if count % 1000 == 1:
+            logger.warning("llm_datadist: cluster %d asked for the ranks of a request and was refused (%s: %s; %d "
+                           "such so far)", peer_cluster_id, reason, why, count)
+        return {"request_id": remote_id, "ranks": None, "refused": reason, "why": why}
 
     # -- records ------------------------------------------------------------------------------------
     def age(self, now: float) -> None:

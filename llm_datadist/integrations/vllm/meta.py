@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata, KVConnectorMetadata,
+                                                                KVConnectorWorkerMetadata)
 
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 
@@ -64,11 +65,20 @@ class Recv:
     heads: int = 0
     #: how many decode ranks read (and release) that prefill rank's blocks
     readers: int = 1
+    #: the prefill engine's tensor parallel size as its params say (``tp_size``), which counts
+    #: where they name no ranks (a router that forwards only NIXL's fields): see ``ranks_unknown``
+    remote_tp_size: int = 1
 
     @property
     def tp_size(self) -> int:
         """The prefill engine's tensor parallel size."""
-        return max(len(self.ranks), 1)
+        return len(self.ranks) if self.ranks else self.remote_tp_size
+
+    @property
+    def ranks_unknown(self) -> bool:
+        """A prefill engine with tensor parallelism whose ranks the params do not name: the decode
+        side asks its rank 0 for them (``ranks`` notification) before it loads."""
+        return not self.ranks and self.remote_tp_size > 1
 
     def peers(self, rank: int, size: int) -> List["Recv"]:
         """What decode rank ``rank`` of ``size`` does for this request: one spec per prefill rank it
@@ -143,7 +153,28 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
         self.reqs_parked: Dict[str, Recv] = {}
         self.reqs_to_send: Dict[str, float] = {}  # request id -> seconds to keep its blocks
         self.blocks_to_send: Dict[str, List[int]] = {}  # request id -> those blocks (the read guard's)
+        #: prefill side, with tensor parallelism, once: every rank's ``host``, ``port``,
+        #: ``cluster_id`` and ``lease_key``, with which rank 0 answers the decode sides that did not
+        #: get ``remote_ranks`` (``ranks`` queries, ``LeaseBook.on_ranks``)
+        self.rank_table: Optional[List[Dict[str, Any]]] = None
+        #: decode side: requests whose prefill engine rank 0 is to be asked what their params lack
+        #: (every rank's address and release id; whether it counts readers); rank 0 asks
+        self.reqs_to_ask: Dict[str, Recv] = {}
         self.stopping = False
+
+
+class LLMDataDistWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once a step (decode side): the answers of the prefill engines asked for
+    a request's ranks (``reqs_to_ask``), by our request id: ``{"ranks": [...], "readers_counted":
+    bool}`` as the prefill engine said them, or ``{"why": ...}`` if it could not say."""
+
+    def __init__(self, answers: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        self.answers: Dict[str, Dict[str, Any]] = dict(answers or {})
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "LLMDataDistWorkerMetadata":
+        if isinstance(other, LLMDataDistWorkerMetadata):
+            self.answers.update(other.answers)
+        return self
 
 
 
@@ -170,10 +201,12 @@ def recv_spec(params: Any) -> Optional[Recv]:
         ranks: Tuple[Peer, ...] = ()
         listed = params.get("remote_ranks")
         tp_size = params.get("tp_size", 1)
-        if listed is not None or tp_size != 1:
-            # a prefill engine with tensor parallelism: every rank's address and lease
-            if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE or \
-                    not isinstance(listed, (list, tuple)) or len(listed) != tp_size or \
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE:
+            return None
+        if listed is not None:
+            # a prefill engine with tensor parallelism: every rank's address and lease (without
+            # them, as from a router that forwards only NIXL's fields, rank 0 is asked for them)
+            if not isinstance(listed, (list, tuple)) or len(listed) != tp_size or \
                     not all(isinstance(r, dict) for r in listed):
                 return None
             ranks = tuple(_peer(r.get("host"), r.get("port"), r.get("cluster_id"), r.get("request_id"))
@@ -183,7 +216,8 @@ def recv_spec(params: Any) -> Optional[Recv]:
             # rank 0 is where the NIXL-style fields say (a router may have rewritten them)
             ranks = (first,) + ranks[1:]
         return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
-                    ranks=ranks, remote_block_size=block_size, readers_counted=params.get("readers_counted") is True)
+                    ranks=ranks, remote_block_size=block_size, readers_counted=params.get("readers_counted") is True,
+                    remote_tp_size=tp_size)
     except (TypeError, ValueError, OverflowError):
         return None
 

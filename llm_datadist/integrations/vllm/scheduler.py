@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
-from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv,
-                                                 recv_spec, split_refusal)
+from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
+                                                 LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
 from llm_datadist.integrations.vllm.options import Options
 
 logger = logging.getLogger(__package__)
@@ -87,6 +87,16 @@ class Scheduler:
         self._parked: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
         self._send_blocks: Dict[str, List[int]] = {}
+        #: every rank's address and lease key, for rank 0's worker (rank queries), until handed over
+        self._rank_table: Optional[List[Dict[str, Any]]] = None
+        #: decode side, requests whose params lack what only their prefill engine can say: those
+        #: to ask at the next step, those asked (-> when, monotonic) and the answers come back
+        self._ask: Dict[str, Recv] = {}
+        self._asking: Dict[str, float] = {}
+        self._answers: Dict[str, Dict[str, Any]] = {}
+        #: how long a request waits for its prefill engine's answer: a link, a notification and a
+        #: pull ahead of it on that peer's threads
+        self.ask_s = (options.link_timeout_ms + options.sync_kv_timeout_ms) / 1000 + 10.0
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
 
     def close(self) -> None:
@@ -112,6 +122,9 @@ class Scheduler:
             return
         self.workers = [by_rank[rank] for rank in range(self.tp_size)]
         self.worker = self.workers[0]
+        if self.tp_size > 1:
+            self._rank_table = [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "lease_key": w.lease_key}
+                                for w in self.workers]
 
     def on_new_request(self, request) -> None:
         """A request that will load its prompt from a prefill engine waits in vLLM's queue until
@@ -125,11 +138,17 @@ class Scheduler:
             if spec is not None:
                 self._parked[request.request_id] = spec
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         params = request.kv_transfer_params
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         spec = recv_spec(params)
+        if spec is not None and self._must_ask(spec):
+            spec = self._learn(request, spec)
+            if spec is None:
+                return None, False  # asked; vLLM asks this again at a later step
+            if not params.get("do_remote_prefill"):
+                return 0, False  # it could not say: computed here
         prompt = prompt_length(request)
         wanted = -(-prompt // self.block_size)
         why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
@@ -169,6 +188,62 @@ class Scheduler:
                                                  refused=self._refusal(spec),
                                                  kv_heads=self.kv_heads if spec.tp_size != self.tp_size else 0)
 
+    def _must_ask(self, spec: Recv) -> bool:
+        """Whether the request's params lack what only its prefill engine can say: every rank's
+        address and release id (a router that forwards only NIXL's fields drops ``remote_ranks``),
+        or, between engines of different TP sizes, whether it counts readers."""
+        return spec.ranks_unknown or (spec.tp_size != self.tp_size and not spec.readers_counted)
+
+    def _learn(self, request, spec: Recv) -> Optional[Recv]:
+        """The request's spec completed with its prefill engine's answer, which goes into its
+        params (so that it loads exactly as if they had come with them); None while the question
+        is on its way (it is asked once: rank 0 of this engine's workers asks the prefill engine's
+        rank 0, authenticated by the link and checked with rank 0's lease token). If the prefill
+        engine could not say (an older release, a refused token, unreachable, no answer within
+        ``ask_s``), the request is computed here (``do_remote_prefill`` cleared, one line) and the
+        prefill ranks it knows are released."""
+        req_id, params = request.request_id, request.kv_transfer_params
+        answer = self._answers.pop(req_id, None)
+        if answer is None:
+            asked = self._asking.get(req_id)
+            if asked is None:
+                self._ask[req_id] = spec
+                self._asking[req_id] = time.monotonic()
+                return None
+            if time.monotonic() - asked < self.ask_s:
+                return None
+            answer = {"why": f"no answer within {self.ask_s:.0f} s"}
+        self._asking.pop(req_id, None)
+        learnt = None
+        if isinstance(answer.get("ranks"), list):
+            learnt = recv_spec(dict(params, remote_ranks=answer["ranks"],
+                                    readers_counted=answer.get("readers_counted") is True))
+            if learnt is None or learnt.tp_size != spec.tp_size:
+                answer, learnt = {"why": "its answer is malformed"}, None
+        if learnt is not None:
+            params["remote_ranks"] = answer["ranks"]
+            params["readers_counted"] = learnt.readers_counted
+            return learnt
+        what = f"its {spec.tp_size} tensor parallel ranks" if spec.ranks_unknown else \
+            "whether it counts the readers of a rank's blocks"
+        logger.warning("request %s: its kv_transfer_params do not say %s (a router that forwards only NIXL's "
+                       "fields?), and the prefill engine at %s:%d could not say either (%s): computing the prompt "
+                       "locally%s", req_id, what, spec.host, spec.port, str(answer.get("why", "?"))[:200],
+                       "; only its rank 0 is released (the others free their blocks when their leases end)"
+                       if spec.ranks_unknown else "")
+        params["do_remote_prefill"] = False
+        self._recv[req_id] = spec  # still let the prefill ranks it knows free their blocks
+        return spec
+
+    def update_connector_output(self, output) -> None:
+        """The workers' answers for the requests asked about (``LLMDataDistWorkerMetadata``); those
+        of requests no longer waiting for one are dropped."""
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, LLMDataDistWorkerMetadata):
+            for req_id, answer in meta.answers.items():
+                if req_id in self._asking and isinstance(answer, dict):
+                    self._answers[req_id] = answer
+
     def _tp_refusal(self, spec: Recv) -> str:
         """Why KV cannot move head by head from a prefill engine of another TP size; "" if it can."""
         if not spec.readers_counted:
@@ -183,6 +258,11 @@ class Scheduler:
                     "(the engines must share --block-size)")
         return ""
 
+    def _forget_asked(self, req_id: str) -> None:
+        self._ask.pop(req_id, None)
+        self._asking.pop(req_id, None)
+        self._answers.pop(req_id, None)
+
     def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
         meta.reqs_to_recv, self._recv = self._recv, {}
@@ -190,6 +270,8 @@ class Scheduler:
         self._parked = {}
         meta.reqs_to_send, self._send = self._send, {}
         meta.blocks_to_send, self._send_blocks = self._send_blocks, {}
+        meta.rank_table, self._rank_table = self._rank_table, None
+        meta.reqs_to_ask, self._ask = self._ask, {}
         meta.stopping = self._signals.stopping
         return meta
 
@@ -197,6 +279,7 @@ class Scheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._forget_asked(request.request_id)
         if not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill"):

@@ -1,7 +1,8 @@
 """The connector's worker half: registers the KV caches, pulls a decode request's blocks from
-its prefill engine and tells that engine it may free them, and renews the leases of requests
-still in vLLM's queue (decode side, over ``peers.Peers``), and holds finished requests' blocks
-for their decode sides (prefill side, ``leases.LeaseBook``)."""
+its prefill engine and tells that engine it may free them, renews the leases of requests still
+in vLLM's queue and asks a prefill engine for the ranks its params did not name (decode side,
+over ``peers.Peers``), and holds finished requests' blocks for their decode sides and answers
+those questions (prefill side, ``leases.LeaseBook``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 import llm_datadist as ld
 from llm_datadist.integrations.vllm import compat, layout
 from llm_datadist.integrations.vllm.leases import LeaseBook
-from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata, Recv
+from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
+                                                 LLMDataDistWorkerMetadata, Recv)
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.peers import LINK_BROKEN, Peers, Unreachable
@@ -79,7 +81,8 @@ class Worker:
         self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
-                       "renewed": 0, "renew_refused": 0, "renew_failed": 0, "links_evicted": 0}
+                       "renewed": 0, "renew_refused": 0, "renew_failed": 0, "links_evicted": 0, "ranks_asked": 0,
+                       "ranks_unanswered": 0}
         self._lock = threading.Lock()
         self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
@@ -98,9 +101,14 @@ class Worker:
         #: from several prefill ranks (an engine of another TP size): done when the last one is
         self._pending: Dict[str, List[Any]] = {}
         self._load_errors: Set[int] = set()
+        #: prefill engines' answers about our requests' ranks, for the scheduler (``take_worker_meta``)
+        self._answers: Dict[str, Dict[str, Any]] = {}
         # prefill side
         self.leases = LeaseBook(options)
         if self.producer:
+            if self.tp_size == 1:  # the one rank a rank query is answered with
+                self.leases.own_rank = {"host": options.advertise_host, "port": self._listening_port(),
+                                        "cluster_id": self.cluster_id}
             self._links_api.set_notify_handler(self._on_notify)
 
     def _count(self, counter: str, n: int) -> None:
@@ -190,8 +198,11 @@ class Worker:
             self._asleep = None
         logger.info("llm_datadist: KV caches registered again after sleep mode")
 
+    def _listening_port(self) -> int:
+        return int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
+
     def handshake(self) -> LLMDataDistHandshakeMetadata:
-        port = int(self.dd.listen_ip_info.rsplit(":", 1)[1]) if self.producer else 0
+        port = self._listening_port()
         return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port,
                                             lease_key=self.leases.key.hex(), tp_rank=self.tp_rank,
                                             tp_size=self.tp_size)
@@ -199,6 +210,18 @@ class Worker:
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
+        if meta.rank_table and self.tp_rank == 0:
+            # rank 0 answers rank queries: a decode side asks remote_host:remote_port, which is rank 0
+            if meta.rank_table[0].get("cluster_id") == self.cluster_id:
+                self.leases.set_rank_table(meta.rank_table)
+            else:
+                logger.error("llm_datadist: the scheduler's table of ranks does not begin with this worker (cluster "
+                             "%d); rank queries are refused", self.cluster_id)
+        if self.tp_rank == 0:  # one question per request, from one rank; the scheduler tells the others
+            for req_id, spec in meta.reqs_to_ask.items():
+                self._count("ranks_asked", 1)
+                if not self.peers.submit(spec, lambda r=req_id, sp=spec: self._ask_ranks(r, sp)):
+                    self._answered(req_id, {"why": "this engine is shutting down"})
         for req_id, spec in meta.reqs_parked.items():
             self.peers.park(req_id, spec)
         for req_id in meta.reqs_to_recv:
@@ -244,6 +267,35 @@ class Worker:
                 self._load_errors.update(spec.local_block_ids)
             out.extend((req_id, peer) for peer in peers)
         return out
+
+    def _ask_ranks(self, req_id: str, spec: Recv) -> None:
+        """Ask the prefill worker at the spec's address (rank 0 of its engine) what the request's
+        params did not say: every rank's address and release id, and whether it counts readers
+        (``LeaseBook.on_ranks``), naming rank 0's release id with its lease token; the answer, or
+        why there is none, goes to the scheduler (``take_worker_meta``)."""
+        message = {"op": "ranks", "request_id": spec.remote_request_id}
+        try:
+            reply = self.peers.on_link(spec, lambda cluster_id: self._links_api.notify(
+                cluster_id, message, self.peers.notify_timeout_ms))
+        except Unreachable as exc:
+            answer: Dict[str, Any] = {"why": f"it is unreachable: {exc}"}
+        except ld.LLMException as exc:
+            answer = {"why": f"the question failed: {exc}"}
+        else:
+            answer = read_ranks_reply(reply, spec.remote_request_id)
+        self._answered(req_id, answer)
+
+    def _answered(self, req_id: str, answer: Dict[str, Any]) -> None:
+        with self._lock:
+            self._answers[req_id] = answer
+            if "ranks" not in answer:
+                self._stats["ranks_unanswered"] += 1
+
+    def take_worker_meta(self) -> Optional[LLMDataDistWorkerMetadata]:
+        """The answers about our requests' ranks since the last step, for the scheduler (None if none)."""
+        with self._lock:
+            answers, self._answers = self._answers, {}
+        return LLMDataDistWorkerMetadata(answers) if answers else None
 
     def results(self) -> KVConnectorTransferResults:
         sent = self.leases.take_finished()
@@ -386,7 +438,7 @@ class Worker:
 
     def _on_notify(self, peer_cluster_id: int, message: Any) -> Dict[str, Any]:
         """A linked decode worker's notification (on the link's thread): its description, or a
-        lease's release or renewal."""
+        lease's release or renewal, or a question about a request's ranks."""
         if isinstance(message, dict) and message.get("op") == "hello":
             why = compat.verdict(self.compat, message.get("kv_compat"))
             if why is not None:
@@ -428,3 +480,19 @@ class Worker:
         self.peers.close()
         self.dd.finalize()
 
+
+def read_ranks_reply(reply: Any, remote_id: str) -> Dict[str, Any]:
+    """What a prefill worker's answer to a rank query says, for the scheduler: ``{"ranks": [...],
+    "readers_counted": bool}`` (checked there as ``kv_transfer_params`` are), or ``{"why": ...}``.
+    An answer without ``ranks`` comes from an older release, which takes the question for a
+    malformed release."""
+    if not isinstance(reply, dict) or "ranks" not in reply:
+        return {"why": "it does not answer rank queries (an older release?)"}
+    if reply.get("request_id") != remote_id:
+        return {"why": "its answer names another request"}
+    ranks = reply["ranks"]
+    if ranks is None:
+        return {"why": "it refused: " + str(reply.get("why", "?"))[:200]}
+    if not isinstance(ranks, list):
+        return {"why": "its answer is malformed"}
+    return {"ranks": ranks, "readers_counted": reply.get("readers_counted") is True}
