@@ -315,3 +315,23 @@ def test_the_decode_scheduler_parks_remote_prefills_on_arrival():
         with pytest.raises(ValueError, match=name):
             _Options.parse({name: bad})
     assert _Options.parse({}).kv_lease_s == 30.0
+
+
+def test_each_decode_rank_renews_the_leases_of_the_prefill_ranks_it_reads():
+    """With tensor parallelism, decode rank r renews at prefill rank r (same TP size), not at
+    rank 0 for everyone: each prefill rank holds its own lease."""
+    from llm_datadist.integrations.vllm.meta import recv_spec
+
+    ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 50 + r, "request_id": f"req.token{r}"}
+             for r in range(2)]
+    params = {"remote_block_ids": [1, 2], "remote_engine_id": "p", "remote_request_id": "req.token0",
+              "remote_host": "127.0.0.1", "remote_port": 7000, "remote_cluster_id": 50, "tp_size": 2,
+              "remote_ranks": ranks, "readers_counted": True, "do_remote_prefill": True}
+    with worker(CONSUMER) as decode:
+        parked = []
+        decode.peers.park = lambda req_id, specs: parked.append((req_id, list(specs)))
+        for rank in (0, 1):
+            decode.tp_rank, decode.tp_size = rank, 2
+            step(decode, parked={"ours": recv_spec(params)})
+        assert [(req, [(s.port, s.cluster_id, s.remote_request_id) for s in specs]) for req, specs in parked] == [
+            ("ours", [(7000, 50, "req.token0")]), ("ours", [(7001, 51, "req.token1")])]

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import llm_datadist as ld
 from llm_datadist.integrations.vllm.meta import Recv
@@ -103,7 +103,7 @@ class Peers:
         self.notify_timeout_ms = min(options.link_timeout_ms, 5000)
         self._lock = threading.Lock()
         self._peers: Dict[Tuple[str, int], Peer] = {}
-        self._parked: Dict[str, Peer] = {}  # our request id -> its peer
+        self._parked: Dict[str, List[Peer]] = {}  # our request id -> the peers holding its leases
         self._threads: List[threading.Thread] = []
         self._closed = False
         self._generation = 0
@@ -237,18 +237,20 @@ class Peers:
             logger.debug("llm_datadist: unlinking cluster %d: %s", cluster_id, exc)
 
     # -- parked requests and their renewals ---------------------------------------------------------
-    def park(self, req_id: str, spec: Recv) -> None:
-        """Renew the lease of ``req_id`` (waiting in vLLM's queue) until ``unpark``; the first
-        renewal goes out at once."""
-        peer = self.peer(spec)
+    def park(self, req_id: str, specs: Sequence[Recv]) -> None:
+        """Renew the leases of ``req_id`` (waiting in vLLM's queue) at each prefill rank of
+        ``specs`` (those this rank will pull from or release) until ``unpark``; the first renewals
+        go out at once. Parking a request again replaces its ranks."""
+        peers = [(self.peer(spec), spec) for spec in specs]
         with self._lock:
             if self._closed:
                 return
-            old = self._parked.pop(req_id, None)
-            if old is not None:
+            for old in self._parked.pop(req_id, ()):
                 old.parked.pop(req_id, None)
-            self._parked[req_id] = peer
-            peer.parked[req_id] = Parked(spec, time.monotonic())
+            now = time.monotonic()
+            self._parked[req_id] = [peer for peer, _ in peers]
+            for peer, spec in peers:
+                peer.parked[req_id] = Parked(spec, now)
             self._start_ticker()
         self._wake.set()
 
@@ -260,8 +262,7 @@ class Peers:
 
     def unpark(self, req_id: str) -> None:
         with self._lock:
-            peer = self._parked.pop(req_id, None)
-            if peer is not None:
+            for peer in self._parked.pop(req_id, ()):
                 peer.parked.pop(req_id, None)
                 peer.last_used = time.monotonic()
 
@@ -361,9 +362,12 @@ class Peers:
             with self._lock:  # renewing them again would be refused again
                 for index in refused:
                     req_id = batch[index][0]
-                    if self._parked.get(req_id) is peer:
-                        del self._parked[req_id]
+                    peers = self._parked.get(req_id, [])
+                    if peer in peers:
+                        peers.remove(peer)
                         peer.parked.pop(req_id, None)
+                        if not peers:
+                            del self._parked[req_id]
 
     # -- life cycle ---------------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> None:

@@ -223,7 +223,8 @@ class Worker:
                 if not self.peers.submit(spec, lambda r=req_id, sp=spec: self._ask_ranks(r, sp)):
                     self._answered(req_id, {"why": "this engine is shutting down"})
         for req_id, spec in meta.reqs_parked.items():
-            self.peers.park(req_id, spec)
+            # each rank renews the leases of the prefill ranks it will pull from or release
+            self.peers.park(req_id, spec.peers(self.tp_rank, self.tp_size))
         for req_id in meta.reqs_to_recv:
             self.peers.unpark(req_id)
         pulls = []
