@@ -559,16 +559,17 @@ cdef class BlockRoute:
 # TCP: scatter/gather socket I/O
 # ------------------------------------------------------------------------------------------------
 
-cdef unsigned int _wait(int fd, short events, int64_t deadline) noexcept nogil:
+cdef unsigned int _wait(int fd, short events, int64_t deadline, bint spin=True) noexcept nogil:
     # Wait until ``fd`` is ready for ``events`` or the deadline passes; a receive spins first
-    # (``set_spin_us``): polls that do not sleep, until data comes or the spin is over.
+    # (``set_spin_us``; not with ``spin`` False): polls that do not sleep, until data comes or the
+    # spin is over. A spin that the deadline cut short says nothing of whether spinning pays.
     global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped
     cdef pollfd p
     cdef int rc, ms
     cdef int64_t until
     p.fd = fd
     p.events = events
-    if _spin_ns > 0 and events == POLLIN:
+    if spin and _spin_ns > 0 and events == POLLIN:
         _spin_waits += 1
         if _spin_credit > 0 or _spin_waits % _PROBE_EVERY == 0:
             until = _now_ns() + _spin_ns
@@ -586,6 +587,8 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline) noexcept nogil:
                     return _status.DD_LLM_FAILED
                 if _now_ns() >= until:
                     break
+            if until == deadline:
+                return _status.DD_LLM_TIMEOUT
             _spin_misses += 1
             _spin_credit = _spin_credit - _MISS_COST if _spin_credit > _MISS_COST else 0
         else:
@@ -648,7 +651,8 @@ cdef unsigned int _stream_iov(int fd, iovec *iov, size_t count, bint sending, in
                     if want != lowat and setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want,
                                                     sizeof(int)) == 0:
                         lowat = want
-                st = _wait(fd, POLLOUT if sending else POLLIN, deadline)
+                # (no spin while the low-watermark holds the wake-up back for a large body)
+                st = _wait(fd, POLLOUT if sending else POLLIN, deadline, lowat == 1)
                 if st != _status.DD_LLM_SUCCESS:
                     break
                 continue

@@ -206,6 +206,7 @@ class BenchServer:
         self.state = state
         self.case: Optional[Case] = None
         self.block_sizes: list = []
+        self.greeted = False  # a case only after the client's hello was answered
         self._lock = threading.Lock()
 
     def answers(self) -> Dict[str, object]:
@@ -218,6 +219,8 @@ class BenchServer:
             raise TwoHostError(f"the client speaks version {message['version']} of the bench's messages, the "
                                f"server {PROTOCOL}: run the same llm_datadist on both hosts")
         host = host_facts()
+        with self._lock:
+            self.greeted = True
         return {"version": PROTOCOL, "facts": {"version": str(build_facts()["version"])[:200],
                                                "machine": str(host["machine"])[:200] or "?",
                                                "cpu": str(host["cpu"])[:200] or "?", "cpus": int(host["cpus"])}}
@@ -227,6 +230,9 @@ class BenchServer:
         check_fields(message, "the client's case", {KEY: lambda v: True, "model_id": lambda v: is_int(v, 1, 1 << 31),
                                                    "block_bytes": lambda v: is_int(v, 1, 1 << 30),
                                                    "moved": lambda v: is_int(v, 1, MAX_MOVED)})
+        with self._lock:
+            if not self.greeted:
+                raise TwoHostError("the client asked for a case before its hello")
         case = Case(f"{message['block_bytes']}B", message["block_bytes"], moved=message["moved"], rounds=0, batch=1)
         nbytes = case.cache_blocks * case.block_bytes
         if nbytes > MAX_CASE_BYTES:

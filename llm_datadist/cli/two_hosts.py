@@ -84,7 +84,8 @@ def read_secret_file(path: str) -> str:
     is not a regular file, one every user may read, one larger than ``MAX_SECRET_FILE_BYTES``, one
     that is not UTF-8 text, one with nothing but white space."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO or device opens at once and is refused below as not a regular file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise TwoHostError(f"cannot read the secret file {path}: {exc.strerror}") from None
     try:
@@ -244,6 +245,9 @@ class PeerChannel:
         self.last_heard = time.monotonic()
         if kind == "alive":
             return {}
+        if self._queue.full():  # before the answer runs: a flood gets nothing done
+            self._problem = self._problem or f"the {self.peer_name} sent more than {MAX_QUEUED} messages unasked"
+            return {"error": "too many messages"}
         answer = self.answers.get(kind)
         try:
             reply = answer(message) if answer is not None else {}

@@ -275,6 +275,10 @@ def test_secret_files_are_refused_unless_private_and_not_empty(tmp_path):
         assert "xxxx" not in str(refused.value)
     with pytest.raises(TwoHostError, match="not a regular file"):
         read_secret_file(str(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # no writer: opening it for reading must not wait for one
+    with pytest.raises(TwoHostError, match="not a regular file"):
+        read_secret_file(str(fifo))
     secret.write_text(f"  {SECRET}\n")
     secret.chmod(0o640)  # the group may read it; every user may not
     assert read_secret_file(str(secret)) == SECRET
@@ -345,6 +349,9 @@ def test_peer_channel_refuses_what_it_does_not_expect():
     flooded = channel()
     assert all(flooded.handler(1, {"demo": "ready"}) == {} for _ in range(MAX_QUEUED))
     assert flooded.handler(1, {"demo": "ready"}) == {"error": "too many messages"}
+    ran = []  # past the bound, a message's answer does not even run
+    flooded.answers["ready"] = lambda message: ran.append(message) or {}
+    assert flooded.handler(1, {"demo": "ready"}) == {"error": "too many messages"} and ran == []
     assert flooded.handler(1, {"demo": "alive"}) == {}  # heartbeats are never queued
     malformed_abort = channel()
     malformed_abort.handler(1, {"demo": "abort", "why": "x" * 500})
@@ -397,6 +404,9 @@ def test_bench_server_refuses_malformed_or_oversized_cases():
     from llm_datadist.cli.two_hosts import TwoHostError
     server = BenchServer(state=None)  # every refusal comes before the state is touched
     good = {"bench": "case", "model_id": 100, "block_bytes": 4096, "moved": 64}
+    with pytest.raises(TwoHostError, match="a case before its hello"):
+        server.serve(good)
+    server.greeted = True
     for bad, refusal in ((dict(good, model_id=True), "model_id"), (dict(good, block_bytes=0), "block_bytes"),
                          (dict(good, moved=1 << 30), "moved"), (dict(good, extra=1), "unknown fields .extra."),
                          ({"bench": "case"}, "lacks"), (dict(good, block_bytes=1 << 30, moved=2), "more than the")):

@@ -302,3 +302,10 @@ def test_without_a_route_the_listener_stays_on_loopback_and_says_so(monkeypatch,
     opts = Options.parse({})
     assert (opts.listen_host, opts.advertise_host) == ("127.0.0.1", "127.0.0.1")
     assert "no route to other hosts" in caplog.text and "VLLM_HOST_IP" in caplog.text
+    # an IPv6 address or a name (VLLM_HOST_IP may hold either): the listener takes IPv4 only
+    for found in ("2001:db8::5", "prefill.example"):
+        caplog.clear()
+        monkeypatch.setattr(network_utils, "get_ip", lambda found=found: found)
+        opts = Options.parse({})
+        assert (opts.listen_host, opts.advertise_host) == ("127.0.0.1", "127.0.0.1")
+        assert "not an IPv4 address" in caplog.text

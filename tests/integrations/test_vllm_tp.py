@@ -636,6 +636,47 @@ def test_a_decode_scheduler_asks_prefill_rank_0_for_the_ranks_a_router_dropped(c
 
 
 @needs_vllm
+def test_a_queued_request_is_asked_about_on_arrival_and_renewed_at_every_rank():
+    """A request cut to NIXL's fields that waits in the decode engine's queue is asked about when it
+    arrives (``on_new_request``), not when a slot frees; with the answer it is parked again with
+    every rank, so decode rank 1 renews prefill rank 1's lease too. Rank 0 answers for a lease it
+    still holds however old its token (its decode side has been renewing it)."""
+    from test_vllm_leases import NIXL_FIELDS
+
+    from llm_datadist.integrations.vllm.options import Options as _Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
+    from llm_datadist.integrations.vllm.worker import read_ranks_reply
+
+    prefill, books = _tp2_prefill()
+    full = _finish(prefill, "p-1")
+    _lease_step(prefill, books)
+    stripped = {k: v for k, v in full.items() if k in NIXL_FIELDS}
+    decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=4)
+    request = _decode_request(stripped)
+    decode.on_new_request(request)
+    meta = decode.build_connector_meta()
+    assert list(meta.reqs_to_ask) == ["d-1"] and list(meta.reqs_parked) == ["d-1"]
+    assert [p.port for p in meta.reqs_parked["d-1"].peers(0, 2)] == [7000] and \
+        meta.reqs_parked["d-1"].peers(1, 2) == []  # only rank 0 is known yet
+    # the lease is held and renewed past the token's age limit: rank 0 still answers
+    monkey_time = time.time() + 3600
+    real_time = time.time
+    try:
+        time.time = lambda: monkey_time
+        answer = read_ranks_reply(_ask(books[0], full["remote_request_id"]), full["remote_request_id"])
+    finally:
+        time.time = real_time
+    assert "ranks" in answer, answer
+    decode.update_connector_output(_answers({"d-1": answer}))
+    parked = decode.build_connector_meta().reqs_parked["d-1"]
+    assert [(p.port, p.remote_request_id) for p in parked.peers(1, 2)] == [
+        (7001, full["remote_ranks"][1]["request_id"])]
+    # when a slot frees, it loads with the answer it already has
+    assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
+    assert request.kv_transfer_params["remote_ranks"] == full["remote_ranks"]
+
+
+@needs_vllm
 def test_a_decode_worker_asks_prefill_rank_0_over_its_link():
     """Real links (the prefill worker in a child process, standing for rank 0 of a TP 2 engine):
     the decode worker links by address, asks with rank 0's release id, and hands the scheduler

@@ -56,7 +56,8 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
     for its own processes: ``VLLM_HOST_IP`` if set, else the source address of the default route
     (127.0.0.1 with a warning where there is none), so that decode engines on other hosts can
     link; ``0.0.0.0`` listens on every interface. A listener beyond loopback without a
-    ``link_secret`` is warned about once: anyone who can reach it can link.
+    ``link_secret`` is warned about once: anyone who can reach it can link, then read and write
+    the registered KV (one-sided planes) or write it (every plane).
 ``advertise_host`` (``listen_host``; the routable address when that is ``0.0.0.0``)
     Address handed to decode engines in ``remote_host``.
 ``listen_port`` (``0``: any free port)

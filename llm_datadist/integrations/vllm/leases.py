@@ -482,11 +482,13 @@ class LeaseBook:
                                           "no valid lease token for this request")
             req_id, issued = checked
         with self._lock:
-            gone = self.gone.get(req_id) if req_id not in self.held else None
+            held = req_id in self.held
+            gone = self.gone.get(req_id) if not held else None
             table = self._rank_table
         if gone is not None:
             return self._refuse_ranks(peer_cluster_id, remote_id, "freed", f"its blocks were already freed ({gone[0]})")
-        if issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
+        # (a lease still held may be older than one lease: its decode side has been renewing it)
+        if not held and issued is not None and time.time() - issued > self.options.kv_lease_s + _RECORD_SLACK_S:
             return self._refuse_ranks(peer_cluster_id, remote_id, "ended", "its lease has ended")
         if table:
             ranks = [{"host": host, "port": port, "cluster_id": cluster_id,

@@ -3,6 +3,7 @@ the package's docstring)."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
@@ -92,6 +93,15 @@ def routable_host() -> str:
         logger.warning("LLMDataDistConnector: this host has no route to other hosts (and VLLM_HOST_IP is not "
                        "set): listening on 127.0.0.1, so only engines on this host can pull; set listen_host "
                        "(and advertise_host) or VLLM_HOST_IP")
+        return "127.0.0.1"
+    try:
+        ipv4 = ipaddress.ip_address(found).version == 4
+    except ValueError:
+        ipv4 = False
+    if not ipv4:  # the listener takes IPv4 addresses (listen_ip_info is "IP:PORT")
+        logger.warning("LLMDataDistConnector: this host's address for other hosts is %r, not an IPv4 address: "
+                       "listening on 127.0.0.1, so only engines on this host can pull; set listen_host (and "
+                       "advertise_host) to an IPv4 address", found[:64])
         return "127.0.0.1"
     return found
 

@@ -94,6 +94,9 @@ class Scheduler:
         self._ask: Dict[str, Recv] = {}
         self._asking: Dict[str, float] = {}
         self._answers: Dict[str, Dict[str, Any]] = {}
+        #: the params of requests asked about while they wait in the queue (their answer re-parks
+        #: them with every rank, so that each decode rank renews the prefill ranks it will read)
+        self._asked_params: Dict[str, Dict[str, Any]] = {}
         #: how long a request waits for its prefill engine's answer: a link, a notification and a
         #: pull ahead of it on that peer's threads
         self.ask_s = (options.link_timeout_ms + options.sync_kv_timeout_ms) / 1000 + 10.0
@@ -137,6 +140,10 @@ class Scheduler:
             spec = recv_spec(params)
             if spec is not None:
                 self._parked[request.request_id] = spec
+                if self._must_ask(spec):  # asked now, not when a slot frees: the queue may outlast a lease
+                    self._ask[request.request_id] = spec
+                    self._asking[request.request_id] = time.monotonic()
+                    self._asked_params[request.request_id] = params
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         params = request.kv_transfer_params
@@ -214,6 +221,7 @@ class Scheduler:
                 return None
             answer = {"why": f"no answer within {self.ask_s:.0f} s"}
         self._asking.pop(req_id, None)
+        self._asked_params.pop(req_id, None)
         learnt = None
         if isinstance(answer.get("ranks"), list):
             learnt = recv_spec(dict(params, remote_ranks=answer["ranks"],
@@ -243,6 +251,12 @@ class Scheduler:
             for req_id, answer in meta.answers.items():
                 if req_id in self._asking and isinstance(answer, dict):
                     self._answers[req_id] = answer
+                    params = self._asked_params.pop(req_id, None)
+                    if params is not None and isinstance(answer.get("ranks"), list) and req_id not in self._recv:
+                        learnt = recv_spec(dict(params, remote_ranks=answer["ranks"],
+                                                readers_counted=answer.get("readers_counted") is True))
+                        if learnt is not None:
+                            self._parked[req_id] = learnt  # parked again: its workers renew every rank
 
     def _tp_refusal(self, spec: Recv) -> str:
         """Why KV cannot move head by head from a prefill engine of another TP size; "" if it can."""
@@ -259,6 +273,7 @@ class Scheduler:
         return ""
 
     def _forget_asked(self, req_id: str) -> None:
+        self._asked_params.pop(req_id, None)
         self._ask.pop(req_id, None)
         self._asking.pop(req_id, None)
         self._answers.pop(req_id, None)
