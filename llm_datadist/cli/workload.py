@@ -314,7 +314,9 @@ class TransportRig:
         # HOST caches need no device runtime: unless the caller chose one, the children use cpu
         # rather than probe for acl or cuda.
         os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
-        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS)}
+        # A secret of this run shared by its processes: a plane that serves only authenticated links
+        # (nixl) is measured too; the others do not change with it.
+        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), "llm.LinkSecret": os.urandom(16).hex()}
         self.case: Optional[Case] = None
         self._next_model_id = 100
         self.clusters: list = []
