@@ -58,7 +58,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -68,6 +68,14 @@ SERVER_ID = 1
 #: The planes between processes (every registered data plane), each measured by its own client.
 PLANES = _plane_registry.names()
 CLIENT_IDS = {plane: 2 + i for i, plane in enumerate(PLANES)}
+
+
+def default_planes() -> Tuple[str, ...]:
+    """The planes a rig measures unless told: every registered one, less those that serve only
+    authenticated links and cannot run on this host (``probe``: nixl without NIXL, or without an
+    RDMA port and ``LLM_DATADIST_NIXL_TCP=1``)."""
+    return tuple(name for name in PLANES
+                 if not _plane_registry.get(name).requires_secret or _plane_registry.get(name).probe()[0])
 #: Cluster id of the one process of a rig without remote planes.
 LONE_ID = 2
 SEED = 0x7A5F
@@ -284,10 +292,11 @@ def drop_case(state) -> None:
 
 # -- the parent's side --------------------------------------------------------------------------
 
-def kinds(case: Case, planes: Sequence[str] = PLANES, local_copy: Optional[bool] = None,
+def kinds(case: Case, planes: Optional[Sequence[str]] = None, local_copy: Optional[bool] = None,
           ops: Optional[Sequence[str]] = None) -> List[tuple]:
     """``(plane, op)`` of every measurement of ``case``: the baselines first (plane None), then
-    ``ops`` on each of ``planes`` (default: push and pull, plus the push with layer arguments
+    ``ops`` on each of ``planes`` (default ``default_planes()``; ops default: push and pull, plus
+    the push with layer arguments
     for one-block cases). ``local_copy`` (default: for one-block cases only) adds the public
     local copy (``copy_blocks``)."""
     if local_copy is None:
@@ -295,7 +304,7 @@ def kinds(case: Case, planes: Sequence[str] = PLANES, local_copy: Optional[bool]
     if ops is None:
         ops = (PUSH, PUSH_LAYERS, PULL) if case.moved == 1 else (PUSH, PULL)
     local = [(None, MEMCPY)] + ([(None, COPY_BLOCKS)] if local_copy else [])
-    return local + [(plane, op) for plane in planes for op in ops]
+    return local + [(plane, op) for plane in (default_planes() if planes is None else planes) for op in ops]
 
 
 def kind_label(plane: Optional[str], op: str) -> str:
@@ -306,8 +315,9 @@ class TransportRig:
     """The server and a client per plane of ``planes`` (default both), linked; one case set up
     at a time (``use``). With no plane, one process for the local measurements."""
 
-    def __init__(self, planes: Sequence[str] = PLANES) -> None:
+    def __init__(self, planes: Optional[Sequence[str]] = None) -> None:
         from llm_datadist.testing import Cluster, link
+        planes = default_planes() if planes is None else planes
         unknown = set(planes) - set(PLANES)
         if unknown:
             raise ValueError(f"unknown data planes {sorted(unknown)}; known: {', '.join(PLANES)}")
