@@ -590,3 +590,17 @@ def test_the_install_line_is_the_readmes_and_ci_runs_it():
     with open(os.path.join(root, ".ci", "run")) as f:
         ci = f.read()
     assert nixl.INSTALL in ci and f"export {REQUIRE_ENV}=1" in ci
+
+
+def test_info_says_whether_nixl_imports_its_version_and_the_ucx_transports(monkeypatch):
+    """``python -m llm_datadist info`` prints the plane's probe: NIXL's and UCX's versions and the
+    transports UCX lists in a child process (TCP on lo only, where the TCP mode is on), or the
+    install line."""
+    monkeypatch.setenv(nixl.TCP_ENV, "1")
+    usable, why = nixl.NixlPlane.probe()
+    if not nixl.installed():
+        assert not usable and nixl.INSTALL in why
+        return
+    assert why.startswith(f"NIXL {nixl.nixl_version()} (UCX 1.") and "UCX transports without TCP: " in why
+    assert "tcp/lo on lo" in why and usable
+    assert "links with a secret only" in why
