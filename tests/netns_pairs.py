@@ -36,10 +36,10 @@ class NetnsPair:
 
 
 def make_pair(request, default_route: bool = False) -> NetnsPair:
-    """Two fresh network namespaces joined by a veth pair, removed when the test ends. With
-    ``default_route`` each namespace's default route points at the other end of the veth (and
-    loopback is up), so that a process there that asks which address reaches other hosts (a
-    connected UDP socket, which sends nothing) finds its veth address; nothing behind the other
+    """Two fresh network namespaces joined by a veth pair, removed when the test ends; loopback is
+    up in both, as on a real host. With ``default_route`` each namespace's default route points at
+    the other end of the veth, so that a process there that asks which address reaches other hosts
+    (a connected UDP socket, which sends nothing) finds its veth address; nothing behind the other
     end forwards anywhere."""
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
@@ -68,10 +68,13 @@ def make_pair(request, default_route: bool = False) -> NetnsPair:
         ("-n", pair.client_ns, "addr", "add", f"{pair.client_ip}/30", "dev", pair.client_dev),
         ("-n", pair.server_ns, "link", "set", pair.server_dev, "up"),
         ("-n", pair.client_ns, "link", "set", pair.client_dev, "up"),
+        # As on a real host: traffic to the namespace's own address goes through lo (UCX's TCP
+        # connection of an agent to itself hangs without it).
+        ("-n", pair.server_ns, "link", "set", "lo", "up"),
+        ("-n", pair.client_ns, "link", "set", "lo", "up"),
     ]
     if default_route:
-        steps += [("-n", pair.server_ns, "link", "set", "lo", "up"), ("-n", pair.client_ns, "link", "set", "lo", "up"),
-                  ("-n", pair.server_ns, "route", "add", "default", "via", pair.client_ip),
+        steps += [("-n", pair.server_ns, "route", "add", "default", "via", pair.client_ip),
                   ("-n", pair.client_ns, "route", "add", "default", "via", pair.server_ip)]
     for step in steps:
         result = ip(*step)

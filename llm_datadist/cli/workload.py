@@ -59,7 +59,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,6 +69,14 @@ SERVER_ID = 1
 #: The planes between processes (every registered data plane), each measured by its own client.
 PLANES = _plane_registry.names()
 CLIENT_IDS = {plane: 2 + i for i, plane in enumerate(PLANES)}
+
+
+def default_planes() -> Tuple[str, ...]:
+    """The planes a rig measures unless told: every registered one, less those that serve only
+    authenticated links and cannot run on this host (``probe``: nixl without NIXL, or without an
+    RDMA port and ``LLM_DATADIST_NIXL_TCP=1``)."""
+    return tuple(name for name in PLANES
+                 if not _plane_registry.get(name).requires_secret or _plane_registry.get(name).probe()[0])
 #: Cluster id of the one process of a rig without remote planes.
 LONE_ID = 2
 SEED = 0x7A5F
@@ -291,10 +299,11 @@ def drop_case(state) -> None:
 
 # -- the parent's side --------------------------------------------------------------------------
 
-def kinds(case: Case, planes: Sequence[str] = PLANES, local_copy: Optional[bool] = None,
+def kinds(case: Case, planes: Optional[Sequence[str]] = None, local_copy: Optional[bool] = None,
           ops: Optional[Sequence[str]] = None) -> List[tuple]:
     """``(plane, op)`` of every measurement of ``case``: the baselines first (plane None), then
-    ``ops`` on each of ``planes`` (default: push and pull, plus the push with layer arguments
+    ``ops`` on each of ``planes`` (default ``default_planes()``; ops default: push and pull, plus
+    the push with layer arguments
     for one-block cases). ``local_copy`` (default: for one-block cases only) adds the public
     local copy (``copy_blocks``)."""
     if local_copy is None:
@@ -302,7 +311,7 @@ def kinds(case: Case, planes: Sequence[str] = PLANES, local_copy: Optional[bool]
     if ops is None:
         ops = (PUSH, PUSH_LAYERS, PULL) if case.moved == 1 else (PUSH, PULL)
     local = [(None, MEMCPY)] + ([(None, COPY_BLOCKS)] if local_copy else [])
-    return local + [(plane, op) for plane in planes for op in ops]
+    return local + [(plane, op) for plane in (default_planes() if planes is None else planes) for op in ops]
 
 
 def kind_label(plane: Optional[str], op: str) -> str:
@@ -354,15 +363,20 @@ class TransportRig:
     factory of the server given the clusters' common options (default ``LocalServer``);
     ``options``: more options for every cluster (a link secret)."""
 
-    def __init__(self, planes: Sequence[str] = PLANES, server=None, options: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, planes: Optional[Sequence[str]] = None, server=None,
+                 options: Optional[Dict[str, str]] = None) -> None:
         from llm_datadist.testing import Cluster
+        planes = default_planes() if planes is None else planes
         unknown = set(planes) - set(PLANES)
         if unknown:
             raise ValueError(f"unknown data planes {sorted(unknown)}; known: {', '.join(PLANES)}")
         # HOST caches need no device runtime: unless the caller chose one, the children use cpu
         # rather than probe for acl or cuda.
         os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
-        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), **(options or {})}
+        # A secret of this run shared by its processes: a plane that serves only authenticated links
+        # (nixl) is measured too; the others do not change with it. ``options`` may replace it.
+        common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), "llm.LinkSecret": os.urandom(16).hex(),
+                  **(options or {})}
         self.case: Optional[Case] = None
         self._next_model_id = 100
         self.clusters: list = []

@@ -357,7 +357,8 @@ class LinkManager:
 
     def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
         """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
-        ``device_memory`` whose ``accept`` takes the link (the fallback plane always does). A
+        ``device_memory`` (or with ``auto_host_memory``) whose ``accept`` takes the link (the
+        fallback plane always does). A
         link to this very process uses the fallback: frames, checked by the owner (ourselves). A
         forced plane that refuses fails the link (``LLM_LINK_FAILED``)."""
         if deadline is None:
@@ -367,9 +368,11 @@ class LinkManager:
         if peer.unix and peer.pid == os.getpid():
             names = plane_registry.fallbacks()
         elif self.plane == plane_registry.AUTO or not plane_registry.get(self.plane).host_memory:
-            # Device planes are chosen per transfer (_device_plane); a forced plane that moves no
-            # host memory applies to those only.
-            names = tuple(n for n in plane_registry.auto_order() if not plane_registry.get(n).device_memory)
+            # Device planes are chosen per transfer (_device_plane), unless they say they are host
+            # planes under auto too (auto_host_memory); a forced plane that moves no host memory
+            # applies to device transfers only.
+            names = tuple(n for n in plane_registry.auto_order()
+                          if not plane_registry.get(n).device_memory or plane_registry.get(n).auto_host_memory)
         else:
             names = (self.plane,)
         for name in names:

@@ -9,7 +9,7 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Every connection starts with a handshake of four JSON frames (protocol version 5): HELLO from the
+Every connection starts with a handshake of four JSON frames (protocol version 6): HELLO from the
 connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
 ``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
@@ -26,6 +26,12 @@ every descriptor in order. A PULL payload is ``u64 table generation`` + ``u64 ta
 ``read_guard``; since version 5) + the descriptors (the owner uses ``src``); its reply, PULL_DATA,
 carries the data. The generation is that of the owner's cache table the sender planned against;
 the owner refuses a different one with ``STATUS_STALE_TABLE``. All integers are little-endian.
+
+The TABLE reply is the owner's cache table (``transport.table``) plus what each data plane tells
+the peer (``DataPlane.offer``). Version 6 added the ``nixl`` entry there: the owner's NIXL agent
+name and metadata (base64), the address of its registry generation word and the GPU of its VRAM
+registrations (``planes/nixl.py``), sent only on links authenticated with a secret; a version 5
+peer, which would take a table without it for one of its own, is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")

@@ -2,7 +2,8 @@
 or pid namespaces (``ip netns exec NS python netns_child.py CLUSTER_ID [LISTEN_IP]``), and an
 "impostor" (``netns_child.py impostor ADDR,ADDR,... LENGTH``) for the pid-reuse test.
 
-It initializes one ``LLMDataDist`` (listening on ``LISTEN_IP:0`` when given), prints
+It initializes one ``LLMDataDist`` (listening on ``LISTEN_IP:0`` when given; more options, such
+as a link secret, from the JSON object in ``NETNS_CHILD_OPTIONS``), prints
 ``{"ready": true, "port": ..., "pid": ...}``, then answers one JSON line per command line::
 
     {"cmd": "register", "name": "c", "model_id": 0, "num_blocks": 16, "block_bytes": 65536, "seed": 1}
@@ -11,6 +12,7 @@ It initializes one ``LLMDataDist`` (listening on ``LISTEN_IP:0`` when given), pr
     {"cmd": "loop", "op": "push", "remote_id": 1, "name": "c", "blocks": [...], "max_seconds": 30}
     {"cmd": "holds", "name": "c", "seed": 1, "blocks": [2, 3], "pattern_blocks": [0, 1]}
     {"cmd": "plane", "remote_id": 1}   {"cmd": "host"}   {"cmd": "addrs", "name": "c"}   {"cmd": "unlink", ...}
+    {"cmd": "stats"}
     {"cmd": "quit"}
 
 ``loop`` repeats a transfer until it fails and prints ``{"progress": 1}`` after the first
@@ -60,6 +62,7 @@ class Child:
             config.listen_ip_info = f"{listen_ip}:0"
         options = config.generate_options()
         options["llm.SyncKvCacheWaitTime"] = os.environ.get("NETNS_CHILD_SYNC_MS", "2000")
+        options.update(json.loads(os.environ.get("NETNS_CHILD_OPTIONS", "{}")))
         self.dd.init(options)
         self.cm = self.dd.cache_manager
         self.arrays = {}
@@ -147,6 +150,9 @@ class Child:
 
     def linked(self) -> dict:
         return {"linked": self.dd.engine.links.linked_clusters()}
+
+    def stats(self) -> dict:
+        return {"stats": self.dd.engine.link_stats()}
 
 
 def emit(message: dict) -> None:

@@ -35,7 +35,7 @@ from llm_datadist.transport.host import host_identity
 import rawpeer
 
 S = LLMStatusCode
-PLANES = list(planes.host_names())
+PLANES = [name for name in planes.host_names() if not planes.get(name).requires_secret]  # no secret here
 SYNC_TIMEOUT_MS = 2000
 OPTIONS = {"llm.SyncKvCacheWaitTime": str(SYNC_TIMEOUT_MS)}
 #: What a failing call may take beyond its deadline.

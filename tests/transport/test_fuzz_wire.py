@@ -4,7 +4,7 @@ The server is a real ``LinkManager`` of an ``LLMDataDist`` initialized in this p
 (``wire_harness``); each case is one connection's bytes (``wire_cases``: valid handshakes with
 and without the link secret, then frames of every op, built right or wrong and then mutated),
 served by the server's own connection code, which runs a read guard (``wire_cases.guard_spans``:
-pulls carry a tag, version 5). A reference reading of the protocol
+pulls carry a tag, since version 5). A reference reading of the protocol
 (``wire_oracle``) says what the server must answer, how the connection must end, which
 counters move and which registered bytes the case may write; after every case:
 

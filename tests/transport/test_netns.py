@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -48,8 +48,8 @@ class NetnsChild:
     an impostor) inside the namespaces ``enter`` (a command prefix) puts it in, driven by JSON
     lines; ``ready`` is its first line."""
 
-    def __init__(self, enter: List[str], args: List[str], log_path: Path) -> None:
-        env = dict(os.environ)
+    def __init__(self, enter: List[str], args: List[str], log_path: Path, env: Optional[Dict[str, str]] = None) -> None:
+        env = dict(os.environ, **(env or {}))
         env.pop("LLM_DATADIST_DATA_PLANE", None)  # let the link choose
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
         env["NETNS_CHILD_SYNC_MS"] = str(SYNC_TIMEOUT_MS)
@@ -66,8 +66,10 @@ class NetnsChild:
             raise
 
     @classmethod
-    def cluster(cls, netns: str, cluster_id: int, listen_ip: str, log_path: Path) -> "NetnsChild":
-        return cls(["ip", "netns", "exec", netns], [str(cluster_id)] + ([listen_ip] if listen_ip else []), log_path)
+    def cluster(cls, netns: str, cluster_id: int, listen_ip: str, log_path: Path,
+                env: Optional[Dict[str, str]] = None) -> "NetnsChild":
+        return cls(["ip", "netns", "exec", netns], [str(cluster_id)] + ([listen_ip] if listen_ip else []), log_path,
+                   env)
 
     def python_pid(self) -> int:
         """The pid (in this test's pid namespace) of the python process, which is the launched
@@ -233,8 +235,118 @@ def test_partition_mid_transfer_fails_in_time_and_relinks(netns_pair, tmp_path, 
         if relinked["status"] == S.LLM_SUCCESS:
             break
         time.sleep(0.2)
-    assert relinked["status"] == S.LLM_SUCCESS, relinked
+    assert relinked["status"] == S.LLM_SUCCESS, relinked["logs"]
     assert client.call("plane", remote_id=SERVER_ID)["plane"] == "tcp"
+    assert client.call("transfer", op="push", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[2, 3])["status"] == 0
+    assert server.call("holds", name="big", seed=6, blocks=[2, 3], pattern_blocks=[30, 31])["holds"]
+    assert client.call("transfer", op="pull", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[6, 7])["status"] == 0
+    assert client.call("holds", name="big", seed=5, blocks=[6, 7], pattern_blocks=[30, 31])["holds"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The nixl plane across the namespaces (NIXL over UCX TCP on the veth pair)
+# ------------------------------------------------------------------------------------------------
+
+NIXL_SECRET = "netns-nixl-secret-0123456789"
+
+
+def nixl_env(device: str) -> Dict[str, str]:
+    """A cluster with the link secret and nixl allowed over UCX TCP, UCX held to the namespace's
+    veth ``device`` before any agent exists (UCX would otherwise also pick CMA across namespaces of
+    one kernel, or listen on every device)."""
+    return {"NETNS_CHILD_OPTIONS": json.dumps({"llm.LinkSecret": NIXL_SECRET}), "LLM_DATADIST_NIXL_TCP": "1",
+            "UCX_TLS": "tcp", "UCX_NET_DEVICES": device, "UCX_MODULES": "^efa"}
+
+
+@pytest.fixture
+def nixl_clusters(netns_pair, tmp_path, request):
+    from llm_datadist.transport.planes import nixl
+    if not nixl.installed():
+        if os.environ.get("LLM_DATADIST_REQUIRE_NIXL") == "1":
+            pytest.fail(f"NIXL is not installed ({nixl.INSTALL}), and LLM_DATADIST_REQUIRE_NIXL=1")
+        pytest.skip(f"NIXL is not installed ({nixl.INSTALL})")
+    server = NetnsChild.cluster(netns_pair.server_ns, SERVER_ID, netns_pair.server_ip, tmp_path / "server.log",
+                                nixl_env(netns_pair.server_dev))
+    request.addfinalizer(server.close)
+    client = NetnsChild.cluster(netns_pair.client_ns, CLIENT_ID, "", tmp_path / "client.log",
+                                nixl_env(netns_pair.client_dev))
+    request.addfinalizer(client.close)
+    return server, client
+
+
+def nixl_link(server: NetnsChild, client: NetnsChild, pair: NetnsPair) -> dict:
+    """The link's outcome, with both sides' logs (``logs``) to show why where it failed."""
+    outcome = client.call("link", remote_id=SERVER_ID, ip=pair.server_ip, port=server.ready["port"],
+                          timeout_ms=20000, timeout=60)
+    return dict(outcome, logs=f"client:\n{client.log_tail()}\nserver:\n{server.log_tail()}")
+
+
+def test_nixl_across_namespaces_is_chosen_by_auto_and_moves_bytes_exactly(netns_pair, nixl_clusters):
+    """With a secret and LLM_DATADIST_NIXL_TCP=1, auto picks nixl for a peer in another namespace on
+    both sides; pushes and pulls in both directions land byte-exactly and leave every other block
+    alone; neither process holds a socket on an address outside the pair's."""
+    from proc_sockets import foreign_sockets
+    server, client = nixl_clusters
+    for who, seed in ((server, 5), (client, 6)):
+        who.call("register", name="c", model_id=0, num_blocks=32, block_bytes=BLOCK, seed=seed)
+    linked = nixl_link(server, client, netns_pair)
+    assert linked["status"] == S.LLM_SUCCESS, linked["logs"]
+    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "nixl"
+    assert server.call("plane", remote_id=CLIENT_ID)["plane"] == "nixl"
+    moves = [(client, "push", range(0, 8), range(8, 16)), (client, "pull", range(16, 24), range(24, 32)),
+             (server, "push", range(0, 4), range(16, 20)), (server, "pull", range(4, 8), range(28, 32))]
+    for who, op, src, dst in moves:
+        remote = SERVER_ID if who is client else CLIENT_ID
+        assert who.call("transfer", op=op, remote_id=remote, name="c", src=list(src), dst=list(dst))["status"] == 0
+
+    def holds(who: NetnsChild, seed: int, blocks, pattern_blocks=None) -> bool:
+        return who.call("holds", name="c", seed=seed, blocks=list(blocks),
+                        pattern_blocks=None if pattern_blocks is None else list(pattern_blocks))["holds"]
+
+    assert holds(server, 6, range(8, 16), range(0, 8)) and holds(client, 5, range(24, 32), range(16, 24))
+    assert holds(client, 5, range(16, 20), range(0, 4)) and holds(server, 6, range(28, 32), range(4, 8))
+    assert holds(server, 5, [*range(0, 8), *range(16, 28)]) and holds(client, 6, [*range(0, 16), *range(20, 24)])
+    allowed = {netns_pair.server_ip, netns_pair.client_ip, "127.0.0.1"}
+    for who in (server, client):
+        assert foreign_sockets(who.python_pid(), allowed) == []
+        assert who.call("stats")["stats"]["nixl_failures"] == 0
+
+
+def test_nixl_partition_mid_transfer_fails_in_time_and_relinks(netns_pair, nixl_clusters, request):
+    """The client's veth goes down while nixl pushes 60 MiB: NIXL alone would wait for ever (the
+    request stays in progress); our deadline cancels it, removes the peer's agent and ends the
+    link, within sync_kv_timeout + 1 s. Once the veth is up again a new link is nixl again and
+    moves bytes exactly."""
+    server, client = nixl_clusters
+    for who, seed in ((server, 5), (client, 6)):
+        who.call("register", name="big", model_id=0, num_blocks=32, block_bytes=1 << 20, seed=seed)
+    linked = nixl_link(server, client, netns_pair)
+    assert linked["status"] == S.LLM_SUCCESS, linked["logs"]
+    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "nixl"
+    client.send("loop", op="push", remote_id=SERVER_ID, name="big", blocks=list(range(30)), max_seconds=60)
+    assert client.receive(60) == {"progress": 1}
+    time.sleep(0.05)
+    cut_at = time.monotonic()
+    down = ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "down")
+    request.addfinalizer(lambda: ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "up"))
+    assert down.returncode == 0, down.stderr
+    outcome = client.receive(60)
+    assert outcome["status"] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), outcome
+    assert outcome["failed"] - outcome["started"] <= DEADLINE_S
+    assert outcome["failed"] - cut_at <= DEADLINE_S
+    assert client.call("holds", name="big", seed=6, blocks=list(range(32)))["holds"]
+
+    assert ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "up").returncode == 0
+    client.call("unlink", remote_id=SERVER_ID, ip=netns_pair.server_ip, port=server.ready["port"])
+    relinked = None
+    deadline = time.monotonic() + 30  # the carrier, and the server's view of the old link, come back asynchronously
+    while time.monotonic() < deadline:
+        relinked = nixl_link(server, client, netns_pair)
+        if relinked["status"] == S.LLM_SUCCESS:
+            break
+        time.sleep(0.5)
+    assert relinked["status"] == S.LLM_SUCCESS, relinked["logs"]
+    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "nixl"
     assert client.call("transfer", op="push", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[2, 3])["status"] == 0
     assert server.call("holds", name="big", seed=6, blocks=[2, 3], pattern_blocks=[30, 31])["holds"]
     assert client.call("transfer", op="pull", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[6, 7])["status"] == 0

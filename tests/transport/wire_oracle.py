@@ -1,4 +1,4 @@
-"""A reference reading of the link protocol (version 5) by a server: given every byte a peer
+"""A reference reading of the link protocol (version 6) by a server: given every byte a peer
 sends on one connection, which frames the server must answer and how, how the connection must
 end, which counters move, and which bytes of registered memory the peer may have written.
 

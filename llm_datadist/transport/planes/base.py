@@ -6,8 +6,9 @@ and for each link picks the plane of *its own* transfers: the one ``llm.DataPlan
 first of ``planes.auto_order()`` whose ``accept`` takes the link. Nothing outside the plane modules
 knows what a plane is called or what it needs; the manager only calls the methods below.
 
-That plane (the link's *host plane*; under ``auto`` only planes without ``device_memory`` are
-considered for it) moves every transfer between memory the host can address.
+That plane (the link's *host plane*; under ``auto`` only planes without ``device_memory``, or
+with ``auto_host_memory``, are considered for it) moves every transfer between memory the host can
+address.
 A transfer whose local cache, or whose remote cache, is device memory that the host cannot
 address (a cuda or acl DEVICE cache) goes to the link's *device plane* for that combination
 instead: the forced plane if it has ``device_memory``, else the first plane of the ``auto`` order
@@ -39,9 +40,10 @@ Calls, in the order a link meets them:
     (``LLM_LINK_FAILED``), it never recreates the state. Nothing of a plane's goes on the session
     itself. Examples: cma keeps the peer's mapped generation counter, a pidfd and the link's block
     routes (``cma.CmaLink``); cuda_ipc the mapped generation counter and the peer's allocations
-    mapped here (``cuda_ipc.IpcLink``); a NIXL plane would keep the peer's remote agent (loaded
-    by ``accept`` from the agent metadata in ``peer_facts``) and its prepared descriptor lists
-    (remade by ``on_table`` for the new table, released with the agent by ``close``).
+    mapped here (``cuda_ipc.IpcLink``); nixl the peer's agent loaded into its own (by ``accept``,
+    from the agent metadata in ``peer_facts``) and the prepared descriptor list of the peer's
+    generation word (reloaded by ``on_table`` when the peer's metadata changed, released with the
+    agent by ``close``: ``nixl.NixlLink``).
 ``accept(session, peer_facts, deadline)``
     Whether this plane can carry this side's transfers on the link, judged from what the kernel
     proved about the peer (``session.unix``, ``session.pid``, ``session.uid``: ``SO_PEERCRED`` of
@@ -142,6 +144,13 @@ class DataPlane:
     #: a link's host plane: forced, it applies to device transfers, and host memory takes the
     #: plane ``auto`` picks.
     host_memory: ClassVar[bool] = True
+    #: A plane with ``device_memory`` that ``auto`` also tries as a link's host plane (nixl). By
+    #: default ``auto`` tries such a plane for device transfers only (staging moves host memory
+    #: only when forced).
+    auto_host_memory: ClassVar[bool] = False
+    #: Serves only links authenticated with a secret (nixl: a peer given it is trusted with this
+    #: process's memory); forced on a link without one, the link fails naming why.
+    requires_secret: ClassVar[bool] = False
 
     #: See ``device_payload`` in the module docstring.
     device_payload: Any = None
