@@ -3,7 +3,9 @@ own, joined by a veth pair, with the connector's defaults. The prefill worker mu
 advertise, the address other hosts reach (the namespace's veth address, found as vLLM finds its own:
 the default route's source address), and the decode engine must pull the KV from there and decode
 the baseline's greedy tokens. Between namespaces the link is a cross-host one, so ``auto`` takes
-the ``tcp`` plane (``tests/transport/test_netns.py`` proves that choice for the library itself).
+the ``tcp`` plane (``tests/transport/test_netns.py`` proves that choice for the library itself);
+a second pair of engines does the same with ``data_plane: nixl`` over UCX TCP
+(``LLM_DATADIST_NIXL_TCP=1``; needs NIXL: ``pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1``).
 
 Needs root and ``ip netns`` (skipped otherwise) and vLLM (``pip install '.[vllm]'``). The
 namespaces' default routes point at each other's veth end and nothing forwards beyond it: no
@@ -31,22 +33,38 @@ def model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def expected(model, tmp_path_factory):
+    """The baseline's greedy tokens of PROMPTS (a plain engine on this host, once)."""
+    baseline = Engine(model, "plain", tmp_path_factory.mktemp("vllm-hosts-plain") / "plain.log")
+    try:
+        baseline.wait_ready()
+        return [o["token_ids"] for o in baseline.generate(PROMPTS, MAX_TOKENS)]
+    finally:
+        baseline.close()
+
+
+def _nixl_missing() -> str:
+    from importlib.util import find_spec
+    return "" if find_spec("nixl") is not None else \
+        "NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)"
+
+
 @needs_vllm
-def test_engines_on_two_hosts_link_with_the_connectors_defaults(request, model, tmp_path):
+@pytest.mark.parametrize("plane", ["auto", "nixl"])
+def test_engines_on_two_hosts_link_with_the_connectors_defaults(request, model, expected, tmp_path, plane):
+    if plane == "nixl" and _nixl_missing():
+        pytest.skip(_nixl_missing())
     pair = make_pair(request, default_route=True)
     engines = []
     request.addfinalizer(lambda: [engine.close() for engine in engines])
-    baseline = Engine(model, "plain", tmp_path / "plain.log")
-    engines.append(baseline)
-    baseline.wait_ready()
-    expected = [o["token_ids"] for o in baseline.generate(PROMPTS, MAX_TOKENS)]
-    baseline.close()
     # No listen_host, no advertise_host, no VLLM_HOST_IP: the defaults find the veth address.
-    secret = {"link_secret": LINK_SECRET}
-    prefill = Engine(model, "producer", tmp_path / "prefill.log", secret,
+    extra = {"link_secret": LINK_SECRET, **({"data_plane": "nixl"} if plane == "nixl" else {})}
+    env = {"LLM_DATADIST_NIXL_TCP": "1"} if plane == "nixl" else {}
+    prefill = Engine(model, "producer", tmp_path / "prefill.log", extra, env=env,
                      enter=("ip", "netns", "exec", pair.server_ns), unset=("VLLM_HOST_IP",))
     engines.append(prefill)
-    decode = Engine(model, "consumer", tmp_path / "decode.log", secret,
+    decode = Engine(model, "consumer", tmp_path / "decode.log", extra, env=env,
                     enter=("ip", "netns", "exec", pair.client_ns), unset=("VLLM_HOST_IP",))
     engines.append(decode)
     prefill.wait_ready()
