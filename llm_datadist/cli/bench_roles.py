@@ -34,8 +34,8 @@ from typing import Dict, Optional
 
 from llm_datadist.cli.console import count
 from llm_datadist.cli.two_hosts import (
-    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerChannel, TwoHostError, check_fields, heartbeat_interval, is_int,
-    link_to, read_secret_file, resolve, send, text_field,
+    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerChannel, TwoHostError, check_fields, check_role_flags,
+    heartbeat_interval, is_int, link_to, read_secret_file, resolve, send, text_field,
 )
 from llm_datadist.cli.workload import (
     CLIENT_IDS, PULL, PUSH, SERVER_ID, TRANSFER_TIMEOUT_MS, Case, block_ids, drop_case, sample_digest, serve_case,
@@ -58,18 +58,9 @@ _HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 def check_args(args, defaults) -> Optional[str]:
     """What is wrong with the combination of ``args``' two-host flags, or None (``defaults``: the
     parser's defaults, to tell the flags given)."""
-    given = [flag for flag, value in (("--listen", args.listen), ("--peer", args.peer),
-                                      ("--secret-file", args.secret_file), ("--timeout", args.timeout))
-             if value is not None]
-    if args.role is None:
-        return f"{given[0]} needs --role server or --role client" if given else None
-    needed, refused = ("--listen", "--peer") if args.role == "server" else ("--peer", "--listen")
-    if needed not in given:
-        return f"--role {args.role} needs {needed} HOST:PORT"
-    if refused in given:
-        return f"--role {args.role} takes {needed}, not {refused}"
-    if args.secret_file is None:
-        return f"--role {args.role} needs --secret-file PATH (the link secret both sides share)"
+    problem = check_role_flags(args, listening="server", linking="client", listening_first=True)
+    if problem is not None or args.role is None:
+        return problem
     if args.role == "server":
         sweep = [f"--{name.replace('_', '-')}" for name in SWEEP_FLAGS
                  if getattr(args, name) != getattr(defaults, name)]

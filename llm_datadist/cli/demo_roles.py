@@ -41,7 +41,8 @@ from llm_datadist.cli.demo import (
 )
 from llm_datadist.cli.two_hosts import (
     CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerAborted, PeerChannel, TwoHostError, check_fields,
-    heartbeat_interval, is_int, link_to, read_secret_file, receive_ints, resolve, send_ints, text_field,
+    check_role_flags, heartbeat_interval, is_int, link_to, read_secret_file, receive_ints, resolve, send_ints,
+    text_field,
 )
 
 ROLES = ("prefill", "decode")
@@ -59,18 +60,9 @@ _ID = {"prefill": PREFILL_ID, "decode": DECODE_ID}
 
 def check_args(args) -> Optional[str]:
     """What is wrong with the combination of ``args``' two-host flags, or None."""
-    given = [flag for flag, value in (("--listen", args.listen), ("--peer", args.peer),
-                                      ("--secret-file", args.secret_file), ("--timeout", args.timeout))
-             if value is not None]
-    if args.role is None:
-        return f"{given[0]} needs --role prefill or --role decode" if given else None
-    needed, refused = ("--listen", "--peer") if args.role == "decode" else ("--peer", "--listen")
-    if needed not in given:
-        return f"--role {args.role} needs {needed} HOST:PORT"
-    if refused in given:
-        return f"--role {args.role} takes {needed}, not {refused}"
-    if args.secret_file is None:
-        return f"--role {args.role} needs --secret-file PATH (the link secret both sides share)"
+    problem = check_role_flags(args, listening="decode", linking="prefill")
+    if problem is not None or args.role is None:
+        return problem
     if args.role == "prefill" and args.corrupt_block is not None:
         return "--corrupt-block acts where the bytes are checked: give it to the side with --role decode"
     return None

@@ -70,6 +70,27 @@ def parse_address(text: str, listening: bool) -> Tuple[str, int]:
     return host, port
 
 
+def check_role_flags(args, listening: str, linking: str, listening_first: bool = False) -> Optional[str]:
+    """What is wrong with ``args``' ``--role``, ``--listen``, ``--peer``, ``--secret-file`` and
+    ``--timeout`` together, or None: a role ``listening`` (takes ``--listen``) or ``linking`` (takes
+    ``--peer``), each with ``--secret-file``; without a role, none of the others (the refusal names
+    the roles in the command's own order: ``listening_first``)."""
+    given = [flag for flag, value in (("--listen", args.listen), ("--peer", args.peer),
+                                      ("--secret-file", args.secret_file), ("--timeout", args.timeout))
+             if value is not None]
+    if args.role is None:
+        first, second = (listening, linking) if listening_first else (linking, listening)
+        return f"{given[0]} needs --role {first} or --role {second}" if given else None
+    needed, refused = ("--listen", "--peer") if args.role == listening else ("--peer", "--listen")
+    if needed not in given:
+        return f"--role {args.role} needs {needed} HOST:PORT"
+    if refused in given:
+        return f"--role {args.role} takes {needed}, not {refused}"
+    if args.secret_file is None:
+        return f"--role {args.role} needs --secret-file PATH (the link secret both sides share)"
+    return None
+
+
 def resolve(host: str) -> str:
     """The IPv4 address of ``host`` (a name or an address); ``TwoHostError`` if it has none."""
     try:

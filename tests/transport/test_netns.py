@@ -152,6 +152,43 @@ def link(server: NetnsChild, client: NetnsChild, pair: NetnsPair) -> dict:
     return client.call("link", remote_id=SERVER_ID, ip=pair.server_ip, port=server.ready["port"], timeout_ms=3000)
 
 
+def cut_while_looping(request, pair: NetnsPair, client: NetnsChild, op: str) -> None:
+    """The client loops ``op`` over blocks 0..29 of "big"; its veth goes down mid-transfer: the
+    transfer fails (LLM_TIMEOUT or LLM_LINK_FAILED) within sync_kv_timeout + 1 s of its start and of
+    the cut. The veth comes up again when the test ends, if not before."""
+    client.send("loop", op=op, remote_id=SERVER_ID, name="big", blocks=list(range(30)), max_seconds=60)
+    assert client.receive(60) == {"progress": 1}
+    time.sleep(0.05)
+    cut_at = time.monotonic()
+    down = ip("-n", pair.client_ns, "link", "set", pair.client_dev, "down")
+    request.addfinalizer(lambda: ip("-n", pair.client_ns, "link", "set", pair.client_dev, "up"))
+    assert down.returncode == 0, down.stderr
+    outcome = client.receive(60)
+    assert outcome["status"] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), outcome
+    assert outcome["failed"] - outcome["started"] <= DEADLINE_S
+    assert outcome["failed"] - cut_at <= DEADLINE_S
+
+
+def relink_and_move(server: NetnsChild, client: NetnsChild, pair: NetnsPair, connect, plane: str,
+                    wait_s: float) -> None:
+    """Link again (``connect(server, client, pair)``, retried for ``wait_s``: the veth's carrier and
+    route come back asynchronously) on ``plane``, then push blocks 30, 31 of "big" (out of the
+    loop's) and pull them back, byte-exactly."""
+    relinked = None
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        relinked = connect(server, client, pair)
+        if relinked["status"] == S.LLM_SUCCESS:
+            break
+        time.sleep(0.2)
+    assert relinked["status"] == S.LLM_SUCCESS, relinked.get("logs", relinked)
+    assert client.call("plane", remote_id=SERVER_ID)["plane"] == plane
+    assert client.call("transfer", op="push", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[2, 3])["status"] == 0
+    assert server.call("holds", name="big", seed=6, blocks=[2, 3], pattern_blocks=[30, 31])["holds"]
+    assert client.call("transfer", op="pull", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[6, 7])["status"] == 0
+    assert client.call("holds", name="big", seed=5, blocks=[6, 7], pattern_blocks=[30, 31])["holds"]
+
+
 def test_link_across_namespaces_uses_tcp_and_moves_bytes(netns_pair, netns_clusters):
     """Same kernel, different network namespaces: the link picks tcp on both sides; pushes and
     pulls in both directions land byte-exactly and leave every other block alone."""
@@ -207,18 +244,7 @@ def test_partition_mid_transfer_fails_in_time_and_relinks(netns_pair, tmp_path, 
         who.call("register", name="big", model_id=0, num_blocks=32, block_bytes=1 << 20, seed=seed)
     assert link(server, client, netns_pair)["status"] == S.LLM_SUCCESS
 
-    looped = list(range(30))  # blocks 30, 31 stay out of it on both sides: sources after the relink
-    client.send("loop", op=op, remote_id=SERVER_ID, name="big", blocks=looped, max_seconds=60)
-    assert client.receive(60) == {"progress": 1}
-    time.sleep(0.05)
-    cut_at = time.monotonic()
-    down = ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "down")
-    request.addfinalizer(lambda: ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "up"))
-    assert down.returncode == 0, down.stderr
-    outcome = client.receive(60)
-    assert outcome["status"] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), outcome
-    assert outcome["failed"] - outcome["started"] <= DEADLINE_S
-    assert outcome["failed"] - cut_at <= DEADLINE_S
+    cut_while_looping(request, netns_pair, client, op)  # blocks 30, 31 stay out: sources after the relink
     if op == "push":
         assert client.call("holds", name="big", seed=6, blocks=list(range(32)))["holds"]
     else:
@@ -228,19 +254,7 @@ def test_partition_mid_transfer_fails_in_time_and_relinks(netns_pair, tmp_path, 
     unlinked = client.call("unlink", remote_id=SERVER_ID, ip=netns_pair.server_ip, port=server.ready["port"])
     assert unlinked["status"] in (S.LLM_SUCCESS, S.LLM_UNLINK_FAILED)
     assert client.call("linked")["linked"] == []
-    relinked = None
-    deadline = time.monotonic() + 15  # the veth's carrier and route come back asynchronously
-    while time.monotonic() < deadline:
-        relinked = link(server, client, netns_pair)
-        if relinked["status"] == S.LLM_SUCCESS:
-            break
-        time.sleep(0.2)
-    assert relinked["status"] == S.LLM_SUCCESS, relinked["logs"]
-    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "tcp"
-    assert client.call("transfer", op="push", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[2, 3])["status"] == 0
-    assert server.call("holds", name="big", seed=6, blocks=[2, 3], pattern_blocks=[30, 31])["holds"]
-    assert client.call("transfer", op="pull", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[6, 7])["status"] == 0
-    assert client.call("holds", name="big", seed=5, blocks=[6, 7], pattern_blocks=[30, 31])["holds"]
+    relink_and_move(server, client, netns_pair, link, "tcp", 15)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,34 +337,12 @@ def test_nixl_partition_mid_transfer_fails_in_time_and_relinks(netns_pair, nixl_
     linked = nixl_link(server, client, netns_pair)
     assert linked["status"] == S.LLM_SUCCESS, linked["logs"]
     assert client.call("plane", remote_id=SERVER_ID)["plane"] == "nixl"
-    client.send("loop", op="push", remote_id=SERVER_ID, name="big", blocks=list(range(30)), max_seconds=60)
-    assert client.receive(60) == {"progress": 1}
-    time.sleep(0.05)
-    cut_at = time.monotonic()
-    down = ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "down")
-    request.addfinalizer(lambda: ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "up"))
-    assert down.returncode == 0, down.stderr
-    outcome = client.receive(60)
-    assert outcome["status"] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), outcome
-    assert outcome["failed"] - outcome["started"] <= DEADLINE_S
-    assert outcome["failed"] - cut_at <= DEADLINE_S
+    cut_while_looping(request, netns_pair, client, "push")
     assert client.call("holds", name="big", seed=6, blocks=list(range(32)))["holds"]
 
     assert ip("-n", netns_pair.client_ns, "link", "set", netns_pair.client_dev, "up").returncode == 0
     client.call("unlink", remote_id=SERVER_ID, ip=netns_pair.server_ip, port=server.ready["port"])
-    relinked = None
-    deadline = time.monotonic() + 30  # the carrier, and the server's view of the old link, come back asynchronously
-    while time.monotonic() < deadline:
-        relinked = nixl_link(server, client, netns_pair)
-        if relinked["status"] == S.LLM_SUCCESS:
-            break
-        time.sleep(0.5)
-    assert relinked["status"] == S.LLM_SUCCESS, relinked["logs"]
-    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "nixl"
-    assert client.call("transfer", op="push", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[2, 3])["status"] == 0
-    assert server.call("holds", name="big", seed=6, blocks=[2, 3], pattern_blocks=[30, 31])["holds"]
-    assert client.call("transfer", op="pull", remote_id=SERVER_ID, name="big", src=[30, 31], dst=[6, 7])["status"] == 0
-    assert client.call("holds", name="big", seed=5, blocks=[6, 7], pattern_blocks=[30, 31])["holds"]
+    relink_and_move(server, client, netns_pair, nixl_link, "nixl", 30)  # (also the server's view of the old link)
 
 
 # ------------------------------------------------------------------------------------------------
