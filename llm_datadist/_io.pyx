@@ -95,9 +95,10 @@ def get_spin_us():
 # Whether spinning pays here and now: shared by the process's threads (a heuristic: a lost update
 # between threads only shifts it a little). A spin that catches its data earns a point (up to
 # _CREDIT_MAX), one that ends empty loses _MISS_COST (down to 0); at 0, waits block at once but for
-# one in _PROBE_EVERY, which spins to see whether it pays again (a catch turns spinning back on). On an idle or lightly loaded host
-# replies come within the spin and it stays on; on an oversubscribed one, where a spinning thread
-# takes the CPU the peer needs to answer, misses turn it off.
+# one in _PROBE_EVERY, which spins to see whether it pays again (a catch turns spinning back on).
+# On an idle or lightly loaded host replies come within the spin and it stays on; on an
+# oversubscribed one, where a spinning thread takes the CPU the peer needs to answer, misses turn
+# it off.
 cdef int _spin_credit = 8
 cdef enum:
     _CREDIT_MAX = 16
