@@ -41,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -49,6 +48,10 @@ import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
+if str(REPO_ROOT) not in sys.path:  # the checkout's package (the Cython core is built in place)
+    sys.path.insert(0, str(REPO_ROOT))
+
+from llm_datadist.cli.workload import Case  # noqa: E402  (the transport benchmarks' cases, one definition)
 SERVER_ID, NIXL_ID, TCP_ID = 1, 2, 3
 SECRET = "bench-nixl-secret-0123456789"
 SEED = 0x3D17
@@ -62,23 +65,6 @@ KINDS = [("nixl", MEMCPY), ("tcp", PUSH), ("tcp", PULL), ("nixl", RAW_WRITE), ("
 LABELS = {("nixl", MEMCPY): "memcpy", ("tcp", PUSH): "tcp push", ("tcp", PULL): "tcp pull",
           ("nixl", RAW_WRITE): "raw NIXL write", ("nixl", PUSH): "nixl push", ("nixl", RAW_READ): "raw NIXL read",
           ("nixl", PULL): "nixl pull"}
-
-
-@dataclass(frozen=True)
-class Case:
-    label: str
-    block_bytes: int
-    moved: int    # blocks per transfer
-    rounds: int   # measured repetitions per kind in the pytest suite
-    batch: int    # repetitions per call into the child
-
-    @property
-    def cache_blocks(self) -> int:
-        return 2 * self.moved
-
-    @property
-    def bytes_per_transfer(self) -> int:
-        return self.moved * self.block_bytes
 
 
 #: 64 MiB a bulk transfer; one 4 KiB block (completion included) for latency.

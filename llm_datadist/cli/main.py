@@ -172,6 +172,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _two_host_flags(hosts, listening: str, linking: str, peer_help: str, waits: str) -> None:
+    """``--listen``, ``--peer``, ``--secret-file`` and ``--timeout`` of a command's two-host roles
+    (``--role`` itself is the command's: its help says what each side does)."""
+    from llm_datadist.cli.two_hosts import DEFAULT_TIMEOUT_S
+    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
+                       help=f"{listening}: the address to listen on (port 0: any free port; the port is printed)")
+    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
+                       help=f"{linking}: {peer_help}")
+    hosts.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="a file holding the link secret both sides share (its text; the file must not be "
+                            "readable by every user)")
+    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                       help=f"the longest wait for the other side: to link, to answer, {waits} "
+                            f"(default {DEFAULT_TIMEOUT_S:g})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from llm_datadist.cli.bench import DEFAULT_MIN_TIME, DEFAULT_SIZES, DEFAULT_TOTAL, DIRECTIONS, GPU_MODES, \
         all_planes, plane_aliases
@@ -180,7 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_datadist import __version__
     from llm_datadist.cli.console import short_size
     from llm_datadist.cli.demo import MAX_REQUESTS
-    from llm_datadist.cli.two_hosts import DEFAULT_TIMEOUT_S
     from llm_datadist import runtimes
     parser = _Parser(prog="python -m llm_datadist",
                                      description="KV-cache transfer for disaggregated LLM serving.")
@@ -231,16 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "exit with its verdict")
     hosts.add_argument("--role", choices=("prefill", "decode"), default=None,
                        help="this host's side: decode listens (--listen), prefill links to it (--peer)")
-    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
-                       help="decode: the address to listen on (port 0: any free port; the port is printed)")
-    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
-                       help="prefill: the decode side's address")
-    hosts.add_argument("--secret-file", default=None, metavar="PATH",
-                       help="a file holding the link secret both sides share (its text; the file must not be "
-                            "readable by every user)")
-    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
-                       help=f"the longest wait for the other side: to link, to answer, to speak again, and for "
-                            f"one transfer call (default {DEFAULT_TIMEOUT_S:g})")
+    _two_host_flags(hosts, "decode", "prefill", "the decode side's address", "to speak again, and for one "
+                    "transfer call")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser(
@@ -284,16 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--role", choices=("server", "client"), default=None,
                        help="this host's side: server listens (--listen), client links to it (--peer) and takes "
                             "the sweep's flags (default planes there: local and tcp; no GPU rows)")
-    hosts.add_argument("--listen", type=_address(True), default=None, metavar="HOST:PORT",
-                       help="server: the address to listen on (port 0: any free port; the port is printed)")
-    hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
-                       help="client: the server's address")
-    hosts.add_argument("--secret-file", default=None, metavar="PATH",
-                       help="a file holding the link secret both sides share (its text; the file must not be "
-                            "readable by every user)")
-    hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
-                       help=f"the longest wait for the other side: to link, to answer, to speak again "
-                            f"(default {DEFAULT_TIMEOUT_S:g})")
+    _two_host_flags(hosts, "server", "client", "the server's address", "to speak again")
     bench.set_defaults(func=_bench)
 
     info = sub.add_parser("info", help="version, build, device runtimes, data planes of this host")
