@@ -63,6 +63,7 @@ class LLMConfig:
         self._enable_remote_cache_accessible = None
         self._enable_switch_role = False
         self._link_secret: Optional[str] = None
+        self._link_protection: Optional[str] = None
         self._ge_options: Dict[str, str] = {}
         self._mem_utilization = 0.95
         self._buf_pool_cfg = ""
@@ -163,6 +164,19 @@ class LLMConfig:
     def link_secret(self, value: Optional[str]) -> None:
         check_isinstance("link_secret", value, str)
         self._link_secret = value
+
+    @property
+    def link_protection(self) -> Optional[str]:
+        """``off``, ``integrity`` or ``encrypt``: seal every TCP connection of this cluster's links
+        with keys derived from the link secret's handshake (``llm.LinkProtection``; default: the
+        environment variable ``LLM_DATADIST_LINK_PROTECTION``, else ``off``). Needs ``link_secret``;
+        ``encrypt`` needs the cryptography package. Not in CANN's API."""
+        return self._link_protection
+
+    @link_protection.setter
+    def link_protection(self, value: Optional[str]) -> None:
+        check_isinstance("link_protection", value, str)
+        self._link_protection = value
 
     @property
     def ge_options(self) -> Dict[str, str]:
@@ -371,6 +385,8 @@ class LLMConfig:
             opts["llm.GlobalResourceConfig"] = self._global_resource_config
         if self._link_secret is not None:
             opts["llm.LinkSecret"] = self._link_secret
+        if self._link_protection is not None:
+            opts["llm.LinkProtection"] = self._link_protection
         if self._cluster_info:
             opts["llm.ClusterInfo"] = self._cluster_info
         if self._output_max_size is not None:

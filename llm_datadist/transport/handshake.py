@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException
-from llm_datadist.transport import auth, budgets, wire
+from llm_datadist.transport import auth, budgets, protection, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, brief, fail, is_int, status_of
 from llm_datadist.transport.host import host_identity, same_host
@@ -157,8 +157,9 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
 class LinkRequest:
     """A link request, checked: the peer's role, the planes it offers, the connections it will
     open (forward, reverse), the two-sided link it is for (its name and the digest of its rank
-    table and rank map, ``comms.digest``), its remote-cache-access option, and with a two-sided
-    link the rank the peer claims in it."""
+    table and rank map, ``comms.digest``), its remote-cache-access option, with a two-sided
+    link the rank the peer claims in it, the protection it asks for and the record suites it can
+    run (``protection``)."""
 
     role: str
     planes: List[str]
@@ -166,6 +167,8 @@ class LinkRequest:
     comm: Optional[Tuple[str, str]]
     remote_accessible: bool
     rank: Optional[int] = None
+    protection: str = protection.OFF
+    suites: Tuple[str, ...] = ()
 
 
 def read_link_request(message: Dict[str, Any]) -> LinkRequest:
@@ -188,15 +191,22 @@ def read_link_request(message: Dict[str, Any]) -> LinkRequest:
         comm = (comm[0], comm[1])
     else:
         rank = None
+    asked, suites = message.get("protection", protection.OFF), message.get("suites", [])
+    if asked not in protection.MODES:
+        raise ProtocolError(f"link request: protection {brief(asked)}")
+    if not (isinstance(suites, list) and all(isinstance(x, str) for x in suites)):
+        raise ProtocolError(f"link request: suites {brief(suites)}")
     return LinkRequest(message["role"][:64], list(planes)[:8], (want[0], want[1]), comm,
-                       bool(message.get("remote_cache_accessible")), rank)
+                       bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]))
 
 
 def link_reply(cluster_id: int, role: str, planes: Sequence[str], remote_accessible: bool, token: str,
-               unix_name: Optional[str]) -> Dict[str, Any]:
-    """The reply that grants a link request."""
+               unix_name: Optional[str], protected: str = protection.OFF,
+               suite: Optional[str] = None) -> Dict[str, Any]:
+    """The reply that grants a link request (``protected``: the link's protection, in ``suite``)."""
     return {"cluster_id": cluster_id, "role": role, "planes": list(planes), "host": host_identity(),
-            "remote_cache_accessible": remote_accessible, "token": token, "unix": unix_name}
+            "remote_cache_accessible": remote_accessible, "token": token, "unix": unix_name,
+            "protection": protected, "suite": suite}
 
 
 def send_reply(sock: socket.socket, reply: Dict[str, Any], status: int, deadline: float) -> bool:
@@ -207,7 +217,8 @@ def send_reply(sock: socket.socket, reply: Dict[str, Any], status: int, deadline
 # -- the connecting side ----------------------------------------------------------------------------
 def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int],
                      request: Dict[str, Any], deadline: float, self_key: Optional[bytes] = None,
-                     on_peer: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+                     on_peer: Optional[Callable[[int], None]] = None,
+                     nonces: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
     """HELLO -> CHALLENGE -> AUTH (carrying ``request``, and with ``self_key`` the proof that
     this is a self-link of this process) -> HELLO_REPLY with the cluster ``remote_id``; the
     reply, or LLMException.
@@ -215,7 +226,7 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
     ``remote_id`` None: whichever cluster listens there; its id is the one its challenge names,
     and with a link secret the proofs bind both sides to it as to a given one. ``on_peer(id)``
     runs with the peer's id before anything about this side's purpose is sent (it may raise
-    to go no further)."""
+    to go no further). ``nonces`` gets (this side's nonce, the server's) once both are known."""
     fd = sock.fileno()
     nonce = auth.new_nonce()
     if not send_frame(fd, wire.OP_HELLO, {"cluster_id": cluster_id, "nonce": nonce, "auth": secret is not None},
@@ -244,6 +255,8 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
         message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
     if self_key is not None:
         message["self_proof"] = auth.self_proof(self_key, nonce, server_nonce)
+    if nonces is not None:
+        nonces.append((nonce, server_nonce))
     if on_peer is not None:
         on_peer(remote_id)
     if not send_frame(fd, wire.OP_AUTH, message, deadline):
@@ -269,21 +282,27 @@ class LinkAgreement:
     unix_name: Optional[str]
     #: the cluster that granted it (the one asked for, or the one the handshake found there)
     cluster_id: Optional[int] = None
+    #: the link's protection (``protection``): what this side asked for or stronger, and its suite
+    protection: str = protection.OFF
+    suite: Optional[str] = None
 
 
 def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int], role: str,
                  planes: Sequence[str], remote_accessible: bool, local_sockets: bool, deadline: float,
                  comm: Optional[Tuple[str, str]] = None, self_key: Optional[bytes] = None,
-                 rank: Optional[int] = None, on_peer: Optional[Callable[[int], None]] = None) -> LinkAgreement:
+                 rank: Optional[int] = None, on_peer: Optional[Callable[[int], None]] = None,
+                 protect: str = protection.OFF) -> LinkAgreement:
     """Ask the cluster ``remote_id`` at the other end of ``sock`` for a link (``planes``: those
     this side offers; ``local_sockets``: one of them wants Unix sockets on this host;
     ``self_key``: a link to this cluster's own listener, proven with this process's key;
     ``comm``: the two-sided link (name, digest) it is for, in which this side has ``rank``).
     ``remote_id`` None: whichever cluster listens there (``client_handshake``, which also says
-    what ``on_peer`` is); the agreement names it."""
+    what ``on_peer`` is); the agreement names it. ``protect``: the protection this side asks for
+    (and insists on: a reply granting less fails the link)."""
     request = dict(purpose="link", role=role, planes=list(planes), host=host_identity(),
                    remote_cache_accessible=remote_accessible,
-                   connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True)
+                   connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True,
+                   protection=protect, suites=protection.suites_here())
     if comm is not None:
         request["comm"], request["rank"] = list(comm), rank
     found: List[int] = []
@@ -299,9 +318,22 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     if not isinstance(token, str) or not isinstance(their_role, str) or not (
             isinstance(offered, list) and all(isinstance(p, str) for p in offered)):
         raise ProtocolError(f"link reply lacks token, role or planes: {brief(reply)}")
+    granted = reply.get("protection", protection.OFF)
+    if granted not in protection.MODES:
+        raise ProtocolError(f"link reply: protection {brief(granted)}")
+    if not protection.at_least(granted, protect):
+        raise fail(S.LLM_LINK_FAILED, f"the peer granted protection {granted}, this side asked for {protect} "
+                                      f"({protection.OPTION})")
+    why = protection.unavailable(granted)
+    if why is not None:
+        raise fail(S.LLM_LINK_FAILED, f"the peer protects its links with {granted}: {why}")
+    suite = reply.get("suite")
+    if granted != protection.OFF and (suite not in protection.SUITES[granted] or suite not in protection.suites_here()):
+        raise ProtocolError(f"link reply: suite {brief(suite)} for protection {granted}")
     host = reply.get("host") if isinstance(reply.get("host"), dict) else {}
     local = isinstance(unix_name, str) and local_sockets and same_host(host_identity(), host)
-    return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0])
+    return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0],
+                         granted, suite if granted != protection.OFF else None)
 
 
 @dataclass
@@ -318,10 +350,14 @@ class LinkConnections:
 
 
 def open_connections(ip: str, port: int, cluster_id: int, secret: Optional[bytes], remote_id: int,
-                     agreement: LinkAgreement, deadline: float, sockets: List[socket.socket]) -> LinkConnections:
+                     agreement: LinkAgreement, deadline: float, sockets: List[socket.socket],
+                     seal: Optional[Callable[[socket.socket, Tuple[str, str]], socket.socket]] = None
+                     ) -> LinkConnections:
     """Open and authenticate the data connections of the link ``agreement`` granted: to its Unix
     socket if it names one (TCP to ``ip:port`` if the first cannot connect), else TCP. Every
-    socket opened goes to ``sockets`` too (the caller closes them if this raises)."""
+    socket opened goes to ``sockets`` too (the caller closes them if this raises). On a
+    protected link each TCP connection is handed, once authenticated, to ``seal(sock, (this
+    side's nonce, the server's))``, which returns the socket the link uses instead."""
     made = LinkConnections()
     unix = agreement.unix_name is not None
     for purpose in ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION:
@@ -338,8 +374,14 @@ def open_connections(ip: str, port: int, cluster_id: int, secret: Optional[bytes
         if sock is None:
             sock = connect_tcp(ip, port, deadline)
         sockets.append(sock)
+        nonces: List[Tuple[str, str]] = []
         client_handshake(sock, cluster_id, secret, remote_id, {"purpose": purpose, "token": agreement.token},
-                         deadline)
+                         deadline, nonces=nonces)
+        if not unix and agreement.protection != protection.OFF:
+            if seal is None:
+                raise fail(S.LLM_LINK_FAILED, "a protected link without the means to seal it")
+            sock = seal(sock, nonces[0])
+            sockets.append(sock)
         if unix:
             pid, uid = peer_credentials(sock)
             if made.pid and (pid, uid) != (made.pid, made.uid):

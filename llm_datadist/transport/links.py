@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from llm_datadist import _io
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import auth, budgets, handshake, server, wire
+from llm_datadist.transport import auth, budgets, handshake, protection, server, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.comms import Comm, Join
@@ -89,6 +89,8 @@ class LinkManager:
         self.planes = PlaneSet(engine)
         self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self.secret = auth.resolve_secret(engine.options)
+        #: This side's ``llm.LinkProtection`` (``protection``): what it asks for and insists on.
+        self.protection = protection.resolve(engine.options, self.secret)
         #: Proves this process's own self-links: a connection claiming this cluster's id without
         #: a proof made with it is refused (``refused_self``).
         self._self_key = auth.new_self_key()
@@ -115,11 +117,12 @@ class LinkManager:
         #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
         #: ``refused_parsing``, control requests that found no room in the parsing budget;
         #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
-        #: ``refused_reads``, pulls the read guard refused (``read_guard``).
+        #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``protection_failures``,
+        #: records of a protected link that failed their check (``protection``; the link closed).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
                       "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
                       "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0,
-                      "refused_reads": 0}
+                      "refused_reads": 0, "protection_failures": 0}
         #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
         self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
@@ -135,6 +138,7 @@ class LinkManager:
         #: Serves the peers' requests on the links' incoming connections.
         self.server = Server(engine, handlers, self._lose)
         self._threads = Threads("llm_datadist-conn")  # the manager's background work (_prepare_comm)
+        self._relays = Threads("llm_datadist-seal")   # the relays of protected connections
 
     def _count(self, counter: str) -> int:
         with self._lock:
@@ -278,7 +282,8 @@ class LinkManager:
             sockets.append(first)
             agreement = handshake.request_link(first, mine, self.secret, None, self.engine.role,
                                                self._offered_planes(), self.remote_accessible,
-                                               self._wants_local_sockets(), deadline, on_peer=reserve)
+                                               self._wants_local_sockets(), deadline, on_peer=reserve,
+                                               protect=self.protection)
             status = self._finish_link(agreement.cluster_id, ip, port, deadline, sockets, first, agreement)
         except _Known as known:
             status = known.status if known.status is not None else self._await_mutual(found[0], deadline)
@@ -477,7 +482,8 @@ class LinkManager:
                     logger.error("unlink %d -> %d: the peer was not told (%s); local state dropped",
                                  self.engine.cluster_id, remote_cluster_id, exc)
                     status = S.LLM_UNLINK_FAILED
-        self._drop_peer(remote_cluster_id)
+        self._drop_peer(remote_cluster_id, peer)
+        peer.close()  # (also when a connection's end came first and _lose left it to this)
         return status
 
     def _drop_peer(self, remote_cluster_id: int, expected: Optional[Peer] = None) -> None:
@@ -515,7 +521,9 @@ class LinkManager:
         """A connection of the link ended without an unlink: forget the link, close the rest of
         its connections, and remember why (``lost_links``). Not called with the lock held."""
         current = self._forget(peer, why)
-        if peer.closed:
+        if peer.closed or peer.unlinking:
+            # This side's unlink closes it once the peer answered (the peer closes the link's
+            # other connections right after answering, and their ends may arrive first).
             return
         peer.close()
         if current and peer.ready and not quiet and not peer.unlinking:
@@ -940,15 +948,20 @@ class LinkManager:
                 self._lose(peer, f"no data plane: {exc}")
             return False
         if purpose in ("forward", "reverse"):
-            status, reply, peer = self._accept_data(peer_id, purpose, admission.request.get("token"), conn)
+            status, reply, peer, relay = self._accept_data(peer_id, purpose, admission.request.get("token"), conn,
+                                                           admission.nonces)
             if not handshake.send_reply(conn, reply, status, deadline) or status != 0:
                 if peer is not None:
                     self._lose(peer, f"its {purpose} connection failed", quiet=True)
+                if relay is not None:
+                    relay.close()
                 return False
             self.listener.handshake_done(conn)
+            if relay is not None:  # what the link sends from now on is sealed
+                relay.start()
             if purpose == "forward":
-                self.server.serve(conn, name, peer)
-            return True  # serve closed it, or a Channel holds it
+                self.server.serve(conn if relay is None else relay.inner, name, peer)
+            return True  # serve closed it, or a Channel holds it (and a relay the TCP socket)
         raise ProtocolError(f"unknown purpose {brief(purpose)}")
 
     def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str, source: Any = None,
@@ -970,9 +983,17 @@ class LinkManager:
                                              "table and rank map, and its rank")
         if comm is None and request.remote_accessible != self.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
+        protected = protection.stronger(request.protection, self.protection)
+        if protected != protection.OFF and self.secret is None:
+            return refuse(S.LLM_LINK_FAILED, f"protection {protected} needs a link secret on both sides")
+        suite = None if protected == protection.OFF else protection.choose(protected, request.suites)
+        if protected != protection.OFF and suite is None:
+            return refuse(S.LLM_LINK_FAILED, f"protection {protected}: no record suite both sides run (this side "
+                                             f"runs {', '.join(protection.suites_here())}; "
+                                             f"{protection.CRYPTOGRAPHY_MISSING})")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source,
-                    authenticated=self.secret is not None)
+                    authenticated=self.secret is not None, protection=protected, protection_suite=suite)
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
@@ -1023,11 +1044,14 @@ class LinkManager:
 
     def _link_reply(self, peer: Peer) -> Dict[str, Any]:
         return handshake.link_reply(self.engine.cluster_id, self.engine.role, self._offered_planes(),
-                                    self.remote_accessible, peer.token, self.listener.unix_name)
+                                    self.remote_accessible, peer.token, self.listener.unix_name, peer.protection,
+                                    peer.protection_suite)
 
-    def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket):
-        """A data connection of a link being made: ``(status, reply, Peer or None)``."""
-        refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None
+    def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket, nonces: Tuple[str, str]):
+        """A data connection of a link being made: ``(status, reply, Peer or None, Relay or None)``;
+        on a protected link a TCP connection gets a ``protection.Relay`` (not started), whose
+        inner socket the link holds in its place."""
+        refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None, None
         unix = conn.family == socket.AF_UNIX
         pid, uid = peer_credentials(conn) if unix else (0, -1)
         with self._lock:
@@ -1041,21 +1065,38 @@ class LinkManager:
                 peer.unix, peer.pid, peer.uid = unix, pid, uid
             elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
                 # Every connection of a link comes from one process, over one kind of socket.
-                return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer
+                return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer, None
+            if len(peer.incoming if purpose == "forward" else peer.channels) >= peer.want[purpose != "forward"]:
+                return refused
+            relay = None
+            if not unix and peer.protection != protection.OFF:
+                relay = self._relay(conn, peer.protection_suite, nonces, peer_id, self.engine.cluster_id, False,
+                                    f"cluster {peer_id} ({peer.address[0]})")
+            sock = conn if relay is None else relay.inner
             if purpose == "forward":
-                if len(peer.incoming) >= peer.want[0]:
-                    return refused
-                peer.incoming.append(conn)
+                peer.incoming.append(sock)
             else:
-                if len(peer.channels) >= peer.want[1]:
-                    return refused
-                peer.channels.append(Channel(conn, f"cluster {peer_id} ({peer.address[0]})"))
+                peer.channels.append(Channel(sock, f"cluster {peer_id} ({peer.address[0]})"))
             if len(peer.incoming) == peer.want[0] and len(peer.channels) == peer.want[1]:
                 peer.ready = True
                 del self._pending[token]
-                logger.info("cluster %d: cluster %d linked from %s", self.engine.cluster_id, peer_id,
-                            "this host" if unix else peer.address[0])
-        return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer
+                logger.info("cluster %d: cluster %d linked from %s%s", self.engine.cluster_id, peer_id,
+                            "this host" if unix else peer.address[0],
+                            "" if peer.protection == protection.OFF else
+                            f" (protection {peer.protection}, {peer.protection_suite})")
+        return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer, relay
+
+    def _relay(self, sock: socket.socket, suite: str, nonces: Tuple[str, str], client_id: int, server_id: int,
+               is_client: bool, name: str) -> protection.Relay:
+        """The relay sealing one TCP connection of a protected link in ``suite`` (keys of the
+        connection's own handshake)."""
+        assert self.secret is not None  # a protected link is an authenticated one
+        keys = protection.derive_keys(self.secret, suite, nonces[0], nonces[1], client_id, server_id)
+
+        def failed(why: str) -> None:
+            self._count("protection_failures")
+
+        return protection.Relay(sock, suite, keys, is_client, name, self._relays, failed)
 
     def _holds(self, peer: Peer) -> bool:
         return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
@@ -1080,7 +1121,8 @@ class LinkManager:
         agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
                                            self._offered_planes(), self.remote_accessible,
                                            self._wants_local_sockets(), deadline, comm,
-                                           self._self_key if remote_cluster_id == mine else None, rank)
+                                           self._self_key if remote_cluster_id == mine else None, rank,
+                                           protect=self.protection)
         return self._finish_link(remote_cluster_id, ip, port, deadline, sockets, first, agreement, comm)
 
     def _finish_link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
@@ -1088,11 +1130,18 @@ class LinkManager:
                      comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
         """The rest of ``_link`` once the link request on ``first`` was granted."""
         mine = self.engine.cluster_id
-        made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
-                                          sockets)
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
+
+        def seal(sock: socket.socket, nonces: Tuple[str, str]) -> socket.socket:
+            relay = self._relay(sock, agreement.suite, nonces, mine, remote_cluster_id, True, name)
+            relay.start()
+            return relay.inner
+
+        made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
+                                          sockets, seal)
         peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
-                    authenticated=self.secret is not None)
+                    authenticated=self.secret is not None, protection=agreement.protection,
+                    protection_suite=agreement.suite)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
         peer.channels = [Channel(sock, name) for sock in made.forward]
         peer.incoming = made.reverse
@@ -1134,6 +1183,7 @@ class LinkManager:
         self.listener.drain()  # connections still in their handshake, and its threads
         self.server.join()
         self._threads.join()
+        self._relays.join()
         for plane in self.planes.all:
             plane.shutdown()
 

@@ -237,6 +237,10 @@ class Peer:
     # connection of the link required the peer's proof of it and verified it). Set at link time
     # from this side's own configuration, never from anything the peer sends.
     authenticated: bool = False
+    # The link's protection (``protection``: "off", "integrity", "encrypt"), agreed at link time;
+    # its TCP connections are sealed by relays (``channels``/``incoming`` hold their inner ends).
+    protection: str = "off"
+    protection_suite: Optional[str] = None  # its record suite ("aes-256-gmac", ...), None when off
     token: str = ""
     want: Tuple[int, int] = (CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION)  # forward, reverse
     ready: bool = False

@@ -9,7 +9,7 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Every connection starts with a handshake of four JSON frames (protocol version 6): HELLO from the
+Every connection starts with a handshake of four JSON frames (protocol version 7): HELLO from the
 connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
 ``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
@@ -32,6 +32,11 @@ the peer (``DataPlane.offer``). Version 6 added the ``nixl`` entry there: the ow
 name and metadata (base64), the address of its registry generation word and the GPU of its VRAM
 registrations (``planes/nixl.py``), sent only on links authenticated with a secret; a version 5
 peer, which would take a table without it for one of its own, is refused at the handshake.
+
+Version 7 added link protection (``protection``): the link request and its reply carry
+``protection`` ("off", "integrity" or "encrypt"), and on a protected link every TCP data
+connection carries, after its HELLO_REPLY, only sealed records in which the frames above travel.
+A version 6 peer would read records as frames, so it is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")

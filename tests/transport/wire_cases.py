@@ -174,6 +174,10 @@ class CaseGenerator:
                                               "link", None, {"name": "a"}, [["a"], "b"]])
                 if rng.random() < 0.8:  # the rank it claims, or a malformed one
                     message["rank"] = rng.choice([0, 1, 3, 2**31, 2**31 + 1, -1, True, "1", None, 1.0])
+            if rng.random() < 0.1:  # link protection (v7), asked for as a client would, or malformed
+                message["protection"] = rng.choice(["integrity", "encrypt", "off", "INTEGRITY", "tls", None, 1])
+                message["suites"] = rng.choice([["aes-256-gmac", "hmac-sha256"], ["aes-256-gcm"], ["hmac-sha256"],
+                                                [], ["rot13"], "aes-256-gcm", [1], None])
             if rng.random() < 0.4:
                 key = rng.choice(["role", "planes", "host", "remote_cache_accessible", "connections"])
                 message[key] = rng.choice([

@@ -26,6 +26,7 @@ import numpy as np
 
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.transport import auth, budgets, wire
+from llm_datadist.transport.protection import suites_here
 
 S = LLMStatusCode
 U64_MAX = 2**64 - 1
@@ -288,8 +289,22 @@ class ServerModel:
             raise protocol_error("link request: comm")
         if comm is not None and not _is_u64(message.get("rank"), 0, 1 << 31):  # the rank claimed in it
             raise protocol_error("link request: rank")
+        # Link protection (v7): the fuzzed server's own setting is off, so the link takes the client's.
+        asked, suites = message.get("protection", "off"), message.get("suites", [])
+        if asked not in ("off", "integrity", "encrypt"):
+            raise protocol_error("link request: protection")
+        if not (isinstance(suites, list) and all(isinstance(x, str) for x in suites)):
+            raise protocol_error("link request: suites")
+        preferred = {"off": [], "integrity": ["aes-256-gmac", "hmac-sha256"], "encrypt": ["aes-256-gcm"]}[asked]
+        suite = next((x for x in preferred if x in suites[:8] and x in suites_here()), None)
         if comm is None and bool(message.get("remote_cache_accessible")) != self.remote_accessible:
             refusal = S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters"
+        elif asked != "off" and session.secret is None:
+            refusal = S.LLM_LINK_FAILED, f"protection {asked} needs a link secret on both sides"
+        elif asked != "off" and suite is None:
+            refusal = S.LLM_LINK_FAILED, (f"protection {asked}: no record suite both sides run (this side runs "
+                                          f"{', '.join(suites_here())}; encryption needs the cryptography package "
+                                          f"(pip install cryptography))")
         elif comm is None and peer_id == self.cluster_id:  # only the server's own process may link to itself
             refusal = S.LLM_LINK_FAILED, "a self-link of another process"
         elif comm is not None:  # this server makes no two-sided link while it is fuzzed
@@ -305,7 +320,8 @@ class ServerModel:
             raise Closed("refused")
         out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, 0, 1, "link", {
             "cluster_id": self.cluster_id, "role": self.role, "planes": self.planes, "host": self.host,
-            "remote_cache_accessible": self.remote_accessible, "unix": self.unix_name}))
+            "remote_cache_accessible": self.remote_accessible, "unix": self.unix_name, "protection": asked,
+            "suite": suite}))
         # The server waits for the link's data connections, which never come: the half-made
         # link is dropped when this connection ends.
         raise Closed("link_abandoned")

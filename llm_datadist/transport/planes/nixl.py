@@ -687,6 +687,9 @@ class NixlPlane(DataPlane):
             return NO_SECRET
         if session.unix:
             return "the link's connections are Unix sockets (a peer of this host: cma and cuda_ipc apply)"
+        if getattr(session, "protection", "off") != "off":
+            return (f"the link is protected ({session.protection}, llm.LinkProtection) and NIXL's transfers would "
+                    f"bypass its sealed connections")
         if self.name not in session.planes:
             return "the peer does not offer it"
         if not self._offers:

@@ -221,6 +221,21 @@ def test_without_rdma_and_without_tcp_mode_nixl_says_how_to_run_it(monkeypatch):
         assert nixl.INSTALL in why
 
 
+def test_a_protected_link_gets_no_nixl_offered_or_accepted(monkeypatch):
+    """NIXL's transfers bypass the link's sealed connections (``llm.LinkProtection``)."""
+    monkeypatch.setenv(nixl.TCP_ENV, "1")
+    forced = _plane(dict(SECRET, **{"llm.DataPlane": "nixl"}))
+    for mode in ("integrity", "encrypt"):
+        session = _session()
+        session.protection = mode
+        assert f"the link is protected ({mode}" in forced._refusal(session)
+        assert forced.offer(session) == {}
+        assert forced.accept(session, {}, time.monotonic() + 1).startswith("the link is protected")
+    session = _session()
+    session.protection = "off"
+    assert forced._refusal(session) is None or nixl.INSTALL in forced._refusal(session)
+
+
 def test_hostile_facts_are_refused_before_any_agent_exists(monkeypatch):
     monkeypatch.setenv(nixl.TCP_ENV, "1")
     plane = _plane(dict(SECRET))
