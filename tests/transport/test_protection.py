@@ -356,5 +356,5 @@ def test_llm_config_sets_the_option():
     assert protection.OPTION not in config.generate_options()
     config.link_protection = "encrypt"
     assert config.generate_options()[protection.OPTION] == "encrypt"
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError):
         config.link_protection = 1
