@@ -1105,6 +1105,90 @@ cdef class TcpRoute(_Route):
 
 
 # ------------------------------------------------------------------------------------------------
+# TCP: the serving side of a push
+# ------------------------------------------------------------------------------------------------
+
+#: What ``read_push`` found wrong with a PUSH frame (its first value; the server names each).
+PUSH_OK = 0
+PUSH_TRUNCATED = 1          # the generation and descriptor length cut short (status)
+PUSH_BAD_LENGTH = 2         # a descriptor length the frame cannot hold or not whole descriptors
+PUSH_TOO_MANY = 3           # more descriptor bytes than ``max_desc_bytes``
+PUSH_DESCS_TRUNCATED = 4    # the descriptors cut short (status)
+PUSH_WRAPS = 5              # a descriptor whose range wraps around the address space (index)
+PUSH_SIZE_MISMATCH = 6      # the descriptors do not cover the frame's payload (bytes covered)
+
+
+def read_push(int fd, uint64_t length, int timeout_ms, uint64_t max_desc_bytes):
+    """Read a PUSH frame's body up to its payload (``length`` >= 16: the table generation, the
+    descriptor length and the descriptors) and check it as ``transport.server`` does, in that
+    order: ``(PUSH_OK, generation, desc_len, plan)``, or ``(problem, value, generation,
+    desc_len)`` with ``value`` the receive status, descriptor index or bytes covered. The
+    descriptors are received straight into the plan."""
+    cdef unsigned char prefix[16]
+    cdef iovec iov
+    cdef unsigned int st
+    cdef int err = 0
+    cdef uint64_t got = 0, generation, desc_len, n, i, total = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    cdef CopyPlan plan
+    cdef const dd_copy_desc *d
+    iov.iov_base = prefix
+    iov.iov_len = 16
+    with nogil:
+        st = _stream_iov(fd, &iov, 1, False, deadline, &err, &got)
+    if st != _status.DD_LLM_SUCCESS:
+        return PUSH_TRUNCATED, st, 0, 0
+    generation = _load_u64(prefix)
+    desc_len = _load_u64(prefix + 8)
+    if desc_len > length - 16 or desc_len % sizeof(dd_copy_desc):
+        return PUSH_BAD_LENGTH, 0, generation, desc_len
+    if desc_len > max_desc_bytes:
+        return PUSH_TOO_MANY, 0, generation, desc_len
+    n = desc_len // sizeof(dd_copy_desc)
+    plan = CopyPlan()
+    if n:
+        plan.reserve(n)
+        iov.iov_base = plan.descs
+        iov.iov_len = desc_len
+        with nogil:
+            st = _stream_iov(fd, &iov, 1, False, deadline, &err, &got)
+        if st != _status.DD_LLM_SUCCESS:
+            return PUSH_DESCS_TRUNCATED, st, generation, desc_len
+        d = plan.descs
+        for i in range(n):
+            if d[i].nbytes > UINT64_MAX - d[i].src or d[i].nbytes > UINT64_MAX - d[i].dst:
+                return PUSH_WRAPS, i, generation, desc_len
+            total += d[i].nbytes  # wraps as ``CopyPlan.total_bytes`` does; the range check refuses such plans
+        plan.count = n
+        plan.total_bytes = total
+    if total != length - 16 - desc_len:
+        return PUSH_SIZE_MISMATCH, total, generation, desc_len
+    return PUSH_OK, generation, desc_len, plan
+
+
+def recv_plan_reply(int fd, CopyPlan plan not None, const unsigned char[::1] reply, int timeout_ms=-1):
+    """``recv_plan`` into the descriptors' destinations, then, if all of it came, send ``reply``
+    (a frame) in the same call. Returns ``(receive status, send status)`` (the send's is the
+    receive's when nothing was sent)."""
+    cdef size_t count = 0
+    cdef iovec *iov = _plan_iovecs(NULL, 0, plan, True, &count)
+    cdef iovec reply_iov
+    cdef unsigned int st, sent_st
+    cdef int err = 0
+    cdef uint64_t moved = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    reply_iov.iov_base = <void *>&reply[0]
+    reply_iov.iov_len = reply.shape[0]
+    with nogil:
+        st = _stream_iov(fd, iov, count, False, deadline, &err, &moved)
+        sent_st = st
+        if st == _status.DD_LLM_SUCCESS:
+            sent_st = _stream_iov(fd, &reply_iov, 1, True, deadline, &err, &moved)
+    free(iov)
+    return st, sent_st
+
+
+# ------------------------------------------------------------------------------------------------
 # Wire descriptors and the receiver's range check
 # ------------------------------------------------------------------------------------------------
 

@@ -326,3 +326,67 @@ def test_construction_checks(rig):
     with pytest.raises(ValueError):
         _io.TcpRoute(rig.owner, rig.owner.table, rig.channel, head, head, local, small, True, 1, 1)
 
+
+# -- the serving side of a push: _io.read_push and recv_plan_reply ----------------------------------
+
+def _body(generation: int, descs: List[tuple], payload: bytes = b"") -> bytes:
+    raw = b"".join(wire.U64x2.pack(s, d) + wire.U64.pack(n) for s, d, n in descs)
+    return wire.U64x2.pack(generation, len(raw)) + raw + payload
+
+
+@pytest.mark.parametrize("body, length, want", [
+    (_body(3, [(1, 2, 4)], b"abcd"), None, (_io.PUSH_OK, 3, 24)),
+    (_body(3, [], b""), None, (_io.PUSH_OK, 3, 0)),
+    (wire.U64x2.pack(3, 25) + bytes(25), None, (_io.PUSH_BAD_LENGTH, 0, 3, 25)),        # not whole descriptors
+    (wire.U64x2.pack(3, 48) + bytes(24), None, (_io.PUSH_BAD_LENGTH, 0, 3, 48)),        # more than the frame
+    (_body(3, [(1, 2 ** 64 - 2, 4)], b"abcd"), None, (_io.PUSH_WRAPS, 0, 3, 24)),
+    (_body(3, [(1, 2, 4), (5, 6, 2 ** 64 - 1)], b""), None, (_io.PUSH_WRAPS, 1, 3, 48)),
+    (_body(3, [(1, 2, 4)], b"abc"), None, (_io.PUSH_SIZE_MISMATCH, 4, 3, 24)),
+    (_body(3, [(1, 2, 4)], b"abcd")[:10], 16 + 24 + 4, (_io.PUSH_TRUNCATED, int(S.LLM_LINK_FAILED), 0, 0)),
+    (_body(3, [(1, 2, 4)], b"abcd")[:30], 16 + 24 + 4, (_io.PUSH_DESCS_TRUNCATED, int(S.LLM_LINK_FAILED), 3, 24)),
+])
+def test_read_push_checks_a_frame_as_the_server_did(body, length, want):
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(body)
+        b.shutdown(socket.SHUT_WR)
+        a.setblocking(False)
+        got = _io.read_push(a.fileno(), len(body) if length is None else length, 2000, 48)
+        if want[0] == _io.PUSH_OK:
+            assert got[:3] == want and got[3].total_bytes == len(body) - 16 - want[2]
+            assert _io.plan_to_wire(got[3]) == body[16:16 + want[2]]
+            assert a.recv(100) == body[16 + want[2]:]  # the payload is left for the payload's receive
+        else:
+            assert got == want
+
+
+def test_read_push_refuses_more_descriptors_than_its_limit_before_reading_them():
+    a, b = socket.socketpair()
+    with a, b:
+        body = _body(3, [(1, 2, 1)] * 3, b"xyz")
+        b.sendall(body)
+        a.setblocking(False)
+        assert _io.read_push(a.fileno(), len(body), 2000, 48) == (_io.PUSH_TOO_MANY, 0, 3, 72)
+        assert a.recv(1000) == body[16:]
+
+
+def test_recv_plan_reply_lands_the_payload_then_replies():
+    dst = np.full(64, 0xA5, dtype=np.uint8)
+    a, b = socket.socketpair()
+    with a, b:
+        plan = _io.plan_from_wire(wire.U64x2.pack(0, dst.ctypes.data + 8) + wire.U64.pack(4)
+                                  + wire.U64x2.pack(0, dst.ctypes.data + 20) + wire.U64.pack(2))
+        b.sendall(b"abcdef")
+        a.setblocking(False)
+        assert _io.recv_plan_reply(a.fileno(), plan, b"done", 2000) == (0, 0)
+        assert b.recv(10) == b"done"
+        want = np.full(64, 0xA5, dtype=np.uint8)
+        want[8:12] = list(b"abcd")
+        want[20:22] = list(b"ef")
+        np.testing.assert_array_equal(dst, want)
+        b.sendall(b"ab")
+        b.shutdown(socket.SHUT_WR)  # cut short: no reply
+        assert _io.recv_plan_reply(a.fileno(), plan, b"done", 2000)[0] == int(S.LLM_LINK_FAILED)
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(10)
