@@ -137,7 +137,7 @@ def main() -> int:
     os.environ["LLM_DATADIST_DATA_PLANE"] = "tcp"
     with TransportRig(planes=("tcp",)) as rig:
         rig.use(LATENCY_CASE)
-        client, server = rig.clients["tcp"], rig.server
+        client, server = rig.clients["tcp"], rig.server.cluster
         for _ in range(args.rounds):
             for spin in spins:
                 for cluster in (client, server):

@@ -11,8 +11,9 @@ what a failure means for its link. ``RangeSet`` is the receiver-side check: ever
 names must lie inside memory this process registered.
 """
 
-from libc.stdint cimport int64_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int64_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp, memcpy
 from posix.uio cimport iovec
 from posix.unistd cimport close
 
@@ -334,84 +335,33 @@ cdef class _Selection:
         free(self.local_base)
 
 
-cdef class BlockRoute:
-    """Repeated block transfers between one local blocks cache and one blocks cache of a
-    same-host peer, with what holds between calls established once.
-
-    The same-host plane builds a route after a transfer that went through every check (the
-    link, the peer's table, the cache geometry, the layer arguments). ``run`` then re-checks only
-    what can change between calls: the link is still open, the peer's registry generation is
-    still the one the remote geometry came from, the peer process is alive, every block id is an
-    exact int inside its cache, and the tensor selection is one the route has learnt (``learn``)
-    from a checked call. It plans on the stack and moves the bytes with one
-    ``process_vm_writev``/``readv`` call. Whatever it cannot take (another argument shape, more
-    than ``ROUTE_MAX_DESCRIPTORS`` descriptors, any failure) returns False before or instead of
-    reporting, and the caller takes the checked path, which reports errors as usual.
-    """
+cdef class _Route:
+    # What the block routes of every plane share: the two cache layouts, the direction, the
+    # tensor selections learnt from checked calls, and the per-call checks of the arguments.
 
     cdef readonly CacheLayout local
     cdef readonly CacheLayout remote
     cdef readonly bint write
-    cdef readonly int pid
-    cdef int pidfd
-    cdef const void *word
-    cdef object word_keep
-    cdef readonly uint64_t generation
-    cdef readonly object owner
     cdef readonly uint64_t block_bytes
     cdef dict selections
     cdef _Selection whole
     cdef tuple last  # (src range, dst range, tensor_num_per_layer, selection) of the last lookup
-    cdef bint closed
-    cdef bint owns_pidfd
-    cdef int busy  # run calls between their checks and their end (they use pidfd without the GIL)
-    cdef object __weakref__
 
-    def __cinit__(self, owner, pid, pidfd, generation_word, generation, local, remote, write):
-        """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``: the proven
-        peer process; ``pidfd``: a pidfd of it that the route takes over (closed with the route)
-        or -1; ``generation_word``: a C-contiguous uint64 array mapping the
-        peer's registry generation (kept referenced, so the page stays mapped while the route
-        lives); ``generation``: the generation of the table ``remote`` came from; ``write``:
-        push (local -> remote) or pull (remote -> local). The block size is the local one and
-        must fit the remote blocks (a pull needs equal sizes)."""
-        self.pidfd = pidfd  # taken over first: closed with the route even if a check below raises
-        self.owns_pidfd = True  # (C fields start at 0: never close descriptor 0 by mistake)
-        self.pid = pid
-        self.generation = generation
+    cdef int _setup(self, local, remote, bint write) except -1:
         if not isinstance(local, CacheLayout) or not isinstance(remote, CacheLayout):
             raise TypeError("local and remote must be CacheLayouts")
-        cdef const uint64_t[::1] view = generation_word
-        if view.shape[0] < 1:
-            raise ValueError("the generation word is empty")
         cdef CacheLayout mine = local, theirs = remote
         if mine.row_bytes == 0 or mine.row_bytes > theirs.row_bytes or (
                 not write and mine.row_bytes != theirs.row_bytes):
             raise ValueError(f"local blocks of {local.row_bytes} bytes do not fit remote blocks of "
                              f"{remote.row_bytes} bytes")
-        self.owner = owner
-        self.word = &view[0]
-        self.word_keep = generation_word
         self.local = local
         self.remote = remote
         self.write = write
         self.block_bytes = local.row_bytes
         self.selections = {}
         self.whole = None
-
-    def __dealloc__(self):
-        if self.owns_pidfd and self.pidfd >= 0:
-            close(self.pidfd)
-
-    def close(self):
-        """Release the pidfd and the generation page now (the plane does this when the link
-        ends); every later ``run`` declines. Idempotent."""
-        self.closed = True
-        self.word = NULL
-        self.word_keep = None
-        if self.owns_pidfd and self.pidfd >= 0 and self.busy == 0:  # else the last running call closes it
-            close(self.pidfd)
-            self.pidfd = -1
+        return 0
 
     def learn(self, key, src_tensors, dst_tensors):
         """Remember the tensor selection of ``key`` = ``(src_layer_range, dst_layer_range,
@@ -438,6 +388,117 @@ cdef class BlockRoute:
             self.whole = sel
         self.selections[key] = sel
 
+    cdef _Selection _selection(self, src_layer_range, dst_layer_range, tensor_num_per_layer):
+        # The learnt selection of these exact layer arguments, or None (the call declines).
+        cdef _Selection sel
+        cdef tuple last = self.last
+        if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
+                and tensor_num_per_layer == 2:
+            return self.whole
+        if (last is not None and last[0] is src_layer_range and last[1] is dst_layer_range
+                and last[2] is tensor_num_per_layer):
+            return last[3]  # the very objects of the previous call with layer arguments
+        if ((src_layer_range is None or (type(src_layer_range) is range and src_layer_range.step == 1))
+                and (dst_layer_range is None or (type(dst_layer_range) is range and dst_layer_range.step == 1))
+                and type(tensor_num_per_layer) is int):
+            sel = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
+            if sel is not None:
+                self.last = (src_layer_range, dst_layer_range, tensor_num_per_layer, sel)
+            return sel
+        return None
+
+    cdef Py_ssize_t _count(self, src_blocks, dst_blocks, size_t nt, size_t most):
+        # How many blocks the call moves, or -1 when it declines: both lists plain lists or
+        # tuples of one length, not empty, and at most ``most`` descriptors in all.
+        cdef Py_ssize_t n
+        if (type(src_blocks) is not list and type(src_blocks) is not tuple) or \
+                (type(dst_blocks) is not list and type(dst_blocks) is not tuple):
+            return -1
+        n = len(src_blocks)
+        if n == 0 or n != len(dst_blocks) or <size_t>n > most // nt:
+            return -1
+        return n
+
+    cdef bint _block_ids(self, src_blocks, dst_blocks, Py_ssize_t n, uint64_t *lblock, uint64_t *rblock):
+        # The block ids as local and remote indices; False unless every one is an exact int
+        # inside its cache.
+        cdef Py_ssize_t k
+        cdef uint64_t lrows = self.local.num_rows, rrows = self.remote.num_rows
+        local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
+        for k in range(n):
+            value = local_blocks[k]
+            if type(value) is not int or not 0 <= value < lrows:
+                return False
+            lblock[k] = value
+            value = remote_blocks[k]
+            if type(value) is not int or not 0 <= value < rrows:
+                return False
+            rblock[k] = value
+        return True
+
+
+cdef class BlockRoute(_Route):
+    """Repeated block transfers between one local blocks cache and one blocks cache of a
+    same-host peer, with what holds between calls established once.
+
+    The same-host plane builds a route after a transfer that went through every check (the
+    link, the peer's table, the cache geometry, the layer arguments). ``run`` then re-checks only
+    what can change between calls: the link is still open, the peer's registry generation is
+    still the one the remote geometry came from, the peer process is alive, every block id is an
+    exact int inside its cache, and the tensor selection is one the route has learnt (``learn``)
+    from a checked call. It plans on the stack and moves the bytes with one
+    ``process_vm_writev``/``readv`` call. Whatever it cannot take (another argument shape, more
+    than ``ROUTE_MAX_DESCRIPTORS`` descriptors, any failure) returns False before or instead of
+    reporting, and the caller takes the checked path, which reports errors as usual.
+    """
+
+    cdef readonly int pid
+    cdef int pidfd
+    cdef const void *word
+    cdef object word_keep
+    cdef readonly uint64_t generation
+    cdef readonly object owner
+    cdef bint closed
+    cdef bint owns_pidfd
+    cdef int busy  # run calls between their checks and their end (they use pidfd without the GIL)
+    cdef object __weakref__
+
+    def __cinit__(self, owner, pid, pidfd, generation_word, generation, local, remote, write):
+        """``owner``: the link (its ``closed`` attribute is read on every call); ``pid``: the proven
+        peer process; ``pidfd``: a pidfd of it that the route takes over (closed with the route)
+        or -1; ``generation_word``: a C-contiguous uint64 array mapping the
+        peer's registry generation (kept referenced, so the page stays mapped while the route
+        lives); ``generation``: the generation of the table ``remote`` came from; ``write``:
+        push (local -> remote) or pull (remote -> local). The block size is the local one and
+        must fit the remote blocks (a pull needs equal sizes)."""
+        self.pidfd = pidfd  # taken over first: closed with the route even if a check below raises
+        self.owns_pidfd = True  # (C fields start at 0: never close descriptor 0 by mistake)
+        self.pid = pid
+        self.generation = generation
+        if not isinstance(local, CacheLayout) or not isinstance(remote, CacheLayout):
+            raise TypeError("local and remote must be CacheLayouts")
+        cdef const uint64_t[::1] view = generation_word
+        if view.shape[0] < 1:
+            raise ValueError("the generation word is empty")
+        self._setup(local, remote, write)
+        self.owner = owner
+        self.word = &view[0]
+        self.word_keep = generation_word
+
+    def __dealloc__(self):
+        if self.owns_pidfd and self.pidfd >= 0:
+            close(self.pidfd)
+
+    def close(self):
+        """Release the pidfd and the generation page now (the plane does this when the link
+        ends); every later ``run`` declines. Idempotent."""
+        self.closed = True
+        self.word = NULL
+        self.word_keep = None
+        if self.owns_pidfd and self.pidfd >= 0 and self.busy == 0:  # else the last running call closes it
+            close(self.pidfd)
+            self.pidfd = -1
+
     @property
     def current(self):
         """Whether the route may still be used: the link is open and the peer's registry has not
@@ -449,7 +510,6 @@ cdef class BlockRoute:
         """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
         True when done, False when the caller must take the checked path (nothing was written
         unless a system call failed part-way, which the checked path then repeats)."""
-        cdef _Selection sel
         cdef Py_ssize_t n
         cdef size_t nt
         # Small calls plan on the stack (2.5 KiB), larger ones on the heap: 48 KiB of locals
@@ -461,29 +521,12 @@ cdef class BlockRoute:
         cdef iovec *liov
         cdef iovec *riov
         cdef void *heap = NULL
-        cdef tuple last = self.last
-        if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
-                and tensor_num_per_layer == 2:
-            sel = self.whole
-        elif (last is not None and last[0] is src_layer_range and last[1] is dst_layer_range
-              and last[2] is tensor_num_per_layer):
-            sel = last[3]  # the very objects of the previous call with layer arguments
-        elif ((src_layer_range is None or (type(src_layer_range) is range and src_layer_range.step == 1))
-              and (dst_layer_range is None or (type(dst_layer_range) is range and dst_layer_range.step == 1))
-              and type(tensor_num_per_layer) is int):
-            sel = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
-            if sel is not None:
-                self.last = (src_layer_range, dst_layer_range, tensor_num_per_layer, sel)
-        else:
-            return False
+        cdef _Selection sel = self._selection(src_layer_range, dst_layer_range, tensor_num_per_layer)
         if sel is None:
             return False
-        if (type(src_blocks) is not list and type(src_blocks) is not tuple) or \
-                (type(dst_blocks) is not list and type(dst_blocks) is not tuple):
-            return False
-        n = len(src_blocks)
         nt = sel.count
-        if n == 0 or n != len(dst_blocks) or <size_t>n > _route_max // nt:
+        n = self._count(src_blocks, dst_blocks, nt, _route_max)
+        if n < 0:
             return False
         if <size_t>n * nt <= _ROUTE_STACK:
             lblock, rblock = blocks_s, blocks_s + _ROUTE_STACK
@@ -505,22 +548,13 @@ cdef class BlockRoute:
                    uint64_t *lblock, uint64_t *rblock, iovec *liov, iovec *riov) except -1:
         cdef Py_ssize_t k
         cdef size_t t, count = 0
-        cdef uint64_t lrows = self.local.num_rows, rrows = self.remote.num_rows
         cdef uint64_t lstride = self.local.row_bytes, rstride = self.remote.row_bytes
         cdef uint64_t nbytes = self.block_bytes, laddr, raddr
         cdef unsigned int status
         cdef int err = 0
         cdef int pidfd
-        local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
-        for k in range(n):
-            value = local_blocks[k]
-            if type(value) is not int or not 0 <= value < lrows:
-                return False
-            lblock[k] = value
-            value = remote_blocks[k]
-            if type(value) is not int or not 0 <= value < rrows:
-                return False
-            rblock[k] = value
+        if not self._block_ids(src_blocks, dst_blocks, n, lblock, rblock):
+            return False
         if self.closed or self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
             return False
         pidfd = self.pidfd
@@ -780,6 +814,378 @@ def recv_discard(int fd, uint64_t nbytes, int timeout_ms=-1):
             nbytes -= got
     free(scratch)
     return status, err, received
+
+
+# ------------------------------------------------------------------------------------------------
+# TCP: block routes (the latency path)
+# ------------------------------------------------------------------------------------------------
+
+cdef enum:
+    _HEADER_BYTES = 28  # a frame header (``wire.HEADER``)
+    _PREFIX_BYTES = 44  # the header, the u64 table generation and the u64 descriptor (push) or tag (pull) bytes
+    _HEAD_FIXED = 8     # magic, version and op: the bytes of a reply header known in advance
+    _STATUS_AT = 8
+    _REQ_ID_AT = 12
+    _LENGTH_AT = 20
+
+
+cdef inline uint64_t _load_u64(const unsigned char *p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef inline void _store_u64(unsigned char *p, uint64_t v) noexcept nogil:
+    memcpy(p, &v, 8)
+
+
+cdef size_t _route_plan(_Selection sel, Py_ssize_t n, const uint64_t *lblock, const uint64_t *rblock,
+                        uint64_t lstride, uint64_t rstride, uint64_t nbytes, bint write,
+                        dd_copy_desc *descs) noexcept nogil:
+    # The descriptors ``_core.plan_blocks`` makes for the same call, in its order and merged by
+    # its rule (``CopyPlan.add``), so that a route's frame is byte for byte the checked path's.
+    cdef size_t t, count = 0
+    cdef Py_ssize_t k
+    cdef uint64_t laddr, raddr, src, dst, apart
+    cdef dd_copy_desc *last
+    for t in range(sel.count):
+        for k in range(n):
+            laddr = sel.local_base[t] + lblock[k] * lstride
+            raddr = sel.remote_base[t] + rblock[k] * rstride
+            src, dst = (laddr, raddr) if write else (raddr, laddr)
+            if count > 0:
+                last = &descs[count - 1]
+                apart = last.src - last.dst if last.src >= last.dst else last.dst - last.src
+                if (src >= last.src and src - last.src == last.nbytes
+                        and dst >= last.dst and dst - last.dst == last.nbytes
+                        and nbytes <= apart and last.nbytes <= apart - nbytes):
+                    last.nbytes += nbytes
+                    continue
+            descs[count].src = src
+            descs[count].dst = dst
+            descs[count].nbytes = nbytes
+            count += 1
+    return count
+
+
+cdef class TcpRoute(_Route):
+    """Repeated block pushes or pulls over one connection of a ``tcp`` link, with what holds
+    between calls established once: the latency path of the tcp plane.
+
+    The plane builds a route after a block transfer that went through every check, for the link's
+    first connection (``channel``, a ``session.Channel``) and the peer's table it was planned
+    against. ``run`` takes a call whose tensor selection the route has learnt (``learn``), whose
+    block ids are exact ints inside their caches, on a link that is open, whose table is still
+    ``table`` and whose connection is not broken, and whose bytes are fewer than ``stripe_bytes``
+    (the checked path splits larger ones over the link's connections); anything else declines
+    (False) before a byte is sent, and the caller takes the checked path.
+
+    A call it takes plans on the stack exactly as ``_core.plan_blocks`` does, then, holding the
+    connection's lock and with a request id from ``Channel.next_request_id``, sends the frame the
+    tcp plane sends (PUSH with the payload gathered from the local blocks, or PULL with the
+    calling thread's read tag) and reads the reply (and a pull's payload, straight into the local
+    blocks) in one call without the GIL, under ``timeout_ms``. The owner checks the frame as any
+    other. A connection that fails, times out or answers out of step raises what the tcp plane
+    raises (``Channel.fault``: the link is out of step, ``on_broken(why)`` is told so that it ends
+    the link). A refusal (a stale table, an unregistered range) returns False, and the route
+    is no longer ``current``: the checked path then repeats the call, refreshes the table and
+    reports as it does without a route. Nothing was written by the peer in that case.
+    """
+
+    cdef readonly object owner
+    cdef readonly object table
+    cdef readonly uint64_t generation
+    cdef readonly int timeout_ms
+    cdef readonly uint64_t stripe_bytes
+    cdef object channel
+    cdef object lock
+    cdef int fd
+    cdef int reply_op
+    cdef object on_broken
+    cdef object tag_of
+    cdef unsigned char request[_HEADER_BYTES]
+    cdef unsigned char reply[_HEADER_BYTES]
+    cdef bint closed
+    cdef bint stale
+    cdef object __weakref__
+
+    def __cinit__(self, owner, table, channel, const unsigned char[::1] request_head,
+                  const unsigned char[::1] reply_head, local, remote, bint write, int timeout_ms,
+                  uint64_t stripe_bytes, on_broken=None, tag_of=None):
+        """``owner``: the link (``closed``, ``table`` and ``broken()`` are read); ``table``: the
+        peer's table ``remote`` comes from (its ``generation`` goes in every frame);
+        ``channel``: the connection (``fd``, ``lock``, ``broken``, ``next_request_id()``,
+        ``fault()``, ``check_reply()``, ``header``); ``request_head`` / ``reply_head``: frame
+        headers of the request and of its reply with request id and length 0; ``timeout_ms``:
+        each call's limit (-1: none); ``on_broken(why)``: called after a call left the
+        connection out of step; ``tag_of()``: a pull's read tag (bytes). Block sizes as for
+        ``BlockRoute``."""
+        if request_head.shape[0] != _HEADER_BYTES or reply_head.shape[0] != _HEADER_BYTES:
+            raise ValueError(f"frame headers are {_HEADER_BYTES} bytes")
+        if not write and tag_of is None:
+            raise ValueError("a pull route needs tag_of")
+        self._setup(local, remote, write)
+        memcpy(self.request, &request_head[0], _HEADER_BYTES)
+        memcpy(self.reply, &reply_head[0], _HEADER_BYTES)
+        self.reply_op = self.reply[6] | (self.reply[7] << 8)
+        self.owner = owner
+        self.table = table
+        self.generation = table.generation
+        self.channel = channel
+        self.lock = channel.lock
+        self.fd = channel.fd
+        self.timeout_ms = timeout_ms
+        self.stripe_bytes = stripe_bytes
+        self.on_broken = on_broken
+        self.tag_of = tag_of
+
+    def close(self):
+        """Every later ``run`` declines (the route holds nothing of the system's). Idempotent."""
+        self.closed = True
+
+    @property
+    def current(self):
+        """Whether the route may still be used: the link is open, its table is still the
+        route's, its connection is not broken, and no call was refused."""
+        return (not self.closed and not self.stale and not self.owner.closed and self.owner.table is self.table
+                and self.channel.broken is None)
+
+    def run(self, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
+        """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
+        True when done, False when the caller must take the checked path (the call was declined
+        before a byte was sent, or the peer refused it and wrote nothing). Raises as the tcp
+        plane's ``push`` / ``pull`` do when the connection fails."""
+        cdef Py_ssize_t n
+        cdef size_t nt
+        cdef uint64_t blocks_s[2 * _ROUTE_STACK]
+        cdef dd_copy_desc descs_s[_ROUTE_STACK]
+        cdef iovec iov_s[_ROUTE_STACK + 3]
+        cdef uint64_t *lblock
+        cdef uint64_t *rblock
+        cdef dd_copy_desc *descs
+        cdef iovec *iov
+        cdef void *heap = NULL
+        cdef _Selection sel = self._selection(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        if sel is None:
+            return False
+        nt = sel.count
+        n = self._count(src_blocks, dst_blocks, nt, _route_max)
+        if n < 0:
+            return False
+        if <size_t>n * nt <= _ROUTE_STACK:
+            lblock, rblock, descs, iov = blocks_s, blocks_s + _ROUTE_STACK, descs_s, iov_s
+        else:
+            heap = malloc(2 * <size_t>n * sizeof(uint64_t) + <size_t>n * nt * sizeof(dd_copy_desc)
+                          + (<size_t>n * nt + 3) * sizeof(iovec))
+            if heap == NULL:
+                return False
+            descs = <dd_copy_desc *>heap
+            iov = <iovec *>(descs + <size_t>n * nt)
+            lblock = <uint64_t *>(iov + <size_t>n * nt + 3)
+            rblock = lblock + n
+        try:
+            return self._run(sel, n, src_blocks, dst_blocks, lblock, rblock, descs, iov)
+        finally:
+            free(heap)
+
+    cdef bint _run(self, _Selection sel, Py_ssize_t n, src_blocks, dst_blocks, uint64_t *lblock,
+                   uint64_t *rblock, dd_copy_desc *descs, iovec *iov) except -1:
+        cdef size_t count, i
+        cdef uint64_t total
+        cdef bytes tag = b""
+        cdef unsigned char prefix[_PREFIX_BYTES]
+        cdef long long status
+        owner, channel = self.owner, self.channel
+        if not self._block_ids(src_blocks, dst_blocks, n, lblock, rblock):
+            return False
+        if self.block_bytes >= self.stripe_bytes:
+            return False
+        total = <uint64_t>n * sel.count * self.block_bytes
+        if total >= self.stripe_bytes:
+            return False
+        if not self.write:
+            given = self.tag_of()
+            if type(given) is not bytes:
+                return False
+            tag = given
+        if (self.closed or self.stale or owner.closed or owner.table is not self.table
+                or channel.broken is not None):
+            return False
+        count = _route_plan(sel, n, lblock, rblock, self.local.row_bytes, self.remote.row_bytes,
+                            self.block_bytes, self.write, descs)
+        memcpy(prefix, self.request, _HEADER_BYTES)
+        _store_u64(prefix + _HEADER_BYTES, self.generation)
+        iov[0].iov_base = prefix
+        iov[0].iov_len = _PREFIX_BYTES
+        if self.write:
+            _store_u64(prefix + _LENGTH_AT, 16 + count * sizeof(dd_copy_desc) + total)
+            _store_u64(prefix + _HEADER_BYTES + 8, count * sizeof(dd_copy_desc))
+            iov[1].iov_base = descs
+            iov[1].iov_len = count * sizeof(dd_copy_desc)
+            for i in range(count):
+                iov[2 + i].iov_base = <void *>descs[i].src
+                iov[2 + i].iov_len = descs[i].nbytes
+        else:
+            _store_u64(prefix + _LENGTH_AT, 16 + len(tag) + count * sizeof(dd_copy_desc))
+            _store_u64(prefix + _HEADER_BYTES + 8, len(tag))
+            iov[1].iov_base = <char *>tag
+            iov[1].iov_len = len(tag)
+            iov[2].iov_base = descs
+            iov[2].iov_len = count * sizeof(dd_copy_desc)
+            for i in range(count):
+                iov[3 + i].iov_base = <void *>descs[i].dst
+                iov[3 + i].iov_len = descs[i].nbytes
+        lock = self.lock
+        lock.acquire()
+        try:
+            status = self._exchange(prefix, iov, count, total)
+        except BaseException:
+            lock.release()
+            why = owner.broken()
+            if why is not None and self.on_broken is not None:
+                self.on_broken(why)
+            raise
+        lock.release()
+        if status <= 0:
+            return status == 0  # done, or declined (the connection broke meanwhile)
+        self.stale = True  # refused: the checked path repeats it and refreshes the table
+        return False
+
+    cdef long long _exchange(self, unsigned char *prefix, iovec *iov, size_t count, uint64_t total) except -2:
+        # One request and its reply, the connection's lock held: the reply's status (0: done),
+        # or -1 when the connection broke before the request went out (declined).
+        cdef unsigned char head[_HEADER_BYTES]
+        cdef iovec head_iov
+        cdef int fd = self.fd, err = 0, phase = 0
+        cdef bint write = self.write
+        cdef unsigned int st
+        cdef uint64_t moved = 0, req_id, length
+        cdef uint32_t status
+        cdef size_t sent = count + 2 if write else 3
+        cdef int64_t deadline
+        channel = self.channel
+        if channel.broken is not None:
+            return -1
+        req_id = channel.next_request_id()
+        _store_u64(prefix + _REQ_ID_AT, req_id)
+        deadline = _deadline(self.timeout_ms)
+        head_iov.iov_base = head
+        head_iov.iov_len = _HEADER_BYTES
+        with nogil:
+            st = _stream_iov(fd, iov, sent, True, deadline, &err, &moved)
+            if st == _status.DD_LLM_SUCCESS:
+                phase = 1
+                st = _stream_iov(fd, &head_iov, 1, False, deadline, &err, &moved)
+            if (st == _status.DD_LLM_SUCCESS and not write and memcmp(head, self.reply, _HEAD_FIXED) == 0
+                    and _load_u64(head + _REQ_ID_AT) == req_id and _load_u64(head + _LENGTH_AT) == total
+                    and head[_STATUS_AT] == 0 and head[_STATUS_AT + 1] == 0 and head[_STATUS_AT + 2] == 0
+                    and head[_STATUS_AT + 3] == 0):
+                phase = 2
+                st = _stream_iov(fd, iov + 3, count, False, deadline, &err, &moved)
+        what = "push" if write else "pull"
+        if st != _status.DD_LLM_SUCCESS:
+            raise channel.fault(st, what)  # the request, its reply or a pull's payload cut short
+        if memcmp(head, self.reply, _HEAD_FIXED) != 0 or _load_u64(head + _REQ_ID_AT) != req_id:
+            channel.header[:] = head[:_HEADER_BYTES]
+            channel.check_reply(self.reply_op, req_id, what)  # raises the fault that names it
+            raise channel.fault(_status.DD_LLM_LINK_FAILED, f"{what}: unexpected reply")
+        memcpy(&status, head + _STATUS_AT, 4)
+        length = _load_u64(head + _LENGTH_AT)
+        if write and length:
+            raise channel.fault(_status.DD_LLM_LINK_FAILED, "push: reply with a payload")
+        if not write and status == 0 and length != total:
+            raise channel.fault(_status.DD_LLM_LINK_FAILED, f"pull: {length} bytes announced, {total} asked")
+        if not write and status != 0 and length:
+            raise channel.fault(_status.DD_LLM_LINK_FAILED, "pull: refusal with a payload")
+        return status
+
+    def __repr__(self):
+        return (f"<TcpRoute {'push to' if self.write else 'pull from'} {self.channel.peer_name}, "
+                f"{len(self.selections)} selections>")
+
+
+# ------------------------------------------------------------------------------------------------
+# TCP: the serving side of a push
+# ------------------------------------------------------------------------------------------------
+
+#: What ``read_push`` found wrong with a PUSH frame (its first value; the server names each).
+PUSH_OK = 0
+PUSH_TRUNCATED = 1          # the generation and descriptor length cut short (status)
+PUSH_BAD_LENGTH = 2         # a descriptor length the frame cannot hold or not whole descriptors
+PUSH_TOO_MANY = 3           # more descriptor bytes than ``max_desc_bytes``
+PUSH_DESCS_TRUNCATED = 4    # the descriptors cut short (status)
+PUSH_WRAPS = 5              # a descriptor whose range wraps around the address space (index)
+PUSH_SIZE_MISMATCH = 6      # the descriptors do not cover the frame's payload (bytes covered)
+
+
+def read_push(int fd, uint64_t length, int timeout_ms, uint64_t max_desc_bytes):
+    """Read a PUSH frame's body up to its payload (``length`` >= 16: the table generation, the
+    descriptor length and the descriptors) and check it as ``transport.server`` does, in that
+    order: ``(PUSH_OK, generation, desc_len, plan)``, or ``(problem, value, generation,
+    desc_len)`` with ``value`` the receive status, descriptor index or bytes covered. The
+    descriptors are received straight into the plan."""
+    cdef unsigned char prefix[16]
+    cdef iovec iov
+    cdef unsigned int st
+    cdef int err = 0
+    cdef uint64_t got = 0, generation, desc_len, n, i, total = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    cdef CopyPlan plan
+    cdef const dd_copy_desc *d
+    iov.iov_base = prefix
+    iov.iov_len = 16
+    with nogil:
+        st = _stream_iov(fd, &iov, 1, False, deadline, &err, &got)
+    if st != _status.DD_LLM_SUCCESS:
+        return PUSH_TRUNCATED, st, 0, 0
+    generation = _load_u64(prefix)
+    desc_len = _load_u64(prefix + 8)
+    if desc_len > length - 16 or desc_len % sizeof(dd_copy_desc):
+        return PUSH_BAD_LENGTH, 0, generation, desc_len
+    if desc_len > max_desc_bytes:
+        return PUSH_TOO_MANY, 0, generation, desc_len
+    n = desc_len // sizeof(dd_copy_desc)
+    plan = CopyPlan()
+    if n:
+        plan.reserve(n)
+        iov.iov_base = plan.descs
+        iov.iov_len = desc_len
+        with nogil:
+            st = _stream_iov(fd, &iov, 1, False, deadline, &err, &got)
+        if st != _status.DD_LLM_SUCCESS:
+            return PUSH_DESCS_TRUNCATED, st, generation, desc_len
+        d = plan.descs
+        for i in range(n):
+            if d[i].nbytes > UINT64_MAX - d[i].src or d[i].nbytes > UINT64_MAX - d[i].dst:
+                return PUSH_WRAPS, i, generation, desc_len
+            total += d[i].nbytes  # wraps as ``CopyPlan.total_bytes`` does; the range check refuses such plans
+        plan.count = n
+        plan.total_bytes = total
+    if total != length - 16 - desc_len:
+        return PUSH_SIZE_MISMATCH, total, generation, desc_len
+    return PUSH_OK, generation, desc_len, plan
+
+
+def recv_plan_reply(int fd, CopyPlan plan not None, const unsigned char[::1] reply, int timeout_ms=-1):
+    """``recv_plan`` into the descriptors' destinations, then, if all of it came, send ``reply``
+    (a frame) in the same call. Returns ``(receive status, send status)`` (the send's is the
+    receive's when nothing was sent)."""
+    cdef size_t count = 0
+    cdef iovec *iov = _plan_iovecs(NULL, 0, plan, True, &count)
+    cdef iovec reply_iov
+    cdef unsigned int st, sent_st
+    cdef int err = 0
+    cdef uint64_t moved = 0
+    cdef int64_t deadline = _deadline(timeout_ms)
+    reply_iov.iov_base = <void *>&reply[0]
+    reply_iov.iov_len = reply.shape[0]
+    with nogil:
+        st = _stream_iov(fd, iov, count, False, deadline, &err, &moved)
+        sent_st = st
+        if st == _status.DD_LLM_SUCCESS:
+            sent_st = _stream_iov(fd, &reply_iov, 1, True, deadline, &err, &moved)
+    free(iov)
+    return st, sent_st
 
 
 # ------------------------------------------------------------------------------------------------

@@ -582,7 +582,8 @@ class Engine:
             route = self.routes.get(key)
             if (route is None or not route.current or route.generation != table.generation
                     or route.remote is not cache.layout or route.local is not local.layout):
-                route = self.links.block_route(key[0], table, cache.layout, local.layout, key[3])
+                route = self.links.block_route(key[0], table, cache.layout, local.layout, key[3],
+                                               self.sync_kv_timeout_ms)
                 if route is None:
                     self.routes.pop(key, None)
                     return

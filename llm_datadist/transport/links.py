@@ -608,13 +608,15 @@ class LinkManager:
             raise
 
     def block_route(self, remote_cluster_id: int, table: RemoteTable, remote_layout, local_layout,
-                    write: bool):
+                    write: bool, timeout_ms: int):
         """The plane's route for repeated block transfers against ``remote_layout`` of ``table``
-        (see ``DataPlane.block_route``), or None."""
+        (see ``DataPlane.block_route``), or None. ``timeout_ms``: each of its calls' limit; a call
+        that leaves the link out of step ends the link, as a failed ``transfer`` does."""
         peer = self._peers.get(remote_cluster_id)
         if peer is None or peer.closed or peer.plane is None or peer.table is not table:
             return None
-        return peer.plane.block_route(peer, table, remote_layout, local_layout, write)
+        return peer.plane.block_route(peer, table, remote_layout, local_layout, write, timeout_ms,
+                                      lambda why: self._lose(peer, why))
 
     def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float, local_device: bool = False):
         plane = peer.plane

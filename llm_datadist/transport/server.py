@@ -102,6 +102,21 @@ def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: in
     return reply(fd, reply_op, req_id, status, wire.encode_json({"error": why}))
 
 
+def _push_problem(problem: int, length: int, value: int, generation: int, desc_len: int) -> str:
+    """What ``_io.read_push`` found wrong with a PUSH frame, in the words of the protocol errors."""
+    if problem == _io.PUSH_TRUNCATED:
+        return f"push truncated ({status_of(value).name})"
+    if problem == _io.PUSH_BAD_LENGTH:
+        return f"push: descriptor length {desc_len} in a frame of {length}"
+    if problem == _io.PUSH_TOO_MANY:
+        return f"descriptors of {desc_len} bytes exceeds {wire.MAX_DESCRIPTOR_BYTES}"
+    if problem == _io.PUSH_DESCS_TRUNCATED:
+        return f"descriptors truncated ({status_of(value).name})"
+    if problem == _io.PUSH_WRAPS:
+        return f"descriptor {value} wraps around the address space"
+    return f"push: descriptors cover {value} bytes, frame carries {length - 16 - desc_len}"
+
+
 def _pin_terms(fd: int) -> Tuple[float, Callable[[], None]]:
     """The deadline of a transfer that starts now on ``fd`` (its frame's, ``FRAME_TIMEOUT_MS``)
     and how to cancel it: shut its connection down, which fails the transfer (and ends the link)
@@ -231,13 +246,12 @@ class Requests:
         peer_id = peer.cluster_id
         if length < 16:
             raise ProtocolError(f"push frame of {length} bytes")
-        generation, desc_len = wire.U64x2.unpack(recv_exact(fd, 16, 16, "push"))
-        if desc_len > length - 16 or desc_len % _io.WIRE_DESC_BYTES:
-            raise ProtocolError(f"push: descriptor length {desc_len} in a frame of {length}")
-        plan = self._wire_plan(recv_exact(fd, desc_len, wire.MAX_DESCRIPTOR_BYTES, "descriptors"))
+        # The generation, descriptor length and descriptors, read and checked in one call.
+        problem, *values = _io.read_push(fd, length, _session.FRAME_TIMEOUT_MS, wire.MAX_DESCRIPTOR_BYTES)
+        if problem != _io.PUSH_OK:
+            raise ProtocolError(_push_problem(problem, length, *values))
+        generation, desc_len, plan = values
         data_len = length - 16 - desc_len
-        if plan.total_bytes != data_len:
-            raise ProtocolError(f"push: descriptors cover {plan.total_bytes} bytes, frame carries {data_len}")
         drained = False
         with engine.pinned(plan, True, *_pin_terms(fd)) as (ranges, current, device_ranges):
             refusal, device = self._refusal(plan, True, generation, ranges, device_ranges, current, peer_id, "push")
@@ -249,7 +263,11 @@ class Requests:
                                  engine.cluster_id, peer_id, exc)
                     refusal, drained, st = S.LLM_FAILED, True, 0
             elif refusal == 0:
-                st, _, _ = _io.recv_plan(fd, plan, False, _session.FRAME_TIMEOUT_MS)
+                # Straight into memory, and the reply in the same call.
+                st, sent = _io.recv_plan_reply(fd, plan, wire.pack_header(wire.OP_PUSH_DONE, req_id, 0),
+                                               _session.FRAME_TIMEOUT_MS)
+                if st == 0:
+                    return sent == 0
             if refusal == 0 and st != 0:
                 raise ProtocolError(f"push payload truncated ({status_of(st).name})")
         if refusal and not drained:

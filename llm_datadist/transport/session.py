@@ -157,6 +157,12 @@ class Channel:
         st = read_header(self.fd, self.header, dl.left_ms(deadline))
         if st != 0:
             raise self.fault(st, what)
+        return self.check_reply(expect, req_id, what)
+
+    def check_reply(self, expect: int, req_id: int, what: str) -> Tuple[int, int]:
+        """``(status, payload length)`` of the reply header in ``self.header``, which must be
+        ``expect`` to request ``req_id`` (lock held); else the connection is dropped and the
+        exception raised (``fault``)."""
         try:
             op, status, rid, length = wire.unpack_header(self.header)
         except ProtocolError as exc:

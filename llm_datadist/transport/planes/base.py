@@ -79,12 +79,15 @@ Calls, in the order a link meets them:
     ``table.device_ranges``). Called only on planes with ``device_memory`` whose ``accept`` took
     the link and whose ``carries`` said yes; a plane without ``device_memory`` never sees such a
     plan (its ``transfer`` may read and write the plan's addresses as host memory).
-``block_route(session, table, remote_layout, local_layout, write)`` (optional)
-    A ``_io.BlockRoute`` for repeated block transfers between a local cache and a cache of
-    ``table`` (the link's current table), or ``None`` (the default: every transfer takes the
-    checked path). The engine builds one after a checked transfer went through and keeps it until
-    the route is no longer ``current`` or either cache leaves the registry; the route re-checks
-    per call what can change between calls (see ``BlockRoute``).
+``block_route(session, table, remote_layout, local_layout, write, timeout_ms, on_broken)`` (optional)
+    A route (``_io.BlockRoute`` for cma, ``_io.TcpRoute`` for tcp) for repeated block transfers
+    between a local cache and a cache of ``table`` (the link's current table), or ``None`` (the
+    default: every transfer takes the checked path). ``timeout_ms``: the limit of each of its
+    calls; ``on_broken(why)``: what a call that left the link out of step calls (the manager
+    then ends the link, as after a failed ``transfer``). The engine builds one after a checked
+    transfer went through and keeps it until the route is no longer ``current`` or either cache
+    leaves the registry; the route re-checks per call what can change between calls (see
+    ``BlockRoute``, ``TcpRoute``).
 ``close(session)``
     Release the per-link state ``accept`` set up; called once the link ends (possibly more than
     once, and possibly for a link it never accepted or whose state is already dropped): must be
@@ -107,7 +110,7 @@ Per engine rather than per link:
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
 from llm_datadist.transport.engine_view import EngineView
 
@@ -227,7 +230,8 @@ class DataPlane:
                         remote_device: bool) -> None:
         raise NotImplementedError
 
-    def block_route(self, session, table, remote_layout, local_layout, write: bool):
+    def block_route(self, session, table, remote_layout, local_layout, write: bool, timeout_ms: int = -1,
+                    on_broken: Optional[Callable[[str], None]] = None):
         return None
 
     def close(self, session) -> None:

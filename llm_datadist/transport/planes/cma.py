@@ -132,8 +132,10 @@ class CmaPlane(DataPlane):
             raise fail(code, f"same-host {'write to' if write else 'read from'} cluster "
                              f"{session.cluster_id} failed: {what}")
 
-    def block_route(self, session, table, remote_layout, local_layout, write: bool):
-        """A route that checks the link, the peer's mapped generation and its pidfd per call."""
+    def block_route(self, session, table, remote_layout, local_layout, write: bool, timeout_ms: int = -1,
+                    on_broken=None):
+        """A route that checks the link, the peer's mapped generation and its pidfd per call
+        (a same-host copy has no timeout and leaves no connection out of step)."""
         state = self.state(session)
         if state is None:
             return None  # the link ended

@@ -51,6 +51,19 @@ class TcpPlane(DataPlane):
     def transfer(self, session, table, plan, write: bool, deadline: float) -> None:
         self.frames(session, table, plan, write, deadline, HOST_PAYLOAD)
 
+    def block_route(self, session, table, remote_layout, local_layout, write: bool, timeout_ms: int = -1,
+                    on_broken=None):
+        """A route on the link's first connection (``_io.TcpRoute``): the frames ``push`` /
+        ``pull`` send, made and sent in one call; larger calls than ``frames`` sends on one
+        connection decline."""
+        channels = session.channels
+        if session.closed or session.table is not table or not channels or channels[0].broken is not None:
+            return None
+        request, reply = (wire.OP_PUSH, wire.OP_PUSH_DONE) if write else (wire.OP_PULL, wire.OP_PULL_DATA)
+        return _io.TcpRoute(session, table, channels[0], wire.pack_header(request, 0, 0), wire.pack_header(reply, 0, 0),
+                            local_layout, remote_layout, write, timeout_ms,
+                            PARALLEL_TCP_BYTES if len(channels) > 1 else 2**64 - 1, on_broken, current_tag)
+
     def frames(self, session, table, plan, write: bool, deadline: float, payload: HostPayload) -> None:
         """Move ``plan`` in PUSH or PULL frames whose payload ``payload`` sends and receives;
         large plans split over the link's connections."""

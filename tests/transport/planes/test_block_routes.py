@@ -1,8 +1,9 @@
 """Block routes (``_io.BlockRoute``), the latency path of repeated ``push_blocks`` /
 ``pull_blocks`` calls, seen through the public API on every data plane: a plane that builds
-routes (cma) must give exactly the results and errors of the checked path, and a route must never
-outlive what it was built from — the peer's registry generation, the link, the local cache, the
-engine. Planes without routes (tcp) run the same tests and must simply never hold one.
+routes (cma, tcp and staging's host frames) must give exactly the results and errors of the checked
+path, and a route must never outlive what it was built from — the peer's registry generation, the
+link, the local cache, the engine. A plane without routes runs the same tests and must simply never
+hold one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 
 from llm_datadist import BlocksCacheKey, LLMStatusCode
 from llm_datadist.testing import ChildError, link
+from llm_datadist.transport import planes
+from llm_datadist.transport.planes.base import DataPlane
 
 import cluster_ops as ops
 
@@ -75,7 +78,8 @@ def pair(clusters):
 
 
 def builds_routes(plane: str) -> bool:
-    return plane == "cma"
+    """Whether the plane makes block routes (it overrides ``DataPlane.block_route``)."""
+    return planes.get(plane).block_route is not DataPlane.block_route
 
 
 def expected_blocks(src: List[np.ndarray], dst: List[np.ndarray], pairs, src_blocks, dst_blocks):
