@@ -25,8 +25,12 @@ runs them, around the call alone (``time.perf_counter_ns``):
 * ``raw write`` / ``raw read``: the same transfer as raw NIXL calls on the nixl client's own agent
   and connection: the plan's descriptors (``plan_blocks`` between the same two cache layouts)
   as two N x 3 lists, ``createXferReq`` + ``postXferReq``, ``getXferStatus`` polled as the plane
-  polls (``nixl.poll_pause``), ``releaseXferReq``: what the plane does, without its checks
-  (fences, the peer's registry generation read first, the API's planning);
+  polls (``nixl.poll_pause``), ``releaseXferReq``: what the plane's checked path does, without
+  its checks (fences, the peer's registry generation read, the API's planning);
+* ``raw prepped write`` / ``raw prepped read``: the same blocks from two prepared lists made once
+  of the whole caches (NIXL's compact strided rows, ``prepXferDlist``), ``makeXferReq`` with the
+  block ids as int32 indices, posted and polled the same way: what the plane's block route does
+  (a push, after the first, runs on it), without the generation read and the route's checks;
 * ``tcp push`` / ``tcp pull`` over the tcp plane;
 * ``memcpy``: ``memcpy_baseline`` over the push's plan into a second local buffer (one thread).
 """
@@ -59,12 +63,14 @@ TRANSFER_TIMEOUT_MS = 60000
 CALL_TIMEOUT_S = 600.0
 SETTLE_RUNS = 3
 MEMCPY, PUSH, PULL, RAW_WRITE, RAW_READ = "memcpy", "push", "pull", "raw_write", "raw_read"
+RAW_PREP_WRITE, RAW_PREP_READ = "raw_prepped_write", "raw_prepped_read"
 #: ``(process, op)`` of every kind, in the order a group lists them.
-KINDS = [("nixl", MEMCPY), ("tcp", PUSH), ("tcp", PULL), ("nixl", RAW_WRITE), ("nixl", PUSH), ("nixl", RAW_READ),
-         ("nixl", PULL)]
+KINDS = [("nixl", MEMCPY), ("tcp", PUSH), ("tcp", PULL), ("nixl", RAW_WRITE), ("nixl", RAW_PREP_WRITE),
+         ("nixl", PUSH), ("nixl", RAW_READ), ("nixl", RAW_PREP_READ), ("nixl", PULL)]
 LABELS = {("nixl", MEMCPY): "memcpy", ("tcp", PUSH): "tcp push", ("tcp", PULL): "tcp pull",
-          ("nixl", RAW_WRITE): "raw NIXL write", ("nixl", PUSH): "nixl push", ("nixl", RAW_READ): "raw NIXL read",
-          ("nixl", PULL): "nixl pull"}
+          ("nixl", RAW_WRITE): "raw NIXL write", ("nixl", RAW_PREP_WRITE): "raw prepped write",
+          ("nixl", PUSH): "nixl push", ("nixl", RAW_READ): "raw NIXL read",
+          ("nixl", RAW_PREP_READ): "raw prepped read", ("nixl", PULL): "nixl pull"}
 
 
 #: 64 MiB a bulk transfer; one 4 KiB block (completion included) for latency.
@@ -149,6 +155,17 @@ class Child:
                                       name))
         self.ops[RAW_READ] = (_raw, (agent, False, _rows(read[:, 1], read[:, 2]), _rows(read[:, 0], read[:, 2]),
                                      name))
+        block = arr.shape[1]
+        local_list = agent.prepare_strided("", 0, np.array([[arr.ctypes.data, block, 0, block, arr.shape[0]]],
+                                                           dtype=np.uint64))
+        remote_list = agent.prepare_strided(name, 0, np.array([[remote.tensor_addrs[0], block, 0, remote.row_bytes,
+                                                                remote.num_rows]], dtype=np.uint64))
+        self.lists = [local_list, remote_list]
+        self.agent = agent
+        for op, kind, write in ((PUSH, RAW_PREP_WRITE, True), (PULL, RAW_PREP_READ, False)):
+            src, dst = (np.asarray(i, dtype=np.int32) for i in ids[op])
+            local, remote_ids = (src, dst) if write else (dst, src)
+            self.ops[kind] = (_raw_prepped, (agent, write, local_list, local, remote_list, remote_ids))
         return {"ok": True}
 
     def settle(self) -> dict:
@@ -175,6 +192,9 @@ class Child:
         return {"stats": self.dd.engine.link_stats()}
 
     def drop(self) -> dict:
+        for handle in getattr(self, "lists", []):
+            self.agent.release_list(handle)
+        self.lists = []
         if self.cache is not None:
             self.cm.unregister_cache(self.cache.cache_id)
         self.cache, self.ops = None, {}
@@ -206,6 +226,25 @@ def _raw(agent, write: bool, local: np.ndarray, remote: np.ndarray, name: str) -
     agent.agent.releaseXferReq(handle)
     if status != b.NIXL_SUCCESS:
         raise RuntimeError(f"raw NIXL transfer: {status}")
+
+
+def _raw_prepped(agent, write: bool, local_list: int, local: np.ndarray, remote_list: int,
+                 remote: np.ndarray) -> None:
+    """One raw NIXL transfer from two prepared lists by index, polled as ``_raw`` polls."""
+    from llm_datadist.transport.planes.nixl import poll_pause
+    b = agent.b
+    handle = agent.agent.makeXferReq(b.NIXL_WRITE if write else b.NIXL_READ, local_list, local, remote_list, remote,
+                                     "", agent.backends, False)
+    started = time.monotonic()
+    status = agent.agent.postXferReq(handle, "")
+    while status == b.NIXL_IN_PROG:
+        pause = poll_pause(time.monotonic() - started)
+        if pause:
+            time.sleep(pause)
+        status = agent.agent.getXferStatus(handle)
+    agent.agent.releaseXferReq(handle)
+    if status != b.NIXL_SUCCESS:
+        raise RuntimeError(f"raw prepped NIXL transfer: {status}")
 
 
 def child_main(argv: List[str]) -> int:
@@ -357,7 +396,8 @@ class NixlRig:
         for plane in ("nixl", "tcp"):
             client = self.peers[plane]
             for op, source, dest in ((PUSH, client, server), (PULL, server, client)):
-                for kind in ((op,) if plane == "tcp" else (op, RAW_WRITE if op == PUSH else RAW_READ)):
+                raw = (RAW_WRITE, RAW_PREP_WRITE) if op == PUSH else (RAW_READ, RAW_PREP_READ)
+                for kind in ((op,) if plane == "tcp" else (op, *raw)):
                     client.call("time", op=kind, reps=1)
                     src, dst = ids[op]
                     if source.call("sample", ids=src)["bytes"] != dest.call("sample", ids=dst)["bytes"]:

@@ -9,8 +9,10 @@ Same processes and kinds as ``test_bench_nixl.py`` (see ``nixl_rig.py``). Per ca
 interleaved: each runs one batch in turn until every kind has its repetitions, so that all of
 them share the same stretches of a noisy machine. Ratios are of medians: ``x memcpy`` = memcpy's
 median time / the kind's (1.0 = as fast as one thread copying the same descriptors in one
-process); ``plane / raw`` = raw NIXL's median time / the plane's on the same descriptor lists
-(target >= 0.95 at 2 MiB and 16 KiB: at most 5% overhead). The 4 KiB row gives medians in µs.
+process); ``plane / raw`` = raw NIXL's median time / the plane's on the same blocks (target >= 0.95
+at 2 MiB and 16 KiB: at most 5% overhead), against raw ``createXferReq`` with N x 3 lists and
+against raw prepared lists by index (what the plane's block route posts). The 4 KiB row gives
+medians in µs.
 """
 
 from __future__ import annotations
@@ -57,26 +59,36 @@ def table(where: str, results: dict) -> list:
             lines.append(f"| {where} | 4 KiB x 1 (µs, completion included) | {us['memcpy']:.1f} | "
                          f"{us['tcp push']:.1f} / {us['tcp pull']:.1f} | "
                          f"{us['raw NIXL write']:.1f} / {us['raw NIXL read']:.1f} | "
+                         f"{us['raw prepped write']:.1f} / {us['raw prepped read']:.1f} | "
                          f"{us['nixl push']:.1f} / {us['nixl pull']:.1f} | "
                          f"{median['raw NIXL write'] / median['nixl push']:.2f} / "
-                         f"{median['raw NIXL read'] / median['nixl pull']:.2f} |")
+                         f"{median['raw NIXL read'] / median['nixl pull']:.2f} | "
+                         f"{median['raw prepped write'] / median['nixl push']:.2f} / "
+                         f"{median['raw prepped read'] / median['nixl pull']:.2f} |")
             continue
 
         def ratio(label: str, median: dict = median) -> str:
             return f"{median['memcpy'] / median[label]:.3f}"
         gbps = case.bytes_per_transfer / median["memcpy"]
-        push, pull = median["raw NIXL write"] / median["nixl push"], median["raw NIXL read"] / median["nixl pull"]
+        def over(raw: str, plane: str, median: dict = median) -> float:
+            return median[raw] / median[plane]
+        push, pull = over("raw NIXL write", "nixl push"), over("raw NIXL read", "nixl pull")
+        prep_push, prep_pull = over("raw prepped write", "nixl push"), over("raw prepped read", "nixl pull")
         flag = "" if min(push, pull) >= OVERHEAD_TARGET else " (below 0.95)"
+        prep_flag = "" if min(prep_push, prep_pull) >= OVERHEAD_TARGET else " (below 0.95)"
         lines.append(f"| {where} | {case.label} x {case.moved} ({case.bytes_per_transfer >> 20} MiB) | "
                      f"1.0 ({gbps:.2f} GB/s) | {ratio('tcp push')} / {ratio('tcp pull')} | "
-                     f"{ratio('raw NIXL write')} / {ratio('raw NIXL read')} | {ratio('nixl push')} / "
-                     f"{ratio('nixl pull')} | {push:.2f} / {pull:.2f}{flag} |")
+                     f"{ratio('raw NIXL write')} / {ratio('raw NIXL read')} | "
+                     f"{ratio('raw prepped write')} / {ratio('raw prepped read')} | {ratio('nixl push')} / "
+                     f"{ratio('nixl pull')} | {push:.2f} / {pull:.2f}{flag} | {prep_push:.2f} / {prep_pull:.2f}"
+                     f"{prep_flag} |")
     return lines
 
 
 HEADER = ["| where | blocks per call | memcpy | tcp plane push / pull | raw NIXL (UCX TCP) write / read "
-          "| nixl plane push / pull | plane / raw NIXL, push / pull |",
-          "|---|---|---|---|---|---|---|"]
+          "| raw NIXL prepped write / read | nixl plane push / pull | plane / raw NIXL, push / pull "
+          "| plane / raw prepped, push / pull |",
+          "|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ what a failure means for its link. ``RangeSet`` is the receiver-side check: ever
 names must lie inside memory this process registered.
 """
 
-from libc.stdint cimport int64_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 from posix.uio cimport iovec
@@ -588,6 +588,40 @@ cdef class BlockRoute(_Route):
     def __repr__(self):
         return (f"<BlockRoute {'push to' if self.write else 'pull from'} pid {self.pid}, "
                 f"{len(self.selections)} selections>")
+
+
+def block_indices(local_blocks, remote_blocks, const int64_t[::1] local_bases not None,
+                  const int64_t[::1] remote_bases not None, int64_t local_rows, int64_t remote_rows,
+                  int32_t[::1] local_out not None, int32_t[::1] remote_out not None):
+    """Indices into two prepared descriptor lists whose tensor ``t`` holds its blocks from index
+    ``bases[t]`` on (NIXL's block routes): entry ``t * n + k`` is ``local_bases[t] +
+    local_blocks[k]`` (and the same for the remote side), for every tensor pair ``t`` and every
+    block ``k``. The block lists are lists or tuples of ``n > 0`` exact ints inside ``[0, rows)``;
+    the caller made every ``base + rows`` fit an int32. Returns the count written, or -1 where an
+    argument is not as that (nothing to move: the caller takes the checked path)."""
+    cdef Py_ssize_t n, k, t, nt = local_bases.shape[0]
+    if (type(local_blocks) is not list and type(local_blocks) is not tuple) or \
+            (type(remote_blocks) is not list and type(remote_blocks) is not tuple):
+        return -1
+    n = len(local_blocks)
+    if n == 0 or n != len(remote_blocks) or nt == 0 or nt != remote_bases.shape[0] or \
+            n > min(local_out.shape[0], remote_out.shape[0]) // nt:
+        return -1
+    for k in range(n):
+        value = local_blocks[k]
+        if type(value) is not int or not 0 <= value < local_rows:
+            return -1
+        local_out[k] = <int32_t>(<int64_t>value)
+        value = remote_blocks[k]
+        if type(value) is not int or not 0 <= value < remote_rows:
+            return -1
+        remote_out[k] = <int32_t>(<int64_t>value)
+    with nogil:
+        for t in range(nt - 1, -1, -1):  # the last tensor first: row 0 still holds the block ids
+            for k in range(n):
+                local_out[t * n + k] = <int32_t>(local_bases[t] + local_out[k])
+                remote_out[t * n + k] = <int32_t>(remote_bases[t] + remote_out[k])
+    return n * nt
 
 
 # ------------------------------------------------------------------------------------------------

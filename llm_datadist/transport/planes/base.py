@@ -80,14 +80,16 @@ Calls, in the order a link meets them:
     the link and whose ``carries`` said yes; a plane without ``device_memory`` never sees such a
     plan (its ``transfer`` may read and write the plan's addresses as host memory).
 ``block_route(session, table, remote_layout, local_layout, write, timeout_ms, on_broken)`` (optional)
-    A route (``_io.BlockRoute`` for cma, ``_io.TcpRoute`` for tcp) for repeated block transfers
-    between a local cache and a cache of ``table`` (the link's current table), or ``None`` (the
-    default: every transfer takes the checked path). ``timeout_ms``: the limit of each of its
-    calls; ``on_broken(why)``: what a call that left the link out of step calls (the manager
-    then ends the link, as after a failed ``transfer``). The engine builds one after a checked
-    transfer went through and keeps it until the route is no longer ``current`` or either cache
-    leaves the registry; the route re-checks per call what can change between calls (see
-    ``BlockRoute``, ``TcpRoute``).
+    A route for repeated block transfers between a local cache and a cache of ``table`` (the
+    link's current table), or ``None`` (the default: every transfer takes the checked path):
+    cma's ``_io.BlockRoute``, tcp's and staging's ``_io.TcpRoute``, nixl's ``NixlRoute`` (prepared
+    NIXL lists). A route has ``current``, ``generation``, ``local``, ``remote``, ``learn(key,
+    src_tensors, dst_tensors)`` and ``run(...)`` (True when done, False to send the call down the
+    checked path). ``timeout_ms``: the limit of each of its calls; ``on_broken(why)``: what a call
+    that left the link out of step calls (the manager then ends the link, as after a failed
+    ``transfer``). The engine builds one after a checked transfer went through and keeps it until
+    the route is no longer ``current`` or either cache leaves the registry; the route re-checks per
+    call what can change between calls (see ``BlockRoute``, ``TcpRoute``, ``NixlRoute``).
 ``close(session)``
     Release the per-link state ``accept`` set up; called once the link ends (possibly more than
     once, and possibly for a link it never accepted or whose state is already dropped): must be

@@ -44,9 +44,13 @@ interface) is refused.
 
 **Transfers.** Our fences first: the plan's remote side inside the peer's table, its local side
 inside what this side registered with NIXL (else the transfer goes to ``tcp`` / ``staging``); then
-the peer's registry generation, read through NIXL, must be the table's (else the table is stale);
-then the plan's descriptors become two N x 3 arrays (numpy column copies of
-``CopyPlan.descriptors()``) for one NIXL request, posted and polled until our deadline. NIXL's own
+the plan's descriptors become two N x 3 arrays (numpy column copies of
+``CopyPlan.descriptors()``) for one NIXL request, posted and polled until our deadline. The peer's
+registry generation, read through NIXL, must be the table's (else the table is stale): a write
+reads it first, in a request of its own (a write must not land in memory the peer re-registered);
+a read of host memory reads it as the last descriptor of its own request and checks it after.
+Repeated block pushes and pulls take a block route (``NixlRoute``): two prepared lists of the
+whole caches in NIXL's compact strided form, one request by index per call. NIXL's own
 NOT_FOUND (a range outside the peer's metadata) is the second fence. A request past its deadline is
 released (cancelled) and the peer's agent removed, so that no late byte lands; the link then ends
 (``LLM_TIMEOUT``); a request that fails ends it too (``LLM_LINK_FAILED``); linking again works.
@@ -90,6 +94,7 @@ from llm_datadist.transport.errors import S, StaleTable, brief, fail, is_int
 from llm_datadist.transport.listener import is_loopback
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
+from llm_datadist.status import LLMException
 
 logger = logging.getLogger("llm_datadist")
 
@@ -447,6 +452,12 @@ class Agent:
         return self.agent.prepXferDlist(peer or self.b.NIXL_INIT_AGENT, self.b.nixlXferDList(self.memory[mem], rows),
                                         self.backends)
 
+    def prepare_strided(self, peer: str, mem: int, rows: np.ndarray) -> int:
+        """A prepared list of ``peer``'s memory (``peer`` "": this agent's) from NIXL's compact
+        strided rows ``(address, bytes, device, stride, count)``, N x 5 uint64: row ``r`` stands
+        for ``count`` descriptors, ``stride`` bytes apart, indexed one after the other."""
+        return self.agent.prepXferDlist(peer or self.b.NIXL_INIT_AGENT, self.memory[mem], rows, self.backends)
+
     def prepared_request(self, write: bool, local: int, local_indices: Any, remote: int, remote_indices: Any) -> int:
         return self.agent.makeXferReq(self.ops[write], local, local_indices, remote, remote_indices, "",
                                       self.backends, False)
@@ -593,6 +604,9 @@ class NixlLink:
     closed: bool = False
     #: Prepared lists dropped while requests were in flight: released when the last one ends.
     retired: List[int] = field(default_factory=list)
+    #: The block routes made for the link (``NixlRoute``): closed, their lists released, when the
+    #: link ends, the peer's metadata is reloaded or their local cache leaves.
+    routes: List["NixlRoute"] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -601,6 +615,109 @@ class _Registration:
     mem: int
     rows: np.ndarray   # N x 3 uint64: address, bytes, device
     descs: Any = None  # NIXL's registration list, once registered
+
+
+class NixlRoute:
+    """Repeated block transfers between one local blocks cache and one blocks cache of a link's
+    peer (see ``DataPlane.block_route``), over two prepared NIXL descriptor lists made once.
+
+    The lists are NIXL's compact strided rows (``Agent.prepare_strided``): the local one holds
+    every block of every local tensor (tensor ``t``, block ``b`` at index ``t * rows + b``), then
+    this plane's generation scratch words; the remote one every block of every remote tensor,
+    then the peer's registry generation word, each descriptor the local block size. A call turns
+    its block ids into indices (``_io.block_indices``: exact ints inside their cache, else the
+    checked path) and posts one prepared request (``NixlPlane._route_run``): a push after reading
+    the peer's generation, a pull with the generation word read last in the same request. A
+    route declines (``run`` returns False, nothing moved) where the link or the route closed,
+    the peer's generation is not the route's, or the call is not shaped like a learnt one; the
+    caller then takes the checked path. Closed with its link, at a reload of the peer's metadata
+    and when its local cache leaves the registry (``NixlPlane._close_routes``)."""
+
+    def __init__(self, plane: "NixlPlane", session, state: NixlLink, remote_name: str, generation: int,
+                 local_layout, remote_layout, write: bool, lists: Tuple[int, int]) -> None:
+        self.plane, self.owner, self.link = plane, session, state
+        self.remote_name = remote_name
+        self.generation = generation
+        self.local, self.remote, self.write = local_layout, remote_layout, write
+        self.local_rows, self.remote_rows = int(local_layout.num_rows), int(remote_layout.num_rows)
+        #: Where the scratch words start in the local list, the generation word in the remote one.
+        self.slot_base = int(local_layout.num_tensors) * self.local_rows
+        self.generation_index = int(remote_layout.num_tensors) * self.remote_rows
+        self.lists: Optional[Tuple[int, int]] = lists
+        self.closed = False
+        self.selections: Dict[tuple, Tuple[np.ndarray, np.ndarray]] = {}
+        self.whole: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self.last: Optional[tuple] = None
+
+    @property
+    def current(self) -> bool:
+        """Whether the route may still be used: open, its link open, the peer's agent the one its
+        remote list was prepared against (the peer's generation is read per call)."""
+        return not self.closed and not self.owner.closed and self.link.remote == self.remote_name
+
+    def learn(self, key: tuple, src_tensors, dst_tensors) -> None:
+        """Remember the tensor selection of ``key`` = ``(src_layer_range, dst_layer_range,
+        tensor_num_per_layer)`` that a checked call resolved (None = every tensor), as the first
+        index of each selected tensor in the local and the remote list."""
+        local_t, remote_t = (src_tensors, dst_tensors) if self.write else (dst_tensors, src_tensors)
+        local_i = range(self.local.num_tensors) if local_t is None else list(local_t)
+        remote_i = range(self.remote.num_tensors) if remote_t is None else list(remote_t)
+        if len(local_i) != len(remote_i) or len(local_i) == 0:
+            raise ValueError(f"a selection pairs {len(local_i)} local with {len(remote_i)} remote tensors")
+        if not all(0 <= t < self.local.num_tensors for t in local_i) or \
+                not all(0 <= t < self.remote.num_tensors for t in remote_i):
+            raise ValueError("a selected tensor is outside the caches")
+        selection = (np.asarray(local_i, dtype=np.int64) * self.local_rows,
+                     np.asarray(remote_i, dtype=np.int64) * self.remote_rows)
+        if key == (None, None, 2) and type(key[2]) is int:
+            self.whole = selection
+        self.selections[key] = selection
+
+    def run(self, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer) -> bool:
+        """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
+        True when done, False when the caller must take the checked path (nothing was moved,
+        but a pull whose generation check failed may have filled its destination blocks). A
+        request that fails or outlives the deadline ends the link and raises, as the checked
+        path does."""
+        last = self.last
+        if src_layer_range is None and dst_layer_range is None and type(tensor_num_per_layer) is int \
+                and tensor_num_per_layer == 2:
+            selection = self.whole
+        elif (last is not None and last[0] is src_layer_range and last[1] is dst_layer_range
+              and last[2] is tensor_num_per_layer):
+            selection = last[3]
+        elif ((src_layer_range is None or (type(src_layer_range) is range and src_layer_range.step == 1))
+              and (dst_layer_range is None or (type(dst_layer_range) is range and dst_layer_range.step == 1))
+              and type(tensor_num_per_layer) is int):
+            selection = self.selections.get((src_layer_range, dst_layer_range, tensor_num_per_layer))
+            if selection is not None:
+                self.last = (src_layer_range, dst_layer_range, tensor_num_per_layer, selection)
+        else:
+            return False
+        if selection is None or self.closed or (type(src_blocks) is not list and type(src_blocks) is not tuple):
+            return False
+        local_bases, remote_bases = selection
+        count = len(src_blocks) * len(local_bases)
+        if count == 0 or count > ROUTE_MAX_DESCRIPTORS:
+            return False
+        extra = 0 if self.write else 1  # a pull reads the peer's generation word last
+        local_indices = np.empty(count + extra, dtype=np.int32)
+        remote_indices = np.empty(count + extra, dtype=np.int32)
+        local_blocks, remote_blocks = (src_blocks, dst_blocks) if self.write else (dst_blocks, src_blocks)
+        if _io.block_indices(local_blocks, remote_blocks, local_bases, remote_bases, self.local_rows,
+                             self.remote_rows, local_indices, remote_indices) != count:
+            return False
+        return self.plane._route_run(self, local_indices, remote_indices)
+
+    def __repr__(self) -> str:
+        return (f"<NixlRoute {'push to' if self.write else 'pull from'} {self.remote_name}, "
+                f"{len(self.selections)} selections{', closed' if self.closed else ''}>")
+
+
+#: Most descriptors one route call posts (larger calls take the checked path).
+ROUTE_MAX_DESCRIPTORS = 1 << 20
+#: Most entries of a prepared list (NIXL takes int32 indices).
+_MAX_LIST_ENTRIES = 2**31 - 1
 
 
 @register
@@ -797,7 +914,16 @@ class NixlPlane(DataPlane):
             self._changed()
 
     def on_unregister(self, record) -> None:
-        # The registry's lock is held and the memory is still there: deregister before it goes.
+        # The registry's lock is held and the memory is still there: deregister before it goes,
+        # the cache's routes closed first (no route posts from memory NIXL no longer knows; none
+        # is made meanwhile: routes are made under the registry's lock). A link's lock comes
+        # before the plane's (``_begin``): close them outside it.
+        with self._lock:
+            if record.cache_id not in self._registrations:
+                return
+            states = set(self._loaded.values())
+        for state in states:
+            self._close_routes(state, getattr(record, "layout", None))
         with self._lock:
             registration = self._registrations.pop(record.cache_id, None)
             if registration is None:
@@ -959,6 +1085,7 @@ class NixlPlane(DataPlane):
             with state.cond:
                 old, state.remote = state.remote, None
                 generation_list, state.generation_list = state.generation_list, None
+            self._close_routes(state)  # their remote lists name the metadata about to go
             if generation_list is not None:
                 agent.release_list(generation_list)
             if old is not None:
@@ -970,6 +1097,119 @@ class NixlPlane(DataPlane):
             with state.cond:
                 state.reloading = False
                 state.cond.notify_all()
+
+    # -- block routes ----------------------------------------------------------------------------------
+    def block_route(self, session, table, remote_layout, local_layout, write: bool, timeout_ms: int = -1,
+                    on_broken=None) -> Optional[NixlRoute]:
+        """A route over prepared lists of the whole two caches (``NixlRoute``), or None where the
+        link is not ready, a cache is not wholly inside memory registered with NIXL (here) or
+        listed by the peer's table (there), the block sizes do not pair up, or NIXL refuses a
+        list. Host memory only (the engine asks for routes of host memory alone). Its calls take
+        the engine's transfer timeout and end the link themselves on a failure, as ``transfer``
+        does (so ``timeout_ms`` and ``on_broken`` are not needed)."""
+        state = self.state(session)
+        agent = self._agent
+        if state is None or agent is None or session.closed:
+            return None
+        block_bytes = int(local_layout.row_bytes)
+        if block_bytes == 0 or block_bytes > remote_layout.row_bytes or (
+                not write and block_bytes != remote_layout.row_bytes):
+            return None
+        local_entries = int(local_layout.num_tensors) * int(local_layout.num_rows) + GENERATION_SLOTS
+        remote_entries = int(remote_layout.num_tensors) * int(remote_layout.num_rows) + 1
+        if max(local_entries, remote_entries) > _MAX_LIST_ENTRIES:
+            return None
+        if not all(self._host_ranges.contains(a, local_layout.tensor_bytes) for a in local_layout.tensor_addrs) or \
+                not all(table.ranges.contains(a, remote_layout.tensor_bytes) for a in remote_layout.tensor_addrs):
+            return None
+        with state.cond:
+            if state.closed or state.reloading or state.remote is None:
+                return None
+            name, generation_addr = state.remote, state.generation_addr
+            local_rows = _strided(local_layout, block_bytes)
+            local_rows.append((self._scratch.ctypes.data, 8, 0, 8, GENERATION_SLOTS))
+            remote_rows = _strided(remote_layout, block_bytes)
+            remote_rows.append((generation_addr, 8, 0, 8, 1))
+            local_list = remote_list = None
+            try:
+                local_list = agent.prepare_strided("", DRAM, np.array(local_rows, dtype=np.uint64))
+                remote_list = agent.prepare_strided(name, DRAM, np.array(remote_rows, dtype=np.uint64))
+            except agent.errors as exc:
+                for handle in (local_list, remote_list):
+                    if handle is not None:
+                        agent.release_list(handle)
+                logger.info("cluster %s: no NIXL block route to cluster %s (%s)", self.engine.cluster_id,
+                            session.cluster_id, exc)
+                return None
+            route = NixlRoute(self, session, state, name, table.generation, local_layout, remote_layout, write,
+                              (local_list, remote_list))
+            state.routes = [r for r in state.routes if not r.closed] + [route]
+            return route
+
+    def _route_run(self, route: NixlRoute, local_indices: np.ndarray, remote_indices: np.ndarray) -> bool:
+        """One call of ``route`` with its indices (a pull's last entries left for the generation
+        word): False where it declines before moving anything or the peer's generation is not
+        the route's."""
+        session, state = route.owner, route.link
+        if route.closed or session.closed:
+            return False
+        deadline = dl.after(self.engine.sync_kv_timeout_ms)
+        try:
+            agent, _, remote, generation_list, _, _ = self._begin(session, deadline)
+        except LLMException:
+            return False  # the checked path says why
+        try:
+            lists = route.lists  # alive while this request counts in state.active (``_close_routes``)
+            if route.closed or lists is None or remote != route.remote_name:
+                return False
+            what = f"{'write to' if route.write else 'read from'} cluster {session.cluster_id}"
+            if route.write:
+                if self._peer_generation(session, agent, state, generation_list, deadline) != route.generation:
+                    return False
+                try:
+                    handle = agent.prepared_request(True, lists[0], local_indices, lists[1], remote_indices)
+                except agent.errors:
+                    return False
+                self._complete(session, agent, state, handle, deadline, what)
+                return True
+            with self._slot_lock:
+                slot = self._free_slots.pop() if self._free_slots else -1
+            if slot < 0:
+                return False
+            try:
+                local_indices[-1] = route.slot_base + slot
+                remote_indices[-1] = route.generation_index
+                try:
+                    handle = agent.prepared_request(False, lists[0], local_indices, lists[1], remote_indices)
+                except agent.errors:
+                    return False
+                self._complete(session, agent, state, handle, deadline, what)
+                return int(self._scratch[slot]) == route.generation
+            finally:
+                with self._slot_lock:
+                    self._free_slots.append(slot)
+        finally:
+            self._finish(agent, state)
+
+    def _close_routes(self, state: NixlLink, local_layout=None) -> None:
+        """Close the link's routes (those of ``local_layout`` alone, if given) and release their
+        lists, now if no request of the link is in flight, else when the last one ends."""
+        agent = self._agent
+        with state.cond:
+            closing = [r for r in state.routes if local_layout is None or r.local is local_layout]
+            state.routes = [r for r in state.routes if r not in closing and not r.closed]
+            handles = []
+            for route in closing:
+                route.closed = True
+                if route.lists is not None:
+                    handles.extend(route.lists)
+                    route.lists = None
+            if state.active:
+                state.retired.extend(handles)
+                handles = []
+        if agent is not None:
+            for handle in handles:
+                agent.release_list(handle)
 
     # -- transfers -----------------------------------------------------------------------------------
     def table_is_current(self, session, table) -> bool:
@@ -1019,18 +1259,31 @@ class NixlPlane(DataPlane):
 
     def _move(self, session, table, plan, write: bool, deadline: float, local_mem: int, local_device: int,
               remote_vram: bool) -> None:
-        """Check the peer's generation, then move ``plan`` in one NIXL request (``write``: local ->
-        peer), before ``deadline``."""
-        agent, state, remote, generation_list, vram_device = self._begin(session, deadline)
+        """Move ``plan`` in one NIXL request (``write``: local -> peer) before ``deadline``, the
+        peer's generation checked: a write reads it first (no byte may land in memory the peer
+        re-registered); a read of host memory into host memory reads it last in the same request
+        (``StaleTable`` after it: nothing of the peer's was written), other reads first."""
+        agent, state, remote, generation_list, vram_device, generation_addr = self._begin(session, deadline)
+        slot = -1
         try:
-            if self._peer_generation(session, agent, state, generation_list, deadline) != table.generation:
+            folded = not write and local_mem == DRAM and not remote_vram
+            if folded:
+                with self._slot_lock:
+                    slot = self._free_slots.pop() if self._free_slots else -1
+                if slot < 0:
+                    raise fail(S.LLM_LINK_BUSY, f"{GENERATION_SLOTS} NIXL transfers are starting at once")
+            elif self._peer_generation(session, agent, state, generation_list, deadline) != table.generation:
                 raise StaleTable()
             descriptors = plan.descriptors()
             if not len(descriptors):
                 return
             if remote_vram and vram_device is None:
                 raise fail(S.LLM_FEATURE_NOT_ENABLED, f"cluster {session.cluster_id} registers no VRAM with NIXL")
-            local, remote_rows = _request_rows(descriptors, write, local_device, vram_device if remote_vram else 0)
+            local, remote_rows = _request_rows(descriptors, write, local_device, vram_device if remote_vram else 0,
+                                               extra=folded)
+            if folded:  # the generation word last: read after the data on a lane that keeps order
+                local[-1] = (self._scratch.ctypes.data + 8 * slot, 8, 0)
+                remote_rows[-1] = (generation_addr, 8, 0)
             try:
                 handle = agent.request(write, local_mem, local, VRAM if remote_vram else DRAM, remote_rows, remote)
             except agent.errors as exc:
@@ -1041,11 +1294,17 @@ class NixlPlane(DataPlane):
                                                                    f"{session.cluster_id}: {exc}") from None
             self._complete(session, agent, state, handle, deadline,
                            f"{'write to' if write else 'read from'} cluster {session.cluster_id}")
+            if folded and int(self._scratch[slot]) != table.generation:
+                raise StaleTable()
         finally:
+            if slot >= 0:
+                with self._slot_lock:
+                    self._free_slots.append(slot)
             self._finish(agent, state)
 
-    def _begin(self, session, deadline: float) -> Tuple[Agent, NixlLink, str, int, Optional[int]]:
-        """The agent, the link's state, the peer's agent name, its generation list and VRAM device,
+    def _begin(self, session, deadline: float) -> Tuple[Agent, NixlLink, str, int, Optional[int], int]:
+        """The agent, the link's state, the peer's agent name, its generation list, VRAM device and
+        generation word's address,
         the link counted as in use until ``_finish``; LLM_LINK_FAILED where the link ended,
         LLM_TIMEOUT where a reload outlasts the deadline."""
         state = self.state(session)
@@ -1063,7 +1322,7 @@ class NixlPlane(DataPlane):
                     raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
                 self._active += 1
             state.active += 1
-            return agent, state, state.remote, state.generation_list, state.vram_device
+            return agent, state, state.remote, state.generation_list, state.vram_device, state.generation_addr
 
     def _finish(self, agent: Agent, state: NixlLink) -> None:
         """A request of the link is over: release the lists retired meanwhile once none is left."""
@@ -1146,8 +1405,10 @@ class NixlPlane(DataPlane):
         return fail(code, why)
 
     def _unload(self, state: NixlLink, name: Optional[str], generation_list: Optional[int]) -> None:
-        """Remove the peer's agent ``name`` and release its generation list, now if no request of
-        the link is in flight, else when the last one ends."""
+        """Close the link's routes, remove the peer's agent ``name`` and release its generation
+        list (the routes' lists too), now if no request of the link is in flight, else when the
+        last one ends."""
+        self._close_routes(state)
         agent = self._agent
         if generation_list is not None:
             with state.cond:
@@ -1177,6 +1438,10 @@ class NixlPlane(DataPlane):
     def shutdown(self) -> None:
         """The engine's links are closing (each already dropped its peer's agent): wait for the
         requests still in flight (they fail at once), deregister everything, drop the agent."""
+        with self._lock:
+            states = set(self._loaded.values())
+        for state in states:
+            self._close_routes(state)
         with self._lock:
             ends = time.monotonic() + SHUTDOWN_WAIT_S
             while self._active and time.monotonic() < ends:
@@ -1231,19 +1496,27 @@ def _rows(addrs: Sequence[int], nbytes: int, device: int) -> np.ndarray:
     return rows
 
 
-def _request_rows(descriptors: np.ndarray, write: bool, local_device: int,
-                  remote_device: int) -> Tuple[np.ndarray, np.ndarray]:
+def _request_rows(descriptors: np.ndarray, write: bool, local_device: int, remote_device: int,
+                  extra: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """The local and remote N x 3 rows of a plan's ``(src, dst, nbytes)`` descriptors (column copies:
-    no loop per descriptor). A write reads the local sources; a read fills the local destinations."""
-    local = np.empty_like(descriptors)
-    remote = np.empty_like(descriptors)
+    no loop per descriptor), and one row more each, left for the caller, with ``extra``. A write
+    reads the local sources; a read fills the local destinations."""
+    n = len(descriptors)
+    local = np.empty((n + extra, 3), dtype=np.uint64)
+    remote = np.empty((n + extra, 3), dtype=np.uint64)
     local_column, remote_column = (0, 1) if write else (1, 0)
-    local[:, 0] = descriptors[:, local_column]
-    remote[:, 0] = descriptors[:, remote_column]
-    local[:, 1] = remote[:, 1] = descriptors[:, 2]
-    local[:, 2] = local_device
-    remote[:, 2] = remote_device
+    local[:n, 0] = descriptors[:, local_column]
+    remote[:n, 0] = descriptors[:, remote_column]
+    local[:n, 1] = remote[:n, 1] = descriptors[:, 2]
+    local[:n, 2] = local_device
+    remote[:n, 2] = remote_device
     return local, remote
+
+
+def _strided(layout, block_bytes: int) -> List[Tuple[int, int, int, int, int]]:
+    """NIXL compact strided rows of every block of every tensor of ``layout`` (DRAM, device 0):
+    ``(tensor address, block_bytes, 0, row bytes, rows)``."""
+    return [(int(addr), block_bytes, 0, int(layout.row_bytes), int(layout.num_rows)) for addr in layout.tensor_addrs]
 
 
 def _link_addresses(session) -> Optional[Tuple[str, str]]:

@@ -619,3 +619,198 @@ def test_info_says_whether_nixl_imports_its_version_and_the_ucx_transports(monke
     assert why.startswith(f"NIXL {nixl.nixl_version()} (UCX 1.") and "UCX transports without TCP: " in why
     assert "tcp/lo on lo" in why and usable
     assert "links with a secret only" in why
+
+
+# -- block routes: prepared lists reused between calls --------------------------------------------
+GUARD = 4096  # guard bytes before and after each tensor of a guarded cache
+GUARD_BYTE = 0xA5
+
+
+def _register_guarded(state, name: str, seed: int, blocks: int, block_bytes: int, keyed: bool) -> None:
+    """Cache ``name``: each tensor a slice of a buffer with ``GUARD`` guard bytes on both sides; the
+    buffers (guards included) are kept, also after the cache is unregistered (``old_<name>``)."""
+    if name in state.caches:
+        state.cm.unregister_cache(state.caches.pop(name).cache_id)
+        state.scratch[f"old_{name}"] = state.scratch.pop(f"buf_{name}")
+    buffers, views = [], []
+    for t in range(TENSORS):
+        buf = np.full(blocks * block_bytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
+        buf[GUARD:-GUARD] = np.concatenate([_content(seed, t, b, block_bytes) for b in range(blocks)])
+        buffers.append(buf)
+        views.append(buf[GUARD:-GUARD])
+    desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.HOST)
+    key = BlocksCacheKey(state.cluster_id, MODEL_ID) if keyed else None
+    state.caches[name] = state.cm.register_blocks_cache(desc, [v.ctypes.data for v in views], key)
+    state.arrays[name] = views
+    state.scratch[f"buf_{name}"] = buffers
+
+
+def _buffers(state, which: str) -> List[np.ndarray]:
+    """Copies of the whole buffers (guards included) of ``buf_<name>`` or ``old_<name>``."""
+    return [b.copy() for b in state.scratch[which]]
+
+
+def _scribble(state, which: str) -> None:
+    """The owner reuses unregistered memory: new bytes in every buffer of ``old_<name>``."""
+    for b in state.scratch[which]:
+        b[:] = 0x3C
+
+
+def _count_routes(state) -> None:
+    """Count the calls that the nixl block routes completed (``scratch["route_runs"]``)."""
+    plane = state.dd.engine.links.planes["nixl"]
+    original = plane._route_run
+    state.scratch["route_runs"] = 0
+
+    def counted(route, local_indices, remote_indices):
+        done = original(route, local_indices, remote_indices)
+        state.scratch["route_runs"] += bool(done)
+        return done
+    plane._route_run = counted
+
+
+def _route_runs(state) -> int:
+    return state.scratch["route_runs"]
+
+
+def _routes(state) -> List[str]:
+    return sorted(type(route).__name__ + ("" if route.current else " (closed)")
+                  for route in state.dd.engine.routes.values())
+
+
+def _open_lists(state) -> int:
+    """Prepared lists held by the nixl routes of every link (0 once they all closed)."""
+    plane = state.dd.engine.links.planes["nixl"]
+    return sum(len(r.lists) for link in set(plane._loaded.values()) for r in link.routes if r.lists is not None)
+
+
+def _guards_intact(buffers: List[np.ndarray]) -> bool:
+    return all((b[:GUARD] == GUARD_BYTE).all() and (b[-GUARD:] == GUARD_BYTE).all() for b in buffers)
+
+
+def _tensors_of(buffers: List[np.ndarray], blocks: int, block_bytes: int) -> List[np.ndarray]:
+    return [b[GUARD:-GUARD].reshape(blocks, block_bytes) for b in buffers]
+
+
+def test_block_routes_reuse_prepared_lists_byte_exact_and_never_write_what_the_peer_reregistered(loopback_env):
+    """Repeated pushes and pulls of the same shape take the nixl block route (prepared strided lists)
+    and move exactly the named blocks: every other byte of both caches and the guard bytes around
+    each tensor stay. Then the peer re-registers its cache elsewhere between two calls: the stale
+    route declines, the call lands in the new cache, and not one byte lands in the memory the peer
+    let go (checked after a push, and a pull does not return the bytes the owner put there since);
+    an unregistered cache is refused; a local unregister and an unlink close the routes and release
+    their lists, and after a relink the route comes back."""
+    blocks, block_bytes = 16, 4096
+    with contextlib.ExitStack() as stack:
+        server = _cluster(stack, 1, listen=True)
+        client = _cluster(stack, 2)
+        server.call(_register_guarded, "main", 10, blocks, block_bytes, True)
+        client.call(_register_guarded, "c", 20, blocks, block_bytes, False)
+        client.call(_count_routes)
+        assert link(client, server, 30000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert client.call(_plane_of, 1) == "nixl"
+        on_server, on_client = Expected(10, blocks, block_bytes), Expected(20, blocks, block_bytes)
+
+        def check(where: str) -> None:
+            server_bufs, client_bufs = server.call(_buffers, "buf_main"), client.call(_buffers, "buf_c")
+            assert _guards_intact(server_bufs) and _guards_intact(client_bufs), where
+            assert server.call(_digests, "main", block_bytes) == on_server.digests(), where
+            assert client.call(_digests, "c", block_bytes) == on_client.digests(), where
+
+        rng = np.random.default_rng(9)
+        for round_ in range(4):
+            for op, layer in (("push", None), ("pull", None), ("push", 1), ("pull", 0)):
+                src = rng.permutation(blocks)[:5].tolist()
+                dst = rng.permutation(blocks)[:5].tolist()
+                client.call(_move, op, 1, "c", src, dst, layer)
+                tensors = range(TENSORS) if layer is None else range(2 * layer, 2 * layer + 2)
+                if op == "push":
+                    on_server.copy(on_client, src, dst, tensors)
+                else:
+                    on_client.copy(on_server, src, dst, tensors)
+                check(f"round {round_} {op} layer {layer}")
+        # The first call of each shape is checked (it builds or teaches the route); the rest ran on it.
+        assert client.call(_route_runs) == 12
+        assert client.call(_routes) == ["NixlRoute", "NixlRoute"]
+
+        # The peer re-registers: the same model id, new memory. The old memory stays allocated.
+        server.call(_register_guarded, "main", 30, blocks, block_bytes, True)
+        on_server = Expected(30, blocks, block_bytes)
+        old = server.call(_buffers, "old_main")
+        runs = client.call(_route_runs)
+        client.call(_move, "push", 1, "c", [1, 2], [3, 4])
+        on_server.copy(on_client, [1, 2], [3, 4])
+        assert [np.array_equal(a, b) for a, b in zip(server.call(_buffers, "old_main"), old)] == [True] * TENSORS
+        check("push after the peer re-registered")
+        server.call(_scribble, "old_main")  # the owner reuses the memory it let go
+        server.call(_register_guarded, "main", 40, blocks, block_bytes, True)
+        on_server = Expected(40, blocks, block_bytes)
+        client.call(_move, "pull", 1, "c", [5, 6], [7, 8])
+        on_client.copy(on_server, [5, 6], [7, 8])
+        check("pull after the peer re-registered again")
+        assert client.call(_route_runs) == runs  # both calls went the checked way
+        for _ in range(2):  # the push route was made before the second re-registration: stale once more
+            client.call(_move, "push", 1, "c", [9], [10])
+            client.call(_move, "pull", 1, "c", [11], [12])
+            on_server.copy(on_client, [9], [10])
+            on_client.copy(on_server, [11], [12])
+        check("routes rebuilt against the new cache")
+        assert client.call(_route_runs) == runs + 3
+
+        # The peer unregisters its cache: refused, and its memory is left alone.
+        server.call(_unregister, "main")
+        gone = server.call(_buffers, "old_main")
+        for op in ("push", "pull"):
+            assert client.call(_timed_move, op, 1, "c", [0], [0])[0] == S.LLM_KV_CACHE_NOT_EXIST, op
+        assert [np.array_equal(a, b) for a, b in zip(server.call(_buffers, "old_main"), gone)] == [True] * TENSORS
+        server.call(_register_guarded, "main", 50, blocks, block_bytes, True)
+        on_server = Expected(50, blocks, block_bytes)
+        for _ in range(2):
+            client.call(_move, "push", 1, "c", [0, 1], [2, 3])
+            on_server.copy(on_client, [0, 1], [2, 3])
+        check("after the peer registered again")
+
+        # A local unregister closes that cache's routes (their lists released).
+        assert client.call(_open_lists) == 2
+        client.call(_register_guarded, "c", 60, blocks, block_bytes, False)
+        on_client = Expected(60, blocks, block_bytes)
+        assert client.call(_open_lists) == 0 and client.call(_routes) == []
+        for _ in range(2):
+            client.call(_move, "pull", 1, "c", [4, 5], [6, 7])
+            on_client.copy(on_server, [4, 5], [6, 7])
+        check("after the local cache was registered again")
+
+        # Unlink: the routes close; linking again brings them back.
+        assert client.call(_unlink, 1) == 0
+        assert client.call(_routes) == ["NixlRoute (closed)"]
+        assert client.call(_timed_move, "pull", 1, "c", [4, 5], [6, 7])[0] != 0
+        assert link(client, server, 30000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        runs = client.call(_route_runs)
+        for _ in range(3):
+            client.call(_move, "pull", 1, "c", [8, 9], [10, 11])
+            on_client.copy(on_server, [8, 9], [10, 11])
+        check("after a relink")
+        assert client.call(_route_runs) == runs + 2
+        stats = client.call(_stats)
+        assert (stats["nixl_failures"], stats["nixl_timeouts"]) == (0, 0)
+        processes = [server.process, client.process]
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+def _unregister(state, name: str) -> None:
+    state.cm.unregister_cache(state.caches.pop(name).cache_id)
+    state.scratch[f"old_{name}"] = state.scratch.pop(f"buf_{name}")
+
+
+def test_block_indices_take_exact_ints_inside_the_caches_only():
+    """``_io.block_indices``: tensor-major indices; anything but a list/tuple of exact in-range ints
+    (bools, floats, numpy ints, negatives, ids past the cache, unequal lengths) says -1."""
+    from llm_datadist import _io
+    lb, rb = np.array([0, 20], dtype=np.int64), np.array([5, 105], dtype=np.int64)
+    out_l, out_r = np.zeros(6, dtype=np.int32), np.zeros(6, dtype=np.int32)
+    assert _io.block_indices([1, 3, 9], (0, 99, 4), lb, rb, 10, 100, out_l, out_r) == 6
+    assert out_l.tolist() == [1, 3, 9, 21, 23, 29] and out_r.tolist() == [5, 104, 9, 105, 204, 109]
+    for local, remote in (([1, 10], [0, 0]), ([1, -1], [0, 0]), ([True], [0]), ([1.0], [0]),
+                          ([np.int64(1)], [0]), ([1], [100]), ([1, 2], [0]), ([], []), (range(2), [0, 1]),
+                          ([1, 2, 3, 4], [0, 1, 2, 3])):
+        assert _io.block_indices(local, remote, lb, rb, 10, 100, out_l, out_r) == -1, (local, remote)
