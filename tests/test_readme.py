@@ -232,7 +232,19 @@ def _check_ssh(args: List[str]) -> None:
     assert args[-1] not in ("-N", "-L", forward) and not args[-1].startswith("-"), args
 
 
+def _environment(words: List[str]) -> List[str]:
+    """The command after its leading ``NAME=value`` assignments, each of a variable the package
+    reads (its name appears in the package's source)."""
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name = words[0].split("=", 1)[0]
+        assert any(name in path.read_text() for path in (REPO_ROOT / "llm_datadist").rglob("*.py")), \
+            f"README.md sets {name}, which the package never reads"
+        words = words[1:]
+    return words
+
+
 def check_command(words: List[str]) -> None:
+    words = _environment(words)
     if words[0] == "pip":
         _check_pip(words)
     elif words[:3] == ["python", "-m", "llm_datadist"]:
@@ -275,6 +287,9 @@ def test_the_checks_catch_what_they_are_for():
         _check_tool(["tools/no_such_tool.py"])
     with pytest.raises(pytest.fail.Exception):
         check_command(["curl", "http://example.invalid"])
+    with pytest.raises(AssertionError):
+        check_command(["LLM_DATADIST_NO_SUCH_SETTING=1", "python", "-m", "llm_datadist", "info"])
+    check_command(["LLM_DATADIST_LINK_PROTECTION=encrypt", "python", "-m", "llm_datadist", "info"])
     assert shell_commands('a b && c "d\ne" # note\nf\n') == [["a", "b"], ["c", "d\ne"], ["f"]]
 
 

@@ -483,7 +483,8 @@ class LinkManager:
                                  self.engine.cluster_id, remote_cluster_id, exc)
                     status = S.LLM_UNLINK_FAILED
         self._drop_peer(remote_cluster_id, peer)
-        peer.close()  # (also when a connection's end came first and _lose left it to this)
+        if not peer.closed:  # a connection's end came first and _lose left the closing to this
+            peer.close()
         return status
 
     def _drop_peer(self, remote_cluster_id: int, expected: Optional[Peer] = None) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import pytest
 
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import auth, handshake, wire
+from llm_datadist.transport import auth, handshake, protection, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import MutualLink, ProtocolError
 
@@ -82,7 +82,8 @@ def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret)
     agreement = ask(client_end, secret, planes=("cma", "tcp"), comm=("comm", "digest"), rank=3)
     admission, request = served()
     assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
-    assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3)
+    assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3,
+                                            "off", tuple(protection.suites_here()))
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
     assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None, SERVER)
 
@@ -180,13 +181,14 @@ def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, clien
     assert admission == handshake.Admission(CLIENT, refused=said, auth_failure=True) and request is None
 
 
-@pytest.mark.parametrize("version", [4, 5, wire.PROTOCOL_VERSION + 1],
-                         ids=["v4 (before pull tags)", "v5 (before the nixl table entry)", "newer"])
+@pytest.mark.parametrize("version", [4, 5, 6, wire.PROTOCOL_VERSION + 1],
+                         ids=["v4 (before pull tags)", "v5 (before the nixl table entry)",
+                              "v6 (before link protection)", "newer"])
 def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version(pair, version):
     """The server raises the one line naming both versions (the caller logs it and closes), and
     first answers with a refused CHALLENGE in the peer's version carrying that line, which a
     client of any version since 3 reports as ``refused: <line>``."""
-    assert wire.PROTOCOL_VERSION == 6
+    assert wire.PROTOCOL_VERSION == 7
     server_end, client_end = pair
     served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
     payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
@@ -194,7 +196,7 @@ def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version
     client_end.sendall(head + payload)
     with pytest.raises(wire.VersionMismatch) as bad:
         served()
-    line = f"protocol version {version}, this side speaks 6"
+    line = f"protocol version {version}, this side speaks 7"
     assert str(bad.value) == line and bad.value.version == version
     select.select([client_end], [], [], 3)
     answer = client_end.recv(1 << 16)
@@ -212,9 +214,9 @@ def test_a_client_answered_in_another_version_fails_with_the_line_naming_both(pa
                                                         soon()))
     select.select([server_end], [], [], 3)
     server_end.recv(1 << 16)
-    payload = wire.encode_json({"error": "protocol version 6, this side speaks 7"})
-    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 7, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
-    with pytest.raises(wire.VersionMismatch, match="^protocol version 7, this side speaks 6$"):
+    payload = wire.encode_json({"error": "protocol version 7, this side speaks 8"})
+    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 8, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
+    with pytest.raises(wire.VersionMismatch, match="^protocol version 8, this side speaks 7$"):
         done()
 
 

@@ -167,6 +167,9 @@ def test_transfers_with_device_memory_take_the_device_plane(device_planes):
         # The local cache is device memory: the first device plane of the auto order that
         # accepts the link and carries the combination (the refusing one is closed again).
         engine.device_only = lambda record: record.cache_id == local.cache_id
+        # (A record's memory never changes kind; this test flips it, so the block route the
+        # first push made for it as host memory goes too.)
+        engine.routes.clear()
         dd.cache_manager.push_blocks(key, local, [1, 2], [3, 4])
         dd.cache_manager.pull_blocks(key, local, [5], [6])
         assert device.device_transfers == [(True, True, False, 2 * TENSORS * BLOCK_BYTES),
