@@ -991,8 +991,9 @@ class LinkManager:
             return refuse(S.LLM_LINK_FAILED, f"protection {protected} needs a link secret on both sides")
         suite = None if protected == protection.OFF else protection.choose(protected, request.suites)
         if protected != protection.OFF and suite is None:
-            return refuse(S.LLM_LINK_FAILED, f"protection {protected}: no record suite both sides run (this side "
-                                             f"runs {', '.join(protection.suites_here())}; "
+            return refuse(S.LLM_LINK_FAILED, f"protection {protected}: no record suite both sides run (cluster "
+                                             f"{self.engine.cluster_id} runs {', '.join(protection.suites_here())}, "
+                                             f"the linking side offered {', '.join(request.suites) or 'none'}; "
                                              f"{protection.CRYPTOGRAPHY_MISSING})")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source,
@@ -1073,8 +1074,11 @@ class LinkManager:
                 return refused
             relay = None
             if not unix and peer.protection != protection.OFF:
-                relay = self._relay(conn, peer.protection_suite, nonces, peer_id, self.engine.cluster_id, False,
-                                    f"cluster {peer_id} ({peer.address[0]})")
+                try:
+                    relay = self._relay(conn, peer.protection_suite, nonces, peer_id, self.engine.cluster_id, False,
+                                        f"cluster {peer_id} ({peer.address[0]})")
+                except OSError as exc:  # no socket pair (out of descriptors)
+                    return S.LLM_LINK_FAILED, {"error": f"no relay for a protected connection: {exc}"}, peer, None
             sock = conn if relay is None else relay.inner
             if purpose == "forward":
                 peer.incoming.append(sock)

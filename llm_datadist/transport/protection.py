@@ -46,9 +46,11 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist.status import LLMException
@@ -69,7 +71,9 @@ LINGER_S = 5.0
 RECORD_HEADER = struct.Struct("<I")
 _SEQUENCE = struct.Struct("<Q")
 _KEY_LABEL = b"llm_datadist v7 record key"
-CRYPTOGRAPHY_MISSING = "encryption needs the cryptography package (pip install cryptography)"
+_FRAME_MAGIC = b"LLDD"  # what an unsealed frame starts with (``wire.MAGIC``), read as a record's length
+CRYPTOGRAPHY_MISSING = ("encryption needs a recent cryptography package, whose AESGCM has encrypt_into "
+                        "(pip install -U cryptography)")
 GCM, GMAC, HMAC = "aes-256-gcm", "aes-256-gmac", "hmac-sha256"
 #: The suites of each mode, preferred first.
 SUITES = {ENCRYPT: (GCM,), INTEGRITY: (GMAC, HMAC)}
@@ -97,10 +101,10 @@ def resolve(options: Dict[str, str], secret: Optional[bytes]) -> str:
 
 def _has_aes() -> bool:
     try:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: F401
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
         return False
-    return True
+    return hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
 
 
 def suites_here() -> List[str]:
@@ -151,7 +155,8 @@ class Sealer:
             self._aead = AESGCM(key)
         else:
             self._mac = hmac.new(key, digestmod=hashlib.sha256)
-        self._out = bytearray(RECORD_HEADER.size + MAX_RECORD + self.tag_bytes)
+        # GCM's ciphertext, sealed or opened (the other suites send and hand on the plaintext as is)
+        self._out = bytearray(MAX_RECORD + self.tag_bytes if suite == GCM else 0)
 
     def _nonce(self) -> bytes:
         sequence = _SEQUENCE.pack(self.sequence)
@@ -206,9 +211,12 @@ class Relay:
     direction ends on its own, as a TCP half-close: when the link closes ``inner``, what it wrote
     is sealed and sent, then the connection's write side is shut (the peer's relay hands that end
     on to its link, which closes too) and the relay waits ``LINGER_S`` for the peer's end; when
-    the peer's end arrives first, the link reads what came before it, then the end. A record that
-    fails its check or an error closes everything at once (``on_failure(why)`` is called first).
-    The sockets are closed when both directions are done."""
+    the peer's end arrives first, the link reads what came before it, then the end. A peer that
+    stops reading holds the relay no longer than ``LINGER_S`` after the link closed ``inner``
+    (sends never block: they wait in ``poll`` for room or for the link's end). A record that fails
+    its check, a peer sending frames unsealed, or an error closes everything at once
+    (``on_failure(why)`` is called first). The sockets are closed when both directions are done.
+    ``inner`` is non-blocking, as the link's own sockets are, so its deadlines apply."""
 
     def __init__(self, sock: socket.socket, suite: str, keys: Tuple[bytes, bytes], is_client: bool, name: str,
                  threads: Threads, on_failure: Callable[[str], None]) -> None:
@@ -216,6 +224,7 @@ class Relay:
         self._sealer, self._opener = Sealer(suite, send_key), Sealer(suite, recv_key)
         self._sock = sock
         self.inner, self._outer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.inner.setblocking(False)
         self._name = name
         self._threads = threads
         self._on_failure = on_failure
@@ -253,9 +262,11 @@ class Relay:
                 n = self._outer.recv_into(buffer)
                 if n == 0:
                     break  # the link closed its end
-                _send_all(self._sock, self._sealer.seal(view[:n]))
+                self._send_all(self._sealer.seal(view[:n]))
         except OSError:
             self._shutdown()
+        except Exception as exc:  # noqa: BLE001 - a fault of this side's sealing: the connection ends
+            self._fail(f"sealing failed: {type(exc).__name__}: {exc}")
         finally:
             _shut(self._sock, socket.SHUT_WR)  # after what was sent: the peer reads the end
             _shut(self._outer, socket.SHUT_RD)
@@ -270,6 +281,9 @@ class Relay:
         try:
             while _read_exact(self._sock, memoryview(header)):
                 (length,) = RECORD_HEADER.unpack(header)
+                if header == _FRAME_MAGIC:
+                    self._fail("the peer sends frames unsealed (its side of the link is not protected)")
+                    break
                 if not 0 < length <= MAX_RECORD:
                     self._fail(f"a record of {length} bytes (at most {MAX_RECORD})")
                     break
@@ -283,11 +297,43 @@ class Relay:
                 self._outer.sendall(plaintext)
         except OSError:
             self._shutdown()
+        except Exception as exc:  # noqa: BLE001 - a fault of this side's opening: the connection ends
+            self._fail(f"opening failed: {type(exc).__name__}: {exc}")
         finally:
             self._inbound_done.set()
             _shut(self._outer, socket.SHUT_WR)  # after what arrived: the link reads the end
             _shut(self._sock, socket.SHUT_RD)
             self._done()
+
+    def _send_all(self, buffers: List[Any]) -> None:
+        """Send every byte of ``buffers`` in order on the TCP connection, waiting in ``poll`` for
+        room or for the link to close ``inner``, after which the peer has ``LINGER_S`` to take
+        the rest (OSError then)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        poller = select.poll()
+        poller.register(self._sock, select.POLLOUT)
+        poller.register(self._outer, 0)  # POLLHUP: the link closed inner
+        until = None
+        while views:
+            try:
+                sent = self._sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+                continue
+            if not views:
+                return
+            wait_ms = None if until is None else max(0, int((until - time.monotonic()) * 1000))
+            if until is not None and wait_ms == 0:
+                raise OSError(f"the peer took nothing for {LINGER_S} s after the link closed the connection")
+            for fd, events in poller.poll(wait_ms):
+                if fd == self._outer.fileno() and events & (select.POLLHUP | select.POLLERR) and until is None:
+                    until = time.monotonic() + LINGER_S
+                    poller.unregister(self._outer)
 
     def _fail(self, why: str) -> None:
         logger.warning("%s: %s; the connection (and its link) is closed", self._name, why)
@@ -314,18 +360,6 @@ def _shut(sock: socket.socket, how: int) -> None:
         sock.shutdown(how)
     except OSError:
         pass
-
-
-def _send_all(sock: socket.socket, buffers: List[Any]) -> None:
-    """Send every byte of ``buffers`` in order (one ``sendmsg`` a round)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
 
 
 def _read_exact(sock: socket.socket, view: memoryview) -> bool:

@@ -23,7 +23,12 @@ class Threads:
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:  # never started: nothing to join
+                self._threads = [t for t in self._threads if t is not thread]
+            raise
         return thread
 
     def join(self, timeout_s: float = 2.0) -> None:

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from contextlib import ExitStack
 from typing import List, Optional
 
@@ -121,6 +122,9 @@ def test_two_relays_carry_a_stream_both_ways_and_close_like_tcp(suite):
     server = protection.Relay(server_sock, suite, keys, False, "server", threads, failures.append)
     client.start()
     server.start()
+    assert not client.inner.getblocking()  # as the link's own sockets; blocking for this test's reads
+    for relay in (client, server):
+        relay.inner.setblocking(True)
     payload = os.urandom(3 * protection.MAX_RECORD + 12345)
     got = bytearray()
 
@@ -358,3 +362,90 @@ def test_llm_config_sets_the_option():
     assert config.generate_options()[protection.OPTION] == "encrypt"
     with pytest.raises(TypeError):
         config.link_protection = 1
+
+
+def _relay_and_raw_peer(suite: str = protection.GMAC, failures: Optional[list] = None):
+    """A client relay over loopback TCP whose other end is a raw socket (the test is the peer)."""
+    from llm_datadist.transport.threads import Threads
+    listener = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    listener.close()
+    keys = protection.derive_keys(b"s", suite, "11" * 32, "22" * 32, 1, 2)
+    threads = Threads("llm_datadist-seal")
+    relay = protection.Relay(ours, suite, keys, True, "relay", threads,
+                             (failures if failures is not None else []).append)
+    relay.start()
+    return relay, theirs, threads
+
+
+def _relay_threads() -> int:
+    return sum(t.name == "llm_datadist-seal" for t in threading.enumerate())
+
+
+def test_a_peer_that_stops_reading_holds_the_relay_no_longer_than_the_linger(monkeypatch):
+    """The relay's sends never block for good: once the link closed its end, a peer that takes
+    nothing (a full window) has LINGER_S, then the relay ends and lets everything go."""
+    monkeypatch.setattr(protection, "LINGER_S", 1.0)
+    before = _relay_threads()
+    relay, theirs, threads = _relay_and_raw_peer()
+    try:
+        chunk, written = b"x" * (1 << 20), 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # fill the pair, the relay's buffers and the TCP window
+            try:
+                written += relay.inner.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.2)
+                try:
+                    written += relay.inner.send(chunk)
+                except BlockingIOError:
+                    break
+        assert written > (1 << 20)
+        relay.inner.close()  # the link is done with the connection; the peer still reads nothing
+        started = time.monotonic()
+        assert wait_for(lambda: _relay_threads() == before, 10)
+        assert time.monotonic() - started < 1.0 + 3.0
+        threads.join(1)
+    finally:
+        theirs.close()
+
+
+def test_frames_sent_unsealed_to_a_protected_connection_are_refused_by_name():
+    failures: list = []
+    relay, theirs, threads = _relay_and_raw_peer(failures=failures)
+    try:
+        theirs.sendall(wire.pack_header(wire.OP_TABLE_GET, 1, 2) + b"{}")
+        assert wait_for(lambda: failures != [], 5)
+        assert "unsealed" in failures[0]
+        relay.inner.setblocking(True)
+        relay.inner.settimeout(5)
+        assert relay.inner.recv(100) == b""  # nothing of it reached the link
+    finally:
+        relay.inner.close()
+        theirs.close()
+        threads.join(5)
+
+
+def test_an_old_cryptography_without_encrypt_into_cannot_encrypt(monkeypatch):
+    import types
+    old = types.ModuleType("aead")
+    old.AESGCM = type("AESGCM", (), {"encrypt": None, "decrypt": None})
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", old)
+    assert protection.suites_here() == [protection.HMAC]
+    with pytest.raises(LLMException, match="encrypt_into"):
+        protection.resolve({protection.OPTION: "encrypt"}, b"s")
+
+
+def test_a_thread_that_cannot_start_is_not_left_to_join(monkeypatch):
+    from llm_datadist.transport.threads import Threads
+    group = Threads("llm_datadist-test")
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError):
+        group.spawn(lambda: None)
+    monkeypatch.undo()
+    group.join(1)  # nothing unstarted to join (joining one raises)

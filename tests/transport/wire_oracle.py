@@ -302,9 +302,11 @@ class ServerModel:
         elif asked != "off" and session.secret is None:
             refusal = S.LLM_LINK_FAILED, f"protection {asked} needs a link secret on both sides"
         elif asked != "off" and suite is None:
-            refusal = S.LLM_LINK_FAILED, (f"protection {asked}: no record suite both sides run (this side runs "
-                                          f"{', '.join(suites_here())}; encryption needs the cryptography package "
-                                          f"(pip install cryptography))")
+            refusal = S.LLM_LINK_FAILED, (f"protection {asked}: no record suite both sides run (cluster "
+                                          f"{self.cluster_id} runs {', '.join(suites_here())}, the linking side "
+                                          f"offered {', '.join(suites[:8]) or 'none'}; encryption needs a recent "
+                                          f"cryptography package, whose AESGCM has encrypt_into (pip install -U "
+                                          f"cryptography))")
         elif comm is None and peer_id == self.cluster_id:  # only the server's own process may link to itself
             refusal = S.LLM_LINK_FAILED, "a self-link of another process"
         elif comm is not None:  # this server makes no two-sided link while it is fuzzed
