@@ -285,3 +285,31 @@ def test_a_hybrid_worker_reports_failed_loads_per_request_only():
         assert worker.take_load_errors() == set()
     finally:
         worker.close()
+
+
+@needs_vllm
+@pytest.mark.parametrize("blocks, why", [
+    ([7, 8], ""),
+    ([8], ""),
+    ([4, 5, 6, 7, 8], "they name 5 blocks, 1 to 2 wanted"),  # every block: a prefill engine without the manager
+    ([[7, 8]], ""),  # NIXL's per-group form of one group
+])
+def test_a_model_of_sliding_window_layers_only_moves_its_window(blocks, why):
+    """All layers sliding (one group, the manager on): the list stays flat, cut to the window."""
+    from vllm.v1.request import RequestStatus
+
+    from llm_datadist.integrations.vllm import groups as kv_groups
+    from llm_datadist.integrations.vllm.meta import LLMDataDistHandshakeMetadata, recv_spec
+    from llm_datadist.integrations.vllm.options import Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler
+
+    _, sliding = _specs()
+    found = kv_groups.transfer_groups(_config(sliding))
+    assert kv_groups.describe(found) == f"sliding_window({WINDOW}):1"
+    scheduler = Scheduler("p", Options.parse({"lease_tokens": False}), BLOCK, producer=False, groups=found)
+    spec = recv_spec({"remote_block_ids": blocks, "remote_host": "h", "remote_port": 1, "remote_request_id": "r"})
+    assert scheduler._blocks_refusal(spec, 130) == why
+    scheduler.set_worker(LLMDataDistHandshakeMetadata("p", 7, "127.0.0.1", 4000))
+    request = SimpleNamespace(request_id="req", kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=130)
+    assert scheduler.request_finished(request, ([0, 0, 0, 7, 8],))[1]["remote_block_ids"] == [7, 8]

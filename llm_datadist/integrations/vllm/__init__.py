@@ -154,7 +154,7 @@ move. A decode scheduler counts a peer's lists per group (group count, a full gr
 most the window's for a sliding one) before it uses them; a mismatch computes the prompt locally.
 With more than one group a failed pull is reported in ``failed_recving`` only (vLLM 0.32 raises on
 ``invalid_block_ids`` when there are several groups). State-space (Mamba) groups are refused at
-start-up with a line saying so (not tried on vLLM's CPU build), as is any group kind other than
+start-up with a line saying so (not supported yet; see ``groups``), as is any group kind other than
 full or sliding-window attention in a model with several groups; a hybrid model's KV moves only
 between engines of one tensor parallel size.
 

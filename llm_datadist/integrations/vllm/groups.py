@@ -9,9 +9,12 @@ its null block. So both sides clip such a group's block list to its last ``windo
 block (vLLM's block 0) in front; the decode side's list is then paired with the tail of the prefill
 side's (``Recv.group_pairs``), as for a local prefix hit.
 
-State-space (Mamba) groups are refused: vLLM's CPU build was not shown to run a tiny hybrid-SSM
-model with this connector, and their state blocks follow other rules (one running state per
-request, speculative scratch slots)."""
+State-space (Mamba) groups are refused, not yet supported: vLLM's CPU build runs a tiny Mamba2
+hybrid (NemotronH), but a group's state moves by other rules: each layer's cache is a list of
+state views (conv, SSM) inside one page per block, only the running state's block moves (not one
+per token block, nor the speculative scratch slots), and the prefill engine must stop one token
+short of the prompt (the decode engine recomputes the last token from the state before it), as
+NixlConnector does."""
 
 from __future__ import annotations
 
@@ -66,8 +69,8 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
         if isinstance(spec, MambaSpec):
             raise NotImplementedError(
                 "LLMDataDistConnector does not move state-space (Mamba) KV cache groups (layers "
-                f"{', '.join(layers[:3])}{'...' if len(layers) > 3 else ''}): hybrid SSM models such as Jamba "
-                "or Bamba are not supported; use another KV connector (NixlConnector) for them")
+                f"{', '.join(layers[:3])}{'...' if len(layers) > 3 else ''}): hybrid SSM models (Jamba, "
+                "Bamba, NemotronH...) are not supported yet; use another KV connector (NixlConnector) for them")
         block_size = int(getattr(spec, "block_size", 0) or 0)
         if isinstance(spec, SlidingWindowSpec):
             out.append(Group(index, "sliding_window", int(spec.sliding_window), block_size, layers))
