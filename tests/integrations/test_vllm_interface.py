@@ -41,10 +41,11 @@ def _callable_as(ours, base) -> bool:
 
 
 def test_overrides_match_the_installed_base_class():
-    """Every method the connector defines is a hook of the installed vLLM's KVConnectorBase_V1 with
-    the same parameters and the same kind (class method or not): a release that renames, adds or
-    drops a parameter, or removes a hook, fails here instead of at the first request."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    """Every method the connector defines is a hook of the installed vLLM's KVConnectorBase_V1 (or
+    of SupportsHMA, which it declares) with the same parameters and the same kind (class method or
+    not): a release that renames, adds or drops a parameter, or removes a hook, fails here instead
+    of at the first request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA, supports_hma
 
     from llm_datadist.integrations.vllm import LLMDataDistConnector
 
@@ -53,18 +54,22 @@ def test_overrides_match_the_installed_base_class():
     for name, ours in vars(LLMDataDistConnector).items():
         if name.startswith("_") or name in OWN:
             continue
-        base = inspect.getattr_static(KVConnectorBase_V1, name, None)
+        owner = KVConnectorBase_V1 if inspect.getattr_static(KVConnectorBase_V1, name, None) is not None \
+            else SupportsHMA
+        base = inspect.getattr_static(owner, name, None)
         if base is None:
             assert name in NEWER_HOOKS and version < NEWER_HOOKS[name], \
                 f"{name} is no hook of vLLM {'.'.join(map(str, version))}'s KVConnectorBase_V1"
             continue
         assert isinstance(ours, classmethod) == isinstance(base, classmethod), name
         assert isinstance(ours, staticmethod) == isinstance(base, staticmethod), name
-        assert _callable_as(getattr(LLMDataDistConnector, name), getattr(KVConnectorBase_V1, name)), name
+        assert _callable_as(getattr(LLMDataDistConnector, name), getattr(owner, name)), name
         checked.append(name)
     assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
             "register_kv_caches", "start_load_kv", "get_finished", "get_block_ids_with_load_errors",
-            "set_xfer_handshake_metadata", "get_required_kvcache_layout"} <= set(checked)
+            "set_xfer_handshake_metadata", "get_required_kvcache_layout", "request_finished_all_groups"} <= set(checked)
+    # vLLM keeps its hybrid KV cache manager on only for connectors that declare it
+    assert supports_hma(LLMDataDistConnector)
     if version >= (0, 33):
         assert set(NEWER_HOOKS) <= set(checked)
     # the constructor vLLM's factory calls (it refuses connectors without kv_cache_config)

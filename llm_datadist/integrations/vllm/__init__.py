@@ -41,7 +41,8 @@ installed before it built the connector (handlers that are not a Python callable
 A failed pull is reported through ``get_block_ids_with_load_errors`` and ``failed_recving``; vLLM
 then fails or recomputes the request (``kv_load_failure_policy``), never decodes from blocks
 that did not arrive. So is a refused one: once per link the two workers exchange what their KV is
-(model, dtype, KV heads, head size, layers, cache dtype, block size, layout, speculative config,
+(model, dtype, KV heads, head size, layers, cache dtype, block size, layout, KV cache groups,
+speculative config,
 KV format version: ``compat.py``), and a decode engine refuses the KV of a prefill engine that
 differs, with one line per request naming the fields.
 
@@ -141,11 +142,28 @@ The answer reaches the decode scheduler as worker metadata (``build_connector_wo
 come whole. A prefill engine that cannot answer (an older release, a refusal, unreachable, no
 answer in time) makes the decode engine compute the prompt (one line) and release rank 0.
 
-Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's), tensor parallelism
-(equal or different sizes on the two sides), data parallelism, memory the llm_datadist device
-runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet: several
-KV cache groups (hybrid/sliding-window models), replicated KV heads across different TP sizes,
-pipeline parallelism (refused at start-up), push mode, layer-by-layer pipelining.
+Hybrid models (``SupportsHMA``): the connector declares vLLM's ``SupportsHMA``, so vLLM keeps its
+hybrid KV cache manager on (sliding-window layers then hold only their window's blocks), and
+implements ``request_finished_all_groups``. Each KV cache group that moves (vLLM's transfer groups;
+full or sliding-window attention) is one llm_datadist cache of its layers (``model_id`` = its
+position among them), and ``remote_block_ids`` is then one list per group, as NIXL's connector
+sends it. A sliding-window group's list is cut on both sides to its last ``ceil(window /
+block_size) + 1`` blocks, less vLLM's null block (``groups.clip``), and the decode side pulls its
+own blocks of that group from the tail of the prefill side's: only the blocks inside the window
+move. A decode scheduler counts a peer's lists per group (group count, a full group's blocks, at
+most the window's for a sliding one) before it uses them; a mismatch computes the prompt locally.
+With more than one group a failed pull is reported in ``failed_recving`` only (vLLM 0.32 raises on
+``invalid_block_ids`` when there are several groups). State-space (Mamba) groups are refused at
+start-up with a line saying so (not supported yet; see ``groups``), as is any group kind other than
+full or sliding-window attention in a model with several groups; a hybrid model's KV moves only
+between engines of one tensor parallel size.
+
+Supported: models with one KV cache group (vLLM's ``LBHNC`` views, or MLA's) or several full and
+sliding-window attention groups (hybrid models, above), tensor parallelism (equal or different
+sizes on the two sides; equal only for hybrid models), data parallelism, memory the llm_datadist
+device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet:
+state-space (Mamba) groups, replicated KV heads across different TP sizes, pipeline parallelism
+(refused at start-up), push mode, layer-by-layer pipelining.
 """
 
 from __future__ import annotations

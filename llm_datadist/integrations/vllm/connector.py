@@ -10,11 +10,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata)
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, LLMDataDistPromMetrics
@@ -26,8 +28,10 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
 
-class LLMDataDistConnector(KVConnectorBase_V1):
-    """vLLM v1 KV connector over llm_datadist: decode engines pull prefill blocks."""
+class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector over llm_datadist: decode engines pull prefill blocks. It supports vLLM's
+    hybrid KV cache manager (``SupportsHMA``): each KV cache group's blocks move, a sliding-window
+    group's only inside its window (``groups``)."""
 
     #: vLLM's label of the prompt tokens this connector loads (``vllm:prompt_tokens_cached_by_source``):
     #: they come from another vLLM instance.
@@ -49,18 +53,19 @@ class LLMDataDistConnector(KVConnectorBase_V1):
             # not handed to the decode side.
             raise ValueError("--enable-return-routed-experts is incompatible with LLMDataDistConnector: "
                              "the routed experts of a prefill are not passed to its decode engine")
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise NotImplementedError("LLMDataDistConnector supports models with one KV cache group only "
-                                      f"(this one has {len(kv_cache_config.kv_cache_groups)})")
+        # (refuses state-space groups and, among several groups, any but full and sliding-window attention)
+        self._groups = kv_groups.transfer_groups(kv_cache_config)
+        num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self._scheduler: Optional[Scheduler] = None
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
                                          producer=bool(transfer.is_kv_producer),
                                          tp_size=parallel.tensor_parallel_size,
-                                         kv_heads=_kv_heads(vllm_config))
+                                         kv_heads=_kv_heads(vllm_config), groups=self._groups,
+                                         num_groups=num_groups)
         else:
-            self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config)
+            self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config, self._groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
@@ -86,6 +91,10 @@ class LLMDataDistConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta()
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        # (vLLM calls this only for connectors without SupportsHMA: one group's list)
+        return self._scheduler.request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -100,7 +109,8 @@ class LLMDataDistConnector(KVConnectorBase_V1):
             self._scheduler.set_workers(ours)  # {tp_rank: handshake}
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
-        return (0,)
+        # a pull restores the request's own blocks of every group that moves
+        return tuple(g.index for g in self._groups) or (0,)
 
     # -- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:

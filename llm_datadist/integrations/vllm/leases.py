@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from llm_datadist.integrations.vllm.options import Options
 
@@ -152,8 +152,7 @@ class LeaseBook:
         #: request id -> the byte ranges its blocks span in every registered tensor, made at its first
         #: guarded pull and kept while it is held (a request's pulls come in several shares)
         self._ranges: Dict[str, List[Tuple[int, int]]] = {}
-        self._tensors: List[int] = []
-        self._block_bytes = 0
+        self._tensors: List[Tuple[int, int]] = []  # (address, bytes of one block)
         self._leased = threading.Condition(self._lock)  # a lease came (``read_guard`` waits for it)
         self._rank_table: List[Tuple[str, int, int, bytes]] = []
         self.own_rank: Optional[Dict[str, Any]] = None
@@ -393,10 +392,14 @@ class LeaseBook:
             return True, ""
 
     # -- guarded reads (the engine's read guard, on the link's thread) ----------------------------------
-    def set_layout(self, tensors: List[int], block_bytes: int) -> None:
-        """The registered KV tensors (addresses; block id on dim 0) and the bytes of one block."""
+    def set_layout(self, tensors: List[int], block_bytes: Union[int, List[int]]) -> None:
+        """The registered KV tensors (addresses; block id on dim 0) and the bytes of one block: one
+        count for all, or one per tensor (a hybrid model's groups may differ)."""
+        sizes = [int(block_bytes)] * len(tensors) if isinstance(block_bytes, int) else [int(b) for b in block_bytes]
+        if len(sizes) != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors but {len(sizes)} block sizes")
         with self._lock:
-            self._tensors, self._block_bytes = list(tensors), int(block_bytes)
+            self._tensors = list(zip(tensors, sizes))
             self._ranges = {}
 
     def read_guard(self, peer_cluster_id: int, tag: bytes) -> Optional[List[Tuple[int, int]]]:
@@ -423,8 +426,7 @@ class LeaseBook:
             blocks = self.blocks.get(req_id) if req_id in self.held else None
             ranges = self._ranges.get(req_id)
             if blocks is not None and ranges is None:
-                size = self._block_bytes
-                ranges = self._ranges[req_id] = [(addr + block * size, size) for addr in self._tensors
+                ranges = self._ranges[req_id] = [(addr + block * size, size) for addr, size in self._tensors
                                                  for block in blocks]
         if blocks is None:
             self._refuse_read(peer_cluster_id, "a pull for a request whose blocks this engine no longer holds")

@@ -20,6 +20,10 @@ REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_reque
 #: The largest tensor parallel size ``kv_transfer_params`` may name (they come from outside).
 MAX_TP_SIZE = 256
 
+#: The most KV cache groups ``kv_transfer_params`` may name block ids for (hybrid models: one list
+#: per group; they come from outside).
+MAX_KV_GROUPS = 64
+
 
 @dataclass(frozen=True)
 class Peer:
@@ -68,6 +72,27 @@ class Recv:
     #: the prefill engine's tensor parallel size as its params say (``tp_size``), which counts
     #: where they name no ranks (a router that forwards only NIXL's fields): see ``ranks_unknown``
     remote_tp_size: int = 1
+    #: a hybrid model's blocks, one list per KV cache group (vLLM's hybrid KV cache manager), where
+    #: the params name more than one group; ``remote_block_ids`` and ``local_block_ids`` then hold
+    #: their concatenation (what counts and reports use). Empty: one group, the flat lists above.
+    remote_groups: Tuple[List[int], ...] = ()
+    local_groups: Tuple[List[int], ...] = ()
+
+    def group_pairs(self) -> List[Tuple[int, List[int], List[int]]]:
+        """``(group, remote block ids, local block ids)`` per KV cache group, as the params and the
+        scheduler gave them (not yet paired: a group's local blocks take the tail of its remote ones)."""
+        if not self.remote_groups:
+            return [(0, self.remote_block_ids, self.local_block_ids)]
+        local = self.local_groups or tuple([] for _ in self.remote_groups)
+        return [(group, list(remote), list(mine))
+                for group, (remote, mine) in enumerate(zip(self.remote_groups, local))]
+
+    def with_local(self, groups: Tuple[List[int], ...]) -> "Recv":
+        """This spec with the local blocks per KV cache group (one group: the flat list)."""
+        if not self.remote_groups:
+            return replace(self, local_block_ids=list(groups[0]) if groups else [])
+        return replace(self, local_groups=tuple(list(g) for g in groups),
+                       local_block_ids=[b for g in groups for b in g])
 
     @property
     def tp_size(self) -> int:
@@ -97,7 +122,7 @@ class Recv:
         same = len(ranks) == size
         return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
                         remote_request_id=peer.remote_request_id, local_block_ids=self.local_block_ids if same else [],
-                        awaiting=self.awaiting and same)
+                        local_groups=self.local_groups if same else (), awaiting=self.awaiting and same)
                 for p, peer in enumerate(ranks) if p % size == rank]
 
 
@@ -185,11 +210,17 @@ def recv_spec(params: Any) -> Optional[Recv]:
         if not isinstance(params, dict) or any(params.get(name) is None for name in REMOTE_FIELDS):
             return None
         blocks = params["remote_block_ids"]
+        groups: Tuple[List[int], ...] = ()
         if isinstance(blocks, (list, tuple)) and blocks and isinstance(blocks[0], (list, tuple)):
-            if len(blocks) != 1:  # per-group form (NIXL style): one KV cache group only
+            # per-group form (NIXL style): one list per KV cache group
+            if len(blocks) > MAX_KV_GROUPS or not all(_block_list(g) for g in blocks):
                 return None
-            blocks = blocks[0]
-        if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+            if len(blocks) == 1:
+                blocks = blocks[0]
+            else:
+                groups = tuple(list(g) for g in blocks)
+                blocks = [b for g in groups for b in g]
+        if not _block_list(blocks):
             return None
         first = _peer(params["remote_host"], params["remote_port"], params.get("remote_cluster_id"),
                       params["remote_request_id"])
@@ -217,9 +248,15 @@ def recv_spec(params: Any) -> Optional[Recv]:
             ranks = (first,) + ranks[1:]
         return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
                     ranks=ranks, remote_block_size=block_size, readers_counted=params.get("readers_counted") is True,
-                    remote_tp_size=tp_size)
+                    remote_tp_size=tp_size, remote_groups=groups)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _block_list(blocks: Any) -> bool:
+    """Whether ``blocks`` is a list of block ids (ints >= 0, no bools)."""
+    return isinstance(blocks, (list, tuple)) and \
+        all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
 
 
 def _peer(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[Peer]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
+from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
@@ -75,8 +76,12 @@ def prompt_length(request) -> int:
 
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1,
-                 kv_heads: int = 0):
+                 kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1):
         self.engine_id = engine_id
+        #: the KV cache groups that move (``groups.transfer_groups``; () if vLLM gave no config) and
+        #: how many groups vLLM's block id lists have
+        self.groups = groups
+        self.num_groups = num_groups
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
@@ -157,7 +162,6 @@ class Scheduler:
             if not params.get("do_remote_prefill"):
                 return 0, False  # it could not say: computed here
         prompt = prompt_length(request)
-        wanted = -(-prompt // self.block_size)
         why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
         if why:
             logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d, "
@@ -171,10 +175,10 @@ class Scheduler:
             # vLLM recomputes or fails the request (kv_load_failure_policy).
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
-        if spec is None or len(spec.remote_block_ids) != wanted:
-            logger.warning("request %s: kv_transfer_params are malformed or name %s blocks for a prompt of "
-                           "%d tokens (%d wanted); computing the prompt locally", request.request_id,
-                           "?" if spec is None else len(spec.remote_block_ids), prompt, wanted)
+        why = "they are malformed" if spec is None else self._blocks_refusal(spec, prompt)
+        if why:
+            logger.warning("request %s: kv_transfer_params do not fit a prompt of %d tokens here (%s); computing "
+                           "the prompt locally", request.request_id, prompt, why)
             params["do_remote_prefill"] = False
             if spec is not None:
                 self._recv[request.request_id] = spec  # still let the prefill side free its blocks
@@ -190,8 +194,15 @@ class Scheduler:
         spec = recv_spec(params)
         if spec is None:
             return
-        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self._recv[request.request_id] = replace(spec, local_block_ids=local, awaiting=num_external_tokens > 0,
+        if num_external_tokens <= 0:
+            local: Tuple[List[int], ...] = tuple([] for _ in spec.remote_groups) or ([],)
+        elif self.groups:
+            # (vLLM's lists without the null blocks of sliding-window groups), clipped as the prefill
+            # side clips its own
+            local = kv_groups.clip(self.groups, blocks.get_unhashed_block_ids_all_groups(), self.num_groups)
+        else:
+            local = (list(blocks.get_unhashed_block_ids()),)
+        self._recv[request.request_id] = replace(spec.with_local(local), awaiting=num_external_tokens > 0,
                                                  refused=self._refusal(spec),
                                                  kv_heads=self.kv_heads if spec.tp_size != self.tp_size else 0)
 
@@ -265,6 +276,21 @@ class Scheduler:
                     "between engines of the same tensor parallel size")
         return split_refusal(self.kv_heads, spec.tp_size, self.tp_size)
 
+    def _blocks_refusal(self, spec: Recv, prompt: int) -> str:
+        """Why the blocks the params name cannot be this engine's KV of a prompt of ``prompt``
+        tokens (they come from outside: counted per KV cache group); "" if they can."""
+        expected = kv_groups.expected_blocks(self.groups, prompt, self.block_size)
+        named = [list(g) for g in spec.remote_groups] or [spec.remote_block_ids]
+        if len(named) != len(expected):
+            return (f"they name blocks of {len(named)} KV cache group(s), this engine has {len(expected)} (the "
+                    "engines must run one model with the same --disable-hybrid-kv-cache-manager)")
+        for index, (blocks, (fewest, most)) in enumerate(zip(named, expected)):
+            if not fewest <= len(blocks) <= most:
+                where = f" of KV cache group {index}" if len(expected) > 1 else ""
+                wanted = str(most) if fewest == most else f"{fewest} to {most}"
+                return f"they name {len(blocks)} blocks{where}, {wanted} wanted"
+        return ""
+
     def _refusal(self, spec: Recv) -> str:
         """Why the prefill engine's blocks cannot be loaded here, from what its params say; "" if they can."""
         if spec.remote_block_size is not None and spec.remote_block_size != self.block_size:
@@ -309,7 +335,15 @@ class Scheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted prefill: free its blocks now
-        ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or ())
+        if block_ids and not isinstance(block_ids[0], (list, tuple)):
+            block_ids = (list(block_ids),)
+        try:
+            # what moves: the transfer groups, sliding-window ones cut to their window
+            per_group = kv_groups.clip(self.groups, block_ids or ((),), self.num_groups)
+        except ValueError as exc:
+            logger.error("request %s: %s; its KV is not handed to a decode engine", request.request_id, exc)
+            return False, None
+        ids = [b for group in per_group for b in group]
         if not ids:
             return False, None
         if self._signals.stopping:
@@ -333,7 +367,8 @@ class Scheduler:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": ids,
+            # one list, or (a hybrid model) one per KV cache group, as NIXL's connector sends them
+            "remote_block_ids": per_group[0] if len(per_group) == 1 else [list(g) for g in per_group],
             "remote_engine_id": self.engine_id,
             "remote_request_id": remote_ids[0],
             "remote_host": self.worker.host,

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 import llm_datadist as ld
 from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv)
@@ -43,8 +44,15 @@ def parallel_ranks(vllm_config) -> Tuple[int, int, int]:
 
 
 class Worker:
-    def __init__(self, vllm_config, engine_id: str, options: Options, kv_cache_config):
+    def __init__(self, vllm_config, engine_id: str, options: Options, kv_cache_config,
+                 groups: Tuple[kv_groups.Group, ...] = ()):
         transfer = vllm_config.kv_transfer_config
+        #: the KV cache groups that move (``groups.transfer_groups``): with more than one (a hybrid
+        #: model), each group's layers are one llm_datadist cache, ``model_id`` = its position here
+        self.groups = groups
+        #: all of vLLM's KV cache groups (with more than one, vLLM takes failed loads only as
+        #: ``failed_recving``: block ids are not unique across groups)
+        self.num_kv_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self.engine_id = engine_id
         self.options = options
         self.producer = bool(transfer.is_kv_producer)
@@ -77,7 +85,11 @@ class Worker:
         # Block releases travel as notifications over the links (no server of our own); the
         # engine passes them to its links.
         self._links_api = self.dd.engine
-        self.cache: Optional[ld.Cache] = None
+        self.cache: Optional[ld.Cache] = None  # the first of ``caches``
+        #: one registered cache per group that moves (one in all without hybrid groups)
+        self.caches: List[ld.Cache] = []
+        self._descs: List[ld.CacheDesc] = []
+        self._keep_groups: List[List[Any]] = []
         self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
@@ -86,7 +98,9 @@ class Worker:
         self._lock = threading.Lock()
         self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
+        self.compat["kv_groups"] = kv_groups.describe(groups)
         self._block_bytes = 0
+        self._group_block_bytes: List[int] = [0]  # bytes of one block of each group's tensors together
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
         self._head_bytes: Optional[int] = None
@@ -128,25 +142,46 @@ class Worker:
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
-        tensors = layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)
-        desc = layout.cache_desc(tensors)
+        if len(self.groups) > 1:
+            # a hybrid model: each group's layers are a cache of their own (a group's blocks are
+            # its own ids: they index only its layers)
+            missing = [g.index for g in self.groups if not any(name in kv_caches for name in g.layers)]
+            if missing:
+                raise ValueError(f"LLMDataDistConnector: no KV caches of the layers of KV cache group(s) {missing}")
+            parts = [layout.kv_tensors({name: kv_caches[name] for name in g.layers if name in kv_caches},
+                                       self.num_blocks, self.kv_cache_layout) for g in self.groups]
+        else:
+            parts = [layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)]
+        descs = [layout.cache_desc(tensors) for tensors in parts]
+        tensors = [t for part in parts for t in part]
         first = tensors[0]
-        if desc.placement == ld.Placement.DEVICE:
+        if any(t.device != first.device for t in tensors):
+            raise NotImplementedError("LLMDataDistConnector: the KV cache groups' tensors are on different devices")
+        if descs[0].placement == ld.Placement.DEVICE:
             layout.check_device(self.dd, first.device, self.device_id)
         self._keep = tensors
-        self._block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
-        self._head_bytes, self._heads_refusal = self._head_split(first)
+        self._keep_groups = parts
+        self._descs = descs
+        self._block_bytes = sum(t[0].numel() * t.element_size() for t in parts[0])
+        self._group_block_bytes = [sum(t[0].numel() * t.element_size() for t in part) for part in parts]
+        if len(parts) > 1:
+            self._head_bytes, self._heads_refusal = None, "a hybrid model's KV moves only between engines of one " \
+                "tensor parallel size"
+        else:
+            self._head_bytes, self._heads_refusal = self._head_split(first)
         # (a new dict: links' threads read it)
-        self.compat = dict(self.compat, layout=compat.layout(desc), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(desc, self.tp_size if self._head_bytes else 0))
-        self._register(tensors, desc)
+        self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
+                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0))
+        self._register()
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
-            # Pulls through this engine's server read only the blocks leased to the puller's token.
-            self.leases.set_layout([t.data_ptr() for t in tensors], first[0].numel() * first.element_size())
+            # Pulls through this engine's server read only the blocks leased to the puller's token
+            # (in every group's tensors: a request's ids of all its groups).
+            self.leases.set_layout([t.data_ptr() for t in tensors], [t[0].numel() * t.element_size() for t in tensors])
             self._links_api.set_read_guard(self.leases.read_guard)
-        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d",
-                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id)
+        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d%s",
+                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id,
+                    f", one cache per KV cache group ({kv_groups.describe(self.groups)})" if len(parts) > 1 else "")
 
     def _head_split(self, first) -> Tuple[Optional[int], str]:
         """``(bytes of one KV head in a block, "")`` if each block of the registered tensors holds
@@ -164,11 +199,14 @@ class Worker:
                           "heads outermost")
         return first[0].numel() * first.element_size() // mine, ""
 
-    def _register(self, tensors, desc: ld.CacheDesc) -> None:
+    def _register(self) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
         # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
-        self.cache = self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
-                                                   ld.BlocksCacheKey(self.cluster_id, 0), True)
+        # Cache k (the k-th group that moves) is (this cluster, model_id k) for peers.
+        self.caches = [self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
+                                                     ld.BlocksCacheKey(self.cluster_id, k), True)
+                       for k, (desc, tensors) in enumerate(zip(self._descs, self._keep_groups))]
+        self.cache = self.caches[0]
 
     # -- sleep mode (vLLM 0.33) -------------------------------------------------------------------
     def unregister(self) -> None:
@@ -178,11 +216,13 @@ class Worker:
         not survive sleep; a decode side that comes for them is refused). Idempotent."""
         with self._lock:
             cache, self.cache = self.cache, None
+            caches, self.caches = self.caches, []
             if cache is None:
                 return
             self._asleep = cache.cache_desc
         freed = self.leases.free_held("the KV cache was put to sleep")
-        self.cm.unregister_cache(cache.cache_id)
+        for each in caches:
+            self.cm.unregister_cache(each.cache_id)
         logger.info("llm_datadist: KV caches unregistered for sleep mode%s",
                     f"; freed the blocks of {freed} request(s) held for decode engines" if freed else "")
 
@@ -193,7 +233,7 @@ class Worker:
             desc = self._asleep
         if desc is None:
             return
-        self._register(self._keep, desc)
+        self._register()
         with self._lock:
             self._asleep = None
         logger.info("llm_datadist: KV caches registered again after sleep mode")
@@ -309,14 +349,16 @@ class Worker:
     def take_load_errors(self) -> Set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
-        return errors
+        # With several KV cache groups vLLM cannot map block ids to requests (and raises): their
+        # failed loads reach it as failed_recving only.
+        return errors if self.num_kv_groups == 1 else set()
 
     # -- decode side ------------------------------------------------------------------------------
     def _pull(self, req_id: str, spec: Recv) -> None:
         """Pull the request's blocks, then have the prefill side release them; the request is
         reported done in every case, and failed unless both steps succeeded. At most one line is
         logged per request, saying what happened."""
-        local = spec.local_block_ids
+        local = spec.local_block_ids  # (of every group)
         ok = False
         try:
             ok = self._pull_and_release(req_id, spec)
@@ -350,16 +392,13 @@ class Worker:
             (f" (cluster {spec.cluster_id})" if spec.cluster_id is not None else "")
         pull_error = None
         if local:
-            # a local prefix-cache hit covers the first blocks: the rest are the last remote ones
-            remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(local):]
             with self._lock:
-                cache, asleep = self.cache, self._asleep is not None
+                caches, asleep = list(self.caches), self._asleep is not None
             try:
-                if len(spec.remote_block_ids) < len(local):
-                    raise ValueError(f"{len(spec.remote_block_ids)} remote blocks for {len(local)} local ones")
+                pairs = pair_blocks(spec, max(1, len(self.groups)))
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
-                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, cache, remote, local, cluster_id))
+                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, caches, pairs, cluster_id))
             except Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
@@ -393,9 +432,11 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _pull_blocks(self, spec: Recv, cache: ld.Cache, remote: list, local: list, cluster_id: int) -> None:
-        """Pull from ``cluster_id`` (the one linked at the spec's address), timed for vLLM's
-        metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
+    def _pull_blocks(self, spec: Recv, caches: List[ld.Cache], pairs: List[Tuple[int, List[int], List[int]]],
+                     cluster_id: int) -> None:
+        """Pull ``pairs`` (``(group, remote ids, local ids)``, ``pair_blocks``) from ``cluster_id``
+        (the one linked at the spec's address), each group from and into its own cache, timed for
+        vLLM's metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
         ``compat.Incompatible`` (nothing pulled) if the request or the link's peer was refused."""
         why = spec.refused or self.peers.peer(spec).incompatible
         if why:
@@ -404,17 +445,32 @@ class Worker:
             raise compat.Incompatible(f"this engine has another tensor parallel size than the prefill engine, and "
                                       f"{self._heads_refusal}")
         start = time.perf_counter()
-        nbytes = len(local) * self._block_bytes
+        nbytes = blocks = 0
         with self.dd.engine.read_tag(spec.remote_request_id):
-            if spec.heads:
-                # this rank's heads, one byte range of each block on both sides
-                size = self._head_bytes
-                self.dd.engine.pull_block_range(cluster_id, 0, cache.cache_id, remote, local,
-                                                spec.src_head * size, spec.dst_head * size, spec.heads * size)
-                nbytes = len(local) * len(self._keep) * spec.heads * size
-            else:
-                self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, 0), cache, remote, local)
-        self.recorder.pull(time.perf_counter() - start, len(local), nbytes)
+            for group, remote, local in pairs:
+                if not local:
+                    continue
+                if spec.heads:
+                    # this rank's heads, one byte range of each block on both sides (one group only)
+                    size = self._head_bytes
+                    self.dd.engine.pull_block_range(cluster_id, 0, caches[0].cache_id, remote, local,
+                                                    spec.src_head * size, spec.dst_head * size, spec.heads * size)
+                    nbytes += len(local) * len(self._keep) * spec.heads * size
+                else:
+                    # (no cache: not registered, which pull_blocks refuses)
+                    cache = caches[group] if group < len(caches) else None
+                    self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, group), cache, remote, local)
+                    nbytes += len(local) * self._group_block_bytes[group]
+                blocks += len(local)
+                if len(pairs) > 1:
+                    self._count_group(group, len(local))
+        self.recorder.pull(time.perf_counter() - start, blocks, nbytes)
+
+    def _count_group(self, group: int, blocks: int) -> None:
+        """``pulled_blocks_group<k>``: blocks pulled of the k-th KV cache group that moves."""
+        with self._lock:
+            key = f"pulled_blocks_group{group}"
+            self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
         """Once per link (``Peers`` calls it when a link is made): tell the prefill worker what this
@@ -497,3 +553,19 @@ def read_ranks_reply(reply: Any, remote_id: str) -> Dict[str, Any]:
     if not isinstance(ranks, list):
         return {"why": "its answer is malformed"}
     return {"ranks": ranks, "readers_counted": reply.get("readers_counted") is True}
+
+
+def pair_blocks(spec: Recv, num_groups: int) -> List[Tuple[int, List[int], List[int]]]:
+    """``(group, remote ids, local ids)`` per KV cache group: a group's local blocks take the tail
+    of its remote ones (a local prefix-cache hit covers the first blocks; a sliding-window group
+    needs only its last ones). ValueError if the spec names more than this engine's ``num_groups``, or
+    fewer remote blocks than local ones (they come from outside)."""
+    pairs = []
+    for group, remote, local in spec.group_pairs():
+        if group >= num_groups:
+            raise ValueError(f"blocks of KV cache group {group}, but this engine moves {num_groups} group(s)")
+        if len(remote) < len(local):
+            where = f" of KV cache group {group}" if spec.remote_groups else ""
+            raise ValueError(f"{len(remote)} remote blocks{where} for {len(local)} local ones")
+        pairs.append((group, remote[len(remote) - len(local):], local))
+    return pairs

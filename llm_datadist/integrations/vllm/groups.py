@@ -1,0 +1,126 @@
+"""A hybrid model's KV cache groups (vLLM's hybrid KV cache manager): which groups move, which of
+their blocks, and which model shapes the connector refuses.
+
+vLLM gives each kind of attention layer its own KV cache group with its own block ids (full
+attention, sliding window...). A sliding-window group needs only the blocks that hold its window's
+tokens: vLLM frees (and, on the decode side, never allocates) the ones before it, and lists them as
+its null block. So both sides clip such a group's block list to its last ``window_blocks`` ids:
+``ceil(window / block_size) + 1`` (the window seldom starts at a block boundary), less the null
+block (vLLM's block 0) in front; the decode side's list is then paired with the tail of the prefill
+side's (``Recv.group_pairs``), as for a local prefix hit.
+
+State-space (Mamba) groups are refused, not yet supported: vLLM's CPU build runs a tiny Mamba2
+hybrid (NemotronH), but a group's state moves by other rules: each layer's cache is a list of
+state views (conv, SSM) inside one page per block, only the running state's block moves (not one
+per token block, nor the speculative scratch slots), and the prefill engine must stop one token
+short of the prompt (the decode engine recomputes the last token from the state before it), as
+NixlConnector does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+
+#: vLLM's null block (``BlockPool.null_block``, the first of the pool), which stands in a
+#: sliding-window group's list for the blocks before its window.
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group that moves between engines."""
+
+    index: int  # in vLLM's ``kv_cache_groups``
+    kind: str  # "full" or "sliding_window" (or, for a lone group, the spec's class name)
+    window: int = 0  # sliding window in tokens; 0: every block of the prompt
+    block_size: int = 0
+    layers: Tuple[str, ...] = ()
+
+    @property
+    def window_blocks(self) -> int:
+        """The most blocks of this group a request's KV needs (0: all of them)."""
+        if not self.window or not self.block_size:
+            return 0
+        return -(-self.window // self.block_size) + 1
+
+    @property
+    def name(self) -> str:
+        return f"sliding_window({self.window})" if self.window else self.kind
+
+
+def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
+    """The groups of ``kv_cache_config`` that move (vLLM's ``transfer_group_ids``), in that order;
+    ``()`` without a config (an engine that does not say: one group of full attention).
+    ``NotImplementedError`` for groups this connector cannot move: state-space (Mamba) groups, and,
+    in a model with several groups, any other than full or sliding-window attention."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return ()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    all_groups = kv_cache_config.kv_cache_groups
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    ids = tuple(range(len(all_groups))) if ids is None else tuple(ids)
+    out: List[Group] = []
+    for index in ids:
+        group = all_groups[index]
+        spec = group.kv_cache_spec
+        layers = tuple(group.layer_names)
+        if isinstance(spec, MambaSpec):
+            raise NotImplementedError(
+                "LLMDataDistConnector does not move state-space (Mamba) KV cache groups (layers "
+                f"{', '.join(layers[:3])}{'...' if len(layers) > 3 else ''}): hybrid SSM models (Jamba, "
+                "Bamba, NemotronH...) are not supported yet; use another KV connector (NixlConnector) for them")
+        block_size = int(getattr(spec, "block_size", 0) or 0)
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(Group(index, "sliding_window", int(spec.sliding_window), block_size, layers))
+        elif isinstance(spec, FullAttentionSpec):
+            out.append(Group(index, "full", 0, block_size, layers))
+        elif len(all_groups) > 1:
+            raise NotImplementedError(
+                f"LLMDataDistConnector moves full and sliding-window attention KV cache groups only; this "
+                f"model's group {index} is {type(spec).__name__}")
+        else:
+            out.append(Group(index, type(spec).__name__, 0, block_size, layers))
+    return tuple(out)
+
+
+def describe(groups: Sequence[Group]) -> Optional[str]:
+    """What the compatibility check compares (``compat``): each group's kind and window, and its
+    layers; None for one full-attention group (what every engine without a config has)."""
+    if len(groups) <= 1 and all(not g.window for g in groups):
+        return None
+    return ";".join(f"{g.name}:{len(g.layers)}" for g in groups)
+
+
+def clip(groups: Sequence[Group], block_ids: Sequence[Sequence[int]], num_groups: int) -> Tuple[List[int], ...]:
+    """A request's block ids (vLLM's, one list per KV cache group, ``num_groups`` of them) cut to
+    what moves: the transfer groups, in order, each sliding-window one to its last
+    ``window_blocks`` ids. Without groups (no config): the first list, whole."""
+    if not groups:
+        return (list(block_ids[0]) if block_ids else [],)
+    if len(block_ids) != num_groups:
+        raise ValueError(f"expected {num_groups} KV cache groups, got {len(block_ids)}")
+    out = []
+    for group in groups:
+        blocks = list(block_ids[group.index])
+        keep = group.window_blocks
+        if keep:
+            blocks = [b for b in blocks[-keep:] if b != NULL_BLOCK]
+        out.append(blocks)
+    return tuple(out)
+
+
+def expected_blocks(groups: Sequence[Group], prompt_tokens: int, block_size: int) -> List[Tuple[int, int]]:
+    """``(fewest, most)`` block ids a prefill engine hands out per group for a prompt of
+    ``prompt_tokens``: every block for a full group; for a sliding-window group at least one and
+    at most ``window_blocks`` (never more than the prompt has). Whether the decode side's own
+    blocks of a group are covered is checked when it pulls."""
+    if not groups:
+        wanted = -(-prompt_tokens // block_size)
+        return [(wanted, wanted)]
+    out = []
+    for group in groups:
+        blocks = -(-prompt_tokens // (group.block_size or block_size))
+        out.append((min(1, blocks), min(blocks, group.window_blocks)) if group.window_blocks else (blocks, blocks))
+    return out
