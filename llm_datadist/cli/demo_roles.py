@@ -320,7 +320,9 @@ def _work(side: _Side, state, engine, channel: PeerChannel, args, out) -> dict:
         who = f"{mine} pulls from {theirs}" if pull and side.issuer else f"{theirs} pulls from {mine}" if pull else \
             f"{mine} pushes to {theirs}" if side.issuer else f"{theirs} pushes to {mine}"
         asked = f"asked: {side.asked_plane}" if side.issuer else f"chosen by the {issuer}"
-        out(f"transfer:  {who} with {op}, one call per request, data plane {plane} ({asked})")
+        protected = state.dd.engine.link_protection(peer)
+        out(f"transfer:  {who} with {op}, one call per request, data plane {plane} ({asked})"
+            + ("" if protected == "off" else f", link protection {protected}"))
         progress.step("verifying", 0)
         if side.role == "decode":
             verdict = _verify(side, state, args.corrupt_block, progress)
@@ -340,7 +342,7 @@ def _work(side: _Side, state, engine, channel: PeerChannel, args, out) -> dict:
         requests=requests, tokens_per_request=side.flags["tokens"], blocks_per_request=len(batch.prefill_blocks[0]),
         blocks=batch.total_blocks, tensors=geometry.num_tensors, descriptors=batch.total_blocks * geometry.num_tensors,
         bytes=moved, bytes_per_request=len(batch.prefill_blocks[0]) * per_block, operation=op, issuer=issuer,
-        data_plane=plane, data_plane_asked=side.asked_plane if side.issuer else None,
+        data_plane=plane, data_plane_asked=side.asked_plane if side.issuer else None, link_protection=protected,
         device_runtime=side.runtime, device_runtime_reason=side.runtime_why,
         device_host_addressable=side.host_addressable, staging_blocks=side.staging,
         transfer_seconds=busy_s, gbps=moved / busy_s / 1e9 if busy_s else 0.0,

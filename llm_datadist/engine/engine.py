@@ -205,6 +205,12 @@ class Engine:
         self.check_initialized()
         return self.links.data_plane(remote_id, timeout_ms, local_device, remote_device)
 
+    def link_protection(self, remote_id: int) -> str:
+        """The protection of the link to ``remote_id``: "off", "integrity" or "encrypt"
+        (``llm.LinkProtection``; the stronger of the two sides' settings)."""
+        self.check_initialized()
+        return self.links.peer(remote_id).protection
+
     def set_notify_handler(self, handler: Optional[Callable]) -> None:
         """Answer peers' notifications with ``handler(peer_cluster_id, message) -> reply`` (None
         refuses them). Removing the handler also works after ``finalize``."""

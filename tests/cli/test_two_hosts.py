@@ -373,6 +373,29 @@ def test_demo_roles_between_two_network_namespaces_over_tcp(sides, secret_file, 
     assert prefill["peer"].startswith(f"{pair.server_ip}:")
 
 
+@pytest.mark.parametrize("over", ["nixl", "tcp, encrypted"])
+def test_demo_roles_between_two_network_namespaces_over_nixl_and_protected_tcp(sides, secret_file, request, over):
+    """nixl: NIXL over UCX TCP on the veth pair, UCX held to each namespace's veth (the test env of
+    ``tests/transport/test_netns.py``); protected tcp: both sides set LLM_DATADIST_LINK_PROTECTION."""
+    if over == "nixl":
+        from llm_datadist.transport.planes import nixl
+        if not nixl.installed():
+            pytest.skip(f"NIXL is not installed ({nixl.INSTALL})")
+    pair = make_pair(request)
+    env = {pair.server_ns: [], pair.client_ns: []}
+    for ns, device in ((pair.server_ns, pair.server_dev), (pair.client_ns, pair.client_dev)):
+        env[ns] = (["env", "LLM_DATADIST_NIXL_TCP=1", "UCX_TLS=tcp", f"UCX_NET_DEVICES={device}", "UCX_MODULES=^efa"]
+                   if over == "nixl" else ["env", "LLM_DATADIST_LINK_PROTECTION=encrypt"])
+    enter = tuple(["ip", "netns", "exec", ns, *env[ns]] for ns in (pair.server_ns, pair.client_ns))
+    args = ["--json", *(["--plane", "nixl"] if over == "nixl" else [])]
+    prefill, decode = reports(*demo_pair(sides, secret_file, ["--json"], args, listen=f"{pair.server_ip}:0",
+                                         peer_ip=pair.server_ip, enter=enter))
+    assert_same_run(prefill, decode, "push_blocks")
+    assert prefill["data_plane"] == ("nixl" if over == "nixl" else "tcp")
+    protected = "off" if over == "nixl" else "encrypt"
+    assert prefill["link_protection"] == decode["link_protection"] == protected
+
+
 # -- bench ------------------------------------------------------------------------------------------
 
 def test_bench_roles_print_a_cross_host_table_on_loopback(sides, secret_file, tmp_path):
