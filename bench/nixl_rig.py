@@ -212,10 +212,16 @@ def _raw(agent, write: bool, local: np.ndarray, remote: np.ndarray, name: str) -
     """One raw NIXL transfer of the descriptor lists, polled as the plane polls (``poll_pause``:
     spinning throughout makes bulk transfers slower here, the poller fighting NIXL's progress
     thread for two cores)."""
-    from llm_datadist.transport.planes.nixl import poll_pause
     b = agent.b
     handle = agent.agent.createXferReq(b.NIXL_WRITE if write else b.NIXL_READ, b.nixlXferDList(b.DRAM_SEG, local),
                                        b.nixlXferDList(b.DRAM_SEG, remote), name, "", agent.backends)
+    _post_and_wait(agent, handle, "raw NIXL transfer")
+
+
+def _post_and_wait(agent, handle, what: str) -> None:
+    """Post a made request, poll it as the plane polls (``nixl.poll_pause``), release it."""
+    from llm_datadist.transport.planes.nixl import poll_pause
+    b = agent.b
     started = time.monotonic()
     status = agent.agent.postXferReq(handle, "")
     while status == b.NIXL_IN_PROG:
@@ -225,26 +231,16 @@ def _raw(agent, write: bool, local: np.ndarray, remote: np.ndarray, name: str) -
         status = agent.agent.getXferStatus(handle)
     agent.agent.releaseXferReq(handle)
     if status != b.NIXL_SUCCESS:
-        raise RuntimeError(f"raw NIXL transfer: {status}")
+        raise RuntimeError(f"{what}: {status}")
 
 
 def _raw_prepped(agent, write: bool, local_list: int, local: np.ndarray, remote_list: int,
                  remote: np.ndarray) -> None:
     """One raw NIXL transfer from two prepared lists by index, polled as ``_raw`` polls."""
-    from llm_datadist.transport.planes.nixl import poll_pause
     b = agent.b
     handle = agent.agent.makeXferReq(b.NIXL_WRITE if write else b.NIXL_READ, local_list, local, remote_list, remote,
                                      "", agent.backends, False)
-    started = time.monotonic()
-    status = agent.agent.postXferReq(handle, "")
-    while status == b.NIXL_IN_PROG:
-        pause = poll_pause(time.monotonic() - started)
-        if pause:
-            time.sleep(pause)
-        status = agent.agent.getXferStatus(handle)
-    agent.agent.releaseXferReq(handle)
-    if status != b.NIXL_SUCCESS:
-        raise RuntimeError(f"raw prepped NIXL transfer: {status}")
+    _post_and_wait(agent, handle, "raw prepped NIXL transfer")
 
 
 def child_main(argv: List[str]) -> int:

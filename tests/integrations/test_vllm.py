@@ -202,6 +202,15 @@ def engines(tmp_path_factory):
             engine.close()
 
 
+def params_of_a_gone_prefill(params: list) -> list:
+    """``params`` pointing at a prefill engine that is gone: its cluster id unknown to the decode
+    side, its port closed (one nothing listens on)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+    return [dict(p, remote_port=dead_port, remote_cluster_id=p["remote_cluster_id"] ^ 0x5A5A) for p in params]
+
+
 def prefill_for_remote_decode(prefill: Engine, prompts) -> list:
     outputs = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     return [o["kv_transfer_params"] for o in outputs]
@@ -332,11 +341,7 @@ def test_corrupted_transfer_changes_the_tokens(engines):
 def test_failed_pull_is_reported_and_never_decoded(engines):
     baseline, prefill, decode = engines
     params = prefill_for_remote_decode(prefill, FAILING)
-    with socket.socket() as closed:  # a port nothing listens on
-        closed.bind(("127.0.0.1", 0))
-        dead_port = closed.getsockname()[1]
-    # a prefill engine that is gone: its cluster id unknown here, its port closed
-    broken = [dict(p, remote_port=dead_port, remote_cluster_id=p["remote_cluster_id"] ^ 0x5A5A) for p in params]
+    broken = params_of_a_gone_prefill(params)
     before = decode.stats()["stats"]
     outputs = decode.generate(FAILING, MAX_TOKENS, broken)
     moved = delta(decode.stats()["stats"], before)
@@ -666,10 +671,15 @@ def test_metadata_survives_pickling():
     assert back.reqs_to_recv == meta.reqs_to_recv and back.reqs_to_send == {"b": 3.0}
     hs = LLMDataDistHandshakeMetadata("e", 1, "127.0.0.1", 2)
     assert pickle.loads(pickle.dumps(hs)) == hs
-    # unusable params: missing fields, several KV cache groups, non-numbers
+    # several KV cache groups (a hybrid model): one list per group, kept per group
+    spec = _recv_spec(dict(remote_block_ids=[[1], [2]], remote_host="h", remote_port=1, remote_cluster_id=1,
+                           remote_request_id="r"))
+    assert spec.remote_groups == ([1], [2])
+    # unusable params: missing fields, groups nested deeper or mixed with ids, non-numbers
     assert _recv_spec({"remote_block_ids": [1]}) is None
-    assert _recv_spec(dict(remote_block_ids=[[1], [2]], remote_host="h", remote_port=1, remote_cluster_id=1,
-                           remote_request_id="r")) is None
+    for blocks in ([[1], 2], [[[1]], [2]], [[1], ["2"]], [[1], [True]]):
+        assert _recv_spec(dict(remote_block_ids=blocks, remote_host="h", remote_port=1, remote_cluster_id=1,
+                               remote_request_id="r")) is None, blocks
     assert _recv_spec(dict(remote_block_ids=[1], remote_host="h", remote_port="x", remote_cluster_id=1,
                            remote_request_id="r")) is None
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from types import SimpleNamespace
 
 import pytest
-from test_vllm import BLOCK, MAX_TOKENS, Engine, delta, needs_vllm, prefill_for_remote_decode, prompts_of, write_model
+from test_vllm import (BLOCK, MAX_TOKENS, Engine, delta, needs_vllm, params_of_a_gone_prefill,
+                       prefill_for_remote_decode, prompts_of, write_model)
 
 WINDOW = 32
 #: vLLM's own switch; None (its default) would turn the manager off for a connector without SupportsHMA
@@ -100,10 +100,7 @@ def test_a_failed_pull_of_a_hybrid_model_is_reported_per_request(hybrid):
     connector reports the request as failed instead, and vLLM fails it (its default policy)."""
     baseline, prefill, decode = hybrid
     params = prefill_for_remote_decode(prefill, FAILING)
-    with socket.socket() as closed:  # a port nothing listens on
-        closed.bind(("127.0.0.1", 0))
-        dead_port = closed.getsockname()[1]
-    broken = [dict(p, remote_port=dead_port, remote_cluster_id=p["remote_cluster_id"] ^ 0x5A5A) for p in params]
+    broken = params_of_a_gone_prefill(params)
     before = decode.stats()["stats"]
     outputs = decode.generate(FAILING, MAX_TOKENS, broken)
     assert delta(decode.stats()["stats"], before)["failed_requests"] == 1
