@@ -2,7 +2,7 @@
 """One 4 KiB push over the ``tcp`` plane, completion included, with and without the receive spin
 (``LLM_DATADIST_SPIN_US``), beside two raw ping-pongs of 4 KiB between two processes over the same
 kind of socket -- both ends blocking in ``recv``, and both ends spinning on non-blocking sockets --
-and, where NIXL is installed, one 4 KiB NIXL write over UCX TCP; all in one run.
+all in one run. (One 4 KiB write of NIXL over UCX TCP beside the tcp plane: ``report_nixl.py``.)
 
     python bench/latency_tcp.py                      # loopback, 3 rounds of 2000 pushes a kind
     python bench/latency_tcp.py --spins 0,20,50,100  # more spin settings
