@@ -285,6 +285,8 @@ class LinkAgreement:
     #: the link's protection (``protection``): what this side asked for or stronger, and its suite
     protection: str = protection.OFF
     suite: Optional[str] = None
+    #: ``protection.link_digest`` of the request and reply, as this side holds them
+    digest: bytes = b""
 
 
 def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int], role: str,
@@ -333,7 +335,7 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     host = reply.get("host") if isinstance(reply.get("host"), dict) else {}
     local = isinstance(unix_name, str) and local_sockets and same_host(host_identity(), host)
     return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0],
-                         granted, suite if granted != protection.OFF else None)
+                         granted, suite if granted != protection.OFF else None, protection.link_digest(request, reply))
 
 
 @dataclass

@@ -932,6 +932,8 @@ class LinkManager:
                                                                admission.request.get("self_proof"))
             status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
                                                     source_of(conn), proven_self, self.listener.on_rank_port(conn))
+            if peer is not None:  # (set before the reply goes: the data connections come after it)
+                peer.link_digest = protection.link_digest(admission.request, reply)
             sent = handshake.send_reply(conn, reply, status, deadline)
             if status != 0:
                 return False
@@ -1076,7 +1078,7 @@ class LinkManager:
             if not unix and peer.protection != protection.OFF:
                 try:
                     relay = self._relay(conn, peer.protection_suite, nonces, peer_id, self.engine.cluster_id, False,
-                                        f"cluster {peer_id} ({peer.address[0]})")
+                                        f"cluster {peer_id} ({peer.address[0]})", peer.link_digest)
                 except OSError as exc:  # no socket pair (out of descriptors)
                     return S.LLM_LINK_FAILED, {"error": f"no relay for a protected connection: {exc}"}, peer, None
             sock = conn if relay is None else relay.inner
@@ -1094,11 +1096,11 @@ class LinkManager:
         return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer, relay
 
     def _relay(self, sock: socket.socket, suite: str, nonces: Tuple[str, str], client_id: int, server_id: int,
-               is_client: bool, name: str) -> protection.Relay:
+               is_client: bool, name: str, digest: bytes) -> protection.Relay:
         """The relay sealing one TCP connection of a protected link in ``suite`` (keys of the
-        connection's own handshake)."""
+        connection's own handshake and the link's ``digest``)."""
         assert self.secret is not None  # a protected link is an authenticated one
-        keys = protection.derive_keys(self.secret, suite, nonces[0], nonces[1], client_id, server_id)
+        keys = protection.derive_keys(self.secret, suite, nonces[0], nonces[1], client_id, server_id, digest)
 
         def failed(why: str) -> None:
             self._count("protection_failures")
@@ -1140,7 +1142,7 @@ class LinkManager:
         name = f"cluster {remote_cluster_id} ({ip}:{port})"
 
         def seal(sock: socket.socket, nonces: Tuple[str, str]) -> socket.socket:
-            relay = self._relay(sock, agreement.suite, nonces, mine, remote_cluster_id, True, name)
+            relay = self._relay(sock, agreement.suite, nonces, mine, remote_cluster_id, True, name, agreement.digest)
             relay.start()
             return relay.inner
 

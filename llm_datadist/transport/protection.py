@@ -26,8 +26,10 @@ here, hence first. The sequence number counts the records of one direction of on
 from 0 and is never sent: a record dropped, repeated, reordered or moved from another connection
 fails its check. Each direction of each connection has its own key, ``HMAC-SHA256(secret, label
 | suite | client nonce | server nonce | client id | server id | direction)`` of that connection's
-own handshake, so keys are fresh per connection and a nonce (the sequence number) is never
-reused under a key; a suite changed on the way gives the two sides different keys. A record
+own handshake, and the digest of the link's request and reply (``link_digest``), so keys are
+fresh per connection, a nonce (the sequence number) is never reused under a key, and anything of
+the link request or reply changed on the way (the suites offered, the setting, the planes) gives
+the two sides different keys. A record
 that fails its check closes the connection, hence the link (counted as ``protection_failures``
 and logged); nothing of it reaches the link's frames.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import select
@@ -133,11 +136,21 @@ def at_least(mode: str, floor: str) -> bool:
     return MODES.index(mode) >= MODES.index(floor)
 
 
+def link_digest(request: Dict[str, Any], reply: Dict[str, Any]) -> bytes:
+    """SHA-256 of a link's request (less its proofs) and reply as each side holds them: the same
+    on both sides unless something changed them on the way, which then gives the link's
+    connections keys that do not match (their first record fails)."""
+    asked = {key: value for key, value in request.items() if key not in ("proof", "self_proof")}
+    text = json.dumps([asked, reply], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).digest()
+
+
 def derive_keys(secret: bytes, suite: str, client_nonce: str, server_nonce: str, client_id: int,
-                server_id: int) -> Tuple[bytes, bytes]:
-    """(client-to-server key, server-to-client key) of one connection's handshake."""
+                server_id: int, digest: bytes = b"") -> Tuple[bytes, bytes]:
+    """(client-to-server key, server-to-client key) of one connection's handshake, on the link
+    whose request and reply gave ``digest`` (``link_digest``)."""
     base = b"|".join([_KEY_LABEL, suite.encode(), bytes.fromhex(client_nonce), bytes.fromhex(server_nonce),
-                      str(client_id).encode(), str(server_id).encode()])
+                      str(client_id).encode(), str(server_id).encode(), digest.hex().encode()])
     return (hmac.new(secret, base + b"|client to server", hashlib.sha256).digest(),
             hmac.new(secret, base + b"|server to client", hashlib.sha256).digest())
 

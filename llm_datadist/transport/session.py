@@ -247,6 +247,7 @@ class Peer:
     # its TCP connections are sealed by relays (``channels``/``incoming`` hold their inner ends).
     protection: str = "off"
     protection_suite: Optional[str] = None  # its record suite ("aes-256-gmac", ...), None when off
+    link_digest: bytes = b""  # ``protection.link_digest`` of its link request and reply, as this side holds them
     token: str = ""
     want: Tuple[int, int] = (CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION)  # forward, reverse
     ready: bool = False

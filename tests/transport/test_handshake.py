@@ -5,6 +5,7 @@ version, a malformed hello or link request, a wrong cluster and a link made at t
 
 from __future__ import annotations
 
+import dataclasses
 import select
 import socket
 import threading
@@ -85,7 +86,12 @@ def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret)
     assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3,
                                             "off", tuple(protection.suites_here()))
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
-    assert agreement == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None, SERVER)
+    assert dataclasses.replace(agreement, digest=b"") == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None,
+                                                                                  SERVER)
+    # Both sides hold the same request and reply: the same digest (a protected link's keys use it).
+    sent = handshake.link_reply(SERVER, "PROMPT", ("tcp",), True, "t0ken", None)
+    assert agreement.digest == protection.link_digest(admission.request, sent)
+    assert agreement.digest != protection.link_digest(dict(admission.request, suites=[]), sent)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])

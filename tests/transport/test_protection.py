@@ -449,3 +449,60 @@ def test_a_thread_that_cannot_start_is_not_left_to_join(monkeypatch):
         group.spawn(lambda: None)
     monkeypatch.undo()
     group.join(1)  # nothing unstarted to join (joining one raises)
+
+
+class RewritingMiddle(Middle):
+    """A ``Middle`` that rewrites the JSON of the first connection's AUTH frame (the link request)
+    with ``rewrite`` before passing it on, its header's length fixed to match."""
+
+    def __init__(self, target, rewrite) -> None:
+        self.rewrite = rewrite
+        self.rewritten = 0
+        super().__init__(target)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, seen: Optional[bytearray]) -> None:
+        if seen is not None and not self.rewritten:
+            self.rewritten = 1
+            try:
+                for _ in range(2):  # HELLO as it is, then AUTH rewritten
+                    header = _recv_exactly(source, wire.HEADER_BYTES)
+                    magic, version, op, status, req_id, length = wire.HEADER.unpack(header)
+                    body = _recv_exactly(source, length)
+                    if op == wire.OP_AUTH:
+                        body = wire.encode_json(self.rewrite(wire.decode_json(body)))
+                    sink.sendall(wire.HEADER.pack(magic, version, op, status, req_id, len(body)) + body)
+            except (OSError, EOFError):
+                return
+        super()._pump(source, sink, seen)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("field, value", [("suites", ["hmac-sha256"]), ("planes", ["tcp", "cma"])])
+def test_a_link_request_changed_on_the_way_gives_a_protected_link_that_fails(field, value):
+    """The link request travels unsealed, before any key exists; the keys of the link's
+    connections cover it (``link_digest``), so a man in the middle that changes it -- here
+    talking an integrity link down from GMAC to HMAC, or changing the planes offered -- gets a
+    link whose first record fails, never one that works on what it chose."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, protection.INTEGRITY, listen=True)
+        client = start(stack, CLIENT_ID, protection.INTEGRITY)
+        middle = RewritingMiddle(server.address, lambda request: dict(request, **{field: value}))
+        stack.callback(middle.close)
+        status = link_through(client, server, middle)
+        assert middle.rewritten == 1
+        assert status != (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert wait_for(lambda: server.call(stats)["protection_failures"] >= 1)
+        assert CLIENT_ID not in server.call(linked_ids)
+
+
+def linked_ids(state):
+    return state.dd.engine.links.linked_clusters()
