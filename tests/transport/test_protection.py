@@ -22,6 +22,7 @@ from llm_datadist.transport import auth, handshake, protection, wire
 from llm_datadist.transport import deadline as dl
 
 from cluster_ops import resources, settle_to, wait_for
+from rawpeer import read_exact
 from test_security import (BLOCK, CLIENT_ID, SECRET, SERVER_ID, block_bytes, lost, pull, push, register_guarded,
                            stats, untouched)
 
@@ -465,25 +466,15 @@ class RewritingMiddle(Middle):
             self.rewritten = 1
             try:
                 for _ in range(2):  # HELLO as it is, then AUTH rewritten
-                    header = _recv_exactly(source, wire.HEADER_BYTES)
+                    header = read_exact(source, wire.HEADER_BYTES)
                     magic, version, op, status, req_id, length = wire.HEADER.unpack(header)
-                    body = _recv_exactly(source, length)
+                    body = read_exact(source, length)
                     if op == wire.OP_AUTH:
                         body = wire.encode_json(self.rewrite(wire.decode_json(body)))
                     sink.sendall(wire.HEADER.pack(magic, version, op, status, req_id, len(body)) + body)
             except (OSError, EOFError):
                 return
         super()._pump(source, sink, seen)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
 
 
 @pytest.mark.parametrize("field, value", [("suites", ["hmac-sha256"]), ("planes", ["tcp", "cma"])])
