@@ -1,0 +1,184 @@
+"""State-space (Mamba) KV cache groups: which block holds a request's state, how a layer's state
+pages are registered, which bytes of them move, and the prompt backoff.
+
+vLLM keeps a Mamba layer's state in pages of the same backing allocation as the attention layers'
+blocks (cache groups overlay each other: a block id belongs to one group at a time): block ``b``
+of a state-space group is one page holding every state of the layer for one request, packed from
+the page's start in the ``MambaSpec``'s order (Mamba2: the convolution state, then the SSM state),
+then padding up to the page size the groups share. vLLM 0.32 hands the connector such a layer's
+whole backing buffer (the layer cuts its own per-state views out of it), and says where the
+layer's pages lie in its ``KVCacheTensor``. So each layer registers its pages (``state_pages``:
+``[blocks, page stride]`` bytes over the same memory; the group's layers are one llm_datadist
+cache), and a pull moves only the byte ranges its states cover (``StateLayout.ranges``, one range
+per page for Mamba2: conv and SSM states are adjacent), with the states' offsets, shapes and dtypes
+part of what two engines compare (``StateLayout.describe``).
+
+Which blocks move: with ``mamba_cache_mode`` ``"none"`` (no prefix caching: the only mode vLLM
+0.32's CPU build runs) a request holds one state block (the group's block size is the model's
+length) plus, with speculative decoding, ``num_speculative_blocks`` scratch blocks after it. The
+running state is the last block before the scratch ones (``running_state_block``): that one block
+moves. The prefill engine stops one token short of the prompt (``PREFILL_BACKOFF``): it computes
+the state after token N-1, and the decode engine computes token N itself from that state (a state
+cannot be rewound, so the decode engine cannot recompute a token the prefill already folded in),
+as vLLM's NixlConnector does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+#: Trailing prompt tokens a prefill engine of a model with state-space layers leaves to the
+#: decode engine (NixlConnector's ``_prefill_backoff`` for Mamba).
+PREFILL_BACKOFF = 1
+
+#: The ``mamba_cache_mode`` whose block lists this module reads (see the module's docstring).
+SUPPORTED_CACHE_MODES = ("none",)
+
+
+def running_state_block(blocks: Sequence[int], spec_blocks: int, null_block: int = 0) -> List[int]:
+    """The block of a state-space group's list that holds the request's running state, as a list
+    (empty if there is none): the last one once the trailing ``spec_blocks`` scratch blocks are
+    left out (all but the first of a list shorter than that), never the null block."""
+    if not blocks:
+        return []
+    scratch = min(max(0, spec_blocks), len(blocks) - 1)
+    kept = blocks[len(blocks) - 1 - scratch]
+    return [] if kept == null_block else [kept]
+
+
+@dataclass(frozen=True)
+class State:
+    """One state of a layer, inside each of its pages."""
+
+    offset: int  # bytes from the page's start
+    nbytes: int
+    shape: Tuple[int, ...]  # of one block's state
+    dtype: str
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where a state-space layer's states lie in its pages."""
+
+    page_bytes: int
+    states: Tuple[State, ...]
+
+    @property
+    def ranges(self) -> Tuple[Tuple[int, int], ...]:
+        """``(offset, bytes)`` of each page that a pull moves: the states' ranges, adjacent ones
+        merged (Mamba2's conv and SSM states are one range), padding left out."""
+        merged: List[List[int]] = []
+        for s in sorted(self.states, key=lambda s: s.offset):
+            if merged and merged[-1][0] + merged[-1][1] == s.offset:
+                merged[-1][1] += s.nbytes
+            else:
+                merged.append([s.offset, s.nbytes])
+        return tuple((o, n) for o, n in merged)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states)
+
+    def describe(self) -> str:
+        """What two engines compare: the page size and each state's place, shape and dtype."""
+        return f"page{self.page_bytes}:" + ",".join(
+            f"{s.offset}+{s.nbytes}={list(s.shape)}{s.dtype}" for s in self.states)
+
+
+def spec_layout(spec: Any) -> StateLayout:
+    """Where a ``MambaSpec``'s states lie in its pages: packed from the page's start in the spec's
+    order (vLLM's ``MambaBase.bind_kv_cache``), ``page_size_bytes`` apart."""
+    from vllm.utils.torch_utils import get_dtype_size
+
+    states, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        nbytes = math.prod(shape) * get_dtype_size(dtype)
+        states.append(State(offset, nbytes, tuple(int(n) for n in shape), str(dtype).replace("torch.", "")))
+        offset += nbytes
+    return StateLayout(int(spec.page_size_bytes), tuple(states))
+
+
+def layer_placement(kv_cache_config: Any, name: str) -> Optional[Tuple[int, int]]:
+    """``(byte offset of the layer's page of block 0, bytes from one block's page to the next)`` in
+    vLLM's backing allocation (its ``KVCacheTensor``), or None if the config does not place it."""
+    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
+        layers = list(getattr(tensor, "layers", None) or ())
+        if name in layers and hasattr(tensor, "block_stride"):
+            return (int(getattr(tensor, "offset", 0)) + layers.index(name) * int(tensor.layer_stride),
+                    int(tensor.block_stride))
+    return None
+
+
+def state_pages(name: str, cache: Any, layout: StateLayout, placement: Optional[Tuple[int, int]],
+                num_blocks: Optional[int]) -> torch.Tensor:
+    """A state-space layer's pages as one blocks tensor over the same memory: ``[blocks, stride]``
+    bytes, row ``b`` starting at block ``b``'s page (``stride``: one page to the next, at least
+    the page; in a block-outermost layout the rest of a row is other layers' pages of the same
+    block, which a pull never reads: only ``layout.ranges`` move). ``cache`` is what vLLM hands
+    the connector: its backing allocation itself (vLLM 0.32: placed by ``placement``) or the
+    layer's per-state views (block id on dimension 0, which must match ``layout``).
+    ``NotImplementedError`` naming what does not fit."""
+    if isinstance(cache, torch.Tensor):
+        if placement is None or num_blocks is None:
+            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s cache is one buffer, and the "
+                                      "KV cache config does not say where the layer's pages lie in it")
+        base = cache.data_ptr() + placement[0]
+        stride, storage = placement[1], cache.untyped_storage()
+    elif isinstance(cache, (list, tuple)) and cache and all(isinstance(v, torch.Tensor) for v in cache):
+        base = min(v.data_ptr() for v in cache)
+        first = cache[0]
+        stride, storage = (first.stride(0) * first.element_size() if first.dim() else 0), first.untyped_storage()
+        found = []
+        for v in cache:
+            if v.dim() < 1 or v.shape[0] != (num_blocks if num_blocks is not None else first.shape[0]) or \
+                    v.stride(0) * v.element_size() != stride or not v[0].is_contiguous():
+                raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s state of shape "
+                                          f"{tuple(v.shape)} and strides {v.stride()} is not one contiguous range of "
+                                          f"each of {num_blocks} pages {stride} bytes apart")
+            found.append((v.data_ptr() - base, v[0].numel() * v.element_size(), tuple(v.shape[1:])))
+        if found != [(s.offset, s.nbytes, s.shape) for s in layout.states]:
+            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s states lie at (offset, "
+                                      f"bytes, shape) {found}, its spec says {layout.describe()}")
+        num_blocks = first.shape[0]
+    else:
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s cache is a "
+                                  f"{type(cache).__name__}; its buffer or a tuple of its state tensors is supported")
+    if layout.page_bytes > stride or sum(n for _, n in layout.ranges) > layout.page_bytes:
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s states ({layout.describe()}) do "
+                                  f"not fit pages {stride} bytes apart")
+    start = base - storage.data_ptr()
+    if start < 0 or num_blocks <= 0 or start + (num_blocks - 1) * stride + layout.page_bytes > storage.nbytes():
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s {num_blocks} pages, {stride} "
+                                  "bytes apart, do not lie inside its buffer")
+    if start + num_blocks * stride > storage.nbytes():
+        # (the last row of a registered blocks tensor is whole: shorter rows would need the last page to pad out)
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s last page ends its buffer short "
+                                  f"of a whole {stride}-byte row")
+    pages = torch.empty(0, dtype=torch.uint8, device=cache.device if isinstance(cache, torch.Tensor) else
+                        cache[0].device)
+    pages.set_(storage, start, (num_blocks, stride), (stride, 1))
+    return pages
+
+
+def group_pages(group: Any, kv_caches: Any, kv_cache_config: Any, num_blocks: Optional[int]
+                ) -> Tuple[List[torch.Tensor], StateLayout]:
+    """The pages of a state-space group's layers (``group``: a ``groups.Group``; those of its
+    layers in ``kv_caches``, layers sharing memory once) and their one layout, from the group's
+    ``MambaSpec`` in ``kv_cache_config``."""
+    spec = kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
+    layout = spec_layout(spec)
+    tensors: List[torch.Tensor] = []
+    seen = set()
+    for name in group.layers:
+        if name not in kv_caches:
+            continue
+        pages = state_pages(name, kv_caches[name], layout, layer_placement(kv_cache_config, name), num_blocks)
+        if pages.data_ptr() not in seen:
+            seen.add(pages.data_ptr())
+            tensors.append(pages)
+    if not tensors:
+        raise ValueError(f"LLMDataDistConnector: no caches of the state-space layers of KV cache group {group.index}")
+    return tensors, layout
