@@ -58,8 +58,9 @@ class Group:
 def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
     """The groups of ``kv_cache_config`` that move (vLLM's ``transfer_group_ids``), in that order;
     ``()`` without a config (an engine that does not say: one group of full attention).
-    ``NotImplementedError`` for groups this connector cannot move: state-space (Mamba) groups, and,
-    in a model with several groups, any other than full or sliding-window attention."""
+    ``NotImplementedError`` for groups this connector cannot move: state-space (Mamba) groups with
+    prefix caching (a ``mamba_cache_mode`` but ``"none"``) or without an attention group beside them,
+    and, in a model with several groups, any other than full, sliding-window or state-space."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return ()
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
