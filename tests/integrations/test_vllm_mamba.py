@@ -253,7 +253,7 @@ def test_a_state_space_layers_pages_are_registered_where_vllm_put_them():
 
 
 @needs_vllm
-def test_a_prefill_stops_one_token_short_and_the_decode_side_computes_it():
+def test_a_prefill_stops_one_token_short_and_the_decode_side_computes_it(caplog):
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -286,12 +286,19 @@ def test_a_prefill_stops_one_token_short_and_the_decode_side_computes_it():
     decode.update_state_after_alloc(incoming, blocks, 99)
     spec = decode.build_connector_meta().reqs_to_recv["d-req"]
     assert spec.local_groups == ([21], [31, 32, 33, 34])
-    # a peer naming two state blocks (or none) is refused before anything moves
-    for named in ([[9, 11], [1, 2, 3, 4]], [[], [1, 2, 3, 4]]):
-        forged = SimpleNamespace(request_id="f", kv_transfer_params=dict(params, remote_block_ids=named),
-                                 num_prompt_tokens=100)
+    # a peer naming two state blocks (or none), or the state of another position (a prefill that
+    # computed the whole prompt), or not saying which, is refused before anything moves
+    wrong = [dict(params, remote_block_ids=[[9, 11], [1, 2, 3, 4]]), dict(params, remote_block_ids=[[], [1, 2, 3, 4]]),
+             dict(params, remote_num_tokens=100), dict(params, remote_num_tokens=True),
+             {k: v for k, v in params.items() if k != "remote_num_tokens"}]
+    reasons = ["they name 2 blocks of KV cache group 0, 1 wanted", "they name 0 blocks of KV cache group 0, 1 wanted",
+               "the prefill computed 100 tokens, 99 wanted", "do not say how many tokens the prefill computed",
+               "do not say how many tokens the prefill computed"]
+    for forged_params, reason in zip(wrong, reasons):
+        forged = SimpleNamespace(request_id="f", kv_transfer_params=forged_params, num_prompt_tokens=100)
+        caplog.clear()
         assert decode.get_num_new_matched_tokens(forged, 0) == (0, False)
-        assert forged.kv_transfer_params["do_remote_prefill"] is False
+        assert forged.kv_transfer_params["do_remote_prefill"] is False and reason in caplog.text
     # a one-token prompt has nothing to load: computed here, the prefill side still released
     short = SimpleNamespace(request_id="s", kv_transfer_params=dict(params), num_prompt_tokens=1)
     assert decode.get_num_new_matched_tokens(short, 0) == (0, False)

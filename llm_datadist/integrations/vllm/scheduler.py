@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 from llm_datadist.integrations.vllm import groups as kv_groups
+from llm_datadist.integrations.vllm import state
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
@@ -212,6 +213,8 @@ class Scheduler:
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         why = "they are malformed" if spec is None else self._blocks_refusal(spec, prompt)
+        if not why and self.backoff:
+            why = state.computed_refusal(params, prompt)
         if why:
             logger.warning("request %s: kv_transfer_params do not fit a prompt of %d tokens here (%s); computing "
                            "the prompt locally", request.request_id, prompt, why)

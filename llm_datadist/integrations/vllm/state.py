@@ -49,6 +49,21 @@ def running_state_block(blocks: Sequence[int], spec_blocks: int, null_block: int
     return [] if kept == null_block else [kept]
 
 
+def computed_refusal(params: Any, loaded: int) -> str:
+    """Why a prefill's ``kv_transfer_params`` (untrusted) cannot give a decode engine the state of
+    the first ``loaded`` prompt tokens: its ``remote_num_tokens`` (the tokens it computed) must be
+    exactly those, else the state it holds is of another position (a prefill engine that did not
+    stop one token short); "" if they can."""
+    told = params.get("remote_num_tokens") if isinstance(params, dict) else None
+    if type(told) is not int:
+        return ("they do not say how many tokens the prefill computed (remote_num_tokens), which the state of a "
+                "model with state-space layers needs")
+    if told != loaded:
+        return (f"the prefill computed {told} tokens, {loaded} wanted (its state-space layers' state is of another "
+                "position: a prefill engine that does not stop one token short?)")
+    return ""
+
+
 @dataclass(frozen=True)
 class State:
     """One state of a layer, inside each of its pages."""
