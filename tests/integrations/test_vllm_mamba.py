@@ -139,6 +139,9 @@ def test_a_mamba_hybrid_decodes_from_the_running_state_and_the_attention_blocks(
     # groups 0 and 1 are the two Mamba layers' (one running-state block per request), 2 the attention layer's
     assert (moved["pulled_blocks_group0"], moved["pulled_blocks_group1"], moved["pulled_blocks_group2"]) == \
         (len(PROMPTS), len(PROMPTS), attention), moved
+    # of each state page only the states (conv 3x160, SSM 4x32x16 float32), not its padding to 16 KiB
+    state_bytes = (3 * 160 + 4 * 32 * 16) * 4
+    assert moved["pulled_state_bytes_group0"] == moved["pulled_state_bytes_group1"] == len(PROMPTS) * state_bytes
 
 
 @needs_vllm

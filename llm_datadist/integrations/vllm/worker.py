@@ -131,7 +131,7 @@ class Worker:
 
     def _count(self, counter: str, n: int) -> None:
         with self._lock:
-            self._stats[counter] += n
+            self._stats[counter] = self._stats.get(counter, 0) + n
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -482,6 +482,7 @@ class Worker:
                         self.dd.engine.pull_block_range(cluster_id, group, caches[group].cache_id, remote, local,
                                                         offset, offset, size)
                     nbytes += len(local) * self._group_block_bytes[group]
+                    self._count(f"pulled_state_bytes_group{group}", len(local) * self._group_block_bytes[group])
                 else:
                     # (no cache: not registered, which pull_blocks refuses)
                     cache = caches[group] if group < len(caches) else None
