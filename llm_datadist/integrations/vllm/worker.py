@@ -183,13 +183,12 @@ class Worker:
                 "tensor parallel size"
         else:
             self._head_bytes, self._heads_refusal = self._head_split(first)
+        # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
+        states = {"kv_states": ";".join(f"{g.index}:{found.describe()}" for g, found in zip(self.groups, layouts)
+                                        if found is not None)} if any(f is not None for f in layouts) else {}
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0))
-        if any(found is not None for found in layouts):
-            # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
-            self.compat["kv_states"] = ";".join(f"{g.index}:{found.describe()}" for g, found in
-                                                zip(self.groups, layouts) if found is not None)
+                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0), **states)
         self._register()
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
