@@ -221,38 +221,50 @@ def test_state_space_groups_the_connector_cannot_move_are_refused_at_start():
 
 @needs_vllm
 def test_a_state_space_layers_pages_are_registered_where_vllm_put_them():
-    """vLLM 0.32 hands the connector a Mamba layer's backing buffer: its pages are found from the
-    config, and the bytes that move are the states' (conv + SSM, adjacent: one range)."""
+    """vLLM 0.32 hands the connector each Mamba layer as an int8 view of its pages (made here by
+    vLLM's own ``create_kv_cache_views``, two layers in one buffer): the pages are registered where
+    they are, and the bytes that move are the states' (conv + SSM, adjacent: one range)."""
     import torch
+    from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheTensor, create_kv_cache_views
 
     from llm_datadist.integrations.vllm import groups as kv_groups
     from llm_datadist.integrations.vllm import state
 
-    config = _config(_mamba_spec(), _attention())
-    buf = torch.zeros(8 * PAGE, dtype=torch.int8)
+    spec = _mamba_spec()
+    buf = torch.zeros(2 * 8 * PAGE, dtype=torch.int8)
+    layers = KVCacheTensor(size=buf.numel(), layers=["layer0", "layerB"], layer_stride=8 * PAGE, block_stride=PAGE)
+    views = create_kv_cache_views(buf, spec, 8, KVCacheLayout.LBHNC, layers)
+    config = _config(spec, _attention())
+    config.kv_cache_groups[0].layer_names.append("layerB")
     group = kv_groups.transfer_groups(config)[0]
-    pages, found = state.group_pages(group, {"layer0": buf, "layer1": buf}, config, 8)
-    assert len(pages) == 1 and pages[0].shape == (8, PAGE) and pages[0].data_ptr() == buf.data_ptr()
+    pages, found = state.group_pages(group, {"layer0": views[0], "layerB": views[1]}, config, 8)
+    assert [(p.shape, p.data_ptr() - buf.data_ptr()) for p in pages] == [((8, PAGE), 0), ((8, PAGE), 8 * PAGE)]
     conv_bytes, ssm_bytes = 3 * 160 * 4, 4 * 32 * 16 * 4
     assert found.ranges == ((0, conv_bytes + ssm_bytes),) and found.state_bytes == conv_bytes + ssm_bytes
     assert found.describe() == f"page{PAGE}:0+{conv_bytes}=[3, 160]float32,{conv_bytes}+{ssm_bytes}=[4, 32, 16]float32"
-    # the same pages as the layer's own views (MambaBase.bind_kv_cache's): block 5's SSM state
-    views = [buf.view(8, PAGE)[:, :conv_bytes].view(torch.float32).view(8, *CONV),
-             buf.view(8, PAGE)[:, conv_bytes:conv_bytes + ssm_bytes].view(torch.float32).view(8, *SSM)]
-    views[1][5].fill_(2.5)
-    assert pages[0][5, conv_bytes:conv_bytes + 4].view(torch.float32).item() == 2.5
-    # a layer handed over as its views gives the same pages
-    same = state.state_pages("layer0", views, found, None, 8)
-    assert same.data_ptr() == pages[0].data_ptr() and same.shape == pages[0].shape
-    # views that are not where the spec says, and pages past the buffer, are refused
+    # the layer's own per-state views (MambaBase.bind_kv_cache's) are the same bytes: layer B, block 5's SSM state
+    own = [views[1].squeeze(1).squeeze(1)[:, :conv_bytes].view(torch.float32).view(8, *CONV),
+           views[1].squeeze(1).squeeze(1)[:, conv_bytes:].view(torch.float32).view(8, *SSM)]
+    own[1][5].fill_(2.5)
+    assert pages[1][5, conv_bytes:conv_bytes + 4].view(torch.float32).item() == 2.5
+    assert float(pages[0].view(torch.float32).abs().sum()) == 0.0  # (and nothing of layer 0's)
+    # a layer handed over as such per-state views gives the same pages
+    same = state.state_pages("layerB", own, found, 8)
+    assert same.data_ptr() == pages[1].data_ptr() and same.shape == pages[1].shape
+    # views that are not where the spec says, too few blocks, pages of another layout: refused
     with pytest.raises(NotImplementedError, match="its spec says"):
-        state.state_pages("layer0", views[::-1], found, None, 8)
-    with pytest.raises(NotImplementedError, match="do not lie inside its buffer"):
-        state.state_pages("layer0", buf, found, (PAGE, PAGE), 8)
-    with pytest.raises(NotImplementedError, match="does not say where"):
-        state.state_pages("layer0", buf, found, None, 8)
-    with pytest.raises(NotImplementedError, match="do not fit pages 8192 bytes apart"):
-        state.state_pages("layer0", buf, found, (0, 8192), 8)
+        state.state_pages("layerB", own[::-1], found, 8)
+    with pytest.raises(NotImplementedError, match="not one contiguous range of each of 9 pages"):
+        state.state_pages("layerB", views[1], found, 9)
+    with pytest.raises(NotImplementedError, match="hold 1920 bytes of state"):
+        state.state_pages("layerB", views[1][..., :conv_bytes], found, 8)
+    packed = KVCacheTensor(size=buf.numel(), layers=["layer0", "layerB"], layer_stride=PAGE, block_stride=2 * PAGE)
+    block_outermost = create_kv_cache_views(buf, spec, 8, KVCacheLayout.BLHNC, packed)
+    assert state.state_pages("layer0", block_outermost[0], found, 8).shape == (8, 2 * PAGE)
+    with pytest.raises(NotImplementedError, match="as whole rows"):
+        state.state_pages("layerB", block_outermost[1], found, 8)
+    with pytest.raises(NotImplementedError, match="a view of its pages or a tuple"):
+        state.state_pages("layerB", {"conv": own[0]}, found, 8)
 
 
 @needs_vllm
@@ -320,12 +332,17 @@ def test_a_peer_with_other_state_shapes_is_refused_and_nothing_is_written():
     from llm_datadist.integrations.vllm.options import Options
     from llm_datadist.integrations.vllm.worker import Worker
 
+    from vllm.v1.kv_cache_interface import KVCacheLayout, create_kv_cache_views
+
     config = _config(_mamba_spec(), _attention())
     worker = Worker(CONSUMER, "decode", Options.parse({}), config, kv_groups.transfer_groups(config))
     try:
         buf = torch.zeros(8 * PAGE, dtype=torch.int8)
+        # (one buffer: the groups overlay it, as vLLM lays them out)
+        pages = create_kv_cache_views(buf, config.kv_cache_groups[0].kv_cache_spec, 8, KVCacheLayout.LBHNC,
+                                      config.kv_cache_tensors[0])[0]
         attention = buf.view(torch.float32).view(8, 2, 32, 64)  # (LBHNC: heads outermost in a block)
-        worker.register({"layer0": buf, "layer1": attention})
+        worker.register({"layer0": pages, "layer1": attention})
         mine = worker.compat
         assert mine["kv_states"].startswith(f"0:page{PAGE}:0+1920=[3, 160]float32,1920+8192=[4, 32, 16]float32")
         assert worker._group_block_bytes == [1920 + 8192, PAGE]

@@ -5,9 +5,9 @@ vLLM keeps a Mamba layer's state in pages of the same backing allocation as the 
 blocks (cache groups overlay each other: a block id belongs to one group at a time): block ``b``
 of a state-space group is one page holding every state of the layer for one request, packed from
 the page's start in the ``MambaSpec``'s order (Mamba2: the convolution state, then the SSM state),
-then padding up to the page size the groups share. vLLM 0.32 hands the connector such a layer's
-whole backing buffer (the layer cuts its own per-state views out of it), and says where the
-layer's pages lie in its ``KVCacheTensor``. So each layer registers its pages (``state_pages``:
+then padding up to the page size the groups share. vLLM 0.32 hands the connector such a layer as
+an ``int8`` view of its pages (``[blocks, 1, 1, state bytes]``, block stride = the page; the layer
+cuts its own per-state views out of it). So each layer registers its pages (``state_pages``:
 ``[blocks, page stride]`` bytes over the same memory; the group's layers are one llm_datadist
 cache), and a pull moves only the byte ranges its states cover (``StateLayout.ranges``, one range
 per page for Mamba2: conv and SSM states are adjacent), with the states' offsets, shapes and dtypes
@@ -116,65 +116,52 @@ def spec_layout(spec: Any) -> StateLayout:
     return StateLayout(int(spec.page_size_bytes), tuple(states))
 
 
-def layer_placement(kv_cache_config: Any, name: str) -> Optional[Tuple[int, int]]:
-    """``(byte offset of the layer's page of block 0, bytes from one block's page to the next)`` in
-    vLLM's backing allocation (its ``KVCacheTensor``), or None if the config does not place it."""
-    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
-        layers = list(getattr(tensor, "layers", None) or ())
-        if name in layers and hasattr(tensor, "block_stride"):
-            return (int(getattr(tensor, "offset", 0)) + layers.index(name) * int(tensor.layer_stride),
-                    int(tensor.block_stride))
-    return None
-
-
-def state_pages(name: str, cache: Any, layout: StateLayout, placement: Optional[Tuple[int, int]],
-                num_blocks: Optional[int]) -> torch.Tensor:
+def state_pages(name: str, cache: Any, layout: StateLayout, num_blocks: Optional[int]) -> torch.Tensor:
     """A state-space layer's pages as one blocks tensor over the same memory: ``[blocks, stride]``
     bytes, row ``b`` starting at block ``b``'s page (``stride``: one page to the next, at least
-    the page; in a block-outermost layout the rest of a row is other layers' pages of the same
-    block, which a pull never reads: only ``layout.ranges`` move). ``cache`` is what vLLM hands
-    the connector: its backing allocation itself (vLLM 0.32: placed by ``placement``) or the
-    layer's per-state views (block id on dimension 0, which must match ``layout``).
-    ``NotImplementedError`` naming what does not fit."""
-    if isinstance(cache, torch.Tensor):
-        if placement is None or num_blocks is None:
-            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s cache is one buffer, and the "
-                                      "KV cache config does not say where the layer's pages lie in it")
-        base = cache.data_ptr() + placement[0]
-        stride, storage = placement[1], cache.untyped_storage()
-    elif isinstance(cache, (list, tuple)) and cache and all(isinstance(v, torch.Tensor) for v in cache):
-        base = min(v.data_ptr() for v in cache)
-        first = cache[0]
-        stride, storage = (first.stride(0) * first.element_size() if first.dim() else 0), first.untyped_storage()
-        found = []
-        for v in cache:
-            if v.dim() < 1 or v.shape[0] != (num_blocks if num_blocks is not None else first.shape[0]) or \
-                    v.stride(0) * v.element_size() != stride or not v[0].is_contiguous():
-                raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s state of shape "
-                                          f"{tuple(v.shape)} and strides {v.stride()} is not one contiguous range of "
-                                          f"each of {num_blocks} pages {stride} bytes apart")
-            found.append((v.data_ptr() - base, v[0].numel() * v.element_size(), tuple(v.shape[1:])))
-        if found != [(s.offset, s.nbytes, s.shape) for s in layout.states]:
-            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s states lie at (offset, "
-                                      f"bytes, shape) {found}, its spec says {layout.describe()}")
-        num_blocks = first.shape[0]
-    else:
+    the page). ``cache`` is what vLLM hands the connector: its view of the layer's pages (vLLM
+    0.32: ``int8 [blocks, 1, 1, state bytes]``, block stride = the page) or the layer's per-state
+    views (block id on dimension 0), which must lie where ``layout`` says. ``NotImplementedError``
+    naming what does not fit."""
+    views = [cache] if isinstance(cache, torch.Tensor) else cache
+    if not isinstance(views, (list, tuple)) or not views or not all(isinstance(v, torch.Tensor) for v in views):
         raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s cache is a "
-                                  f"{type(cache).__name__}; its buffer or a tuple of its state tensors is supported")
-    if layout.page_bytes > stride or sum(n for _, n in layout.ranges) > layout.page_bytes:
+                                  f"{type(cache).__name__}; a view of its pages or a tuple of its state views is "
+                                  "supported")
+    first = views[0]
+    blocks = first.shape[0] if first.dim() else 0
+    stride = first.stride(0) * first.element_size() if first.dim() else 0
+    base = min(v.data_ptr() for v in views)
+    found = []
+    for v in views:
+        if v.dim() < 2 or v.shape[0] != blocks or blocks != (num_blocks if num_blocks is not None else blocks) or \
+                v.stride(0) * v.element_size() != stride or v.device != first.device or not v[0].is_contiguous():
+            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s cache of shape "
+                                      f"{tuple(v.shape)} and strides {v.stride()} is not one contiguous range of "
+                                      f"each of {num_blocks} pages {stride} bytes apart")
+        found.append((v.data_ptr() - base, v[0].numel() * v.element_size()))
+    if isinstance(cache, torch.Tensor):
+        # (the page view: the states are packed from its start, and it must hold them all)
+        if found[0][1] < layout.state_bytes:
+            raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s pages hold {found[0][1]} "
+                                      f"bytes of state, its spec {layout.state_bytes} ({layout.describe()})")
+    elif found != [(s.offset, s.nbytes) for s in layout.states] or \
+            [tuple(v.shape[1:]) for v in views] != [s.shape for s in layout.states]:
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s states lie at (offset, bytes) "
+                                  f"{found}, its spec says {layout.describe()}")
+    if layout.page_bytes > stride:
         raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s states ({layout.describe()}) do "
                                   f"not fit pages {stride} bytes apart")
+    storage = first.untyped_storage()
     start = base - storage.data_ptr()
-    if start < 0 or num_blocks <= 0 or start + (num_blocks - 1) * stride + layout.page_bytes > storage.nbytes():
-        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s {num_blocks} pages, {stride} "
-                                  "bytes apart, do not lie inside its buffer")
-    if start + num_blocks * stride > storage.nbytes():
-        # (the last row of a registered blocks tensor is whole: shorter rows would need the last page to pad out)
-        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s last page ends its buffer short "
-                                  f"of a whole {stride}-byte row")
-    pages = torch.empty(0, dtype=torch.uint8, device=cache.device if isinstance(cache, torch.Tensor) else
-                        cache[0].device)
-    pages.set_(storage, start, (num_blocks, stride), (stride, 1))
+    if start < 0 or start + blocks * stride > storage.nbytes():
+        # (a registered blocks tensor's rows are whole: where the last page ends the buffer short of a
+        # row, as in a block-outermost layout, the layer cannot be registered)
+        raise NotImplementedError(f"LLMDataDistConnector: state-space layer {name}'s {blocks} pages, {stride} "
+                                  "bytes apart, do not lie inside its buffer as whole rows (the connector asks "
+                                  "for a layer-outermost KV cache layout)")
+    pages = torch.empty(0, dtype=torch.uint8, device=first.device)
+    pages.set_(storage, start, (blocks, stride), (stride, 1))
     return pages
 
 
@@ -190,7 +177,7 @@ def group_pages(group: Any, kv_caches: Any, kv_cache_config: Any, num_blocks: Op
     for name in group.layers:
         if name not in kv_caches:
             continue
-        pages = state_pages(name, kv_caches[name], layout, layer_placement(kv_cache_config, name), num_blocks)
+        pages = state_pages(name, kv_caches[name], layout, num_blocks)
         if pages.data_ptr() not in seen:
             seen.add(pages.data_ptr())
             tensors.append(pages)
