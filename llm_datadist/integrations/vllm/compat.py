@@ -7,8 +7,9 @@ version: releases that move KV the same way stay compatible), the model (vLLM's 
 path and its revision, or ``model_id`` from ``kv_connector_extra_config``), the model dtype, the
 model's KV heads, head size and layers, the cache dtype, the block size, the registered layout
 (tensors, per-block shape, element type; one per KV cache group of a hybrid model), the KV cache
-groups that move (``kv_groups``: kind, window, layers; None for one full-attention group) and the
-speculative decoding config. A rank's layout is
+groups that move (``kv_groups``: kind, window, layers; None for one full-attention group), a
+state-space hybrid's states (``kv_states``: page size, offsets, shapes, dtypes; ``state.py``) and
+the speculative decoding config. A rank's layout is
 compared only between engines of one tensor parallel size; engines of different sizes compare the
 layout of all heads together instead (``PER_RANK``, ``layout_all_heads``). The weights are
 known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm import compat, layout, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -58,6 +58,7 @@ class Worker:
         self.producer = bool(transfer.is_kv_producer)
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self._kv_cache_config = kv_cache_config  # (where a state-space layer's pages lie: state.py)
         self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
         self.tp_rank, self.tp_size, dp_rank = parallel_ranks(vllm_config)
         # Every worker of every engine on a host listens on its own port: with a fixed one, rank
@@ -101,6 +102,9 @@ class Worker:
         self.compat["kv_groups"] = kv_groups.describe(groups)
         self._block_bytes = 0
         self._group_block_bytes: List[int] = [0]  # bytes of one block of each group's tensors together
+        #: per group that moves, the byte ranges of each page that a pull moves (a state-space
+        #: group's states, ``state.StateLayout.ranges``); None: whole blocks
+        self._state_ranges: List[Optional[Tuple[Tuple[int, int], ...]]] = []
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
         self._head_bytes: Optional[int] = None
@@ -127,7 +131,7 @@ class Worker:
 
     def _count(self, counter: str, n: int) -> None:
         with self._lock:
-            self._stats[counter] += n
+            self._stats[counter] = self._stats.get(counter, 0) + n
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -148,10 +152,18 @@ class Worker:
             missing = [g.index for g in self.groups if not any(name in kv_caches for name in g.layers)]
             if missing:
                 raise ValueError(f"LLMDataDistConnector: no KV caches of the layers of KV cache group(s) {missing}")
-            parts = [layout.kv_tensors({name: kv_caches[name] for name in g.layers if name in kv_caches},
-                                       self.num_blocks, self.kv_cache_layout) for g in self.groups]
+            parts, layouts = [], []
+            for g in self.groups:
+                if g.is_state:  # its layers' state pages (state.py)
+                    pages, found = state.group_pages(g, kv_caches, self._kv_cache_config, self.num_blocks)
+                    parts.append(pages)
+                    layouts.append(found)
+                else:
+                    parts.append(layout.kv_tensors({name: kv_caches[name] for name in g.layers if name in kv_caches},
+                                                   self.num_blocks, self.kv_cache_layout))
+                    layouts.append(None)
         else:
-            parts = [layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)]
+            parts, layouts = [layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)], [None]
         descs = [layout.cache_desc(tensors) for tensors in parts]
         tensors = [t for part in parts for t in part]
         first = tensors[0]
@@ -163,15 +175,20 @@ class Worker:
         self._keep_groups = parts
         self._descs = descs
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in parts[0])
-        self._group_block_bytes = [sum(t[0].numel() * t.element_size() for t in part) for part in parts]
+        self._group_block_bytes = [sum(t[0].numel() * t.element_size() for t in part) if found is None else
+                                   len(part) * found.state_bytes for part, found in zip(parts, layouts)]
+        self._state_ranges = [None if found is None else found.ranges for found in layouts]
         if len(parts) > 1:
             self._head_bytes, self._heads_refusal = None, "a hybrid model's KV moves only between engines of one " \
                 "tensor parallel size"
         else:
             self._head_bytes, self._heads_refusal = self._head_split(first)
+        # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
+        states = {"kv_states": ";".join(f"{g.index}:{found.describe()}" for g, found in zip(self.groups, layouts)
+                                        if found is not None)} if any(f is not None for f in layouts) else {}
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0))
+                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0), **states)
         self._register()
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
@@ -456,6 +473,15 @@ class Worker:
                     self.dd.engine.pull_block_range(cluster_id, 0, caches[0].cache_id, remote, local,
                                                     spec.src_head * size, spec.dst_head * size, spec.heads * size)
                     nbytes += len(local) * len(self._keep) * spec.heads * size
+                elif group < len(self._state_ranges) and self._state_ranges[group] is not None:
+                    # a state-space group: the bytes of its states in each page (state.py)
+                    if group >= len(caches):
+                        raise ValueError("this engine's KV caches are not registered")
+                    for offset, size in self._state_ranges[group]:
+                        self.dd.engine.pull_block_range(cluster_id, group, caches[group].cache_id, remote, local,
+                                                        offset, offset, size)
+                    nbytes += len(local) * self._group_block_bytes[group]
+                    self._count(f"pulled_state_bytes_group{group}", len(local) * self._group_block_bytes[group])
                 else:
                     # (no cache: not registered, which pull_blocks refuses)
                     cache = caches[group] if group < len(caches) else None
