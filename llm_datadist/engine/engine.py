@@ -236,10 +236,12 @@ class Engine:
         with a descriptor outside what the guard allows that authenticated peer now (or any push
         when it answers None) is refused with ``LLM_KV_CACHE_NOT_EXIST`` before a byte lands; the
         link goes on. Writes over one-sided planes (``cma``, ``cuda_ipc``, ``nixl``) never reach
-        the server and are not guarded. None: no guard (the default). It runs on the
-        connection's thread, so it must be quick."""
-        self.check_initialized()
-        self.links.set_write_guard(guard)
+        the server and are not guarded. None: no guard (the default; removing it also works after
+        ``finalize``). It runs on the connection's thread, so it must be quick."""
+        if guard is not None:
+            self.check_initialized()
+        if self.links is not None:
+            self.links.set_write_guard(guard)
 
     @staticmethod
     def read_tag(tag: Any):
