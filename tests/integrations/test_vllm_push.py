@@ -19,8 +19,7 @@ import time
 
 import pytest
 
-from tests.integrations.test_vllm import (GEOMETRY, LINK_SECRET, Engine, delta, needs_vllm, prompts_of,
-                                          write_model)
+from test_vllm import (GEOMETRY, LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model)
 
 pytestmark = needs_vllm
 
@@ -117,3 +116,16 @@ def test_push_in_nixl_order_and_pipelined_gives_the_baseline(push_engines):
     assert delta(d2, d1)["push_received"] == len(PIPELINED)
     # nothing was refused by the decode engine's write guard
     assert decode.stats()["stats"].get("push_refused_done", 0) == 0
+
+    # a prompt partly cached on the decode side (its first 64 tokens: two blocks, computed there
+    # by a request of its own): only the third block is pushed
+    prompt = CACHED[0]
+    decode.generate([prompt[:70]], 1)
+    p3, t3 = prefill.stats()["stats"], decode.prompt_tokens()
+    params = [o["kv_transfer_params"] for o in prefill.generate([prompt], 1, [{"do_remote_decode": True}])]
+    assert [o["token_ids"] for o in decode.generate([prompt], MAX_TOKENS, params)] == [baseline[tuple(prompt)]]
+    assert delta(decode.prompt_tokens(), t3) == {"local_compute": 0, "local_cache_hit": 64,
+                                                 "external_kv_transfer": len(prompt) - 64}
+    prefill.call(op="step")
+    moved = delta(prefill.stats()["stats"], p3)
+    assert moved["pushed_requests"] == 1 and moved["pushed_tokens"] == layers * (len(prompt) - 64)

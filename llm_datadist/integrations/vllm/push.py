@@ -205,6 +205,7 @@ class Receiver:
         self._recved: Set[str] = set()
         self._failed: Set[str] = set()
         self._awaiting: Dict[str, PushReg] = {}  # granted and registered, not yet pushed
+        self._cancelling: Dict[str, PushReg] = {}  # ended on this side, the prefill side being told
         self.stats = {"push_registered": 0, "push_received": 0, "push_failed": 0, "push_refused_done": 0}
         self._trace = Trace()
 
@@ -218,7 +219,15 @@ class Receiver:
 
     def on_step(self, regs: Dict[str, PushReg], cancel: Set[str]) -> None:
         for req_id in cancel:
-            self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
+            with self._lock:  # (no grant is made for it from now on: ``_register_on``)
+                reg = self._awaiting.pop(req_id, None)
+                grant = self.grants.revoke(req_id)  # writes through this engine's server stop now
+                if reg is not None:
+                    self._cancelling[req_id] = reg
+            if reg is None:
+                continue
+            if grant is None or not self.w.peers.submit(reg.as_recv(), lambda r=req_id, t=grant: self._cancel(r, t)):
+                self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
         for req_id, reg in regs.items():
             if reg.awaiting:
                 with self._lock:
@@ -227,6 +236,16 @@ class Receiver:
                 self._end(req_id, False, "this engine is shutting down")
         for req_id in self.grants.expire(time.monotonic()):
             self._end(req_id, False, f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s")
+
+    def _cancel(self, req_id: str, grant: Grant) -> None:
+        """Tell the prefill worker to push no more of an ended request, then report it (vLLM frees
+        its blocks only then)."""
+        try:
+            self.w._links_api.notify(grant.peer, {"op": "push_cancel", "decode_request_id": req_id,
+                                                  "grant": grant.token}, self.w.peers.notify_timeout_ms)
+        except Exception as exc:  # noqa: BLE001 - reported all the same
+            logger.warning("request %s: could not tell cluster %d to stop pushing it: %s", req_id, grant.peer, exc)
+        self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
 
     def _register(self, req_id: str, reg: PushReg) -> None:
         """On the peer's thread: link, grant, register; a refusal fails the request."""
@@ -242,11 +261,10 @@ class Receiver:
         if incompatible and reg.awaiting:
             return f"the prefill engine's KV is incompatible: {incompatible}"
         token = ""
-        with self._lock:
-            awaiting = req_id in self._awaiting
-        if reg.local_block_ids and awaiting:
-            token = self.grants.grant(req_id, cluster_id, self.w.block_ranges(reg.local_block_ids),
-                                      self.w.options.kv_lease_s)
+        ranges = self.w.block_ranges(reg.local_block_ids) if reg.local_block_ids else []
+        with self._lock:  # (a request cancelled meanwhile gets no grant: it only frees the prefill side)
+            if ranges and req_id in self._awaiting:
+                token = self.grants.grant(req_id, cluster_id, ranges, self.w.options.kv_lease_s)
         message = {"op": "push_reg", "request_id": reg.remote_request_id, "decode_request_id": req_id,
                    "blocks": reg.local_block_ids if token else [], "first_block": reg.first_block, "grant": token}
         reply = self.w._links_api.notify(cluster_id, message, self.w.peers.notify_timeout_ms)
@@ -274,7 +292,7 @@ class Receiver:
     def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False) -> None:
         self.grants.revoke(req_id)
         with self._lock:
-            reg = self._awaiting.pop(req_id, None)
+            reg = self._awaiting.pop(req_id, None) or self._cancelling.pop(req_id, None)
             if reg is None:
                 return
             self._recved.add(req_id)
@@ -389,6 +407,23 @@ class Pusher:
         self._queue.put(self._on_inbox)
         return {"accepted": True}
 
+    def on_cancel(self, peer: int, message: Dict[str, Any]) -> Dict[str, Any]:
+        """A decode worker's ``push_cancel`` (its request ended first): no more pushes for it."""
+        d_id, grant = message.get("decode_request_id"), message.get("grant")
+        with self._lock:
+            for job in self.jobs.values():
+                reg = job.reg
+                if reg is not None and reg.peer == peer and reg.decode_request_id == d_id and \
+                        isinstance(grant, str) and secrets.compare_digest(reg.grant, grant):
+                    job.failed = job.failed or "its decode request ended first"
+                    job.done = True  # (nothing to tell it)
+                    self.w.leases.release(job.req_id)
+                    return {"cancelled": True}
+            self._pending = [r for r in self._pending + self._inbox
+                             if not (r.peer == peer and r.decode_request_id == d_id)]
+            self._inbox = []
+        return {"cancelled": False}
+
     # -- vLLM's steps (the worker's main thread) ---------------------------------------------------------
     def begin(self, meta) -> None:
         """Take the step's metadata (once: from whichever of save_kv_layer, start_load_kv and
@@ -398,6 +433,9 @@ class Pusher:
         self._meta = meta
         with self._lock:
             for req_id in getattr(meta, "push_forget", ()):
+                job = self.jobs.get(req_id)
+                if job is not None and job.reg is not None:
+                    self._fail(job, "the prefill request was aborted")  # its decode side hears it now
                 self._drop(req_id)
             for req_id, step in getattr(meta, "push_steps", {}).items():
                 job = self.jobs.get(req_id)

@@ -539,9 +539,11 @@ class Worker:
                 logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s",
                              peer_cluster_id, why)
             return {"kv_compat": self.compat, "compatible": why is None}
-        if isinstance(message, dict) and message.get("op") == "push_reg":
+        if isinstance(message, dict) and message.get("op") in ("push_reg", "push_cancel"):
             if self.pusher is None:
                 return {"accepted": False, "why": "this prefill engine runs in pull mode (transfer_mode)"}
+            if message["op"] == "push_cancel":
+                return self.pusher.on_cancel(peer_cluster_id, message)
             return self.pusher.on_reg(peer_cluster_id, message)
         return self.leases.on_message(peer_cluster_id, message)
 
