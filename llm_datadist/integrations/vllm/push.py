@@ -359,6 +359,8 @@ class Pusher:
         self._meta = None  # the step's metadata begun (``begin``)
         self._step_jobs: List[Job] = []  # this step's jobs with a registration
         self._layer_index: Dict[str, int] = {}
+        self._num_layers = 0
+        self._saved = 0  # layers saved in this step
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="llm_datadist-push", daemon=True)
         self._thread.start()
@@ -376,6 +378,7 @@ class Pusher:
     def set_layout(self, layer_index: Dict[str, int], device: Any) -> None:
         """Which registered tensor each attention layer's KV is (``layer name -> index``)."""
         self._layer_index = dict(layer_index)
+        self._num_layers = len(self._layer_index)
         if getattr(device, "type", "cpu") != "cpu":
             import torch
 
@@ -450,6 +453,7 @@ class Pusher:
                     job.held = True  # finished: no step computes more of it; its blocks are held
             self._match_all()
             self._step_jobs = []
+            self._saved = 0
             for job in list(self.jobs.values()):
                 self._advance(job)
                 if job.reg is not None and job.step is not None and not job.failed:
@@ -527,8 +531,13 @@ class Pusher:
             return
         t = time.time()
         sync = self._device_sync() if self._device_sync is not None else None
+        self._saved += 1
+        last = self._saved == self._num_layers  # the step's last layer: the prompt's KV may be whole now
         for job in self._step_jobs:
             self._submit(job, job.step[0], job.step[1], index, sync, t)
+            if last and job.step[1] >= job.prompt_tokens:
+                with self._lock:
+                    self._finish(job)  # (after its pushes, before the step's end: the decode side starts sooner)
 
     def wait(self) -> None:
         """The step's pushes are done (``wait_for_save``); requests whose prompt is whole are
