@@ -283,3 +283,27 @@ def test_a_decode_request_that_ends_first_revokes_its_grant_and_stops_the_pusher
         assert wp.cm.pushes == []
     finally:
         pusher.close()
+
+
+def test_transfer_mode_is_checked_and_push_refuses_what_it_does_not_support():
+    from llm_datadist.integrations.vllm.connector import LLMDataDistConnector, _check_push
+    from llm_datadist.integrations.vllm.options import Options
+
+    assert Options.parse({}).transfer_mode == "pull"
+    assert Options.parse({"transfer_mode": "push"}).transfer_mode == "push"
+    for bad in ("PUSH", "write", 1, None):
+        with pytest.raises(ValueError, match="transfer_mode must be 'pull' or 'push'"):
+            Options.parse({"transfer_mode": bad})
+    producer = SimpleNamespace(is_kv_producer=True, is_kv_consumer=False)
+    one = SimpleNamespace(tensor_parallel_size=1)
+    _check_push(producer, one, ())
+    with pytest.raises(NotImplementedError, match="without tensor parallelism"):
+        _check_push(producer, SimpleNamespace(tensor_parallel_size=2), ())
+    with pytest.raises(NotImplementedError, match="kv_both"):
+        _check_push(SimpleNamespace(is_kv_producer=True, is_kv_consumer=True), one, ())
+    from llm_datadist.integrations.vllm.groups import Group
+    groups = (Group(0, "full", layers=("a",)), Group(1, "sliding_window", 32, 16, ("b",)))
+    with pytest.raises(NotImplementedError, match="one KV cache group"):
+        _check_push(producer, one, groups)
+    assert LLMDataDistConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
+    assert LLMDataDistConnector.requires_piecewise_for_cudagraph({}) is False

@@ -121,7 +121,7 @@ class Worker:
         # prefill side
         self.leases = LeaseBook(options)
         # push mode (``push``): the prefill worker pushes, the decode worker grants and receives
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         self.pusher: Optional[Pusher] = None
         self.receiver: Optional[Receiver] = None
         if options.transfer_mode == "push":
