@@ -307,3 +307,34 @@ def test_transfer_mode_is_checked_and_push_refuses_what_it_does_not_support():
         _check_push(producer, one, groups)
     assert LLMDataDistConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
     assert LLMDataDistConnector.requires_piecewise_for_cudagraph({}) is False
+
+
+def test_a_registration_between_chunks_pushes_the_computed_chunk_then_layer_by_layer():
+    """The decode side's registration comes after the prefill computed a first chunk: that chunk
+    goes at the next step, all layers in one call, then the rest layer by layer."""
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    w._keep = w._keep[:2]  # (two layers, one tensor each)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0, "l1": 1}, SimpleNamespace(type="cpu"))
+    try:
+        pusher.begin(_step("r-2-0000abcd", [40, 41], 0, 20, 40))  # chunk 1, nobody registered yet
+        pusher.save_layer("l0")
+        pusher.save_layer("l1")
+        pusher.wait()
+        assert w.cm.pushes == []
+        _reg(pusher, 9, "r-2-00000001", "", [50, 51, 52])  # the whole 40-token prompt: 3 blocks
+        _settle(pusher)
+        assert w.cm.pushes == []  # (not finished: the next step pushes it)
+        pusher.begin(_step("r-2-0000abcd", [40, 41, 42], 20, 40, 40))
+        pusher.save_layer("l0")
+        pusher.save_layer("l1")
+        pusher.wait()
+        _settle(pusher)
+        assert w.cm.pushes == [(9, [40, 41], [50, 51], None),  # tokens 0..19, every layer at once
+                               (9, [41, 42], [51, 52], [0]), (9, [41, 42], [51, 52], [1])]
+        assert pusher.stats["pushed_tokens"] == 2 * 20 + 2 * 20 and pusher.stats["pushed_late"] == 1
+        assert [m["ok"] for _, m in w._links_api.notes if m["op"] == "push_done"] == [True]
+    finally:
+        pusher.close()
