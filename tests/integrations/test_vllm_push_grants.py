@@ -338,3 +338,23 @@ def test_a_registration_between_chunks_pushes_the_computed_chunk_then_layer_by_l
         assert [m["ok"] for _, m in w._links_api.notes if m["op"] == "push_done"] == [True]
     finally:
         pusher.close()
+
+
+def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side():
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 9, "s-3-00000001", "", [50, 51])
+        _settle(pusher)
+        pusher.begin(_step("s-3-0000abcd", [40, 41], 0, 16, 32))  # half the prompt this step
+        pusher.save_layer("l0")
+        pusher.wait()
+        pusher.forget({"s-3-0000abcd"})  # its lease ran out (or the engine began to stop)
+        _settle(pusher)
+        assert [(m["op"], m["ok"]) for _, m in w._links_api.notes] == [("push_done", False)]
+        assert "freed" in w._links_api.notes[0][1]["why"] and pusher.jobs == {}
+    finally:
+        pusher.close()

@@ -343,6 +343,7 @@ class Job:
     failed: str = ""
     done: bool = False
     held: bool = False  # finished; its blocks held for its decode side
+    sent: bool = False  # its decode side was told (``push_done``)
 
 
 class Pusher:
@@ -557,10 +558,20 @@ class Pusher:
                     self._finish(job)  # (told on the push thread; the blocks stay held until then)
 
     def forget(self, req_ids: Set[str]) -> None:
-        """Requests whose held blocks were freed (``finished_sending``)."""
+        """Requests whose held blocks were freed (``finished_sending``). One freed before its push
+        ended (its lease ran out, the engine began to stop) fails, and its pushes in flight are
+        waited for, so that none reads a block vLLM is about to reuse."""
+        wait = False
         with self._lock:
             for req_id in req_ids:
+                job = self.jobs.get(req_id)
+                if job is not None and job.reg is not None and not job.sent:
+                    job.failed = job.failed or "its blocks were freed before its push ended"
+                    self._finish(job)
+                    wait = True
                 self._drop(req_id)
+        if wait:
+            self._queue.join()
 
     # -- the work -----------------------------------------------------------------------------------
     def _submit(self, job: Job, start: int, end: int, layer: Optional[int], sync=None, t_compute=None) -> None:
@@ -612,6 +623,7 @@ class Pusher:
         reg = job.reg
 
         def done() -> None:
+            job.sent = True
             ok = not job.failed
             message = {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
                        "ok": ok, "why": job.failed[:200]}
