@@ -22,6 +22,10 @@ each request has a fresh random prompt. From the push timings the workers record
 push ended; the share of layers ``i`` whose push ended before layer ``i+1``'s compute did (the last
 layer excluded), and how long after the last layer's compute the decode worker was told it had
 everything (``push_done``). Medians over the requests; ratios against pull in the same run.
+
+First it prints what one ``push_blocks`` per layer costs against one for all layers (``--calls-only``:
+only that), over ``tcp`` between two llm_datadist processes, at the bench's KV size per layer and at
+one 4 KiB block per layer (the per-call cost alone).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def run_mode(model: Path, work: Path, mode: str, prompts, warm) -> list:
     """TTFT per prompt (seconds) in ``mode``: ``pull``, ``push-order`` or ``push-pipelined``."""
     prefill, decode = engines(model, work, "push" if mode.startswith("push") else "pull", mode)
     try:
-        ttfts = []
+        ttfts, after = [], []  # (after: from the prefill's answer to the decode's)
         for i, prompt in enumerate([warm] + prompts):
             name = f"cmpl-{mode}-{i}"
             t0 = time.perf_counter()
@@ -90,8 +94,11 @@ def run_mode(model: Path, work: Path, mode: str, prompts, warm) -> list:
                 prefill._read(600)
             else:
                 out = prefill.generate([prompt], 1, [{"do_remote_decode": True}], timeout=600)
+                t1 = time.perf_counter()
                 got = decode.generate([prompt], 1, [out[0]["kv_transfer_params"]], timeout=600)
                 ttft = time.perf_counter() - t0
+                if i:
+                    after.append(time.perf_counter() - t1)
             if mode.startswith("push"):
                 prefill.call(op="step")  # (frees the held blocks, as a served engine's loop would)
             assert got[0].get("token_ids"), got
@@ -99,7 +106,7 @@ def run_mode(model: Path, work: Path, mode: str, prompts, warm) -> list:
                 ttfts.append(ttft)
             print(f"  {mode} request {i}: TTFT {ttft * 1000:.0f} ms", file=sys.stderr)
         stats = prefill.stats()["stats"]
-        return ttfts, stats
+        return ttfts, stats, after
     finally:
         prefill.close()
         decode.close()
@@ -127,18 +134,71 @@ def push_timings(work: Path, mode: str) -> list:
     return out
 
 
+# -- per-call cost: one push_blocks per layer against one for all layers ---------------------------
+
+def _c_register(state, layers: int, blocks: int, block_bytes: int) -> None:
+    import numpy as np
+
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+    state.arrays = [np.zeros((blocks, block_bytes), dtype=np.uint8) for _ in range(layers)]
+    desc = CacheDesc(layers, [blocks, block_bytes], DataType.DT_UINT8, Placement.HOST)
+    state.cache = state.cm.register_blocks_cache(desc, [a.ctypes.data for a in state.arrays],
+                                                 BlocksCacheKey(state.cluster_id, 0))
+
+
+def _c_time_pushes(state, owner: int, layers: int, blocks: int, rounds: int) -> dict:
+    from llm_datadist import BlocksCacheKey
+    key, ids = BlocksCacheKey(owner, 0), list(range(blocks))
+    per_layer, at_once = [], []
+    for _ in range(rounds + 1):  # (the first round learns the routes)
+        t = time.perf_counter()
+        for layer in range(layers):
+            state.cm.push_blocks(key, state.cache, ids, ids, range(layer, layer + 1), range(layer, layer + 1), 1)
+        per_layer.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        state.cm.push_blocks(key, state.cache, ids, ids)
+        at_once.append(time.perf_counter() - t)
+    return {"per_layer_ms": statistics.median(per_layer[1:]) * 1000,
+            "at_once_ms": statistics.median(at_once[1:]) * 1000}
+
+
+def per_call_cost(rounds: int) -> list:
+    """``push_blocks`` once per layer (what ``save_kv_layer`` does) against once for all layers
+    (a late push), over ``tcp`` between two processes, for the bench's 8 layers: 64 blocks of 128 KiB
+    per layer (a 2040-token prompt) and 1 block of 4 KiB per layer (the per-call cost alone)."""
+    from llm_datadist.testing import Cluster, link
+    rows = []
+    for blocks, block_bytes in ((64, 128 << 10), (1, 4 << 10)):
+        with Cluster(61, "DECODER", plane="tcp") as owner, Cluster(62, "PROMPT", listen=True, plane="tcp") as writer:
+            owner.call(_c_register, GEOMETRY["layers"], blocks, block_bytes)
+            writer.call(_c_register, GEOMETRY["layers"], blocks, block_bytes)
+            link(owner, writer)
+            got = writer.call(_c_time_pushes, 61, GEOMETRY["layers"], blocks, rounds, timeout=600)
+            rows.append((blocks, block_bytes, got))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=2040)  # (the model takes 2048 positions)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--modes", nargs="+", default=["pull", "push-order", "push-pipelined"])
+    parser.add_argument("--calls-only", action="store_true", help="only the per-call cost of push_blocks")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the per-call cost")
     args = parser.parse_args()
     os.environ.setdefault("LLM_DATADIST_REQUIRE_VLLM", "1")
     import numpy as np
 
     from test_vllm import write_model
 
+    print("| push_blocks over tcp, 8 layers | one call per layer | one call, all layers | ratio |")
+    print("|---|---|---|---|")
+    for blocks, block_bytes, got in per_call_cost(args.rounds):
+        print(f"| {blocks} x {block_bytes >> 10} KiB per layer | {got['per_layer_ms']:.2f} ms | "
+              f"{got['at_once_ms']:.2f} ms | {got['per_layer_ms'] / got['at_once_ms']:.2f} |")
+    if args.calls_only:
+        return 0
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, GEOMETRY["vocab"], size=args.tokens).tolist() for _ in range(args.requests)]
     results = {}
@@ -147,19 +207,22 @@ def main() -> int:
         write_model(work / "model", geometry=GEOMETRY)
         for mode in args.modes:
             warm = rng.integers(3, GEOMETRY["vocab"], size=args.tokens).tolist()
-            ttfts, stats = run_mode(work / "model", work, mode, prompts, warm)
-            results[mode] = {"ttft_ms": [t * 1000 for t in ttfts], "stats": stats}
+            ttfts, stats, after = run_mode(work / "model", work, mode, prompts, warm)
+            results[mode] = {"ttft_ms": [t * 1000 for t in ttfts], "stats": stats,
+                             "after_prefill_ms": [t * 1000 for t in after]}
             if mode == "push-pipelined":
                 timings = push_timings(work, mode)
                 results[mode]["timings"] = timings
     pull = statistics.median(results["pull"]["ttft_ms"]) if "pull" in results else float("nan")
     print(f"\n{args.tokens}-token prompts, {GEOMETRY['layers']} layers, hidden {GEOMETRY['hidden']}, "
           f"{args.requests} requests (medians; load {open('/proc/loadavg').read().split()[0]})\n")
-    print("| mode | TTFT ms | x pull |")
-    print("|---|---|---|")
+    print("| mode | TTFT ms | x pull | decode part after the prefill's answer, ms |")
+    print("|---|---|---|---|")
     for mode in args.modes:
         med = statistics.median(results[mode]["ttft_ms"])
-        print(f"| {mode} | {med:.0f} | {med / pull:.2f} |")
+        after = results[mode]["after_prefill_ms"]
+        print(f"| {mode} | {med:.0f} | {med / pull:.2f} | {statistics.median(after):.0f} |" if after else
+              f"| {mode} | {med:.0f} | {med / pull:.2f} | (sent at once) |")
     timings = results.get("push-pipelined", {}).get("timings") or []
     if timings:
         print(f"\npipelined: layer pushes per request {statistics.median([t[2] for t in timings]):.0f}; "

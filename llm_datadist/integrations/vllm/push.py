@@ -371,8 +371,7 @@ class Pusher:
         #: layer of each token exactly once: layers x prompt tokens not cached on the decode side),
         #: ``push_regs``: registrations taken, ``push_regs_refused``: refused
         self.stats = {"pushed_layers": 0, "pushed_blocks": 0, "pushed_tokens": 0, "pushed_requests": 0,
-                      "push_failures": 0,
-                      "pushed_late": 0, "push_regs": 0, "push_regs_refused": 0}
+                      "push_failures": 0, "pushed_late": 0, "push_regs": 0, "push_regs_refused": 0}
         self._trace = Trace()
         self._device_sync: Optional[Callable[[], Any]] = None
 
