@@ -358,3 +358,70 @@ def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side(
         assert "freed" in w._links_api.notes[0][1]["why"] and pusher.jobs == {}
     finally:
         pusher.close()
+
+
+def test_an_aborted_prefill_tells_its_decode_side():
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 9, "a-1-00000001", "", [50, 51])
+        _settle(pusher)
+        pusher.begin(_step("a-1-0000abcd", [40, 41], 0, 16, 32))
+        pusher.save_layer("l0")
+        pusher.wait()
+        pusher.begin(SimpleNamespace(push_forget={"a-1-0000abcd"}, push_steps={}, reqs_to_send={}))
+        _settle(pusher)
+        assert [(m["op"], m["ok"], m["why"]) for _, m in w._links_api.notes] == \
+            [("push_done", False, "the prefill request was aborted")]
+        assert len(w.cm.pushes) == 1 and pusher.jobs == {}
+    finally:
+        pusher.close()
+
+
+def test_the_schedulers_hand_each_step_and_each_allocation_to_their_workers():
+    from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata
+    from llm_datadist.integrations.vllm.push import PushScheduling
+
+    # prefill side: a new request's blocks and tokens, then its next chunk's, capped at the prompt
+    sched = PushScheduling(16, producer=True)
+    req = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True})
+    sched.prefill_allocated(req, 40)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, SimpleNamespace(num_scheduled_tokens={"p1": 32, "other": 5},
+                                     scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([7, 8],),
+                                                                         num_computed_tokens=0)],
+                                     scheduled_cached_reqs=None))
+    assert (meta.push_steps["p1"].block_ids, meta.push_steps["p1"].start, meta.push_steps["p1"].end) == \
+        ([7, 8], 0, 32)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, SimpleNamespace(num_scheduled_tokens={"p1": 32}, scheduled_new_reqs=[],
+                                     scheduled_cached_reqs=SimpleNamespace(req_ids=["p1"], new_block_ids=[([9],)],
+                                                                           num_computed_tokens=[32],
+                                                                           resumed_req_ids=set())))
+    assert (meta.push_steps["p1"].block_ids, meta.push_steps["p1"].start, meta.push_steps["p1"].end) == \
+        ([7, 8, 9], 32, 40)
+    sched.prefill_finished(req, held=True)
+    assert sched.pending()
+    sched.output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    assert not sched.pending()
+    # decode side: an allocation becomes a registration (after a 32-token local hit: from block 2);
+    # a request that ends while waiting is cancelled; unusable params compute the prompt here
+    sched = PushScheduling(16, producer=False)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000}
+    d = SimpleNamespace(request_id="d1", kv_transfer_params=params)
+    assert sched.matched_tokens(d, 32, 70) == (38, True)
+    sched.allocated(d, [3, 4, 5], 38, 70)
+    assert params["do_remote_prefill"] is False
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, None)
+    reg = meta.push_regs["d1"]
+    assert (reg.local_block_ids, reg.first_block, reg.awaiting, reg.remote_request_id) == ([3, 4, 5], 2, True, "")
+    sched.decode_finished(d)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, None)
+    assert meta.push_cancel == {"d1"}
+    bad = SimpleNamespace(request_id="d2", kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"})
+    assert sched.matched_tokens(bad, 0, 70) == (0, False) and bad.kv_transfer_params["do_remote_prefill"] is False
