@@ -10,11 +10,15 @@ A plain engine gives the baseline; then a prefill and a decode engine in push mo
   worker pushes each layer from ``save_kv_layer`` while the next ones compute.
 
 Both give the baseline's greedy tokens, with every layer of every request pushed exactly once
-(``pushed_layers``), and the decode engine computing nothing of the prompt. Needs vLLM."""
+(``pushed_tokens``), and the decode engine computing nothing of the prompt. Then two engines under
+vLLM's OpenAI server behind vLLM's toy proxy, unchanged. Needs vLLM (and the toy proxy:
+``LLM_DATADIST_TOY_PROXY``)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -29,6 +33,7 @@ MAX_TOKENS = 6
 ORDERED = prompts_of([20, 150], seed=31)
 PIPELINED = prompts_of([90, 200], seed=32)
 CACHED = prompts_of([96], seed=33)
+SERVED = prompts_of([130], seed=34)
 PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET, "kv_lease_s": 20.0}
 
 
@@ -41,7 +46,7 @@ def push_engines(tmp_path_factory):
         plain = Engine(work / "model", "plain", work / "plain.log")
         started.append(plain)
         plain.wait_ready()
-        everything = ORDERED + PIPELINED + CACHED
+        everything = ORDERED + PIPELINED + CACHED + SERVED
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
         plain.close()
         # chunked prefill on the prefill side: a 200-token prompt takes two steps
@@ -129,3 +134,45 @@ def test_push_in_nixl_order_and_pipelined_gives_the_baseline(push_engines):
     prefill.call(op="step")
     moved = delta(prefill.stats()["stats"], p3)
     assert moved["pushed_requests"] == 1 and moved["pushed_tokens"] == layers * (len(prompt) - 64)
+
+
+def test_served_engines_push_behind_vllms_toy_proxy(push_engines, tmp_path):
+    """``vllm serve``-style engines (vLLM's OpenAI server) in push mode behind vLLM's own toy proxy,
+    unchanged: the prefill engine's loop keeps stepping while it holds the blocks
+    (``has_pending_push_work``) and pushes when the decode engine registers; the decode engine's
+    greedy tokens equal the baseline's and it computes none of the prompt."""
+    import httpx
+    from test_vllm import free_port, metric_samples, served_decode_engine
+    from test_vllm_leases import require_toy_proxy
+
+    baseline, prefill, _ = push_engines
+    proxy = require_toy_proxy()
+    model = prefill.log.parent / "model"
+    with served_decode_engine(model, tmp_path / "served-prefill.log", PUSH, role="kv_producer") as p_url, \
+            served_decode_engine(model, tmp_path / "served-decode.log", PUSH) as d_url:
+        port = free_port()
+        p_port, d_port = (int(url.rsplit(":", 1)[1]) for url in (p_url, d_url))
+        with open(tmp_path / "proxy.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(proxy), "--port", str(port), "--prefiller-host", "127.0.0.1",
+                                     "--prefiller-port", str(p_port), "--decoder-host", "127.0.0.1",
+                                     "--decoder-port", str(d_port)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=240,
+                                       json={"model": str(model), "prompt": SERVED[0], "max_tokens": MAX_TOKENS,
+                                             "temperature": 0, "return_token_ids": True})
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "proxy.log").read_text()
+                    time.sleep(0.5)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["token_ids"] == baseline[tuple(SERVED[0])]
+            samples = metric_samples(httpx.get(d_url + "/metrics", timeout=30).text)
+            by_source = {dict(labels).get("source"): value for (name, labels), value in samples.items()
+                         if name == "vllm:prompt_tokens_by_source_total"}
+            assert by_source.get("external_kv_transfer") == len(SERVED[0]) and not by_source.get("local_compute")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
