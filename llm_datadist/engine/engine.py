@@ -230,6 +230,19 @@ class Engine:
         self.check_initialized()
         self.links.set_read_guard(guard)
 
+    def set_write_guard(self, guard: Optional[Callable]) -> None:
+        """Check every push a peer makes through this engine's server (``tcp``, ``staging``) with
+        ``guard(peer_cluster_id) -> allowed ranges or None`` (``(address, nbytes)`` pairs): a push
+        with a descriptor outside what the guard allows that authenticated peer now (or any push
+        when it answers None) is refused with ``LLM_KV_CACHE_NOT_EXIST`` before a byte lands; the
+        link goes on. Writes over one-sided planes (``cma``, ``cuda_ipc``, ``nixl``) never reach
+        the server and are not guarded. None: no guard (the default; removing it also works after
+        ``finalize``). It runs on the connection's thread, so it must be quick."""
+        if guard is not None:
+            self.check_initialized()
+        if self.links is not None:
+            self.links.set_write_guard(guard)
+
     @staticmethod
     def read_tag(tag: Any):
         """A context manager: the pulls this thread makes inside carry ``tag`` (bytes, or str as

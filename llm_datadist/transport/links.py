@@ -59,7 +59,7 @@ from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAU
                                              Listener, close_socket, describe, env_int, is_loopback, source_of,
                                              warn_once)
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
-from llm_datadist.transport.read_guard import ReadGuard
+from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.server import Requests, Server
 from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Peer, peer_credentials
 from llm_datadist.transport.table import RemoteTable
@@ -117,12 +117,13 @@ class LinkManager:
         #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
         #: ``refused_parsing``, control requests that found no room in the parsing budget;
         #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
-        #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``protection_failures``,
+        #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``refused_writes``, pushes
+        #: the write guard refused; ``protection_failures``,
         #: records of a protected link that failed their check (``protection``; the link closed).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
                       "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
                       "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0,
-                      "refused_reads": 0, "protection_failures": 0}
+                      "refused_reads": 0, "refused_writes": 0, "protection_failures": 0}
         #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
         self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
@@ -132,7 +133,10 @@ class LinkManager:
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
         #: Which registered memory a peer may pull through the server (none installed: all of it).
         self.read_guard = ReadGuard(engine.cluster_id, self._count)
-        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count, self.read_guard).handlers()
+        #: Which registered memory a peer may push into through the server (none installed: all of it).
+        self.write_guard = WriteGuard(engine.cluster_id, self._count)
+        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count, self.read_guard,
+                            self.write_guard).handlers()
         handlers[wire.OP_NOTIFY] = self._on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.
@@ -829,6 +833,11 @@ class LinkManager:
         """Check every peer's pull through the server with ``guard(peer_cluster_id, tag) ->
         allowed ranges or None`` (``read_guard``); None: no guard."""
         self.read_guard.set(guard)
+
+    def set_write_guard(self, guard: Optional[Callable[[int], Any]]) -> None:
+        """Check every peer's push through the server with ``guard(peer_cluster_id) -> allowed
+        ranges or None`` (``read_guard.WriteGuard``); None: no guard."""
+        self.write_guard.set(guard)
 
     def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
         """Send a JSON object to a linked peer over the link (authenticated like it) and return

@@ -11,6 +11,13 @@ unregistered memory gets) before a byte moves, and the link goes on.
 
 Reads over one-sided planes (``cma``, ``cuda_ipc``) never reach the server, so no guard sees them:
 an authenticated peer on such a plane can read every registered cache.
+
+Write guards (``WriteGuard``) are the same for pushes: a push through the server
+(``server.Requests.push``) with a guard installed, ``fn(peer_cluster_id) -> allowed ranges or
+None``, is refused with ``LLM_KV_CACHE_NOT_EXIST`` before a byte lands unless every one of its
+descriptors' destination ranges lies inside the ranges the guard allows that authenticated peer
+now (a push carries no tag: grants are keyed by the peer, so the wire is unchanged). The refused
+payload is read and dropped and the link goes on. Writes over one-sided planes are not seen.
 """
 
 from __future__ import annotations
@@ -115,5 +122,60 @@ class ReadGuard:
             refusals = self._refusals
         if refusals % LOG_EVERY == 1:
             logger.warning("cluster %d refused %s from cluster %d (%d refused reads so far; the link stays)",
+                           self.cluster_id, what, peer_id, refusals)
+        return REFUSED
+
+
+#: ``guard(peer_cluster_id) -> allowed ranges or None``: what that peer may write now.
+WriteGuardFn = Callable[[int], Optional[Union[Any, Iterable[Tuple[int, int]]]]]
+
+
+class WriteGuard:
+    """The owner's side of pushes: the guard in force (none by default) and its refusals
+    (``refused_writes``)."""
+
+    def __init__(self, cluster_id: int, count: Callable[[str], Any] = lambda counter: 0) -> None:
+        self.cluster_id = cluster_id
+        self._guard: Optional[WriteGuardFn] = None
+        self._count = count
+        self._lock = threading.Lock()
+        self._refusals = 0
+
+    @property
+    def installed(self) -> bool:
+        return self._guard is not None
+
+    def set(self, guard: Optional[WriteGuardFn]) -> None:
+        """Check every push with ``guard`` from now on (None: no guard, the registry alone)."""
+        if guard is not None and not callable(guard):
+            raise TypeError("a write guard is a callable guard(peer_cluster_id)")
+        self._guard = guard
+
+    def refusal(self, peer_id: int, plan) -> int:
+        """0 if every destination range of ``plan`` may be written by ``peer_id``, else the
+        status to answer (counted, and logged rate-limited)."""
+        guard = self._guard
+        if guard is None:
+            return 0
+        try:
+            allowed = guard(peer_id)
+            if allowed is None:
+                return self._refuse(peer_id, "a push from a peer that holds no write grant")
+            if not isinstance(allowed, _io.RangeSet):
+                allowed = _io.RangeSet(allowed)
+        except Exception as exc:  # noqa: BLE001 - a failing guard refuses; the link goes on
+            return self._refuse(peer_id, f"a push the write guard failed on ({type(exc).__name__}: {exc})")
+        bad = allowed.first_outside(plan, True)
+        if bad >= 0:
+            return self._refuse(peer_id, f"a push whose range {bad} lies outside what its grants allow")
+        return 0
+
+    def _refuse(self, peer_id: int, what: str) -> int:
+        self._count("refused_writes")
+        with self._lock:
+            self._refusals += 1
+            refusals = self._refusals
+        if refusals % LOG_EVERY == 1:
+            logger.warning("cluster %d refused %s from cluster %d (%d refused writes so far; the link stays)",
                            self.cluster_id, what, peer_id, refusals)
         return REFUSED

@@ -7,7 +7,9 @@ was planned against an older registry, is refused with a status and the link goe
 
 With a read guard installed (``read_guard``), a pull is first checked against the ranges the
 guard allows for the tag its frame carries; a refused one is answered with a status before a byte
-moves, and the link goes on.
+moves, and the link goes on. With a write guard installed, a push is first checked the same way
+against the ranges the guard allows its authenticated peer; a refused one's payload is drained
+unwritten.
 
 A push or pull whose ranges lie wholly in registered host memory moves straight between the
 socket and that memory; one wholly in registered device memory that the host cannot address is
@@ -44,7 +46,7 @@ from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, status_of
 from llm_datadist.transport.listener import close_socket
-from llm_datadist.transport.read_guard import ReadGuard
+from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.session import Peer, read_body, read_header
 from llm_datadist.transport.threads import Threads
 
@@ -205,15 +207,18 @@ class Requests:
     ``planes()``: the engine's plane instances now; ``device_payload``: the payload that moves a
     transfer's bytes into and out of this engine's device memory (None: such transfers are
     refused like unregistered memory); ``guard``: the engine's read guard, which every pull
-    passes first (``read_guard.ReadGuard``; none installed by default)."""
+    passes first (``read_guard.ReadGuard``; none installed by default); ``write_guard``: the same
+    for every push (``read_guard.WriteGuard``)."""
 
     def __init__(self, engine: EngineView, planes: Callable[[], Iterable[Any]], device_payload: Optional[Any],
-                 count: Callable[[str], Any] = lambda counter: None, guard: Optional[ReadGuard] = None) -> None:
+                 count: Callable[[str], Any] = lambda counter: None, guard: Optional[ReadGuard] = None,
+                 write_guard: Optional[WriteGuard] = None) -> None:
         self.engine = engine
         self._planes = planes
         self._device = device_payload
         self._count = count  # counts a refusal by a budget (``LinkManager.stats``)
         self._read_guard = guard if guard is not None else ReadGuard(engine.cluster_id)
+        self._write_guard = write_guard if write_guard is not None else WriteGuard(engine.cluster_id)
 
     def handlers(self) -> Dict[int, Handler]:
         return {wire.OP_TABLE_GET: self.table, wire.OP_KEY_DONE: self.key_done, wire.OP_PUSH: self.push,
@@ -253,6 +258,13 @@ class Requests:
         generation, desc_len, plan = values
         data_len = length - 16 - desc_len
         drained = False
+        # (the write guard first: a refused push pins nothing, its payload is drained below)
+        guarded = self._write_guard.refusal(peer_id, plan)
+        if guarded:
+            st, _, _ = _io.recv_discard(fd, data_len, _session.FRAME_TIMEOUT_MS)
+            if st != 0:
+                raise ProtocolError("push payload truncated")
+            return reply(fd, wire.OP_PUSH_DONE, req_id, guarded)
         with engine.pinned(plan, True, *_pin_terms(fd)) as (ranges, current, device_ranges):
             refusal, device = self._refusal(plan, True, generation, ranges, device_ranges, current, peer_id, "push")
             if refusal == 0 and device:

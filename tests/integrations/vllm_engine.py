@@ -6,7 +6,7 @@ ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConne
 are more keyword arguments of ``LLM`` (``shutdown_timeout``, ``max_num_seqs``...; ``kv_transfer``:
 more fields of ``KVTransferConfig``, such as ``kv_load_failure_policy``). Requests:
 ``{"op": "generate", "prompts": [[ids]], "max_tokens": n (or one per prompt), "params": [kv_transfer_params
-or null]}``
+or null], "names": [request ids] (optional)}``
 -> ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens"}]}`` (with ``"hold_first_s": s``
 the first prompt is aborted once it has run ``s`` seconds, if it has not finished by then: a request that
 holds a slot for a set time whatever this machine's speed; its output is then ``{"aborted": true}``);
@@ -15,7 +15,7 @@ connector's Prometheus series (counter values, histogram counts); ``{"op": "stat
 worker connector's counters (in-process engines only); ``{"op": "shutdown", "grace_s": s}`` shuts
 the engine down the way ``vllm serve`` does (its engine core process gets SIGTERM and ``s`` seconds
 before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) -> ``{"seconds", "exitcodes"}``;
-``{"op": "exit"}``.
+``{"op": "step"}`` steps the engine once; ``{"op": "exit"}``.
 The first line written is ``{"ready": true}`` once the engine is up.
 """
 
@@ -33,15 +33,15 @@ for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "
 BLOCK_SIZE = 32
 
 
-def generate_holding_first(llm, prompts, sampling, hold_s: float) -> list:
+def generate_holding_first(llm, prompts, sampling, hold_s: float, names=None) -> list:
     """``llm.generate``'s results, in order, from vLLM's engine stepped here, where the first request is
-    aborted (its result None) once it has run ``hold_s`` seconds unfinished."""
+    aborted (its result None) once it has run ``hold_s`` seconds unfinished (``names``: the requests' ids)."""
     import time
     import uuid
 
     engine = llm.llm_engine
     tag = uuid.uuid4().hex[:8]
-    names = [f"hold-{tag}-{i}" for i in range(len(prompts))]
+    names = names or [f"hold-{tag}-{i}" for i in range(len(prompts))]
     for name, prompt, params in zip(names, prompts, sampling):
         engine.add_request(name, prompt, params)
     done, start, holding = {}, time.monotonic(), True
@@ -100,6 +100,10 @@ def main() -> int:
             client.shutdown(timeout=request["grace_s"])
             reply({"seconds": time.monotonic() - start, "exitcodes": [p.exitcode for p in processes]})
             continue
+        if request["op"] == "step":  # one engine step (a served engine's busy loop steps on its own)
+            llm.llm_engine.step()
+            reply({"stepped": True})
+            continue
         if request["op"] == "prompt_tokens":
             # vLLM's own count of where prompt tokens came from: local_compute, local_cache_hit,
             # external_kv_transfer
@@ -129,8 +133,10 @@ def main() -> int:
         sampling = [SamplingParams(max_tokens=n, temperature=0.0, detokenize=False,
                                    extra_args={"kv_transfer_params": p} if p is not None else None)
                     for p, n in zip(params, limits)]
-        if request.get("hold_first_s") is not None:
-            results = generate_holding_first(llm, prompts, sampling, request["hold_first_s"])
+        if request.get("hold_first_s") is not None or request.get("names"):
+            hold = request.get("hold_first_s")
+            results = generate_holding_first(llm, prompts, sampling, float("inf") if hold is None else hold,
+                                             request.get("names"))
         else:
             results = llm.generate(prompts, sampling, use_tqdm=False)
         if role == "producer":

@@ -92,6 +92,10 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
     their lease): each record counts its id's bytes plus 256; records age out ``kv_lease_s`` + 30 s
     after they were made; a release that finds no room is refused. Request ids are at most
     ``MAX_REQUEST_ID_BYTES`` (256) bytes.
+``transfer_mode`` (``"pull"``)
+    ``"push"``: the prefill engine writes each layer's KV into blocks the decode engine allocated and
+    granted it, while its prefill still computes (``push``: the flow, the grants, what is refused);
+    any other value is refused at start-up. Set it on both engines.
 ``model_id`` (vLLM's model name or path, and ``@revision``)
     What the compatibility check knows the model by (``compat.py``); set the same string on
     every engine of a deployment that loads one checkpoint from different paths.
@@ -163,7 +167,8 @@ sliding-window attention groups (hybrid models, above), tensor parallelism (equa
 sizes on the two sides; equal only for hybrid models), data parallelism, memory the llm_datadist
 device runtime reaches (the vLLM CPU backend; GPU KV caches through the cuda runtime). Not yet:
 state-space (Mamba) groups, replicated KV heads across different TP sizes, pipeline parallelism
-(refused at start-up), push mode, layer-by-layer pipelining.
+(refused at start-up); push mode with tensor parallelism or several KV cache groups (refused at
+start-up).
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
                              "the routed experts of a prefill are not passed to its decode engine")
         # (refuses the group kinds and Mamba cache modes it cannot move)
         self._groups = kv_groups.transfer_groups(kv_cache_config)
+        if self.options.transfer_mode == "push":
+            _check_push(transfer, parallel, self._groups)
         num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self._scheduler: Optional[Scheduler] = None
         self._worker: Optional[Worker] = None
@@ -89,7 +91,10 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> LLMDataDistConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
         # (vLLM calls this only for connectors without SupportsHMA: one group's list)
@@ -127,10 +132,22 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads are whole-request and asynchronous: the scheduler waits for them
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return  # decode engines pull; nothing is pushed while the prefill runs
+        # pull mode: nothing (decode engines pull); push mode: the layer goes to registered requests
+        pusher = self._worker.pusher if self._worker is not None else None
+        if pusher is not None:
+            pusher.begin(self._get_connector_metadata())
+            pusher.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        pusher = self._worker.pusher if self._worker is not None else None
+        if pusher is not None and self.has_connector_metadata():
+            pusher.begin(self._get_connector_metadata())
+            pusher.wait()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # push mode works from save_kv_layer, which a full CUDA graph would skip on replay
+        return isinstance(extra_config, dict) and extra_config.get("transfer_mode") == "push"
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         results = self.get_transfer_results(finished_req_ids)
@@ -213,6 +230,21 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
 
 #: The name vllm-ascend gave its llm_datadist connector, so its configs need only the module path changed.
 LLMDataDistCMgrConnector = LLMDataDistConnector
+
+
+def _check_push(transfer, parallel, groups) -> None:
+    """Push mode's start-up refusals: what it does not support yet, said once, with the fix."""
+    if transfer.is_kv_producer and transfer.is_kv_consumer:
+        raise NotImplementedError("LLMDataDistConnector: transfer_mode 'push' needs kv_role kv_producer or "
+                                  "kv_consumer, not kv_both")
+    if parallel.tensor_parallel_size != 1:
+        raise NotImplementedError("LLMDataDistConnector: transfer_mode 'push' supports engines without tensor "
+                                  f"parallelism only (this one has {parallel.tensor_parallel_size}); use "
+                                  "transfer_mode 'pull'")
+    if len(groups) > 1:
+        raise NotImplementedError(f"LLMDataDistConnector: transfer_mode 'push' supports models with one KV cache "
+                                  f"group only (this one has {len(groups)}: {kv_groups.describe(groups)}); use "
+                                  "transfer_mode 'pull', or --disable-hybrid-kv-cache-manager")
 
 
 def _kv_heads(vllm_config) -> int:

@@ -5,7 +5,7 @@ leases of a step (connector metadata), and a decode request's pull read from its
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata, KVConnectorMetadata,
                                                                 KVConnectorWorkerMetadata)
@@ -186,6 +186,14 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
         #: (every rank's address and release id; whether it counts readers); rank 0 asks
         self.reqs_to_ask: Dict[str, Recv] = {}
         self.stopping = False
+        #: push mode (``push``), decode side: blocks to register with prefill workers (request id
+        #: -> ``push.PushReg``), requests that ended before their push did; prefill side: each
+        #: push-mode request scheduled in this step (-> ``push.PushStep``), requests that ended
+        #: without handing their KV out
+        self.push_regs: Dict[str, Any] = {}
+        self.push_cancel: Set[str] = set()
+        self.push_steps: Dict[str, Any] = {}
+        self.push_forget: Set[str] = set()
 
 
 class LLMDataDistWorkerMetadata(KVConnectorWorkerMetadata):

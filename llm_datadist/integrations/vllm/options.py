@@ -33,6 +33,7 @@ class Options:
     release_records_bytes: int = 16 << 20
     model_id: Optional[str] = None
     link_idle_s: float = 300.0
+    transfer_mode: str = "pull"  # or "push" (``push``)
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
@@ -46,6 +47,9 @@ class Options:
         if opts.data_plane not in plane_choices():
             raise ValueError(f"LLMDataDistConnector: data_plane must be one of {', '.join(plane_choices())}, "
                              f"got {opts.data_plane!r}")
+        if opts.transfer_mode not in ("pull", "push"):
+            raise ValueError("LLMDataDistConnector: transfer_mode must be 'pull' or 'push', got "
+                             f"{opts.transfer_mode!r}")
         if not isinstance(opts.lease_tokens, bool):
             raise ValueError(f"LLMDataDistConnector: lease_tokens must be true or false, got {opts.lease_tokens!r}")
         if isinstance(opts.release_records_bytes, bool) or not isinstance(opts.release_records_bytes, int) or \

@@ -18,6 +18,7 @@ from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_re
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
 from llm_datadist.integrations.vllm.options import Options
+from llm_datadist.integrations.vllm.push import PushScheduling
 
 logger = logging.getLogger(__package__)
 
@@ -132,6 +133,8 @@ class Scheduler:
         #: pull ahead of it on that peer's threads
         self.ask_s = (options.link_timeout_ms + options.sync_kv_timeout_ms) / 1000 + 10.0
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
+        #: push mode (``push``; None: pull)
+        self.push = PushScheduling(block_size, producer) if options.transfer_mode == "push" else None
 
     def close(self) -> None:
         self._signals.close()
@@ -169,7 +172,7 @@ class Scheduler:
         params = request.kv_transfer_params
         if isinstance(params, dict) and params.get("do_remote_decode") and self.backoff:
             truncate_for_prefill(request, self.backoff)
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
+        if isinstance(params, dict) and params.get("do_remote_prefill") and self.push is None:
             spec = recv_spec(params)
             if spec is not None:
                 self._parked[request.request_id] = spec
@@ -182,6 +185,8 @@ class Scheduler:
         params = request.kv_transfer_params
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
+        if self.push is not None:
+            return self.push.matched_tokens(request, num_computed_tokens, prompt_length(request))
         spec = recv_spec(params)
         if spec is not None and self._must_ask(spec):
             spec = self._learn(request, spec)
@@ -227,7 +232,13 @@ class Scheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.push is not None and isinstance(params, dict) and params.get("do_remote_decode"):
+            self.push.prefill_allocated(request, prompt_length(request))
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        if self.push is not None:
+            local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+            self.push.allocated(request, local, num_external_tokens, prompt_length(request))
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if called again
         spec = recv_spec(params)
@@ -293,9 +304,14 @@ class Scheduler:
         self._recv[req_id] = spec  # still let the prefill ranks it knows free their blocks
         return spec
 
+    def has_pending_push_work(self) -> bool:
+        return self.push is not None and self.push.pending()
+
     def update_connector_output(self, output) -> None:
         """The workers' answers for the requests asked about (``LLMDataDistWorkerMetadata``); those
         of requests no longer waiting for one are dropped."""
+        if self.push is not None:
+            self.push.output(output)
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, LLMDataDistWorkerMetadata):
             for req_id, answer in meta.answers.items():
@@ -343,8 +359,10 @@ class Scheduler:
         self._asking.pop(req_id, None)
         self._answers.pop(req_id, None)
 
-    def build_connector_meta(self) -> LLMDataDistConnectorMetadata:
+    def build_connector_meta(self, scheduler_output=None) -> LLMDataDistConnectorMetadata:
         meta = LLMDataDistConnectorMetadata()
+        if self.push is not None:
+            self.push.fill(meta, scheduler_output)
         meta.reqs_to_recv, self._recv = self._recv, {}
         meta.reqs_parked = {r: spec for r, spec in self._parked.items() if r not in meta.reqs_to_recv}
         self._parked = {}
@@ -356,12 +374,26 @@ class Scheduler:
         return meta
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        from vllm.v1.request import RequestStatus
-
         params = request.kv_transfer_params
         self._forget_asked(request.request_id)
         if not isinstance(params, dict):
             return False, None
+        if self.push is not None and not params.get("do_remote_decode"):
+            self.push.decode_finished(request)
+            return False, None
+        if self.push is not None:
+            held, out = self._handed_out(request, block_ids)
+            self.push.prefill_finished(request, held)
+            if out is not None:
+                out["transfer_mode"] = "push"
+            return held, out
+        return self._handed_out(request, block_ids)
+
+    def _handed_out(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """A finished prefill's blocks held for its decode side, and the params naming them."""
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
         if params.get("do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: nothing to pull, but the
             # prefill side must still hear that it can free its blocks.

@@ -24,6 +24,7 @@ from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, L
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.peers import LINK_BROKEN, Peers, Unreachable
+from llm_datadist.integrations.vllm.push import Pusher, Receiver
 
 logger = logging.getLogger(__package__)
 
@@ -123,6 +124,16 @@ class Worker:
         self._answers: Dict[str, Dict[str, Any]] = {}
         # prefill side
         self.leases = LeaseBook(options)
+        # push mode (``push``): the prefill worker pushes, the decode worker grants and receives
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
+        self.pusher: Optional[Pusher] = None
+        self.receiver: Optional[Receiver] = None
+        if options.transfer_mode == "push":
+            if self.producer:
+                self.pusher = Pusher(self)
+            else:
+                self.receiver = Receiver(self)
+                self.receiver.install()
         if self.producer:
             if self.tp_size == 1:  # the one rank a rank query is answered with
                 self.leases.own_rank = {"host": options.advertise_host, "port": self._listening_port(),
@@ -138,6 +149,9 @@ class Worker:
         """A snapshot of the decode side's counters and the lease book's."""
         with self._lock:
             mine = dict(self._stats)
+        for half in (self.pusher, self.receiver):
+            if half is not None:
+                mine.update(half.stats)
         return dict(mine, **self.leases.stats)
 
     def take_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
@@ -191,6 +205,10 @@ class Worker:
                            layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0), **states)
         self._register()
         self.device = str(first.device)
+        if self.pusher is not None:
+            ptrs = {t.data_ptr(): i for i, t in enumerate(tensors)}
+            self.pusher.set_layout({name: ptrs[layout.blocks_view(name, value, self.num_blocks).data_ptr()]
+                                    for name, value in kv_caches.items()}, first.device)
         if self.producer and self.options.lease_tokens:
             # Pulls through this engine's server read only the blocks leased to the puller's token
             # (in every group's tensors: a request's ids of all its groups).
@@ -266,6 +284,10 @@ class Worker:
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
+        if self.pusher is not None:
+            self.pusher.begin(meta)
+        if self.receiver is not None:
+            self.receiver.on_step(meta.push_regs, meta.push_cancel)
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
         if meta.rank_table and self.tp_rank == 0:
             # rank 0 answers rank queries: a decode side asks remote_host:remote_port, which is rank 0
@@ -357,10 +379,24 @@ class Worker:
 
     def results(self) -> KVConnectorTransferResults:
         sent = self.leases.take_finished()
+        if self.pusher is not None:
+            self.pusher.forget(sent)
+        pushed, push_failed = self.receiver.take() if self.receiver is not None else (set(), set())
         with self._lock:
-            out = KVConnectorTransferResults(finished_sending=sent, finished_recving=self._recved,
-                                             failed_recving=self._failed)
+            out = KVConnectorTransferResults(finished_sending=sent, finished_recving=self._recved | pushed,
+                                             failed_recving=self._failed | push_failed)
             self._recved, self._failed = set(), set()
+        return out
+
+    def block_ranges(self, blocks: List[int]) -> List[Tuple[int, int]]:
+        """``(address, nbytes)`` of blocks ``blocks`` in every registered tensor (one KV cache group)."""
+        out = []
+        for t in self._keep:
+            size = t[0].numel() * t.element_size()
+            base = t.data_ptr()
+            if any(b >= t.shape[0] for b in blocks):
+                raise ValueError(f"block ids beyond the {t.shape[0]} blocks of the KV cache")
+            out.extend((base + b * size, size) for b in blocks)
         return out
 
     def take_load_errors(self) -> Set[int]:
@@ -529,6 +565,12 @@ class Worker:
                 logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s",
                              peer_cluster_id, why)
             return {"kv_compat": self.compat, "compatible": why is None}
+        if isinstance(message, dict) and message.get("op") in ("push_reg", "push_cancel"):
+            if self.pusher is None:
+                return {"accepted": False, "why": "this prefill engine runs in pull mode (transfer_mode)"}
+            if message["op"] == "push_cancel":
+                return self.pusher.on_cancel(peer_cluster_id, message)
+            return self.pusher.on_reg(peer_cluster_id, message)
         return self.leases.on_message(peer_cluster_id, message)
 
     def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str]:
@@ -550,6 +592,10 @@ class Worker:
         return bool(reply.get("released")), str(reply.get("why", ""))
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
+        if self.receiver is not None:
+            self.receiver.close()
         if self.producer:
             self._links_api.set_notify_handler(None)
             if self.options.lease_tokens and self.cache is not None:

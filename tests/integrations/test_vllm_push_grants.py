@@ -1,0 +1,427 @@
+"""Push mode's grants and checks, without vLLM engines (``push.py``).
+
+The decode side's ``GrantBook`` as the engine's write guard, between real processes over ``tcp``:
+a writer pushes only into the blocks granted to it, while the grant lives; a push outside it, by
+another peer, after the grant ended or ran out is refused and changes no byte. The decode side's
+``Receiver`` takes a ``push_done`` only from the peer holding the grant, with its token. The
+prefill side's ``Pusher`` refuses registrations that are malformed, carry a forged lease token or
+name blocks that do not fit the request, pushing nothing; a fitting one is pushed layer by layer
+(or all at once when it came late) and reported. Needs vLLM (its connector package imports it)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from types import SimpleNamespace
+from typing import List
+
+import numpy as np
+import pytest
+from test_vllm import needs_vllm
+
+from llm_datadist.testing import Cluster, link
+from tests.transport.test_write_guard import (BLOCK, FILL, OWNER_ID, TENSORS, WRITER_ID, OTHER_ID, c_arrays,
+                                              c_push, c_register)
+
+pytestmark = needs_vllm
+
+
+# -- the grant book as the write guard, between processes -----------------------------------------------
+
+def c_grants(state) -> None:
+    from llm_datadist.integrations.vllm.push import GrantBook
+    state.book = GrantBook()
+    state.dd.engine.set_write_guard(state.book.guard)
+
+
+def c_grant(state, req_id: str, peer: int, blocks: List[int], seconds: float) -> str:
+    ranges = [(a.ctypes.data + b * BLOCK, BLOCK) for a in state.arrays for b in blocks]
+    return state.book.grant(req_id, peer, ranges, seconds)
+
+
+def c_revoke(state, req_id: str) -> bool:
+    return state.book.revoke(req_id) is not None
+
+
+@pytest.fixture
+def trio():
+    with ExitStack() as stack:
+        owner = stack.enter_context(Cluster(OWNER_ID, "DECODER", plane="tcp", timeout=30.0))
+        writer = stack.enter_context(Cluster(WRITER_ID, "PROMPT", listen=True, plane="tcp", timeout=30.0))
+        other = stack.enter_context(Cluster(OTHER_ID, "PROMPT", listen=True, plane="tcp", timeout=30.0))
+        owner.call(c_register, None)
+        writer.call(c_register, 7)
+        other.call(c_register, 8)
+        link(owner, writer)
+        link(owner, other)
+        owner.call(c_grants)
+        yield owner, writer, other
+
+
+def _changed(owner) -> List[int]:
+    got = owner.call(c_arrays)
+    return sorted({b for t in range(TENSORS) for b in range(len(got[t])) if not (got[t][b] == FILL).all()})
+
+
+def test_writes_land_only_inside_a_live_grant_of_the_writer(trio):
+    owner, writer, other = trio
+    refused = "LLM_KV_CACHE_NOT_EXIST"
+    assert writer.call(c_push, [0], [1]) == refused  # no grant at all
+    owner.call(c_grant, "req-a", WRITER_ID, [1, 2], 30.0)
+    owner.call(c_grant, "req-b", OTHER_ID, [5], 30.0)
+    assert writer.call(c_push, [0], [5]) == refused  # another peer's grant (another request's)
+    assert writer.call(c_push, [0, 1], [2, 3]) == refused  # one descriptor running past its grant
+    assert other.call(c_push, [0], [1]) == refused  # req-a's blocks, by a peer that does not hold it
+    assert _changed(owner) == []
+    assert writer.call(c_push, [3], [2]) == "ok"
+    assert writer.call(c_push, [4], [1], [1, 2]) == "ok"  # one layer of a granted block
+    assert other.call(c_push, [6], [5]) == "ok"
+    assert _changed(owner) == [1, 2, 5]
+    src = writer.call(c_arrays)
+    got = owner.call(c_arrays)
+    assert (got[0][2] == src[0][3]).all() and (got[1][1] == src[1][4]).all() and (got[0][1] == FILL).all()
+    # ended: refused again
+    assert owner.call(c_revoke, "req-a")
+    assert writer.call(c_push, [0], [1]) == refused
+    # ran out: refused once its time passed (no step needed: the guard expires it)
+    owner.call(c_grant, "req-c", WRITER_ID, [6], 0.3)
+    assert writer.call(c_push, [0], [6]) == "ok"
+    time.sleep(0.5)
+    before = owner.call(c_arrays)
+    assert writer.call(c_push, [1], [6]) == refused
+    assert all((a == b).all() for a, b in zip(before, owner.call(c_arrays)))
+
+
+def test_grant_book_in_this_process():
+    from llm_datadist import _io
+    from llm_datadist.integrations.vllm.push import GrantBook
+
+    book = GrantBook()
+    token = book.grant("r1", 7, [(4096, 4096), (8192, 4096)], 30.0)
+    assert isinstance(book.guard(7), _io.RangeSet) and book.guard(8) is None
+    assert book.finish(8, "r1", token) is None  # another peer
+    assert book.finish(7, "r1", token[:-1] + ("A" if token[-1] != "A" else "B")) is None  # forged
+    assert book.finish(7, "r2", token) is None  # another request
+    assert book.finish(7, "r1", None) is None
+    assert book.finish(7, "r1", token) is not None and book.guard(7) is None
+    book.grant("r3", 7, [(0, 64)], 0.01)
+    time.sleep(0.05)
+    assert book.guard(7) is None and book.grants == {}
+
+
+# -- the decode side's Receiver and the prefill side's Pusher, with stand-ins for the engine --------------
+
+class FakeLinks:
+    def __init__(self) -> None:
+        self.notes: list = []
+
+    def set_write_guard(self, guard) -> None:
+        self.guard = guard
+
+    def set_notify_handler(self, handler) -> None:
+        self.handler = handler
+
+    def notify(self, cluster_id, message, timeout_ms):
+        self.notes.append((cluster_id, message))
+        return {"ok": True}
+
+
+class FakeCM:
+    def __init__(self) -> None:
+        self.pushes: list = []
+
+    def push_blocks(self, key, cache, src, dst, src_layers=None, dst_layers=None, per_layer=2):
+        self.pushes.append((key.cluster_id, list(src), list(dst), None if src_layers is None else list(src_layers)))
+
+
+def _worker(producer: bool):
+    from llm_datadist.integrations.vllm.leases import LeaseBook
+    from llm_datadist.integrations.vllm.metrics import Recorder
+    from llm_datadist.integrations.vllm.options import Options
+
+    options = Options(kv_lease_s=30.0, listen_host="127.0.0.1")
+    return SimpleNamespace(options=options, _links_api=FakeLinks(), cm=FakeCM(), caches=["cache"],
+                           _keep=[np.zeros((8, 16))] * 4, block_size=16, leases=LeaseBook(options),
+                           recorder=Recorder(), _block_bytes=64, peers=None)
+
+
+def test_receiver_takes_push_done_only_with_the_grant():
+    from llm_datadist.integrations.vllm.push import PushReg, Receiver
+
+    w = _worker(False)
+    rx = Receiver(w)
+    rx._awaiting["dreq"] = PushReg([3, 4], 0, "127.0.0.1", 1, None, "", awaiting=True)
+    token = rx.grants.grant("dreq", 7, [(0, 64)], 30.0)
+    for peer, message in [(7, {"op": "push_done", "decode_request_id": "dreq", "grant": "forged", "ok": True}),
+                          (8, {"op": "push_done", "decode_request_id": "dreq", "grant": token, "ok": True}),
+                          (7, {"op": "push_done", "decode_request_id": "other", "grant": token, "ok": True}),
+                          (7, {"op": "release", "request_id": "dreq"}), (7, ["not", "a", "dict"])]:
+        assert rx.on_notify(peer, message)["ok"] is False
+    assert rx.take() == (set(), set()) and rx.grants.guard(7) is not None
+    assert rx.on_notify(7, {"op": "push_done", "decode_request_id": "dreq", "grant": token, "ok": True}) == {"ok": True}
+    assert rx.take() == ({"dreq"}, set()) and rx.grants.guard(7) is None
+    # a failed push fails the request
+    rx._awaiting["d2"] = PushReg([5], 0, "127.0.0.1", 1, None, "", awaiting=True)
+    t2 = rx.grants.grant("d2", 7, [(0, 64)], 30.0)
+    rx.on_notify(7, {"op": "push_done", "decode_request_id": "d2", "grant": t2, "ok": False, "why": "x"})
+    assert rx.take() == ({"d2"}, {"d2"})
+
+
+def _step(req_id: str, blocks, start: int, end: int, prompt: int, held=()):
+    from llm_datadist.integrations.vllm.push import PushStep
+    return SimpleNamespace(push_forget=set(), push_steps={req_id: PushStep(list(blocks), start, end, prompt)}
+                           if end > start or blocks else {}, reqs_to_send={r: 30.0 for r in held})
+
+
+def _reg(pusher, peer: int, d_id: str, r_id: str, blocks, first: int = 0, grant: str = "g" * 22) -> dict:
+    return pusher.on_reg(peer, {"op": "push_reg", "decode_request_id": d_id, "request_id": r_id, "blocks": blocks,
+                                "first_block": first, "grant": grant})
+
+
+def _settle(pusher) -> None:
+    pusher._queue.join()
+
+
+def test_pusher_refuses_bad_registrations_and_pushes_nothing():
+    from llm_datadist.integrations.vllm.leases import lease_request_id
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0, "l1": 1, "l2": 2, "l3": 3}, SimpleNamespace(type="cpu"))
+    try:
+        # malformed: refused at once
+        for bad in [{"blocks": "x"}, {"blocks": [-1]}, {"first_block": -2}, {"grant": 5}, {"blocks": [True]},
+                    {"decode_request_id": None}, {"grant": ""}]:
+            message = dict({"op": "push_reg", "decode_request_id": "d", "request_id": "", "blocks": [1],
+                            "first_block": 0, "grant": "g"}, **bad)
+            assert pusher.on_reg(9, message)["accepted"] is False, bad
+        # a 40-token prompt (3 blocks of 16) computed and held
+        pusher.begin(_step("p-1-abcdef01", [10, 11, 12], 0, 40, 40))
+        pusher.wait()
+        pusher.begin(_step("p-1-abcdef01", [], 0, 0, 40, held=["p-1-abcdef01"]))
+        forged = lease_request_id(b"k" * 32, "p-1-abcdef01")  # another engine's key
+        assert _reg(pusher, 9, "d-1", forged, [1, 2, 3])["accepted"] is True  # (checked when matched)
+        _settle(pusher)
+        assert _reg(pusher, 9, "p-1-12345678", "", [1, 2])["accepted"] is True  # 2 blocks for 3
+        _settle(pusher)
+        assert w.cm.pushes == []
+        refusals = [m for _, m in w._links_api.notes if m["op"] == "push_done"]
+        assert len(refusals) == 2 and not any(m["ok"] for m in refusals)
+        assert pusher.stats["push_regs_refused"] == 7 + 2
+        # the right registration (by its lease token) came late: all layers at once, then done
+        good = lease_request_id(w.leases.key, "p-1-abcdef01")
+        _reg(pusher, 9, "d-3", good, [4, 5, 6])
+        _settle(pusher)
+        assert w.cm.pushes == [(9, [10, 11, 12], [4, 5, 6], None)]
+        assert w._links_api.notes[-1][1] == {"op": "push_done", "decode_request_id": "d-3", "grant": "g" * 22,
+                                             "ok": True, "why": ""}
+        assert pusher.stats["pushed_late"] == 1 and pusher.stats["pushed_tokens"] == 4 * 40
+        # a second registration of the same request is refused
+        _reg(pusher, 9, "d-4", good, [4, 5, 6])
+        pusher.begin(_step("x", [], 0, 0, 1))
+        _settle(pusher)
+        assert len(w.cm.pushes) == 1
+    finally:
+        pusher.close()
+
+
+def test_pusher_pushes_each_layer_of_each_step_once():
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0, "l1": 1}, SimpleNamespace(type="cpu"))
+    try:
+        # registered before the request reaches this engine (by its base id), 2 blocks cached there
+        _reg(pusher, 9, "q-7-00000001", "", [20, 21], first=2)
+        _settle(pusher)
+        pusher.begin(_step("q-7-0000abcd", [30, 31, 32, 33], 0, 50, 60))  # chunk 1: tokens 0..49
+        for layer in ("l0", "l1"):
+            pusher.save_layer(layer)
+        pusher.wait()
+        assert w.cm.pushes == [(9, [32, 33], [20, 21], [0]), (9, [32, 33], [20, 21], [1])]
+        pusher.begin(_step("q-7-0000abcd", [30, 31, 32, 33], 50, 60, 60))  # chunk 2: tokens 50..59
+        for layer in ("l0", "l1"):
+            pusher.save_layer(layer)
+        pusher.wait()
+        _settle(pusher)
+        assert w.cm.pushes[2:] == [(9, [33], [21], [0]), (9, [33], [21], [1])]
+        assert pusher.stats["pushed_tokens"] == 2 * (60 - 32) and pusher.stats["pushed_late"] == 0
+        assert w._links_api.notes[-1][1]["ok"] is True and w._links_api.notes[-1][1]["decode_request_id"] == \
+            "q-7-00000001"
+    finally:
+        pusher.close()
+
+
+def test_a_decode_request_that_ends_first_revokes_its_grant_and_stops_the_pusher():
+    from llm_datadist.integrations.vllm.push import PushReg, Pusher, Receiver
+
+    w = _worker(False)
+    w.peers = SimpleNamespace(submit=lambda spec, task: (task(), True)[1], notify_timeout_ms=1000)
+    rx = Receiver(w)
+    rx._awaiting["dreq"] = PushReg([3, 4], 0, "127.0.0.1", 1, None, "", awaiting=True)
+    token = rx.grants.grant("dreq", 7, [(0, 64)], 30.0)
+    rx.on_step({}, {"dreq"})
+    assert rx.grants.guard(7) is None  # writes through the server are refused from now on
+    assert w._links_api.notes == [(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": token})]
+    assert rx.take() == ({"dreq"}, {"dreq"})  # reported, so vLLM frees its blocks
+    # the prefill side, told so, pushes no more of it
+    wp = _worker(True)
+    pusher = Pusher(wp)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 7, "dreq", "", [3, 4], grant=token)
+        pusher.begin(_step("dreq", [1, 2], 0, 20, 32))
+        assert pusher.on_cancel(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": "forged"}) == \
+            {"cancelled": False}
+        assert pusher.on_cancel(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": token}) == \
+            {"cancelled": True}
+        pusher.save_layer("l0")
+        pusher.wait()
+        _settle(pusher)
+        assert wp.cm.pushes == []
+    finally:
+        pusher.close()
+
+
+def test_transfer_mode_is_checked_and_push_refuses_what_it_does_not_support():
+    from llm_datadist.integrations.vllm.connector import LLMDataDistConnector, _check_push
+    from llm_datadist.integrations.vllm.options import Options
+
+    assert Options.parse({}).transfer_mode == "pull"
+    assert Options.parse({"transfer_mode": "push"}).transfer_mode == "push"
+    for bad in ("PUSH", "write", 1, None):
+        with pytest.raises(ValueError, match="transfer_mode must be 'pull' or 'push'"):
+            Options.parse({"transfer_mode": bad})
+    producer = SimpleNamespace(is_kv_producer=True, is_kv_consumer=False)
+    one = SimpleNamespace(tensor_parallel_size=1)
+    _check_push(producer, one, ())
+    with pytest.raises(NotImplementedError, match="without tensor parallelism"):
+        _check_push(producer, SimpleNamespace(tensor_parallel_size=2), ())
+    with pytest.raises(NotImplementedError, match="kv_both"):
+        _check_push(SimpleNamespace(is_kv_producer=True, is_kv_consumer=True), one, ())
+    from llm_datadist.integrations.vllm.groups import Group
+    groups = (Group(0, "full", layers=("a",)), Group(1, "sliding_window", 32, 16, ("b",)))
+    with pytest.raises(NotImplementedError, match="one KV cache group"):
+        _check_push(producer, one, groups)
+    assert LLMDataDistConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
+    assert LLMDataDistConnector.requires_piecewise_for_cudagraph({}) is False
+
+
+def test_a_registration_between_chunks_pushes_the_computed_chunk_then_layer_by_layer():
+    """The decode side's registration comes after the prefill computed a first chunk: that chunk
+    goes at the next step, all layers in one call, then the rest layer by layer."""
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    w._keep = w._keep[:2]  # (two layers, one tensor each)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0, "l1": 1}, SimpleNamespace(type="cpu"))
+    try:
+        pusher.begin(_step("r-2-0000abcd", [40, 41], 0, 20, 40))  # chunk 1, nobody registered yet
+        pusher.save_layer("l0")
+        pusher.save_layer("l1")
+        pusher.wait()
+        assert w.cm.pushes == []
+        _reg(pusher, 9, "r-2-00000001", "", [50, 51, 52])  # the whole 40-token prompt: 3 blocks
+        _settle(pusher)
+        assert w.cm.pushes == []  # (not finished: the next step pushes it)
+        pusher.begin(_step("r-2-0000abcd", [40, 41, 42], 20, 40, 40))
+        pusher.save_layer("l0")
+        pusher.save_layer("l1")
+        pusher.wait()
+        _settle(pusher)
+        assert w.cm.pushes == [(9, [40, 41], [50, 51], None),  # tokens 0..19, every layer at once
+                               (9, [41, 42], [51, 52], [0]), (9, [41, 42], [51, 52], [1])]
+        assert pusher.stats["pushed_tokens"] == 2 * 20 + 2 * 20 and pusher.stats["pushed_late"] == 1
+        assert [m["ok"] for _, m in w._links_api.notes if m["op"] == "push_done"] == [True]
+    finally:
+        pusher.close()
+
+
+def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side():
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 9, "s-3-00000001", "", [50, 51])
+        _settle(pusher)
+        pusher.begin(_step("s-3-0000abcd", [40, 41], 0, 16, 32))  # half the prompt this step
+        pusher.save_layer("l0")
+        pusher.wait()
+        pusher.forget({"s-3-0000abcd"})  # its lease ran out (or the engine began to stop)
+        _settle(pusher)
+        assert [(m["op"], m["ok"]) for _, m in w._links_api.notes] == [("push_done", False)]
+        assert "freed" in w._links_api.notes[0][1]["why"] and pusher.jobs == {}
+    finally:
+        pusher.close()
+
+
+def test_an_aborted_prefill_tells_its_decode_side():
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 9, "a-1-00000001", "", [50, 51])
+        _settle(pusher)
+        pusher.begin(_step("a-1-0000abcd", [40, 41], 0, 16, 32))
+        pusher.save_layer("l0")
+        pusher.wait()
+        pusher.begin(SimpleNamespace(push_forget={"a-1-0000abcd"}, push_steps={}, reqs_to_send={}))
+        _settle(pusher)
+        assert [(m["op"], m["ok"], m["why"]) for _, m in w._links_api.notes] == \
+            [("push_done", False, "the prefill request was aborted")]
+        assert len(w.cm.pushes) == 1 and pusher.jobs == {}
+    finally:
+        pusher.close()
+
+
+def test_the_schedulers_hand_each_step_and_each_allocation_to_their_workers():
+    from llm_datadist.integrations.vllm.meta import LLMDataDistConnectorMetadata
+    from llm_datadist.integrations.vllm.push import PushScheduling
+
+    # prefill side: a new request's blocks and tokens, then its next chunk's, capped at the prompt
+    sched = PushScheduling(16, producer=True)
+    req = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True})
+    sched.prefill_allocated(req, 40)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, SimpleNamespace(num_scheduled_tokens={"p1": 32, "other": 5},
+                                     scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([7, 8],),
+                                                                         num_computed_tokens=0)],
+                                     scheduled_cached_reqs=None))
+    assert (meta.push_steps["p1"].block_ids, meta.push_steps["p1"].start, meta.push_steps["p1"].end) == \
+        ([7, 8], 0, 32)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, SimpleNamespace(num_scheduled_tokens={"p1": 32}, scheduled_new_reqs=[],
+                                     scheduled_cached_reqs=SimpleNamespace(req_ids=["p1"], new_block_ids=[([9],)],
+                                                                           num_computed_tokens=[32],
+                                                                           resumed_req_ids=set())))
+    assert (meta.push_steps["p1"].block_ids, meta.push_steps["p1"].start, meta.push_steps["p1"].end) == \
+        ([7, 8, 9], 32, 40)
+    sched.prefill_finished(req, held=True)
+    assert sched.pending()
+    sched.output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    assert not sched.pending()
+    # decode side: an allocation becomes a registration (after a 32-token local hit: from block 2);
+    # a request that ends while waiting is cancelled; unusable params compute the prompt here
+    sched = PushScheduling(16, producer=False)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000}
+    d = SimpleNamespace(request_id="d1", kv_transfer_params=params)
+    assert sched.matched_tokens(d, 32, 70) == (38, True)
+    sched.allocated(d, [3, 4, 5], 38, 70)
+    assert params["do_remote_prefill"] is False
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, None)
+    reg = meta.push_regs["d1"]
+    assert (reg.local_block_ids, reg.first_block, reg.awaiting, reg.remote_request_id) == ([3, 4, 5], 2, True, "")
+    sched.decode_finished(d)
+    meta = LLMDataDistConnectorMetadata()
+    sched.fill(meta, None)
+    assert meta.push_cancel == {"d1"}
+    bad = SimpleNamespace(request_id="d2", kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"})
+    assert sched.matched_tokens(bad, 0, 70) == (0, False) and bad.kv_transfer_params["do_remote_prefill"] is False

@@ -1,0 +1,141 @@
+"""The engine's write guard (``read_guard.WriteGuard``) with real processes on 127.0.0.1, port 0.
+
+The owner of a cache (a decode engine: it links to the writers, which listen) installs
+``guard(peer) -> allowed ranges or None``; writers push over the link the owner made. Over
+``tcp`` a push inside what the guard allows that peer lands; one from a peer without a grant,
+or with any one descriptor outside its grant, is refused with ``LLM_KV_CACHE_NOT_EXIST`` before
+a byte lands (every block outside the grant keeps its guard bytes) and the link stays."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import pytest
+
+import llm_datadist as ld
+from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from llm_datadist.testing import Cluster, link
+
+OWNER_ID, WRITER_ID, OTHER_ID = 51, 52, 53
+BLOCK, BLOCKS, TENSORS = 4096, 8, 2
+FILL = 0xAB
+
+
+def c_register(state, seed: Optional[int]) -> None:
+    rng = np.random.default_rng(seed)
+    state.arrays = [rng.integers(0, 256, (BLOCKS, BLOCK), dtype=np.uint8) if seed is not None
+                    else np.full((BLOCKS, BLOCK), FILL, dtype=np.uint8) for _ in range(TENSORS)]
+    desc = CacheDesc(TENSORS, [BLOCKS, BLOCK], DataType.DT_UINT8, Placement.HOST)
+    state.cache = state.cm.register_blocks_cache(desc, [a.ctypes.data for a in state.arrays],
+                                                 BlocksCacheKey(state.cluster_id, 0))
+
+
+def c_grant(state, grants: Optional[Dict[int, List[int]]]) -> None:
+    """Allow each peer (cluster id) the blocks listed for it, in every tensor; None: no guard."""
+    if grants is None:
+        state.dd.engine.set_write_guard(None)
+        return
+    ranges = {peer: [(a.ctypes.data + b * BLOCK, BLOCK) for a in state.arrays for b in blocks]
+              for peer, blocks in grants.items()}
+    state.dd.engine.set_write_guard(lambda peer: ranges.get(peer))
+
+
+def c_raising_guard(state) -> None:
+    def guard(peer):
+        raise RuntimeError("the guard failed")
+    state.dd.engine.set_write_guard(guard)
+
+
+def c_push(state, src: Sequence[int], dst: Sequence[int], layers: Optional[Sequence[int]] = None) -> str:
+    """Push blocks ``src`` here into the owner's ``dst`` (of layer range ``layers``, one tensor
+    per layer); "ok" or the status's name."""
+    key = BlocksCacheKey(OWNER_ID, 0)
+    try:
+        if layers is None:
+            state.cm.push_blocks(key, state.cache, list(src), list(dst))
+        else:
+            lr = range(*layers)
+            state.cm.push_blocks(key, state.cache, list(src), list(dst), lr, lr, 1)
+    except ld.LLMException as exc:
+        return exc.status_code.name
+    return "ok"
+
+
+def c_arrays(state) -> List[np.ndarray]:
+    return [a.copy() for a in state.arrays]
+
+
+def c_links(state) -> dict:
+    links = state.dd.engine.links
+    return {"linked": sorted(links.linked_clusters()), "lost": links.lost_links(),
+            "refused_writes": links.stats["refused_writes"]}
+
+
+@pytest.fixture
+def trio():
+    """An owner whose cache holds FILL, linked to two writers with random blocks (tcp)."""
+    with ExitStack() as stack:
+        owner = stack.enter_context(Cluster(OWNER_ID, "DECODER", plane="tcp", timeout=30.0))
+        writer = stack.enter_context(Cluster(WRITER_ID, "PROMPT", listen=True, plane="tcp", timeout=30.0))
+        other = stack.enter_context(Cluster(OTHER_ID, "PROMPT", listen=True, plane="tcp", timeout=30.0))
+        owner.call(c_register, None)
+        writer.call(c_register, 7)
+        other.call(c_register, 8)
+        link(owner, writer)
+        link(owner, other)
+        yield owner, writer, other
+
+
+def _only(owner, changed: Dict[int, np.ndarray]) -> None:
+    """The owner's blocks ``changed`` hold what is given, every other block FILL."""
+    got = owner.call(c_arrays)
+    for t in range(TENSORS):
+        for b in range(BLOCKS):
+            if b in changed:
+                assert (got[t][b] == changed[b][t]).all(), (t, b)
+            else:
+                assert (got[t][b] == FILL).all(), f"block {b} of tensor {t} outside the grants changed"
+
+
+def test_without_a_guard_a_writer_writes_over_the_owners_link(trio):
+    owner, writer, _ = trio
+    assert writer.call(c_push, [3], [5]) == "ok"
+    src = writer.call(c_arrays)
+    _only(owner, {5: [src[t][3] for t in range(TENSORS)]})
+
+
+def test_pushes_outside_a_grant_are_refused_and_change_nothing(trio):
+    owner, writer, other = trio
+    owner.call(c_grant, {WRITER_ID: [1, 2, 6]})
+    # refused: a block of no grant, a run past the grant (one descriptor 2..3), a peer without a
+    # grant writing granted blocks, one layer of a block outside the grant
+    assert writer.call(c_push, [0], [0]) == "LLM_KV_CACHE_NOT_EXIST"
+    assert writer.call(c_push, [0, 1], [2, 3]) == "LLM_KV_CACHE_NOT_EXIST"
+    assert writer.call(c_push, [4, 5], [1, 7]) == "LLM_KV_CACHE_NOT_EXIST"
+    assert other.call(c_push, [1], [1]) == "LLM_KV_CACHE_NOT_EXIST"
+    assert writer.call(c_push, [0], [4], [1, 2]) == "LLM_KV_CACHE_NOT_EXIST"
+    _only(owner, {})
+    state = owner.call(c_links)
+    assert state["linked"] == [WRITER_ID, OTHER_ID] and state["lost"] == {}
+    assert state["refused_writes"] >= 5  # (a refused push is retried once, on a fresh table)
+    # allowed: inside the grant, whole blocks and one layer at a time; the right bytes land
+    assert writer.call(c_push, [4, 5], [1, 2]) == "ok"
+    assert writer.call(c_push, [0], [6], [1, 2]) == "ok"
+    src = writer.call(c_arrays)
+    _only(owner, {1: [src[t][4] for t in range(TENSORS)], 2: [src[t][5] for t in range(TENSORS)],
+                  6: [np.full(BLOCK, FILL, np.uint8), src[1][0]]})
+    # a grant withdrawn (the guard now allows nothing to that peer) refuses again
+    owner.call(c_grant, {OTHER_ID: [0]})
+    assert writer.call(c_push, [4], [1]) == "LLM_KV_CACHE_NOT_EXIST"
+    assert other.call(c_push, [2], [0]) == "ok"
+
+
+def test_a_guard_that_raises_refuses_and_the_link_stays(trio):
+    owner, writer, _ = trio
+    owner.call(c_raising_guard)
+    assert writer.call(c_push, [0], [0]) == "LLM_KV_CACHE_NOT_EXIST"
+    _only(owner, {})
+    owner.call(c_grant, {WRITER_ID: [0]})
+    assert writer.call(c_push, [0], [0]) == "ok"
