@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
+from llm_datadist.integrations.vllm import backoff as prompt_backoff
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -76,8 +77,13 @@ def prompt_length(request) -> int:
 
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1,
-                 kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1):
+                 kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1,
+                 backoff: int = 0):
         self.engine_id = engine_id
+        #: trailing prompt tokens a prefill leaves to its decode engine (``backoff.prefill_backoff``:
+        #: a multi-module MTP drafter's lookahead), and the prefill requests cut by it
+        self.backoff = backoff
+        self._truncated: set = set()
         #: the KV cache groups that move (``groups.transfer_groups``; () if vLLM gave no config) and
         #: how many groups vLLM's block id lists have
         self.groups = groups
@@ -141,6 +147,12 @@ class Scheduler:
         pull starts or it ends (``update_state_after_alloc``, ``request_finished`` or a refusal in
         ``get_num_new_matched_tokens``, each of which hands it to ``reqs_to_recv``)."""
         params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_decode") and self.backoff and \
+                request.request_id not in self._truncated:
+            # a prefill for a decode engine stops short of the drafter's lookahead, which the decode
+            # engine computes (``backoff``); once per request, whatever vLLM does with it after
+            if prompt_backoff.truncate_for_prefill(request, self.backoff):
+                self._truncated.add(request.request_id)
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             spec = recv_spec(params)
             if spec is not None:
@@ -161,7 +173,8 @@ class Scheduler:
                 return None, False  # asked; vLLM asks this again at a later step
             if not params.get("do_remote_prefill"):
                 return 0, False  # it could not say: computed here
-        prompt = prompt_length(request)
+        # (what the prefill engine computed: the prompt less the backoff, which is computed here)
+        prompt = prompt_backoff.loaded_tokens(prompt_length(request), self.backoff)
         why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
         if why:
             logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d, "
@@ -321,6 +334,7 @@ class Scheduler:
 
         params = request.kv_transfer_params
         self._forget_asked(request.request_id)
+        self._truncated.discard(request.request_id)
         if not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill"):

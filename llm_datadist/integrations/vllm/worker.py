@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm import caches, compat, layout
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -90,6 +90,8 @@ class Worker:
         self.caches: List[ld.Cache] = []
         self._descs: List[ld.CacheDesc] = []
         self._keep_groups: List[List[Any]] = []
+        #: the registered caches' layers, shapes and groups (``caches.plan``), by model_id
+        self._classes: List[caches.CacheClass] = []
         self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
@@ -100,7 +102,7 @@ class Worker:
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self.compat["kv_groups"] = kv_groups.describe(groups)
         self._block_bytes = 0
-        self._group_block_bytes: List[int] = [0]  # bytes of one block of each group's tensors together
+        self._group_block_bytes: List[int] = [0]  # bytes of one block of each cache's tensors together
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
         self._head_bytes: Optional[int] = None
@@ -142,36 +144,33 @@ class Worker:
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
-        if len(self.groups) > 1:
-            # a hybrid model: each group's layers are a cache of their own (a group's blocks are
-            # its own ids: they index only its layers)
-            missing = [g.index for g in self.groups if not any(name in kv_caches for name in g.layers)]
-            if missing:
-                raise ValueError(f"LLMDataDistConnector: no KV caches of the layers of KV cache group(s) {missing}")
-            parts = [layout.kv_tensors({name: kv_caches[name] for name in g.layers if name in kv_caches},
-                                       self.num_blocks, self.kv_cache_layout) for g in self.groups]
-        else:
-            parts = [layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)]
+        # One cache per KV cache group that moves and per shape and dtype of its layers' views
+        # (``caches.plan``): a hybrid model's groups each index their own layers, and one group can
+        # hold layers of several shapes (an EAGLE drafter's, MLA's, indexer caches); a group's
+        # block ids move in each of its caches.
+        classes = caches.plan(kv_caches, [g.layers for g in self.groups] if len(self.groups) > 1 else [],
+                              self.num_blocks, self.kv_cache_layout)
+        parts = [cls.tensors for cls in classes]
         descs = [layout.cache_desc(tensors) for tensors in parts]
         tensors = [t for part in parts for t in part]
         first = tensors[0]
-        if any(t.device != first.device for t in tensors):
-            raise NotImplementedError("LLMDataDistConnector: the KV cache groups' tensors are on different devices")
         if descs[0].placement == ld.Placement.DEVICE:
             layout.check_device(self.dd, first.device, self.device_id)
         self._keep = tensors
         self._keep_groups = parts
+        self._classes = classes
         self._descs = descs
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in parts[0])
-        self._group_block_bytes = [sum(t[0].numel() * t.element_size() for t in part) for part in parts]
+        self._group_block_bytes = [cls.block_bytes for cls in classes]
         if len(parts) > 1:
-            self._head_bytes, self._heads_refusal = None, "a hybrid model's KV moves only between engines of one " \
-                "tensor parallel size"
+            self._head_bytes, self._heads_refusal = None, "a model with several KV caches (KV cache groups or " \
+                "layers of several shapes) moves KV only between engines of one tensor parallel size"
         else:
             self._head_bytes, self._heads_refusal = self._head_split(first)
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0))
+                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0),
+                           caches=caches.describe(classes))
         self._register()
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
@@ -179,9 +178,15 @@ class Worker:
             # (in every group's tensors: a request's ids of all its groups).
             self.leases.set_layout([t.data_ptr() for t in tensors], [t[0].numel() * t.element_size() for t in tensors])
             self._links_api.set_read_guard(self.leases.read_guard)
-        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d%s",
-                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id,
-                    f", one cache per KV cache group ({kv_groups.describe(self.groups)})" if len(parts) > 1 else "")
+        logger.info("llm_datadist: registered %d KV tensors on %s as cluster %d, %d cache(s): %s", len(tensors),
+                    first.device, self.cluster_id, len(classes),
+                    "; ".join(f"group {c.group}: {len(c.tensors)}x{tuple(c.shape)} {c.dtype}" for c in classes))
+
+    def registered_caches(self) -> List[Dict[str, Any]]:
+        """The caches registered, by model_id: group (position among those that move), tensors,
+        shape (block id first), torch dtype and layer names."""
+        return [{"group": c.group, "num_tensors": len(c.tensors), "shape": list(c.shape),
+                 "dtype": str(c.dtype).replace("torch.", ""), "layers": list(c.layers)} for c in self._classes]
 
     def _head_split(self, first) -> Tuple[Optional[int], str]:
         """``(bytes of one KV head in a block, "")`` if each block of the registered tensors holds
@@ -202,7 +207,7 @@ class Worker:
     def _register(self) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
         # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
-        # Cache k (the k-th group that moves) is (this cluster, model_id k) for peers.
+        # Cache k (``caches.plan``'s k-th: by group, then shape) is (this cluster, model_id k) for peers.
         self.caches = [self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                      ld.BlocksCacheKey(self.cluster_id, k), True)
                        for k, (desc, tensors) in enumerate(zip(self._descs, self._keep_groups))]
@@ -393,12 +398,13 @@ class Worker:
         pull_error = None
         if local:
             with self._lock:
-                caches, asleep = list(self.caches), self._asleep is not None
+                registered, classes, asleep = list(self.caches), list(self._classes), self._asleep is not None
             try:
                 pairs = pair_blocks(spec, max(1, len(self.groups)))
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
-                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, caches, pairs, cluster_id))
+                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, registered, classes, pairs,
+                                                                                   cluster_id))
             except Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
@@ -432,10 +438,11 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _pull_blocks(self, spec: Recv, caches: List[ld.Cache], pairs: List[Tuple[int, List[int], List[int]]],
-                     cluster_id: int) -> None:
+    def _pull_blocks(self, spec: Recv, registered: List[ld.Cache], classes: List[caches.CacheClass],
+                     pairs: List[Tuple[int, List[int], List[int]]], cluster_id: int) -> None:
         """Pull ``pairs`` (``(group, remote ids, local ids)``, ``pair_blocks``) from ``cluster_id``
-        (the one linked at the spec's address), each group from and into its own cache, timed for
+        (the one linked at the spec's address), each group from and into its own caches
+        (``registered``, one per class of ``classes``), timed for
         vLLM's metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
         ``compat.Incompatible`` (nothing pulled) if the request or the link's peer was refused."""
         why = spec.refused or self.peers.peer(spec).incompatible
@@ -453,14 +460,20 @@ class Worker:
                 if spec.heads:
                     # this rank's heads, one byte range of each block on both sides (one group only)
                     size = self._head_bytes
-                    self.dd.engine.pull_block_range(cluster_id, 0, caches[0].cache_id, remote, local,
+                    self.dd.engine.pull_block_range(cluster_id, 0, registered[0].cache_id, remote, local,
                                                     spec.src_head * size, spec.dst_head * size, spec.heads * size)
                     nbytes += len(local) * len(self._keep) * spec.heads * size
                 else:
-                    # (no cache: not registered, which pull_blocks refuses)
-                    cache = caches[group] if group < len(caches) else None
-                    self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, group), cache, remote, local)
-                    nbytes += len(local) * self._group_block_bytes[group]
+                    # the group's blocks in each of its caches (one per shape of its layers), cache k
+                    # from the peer's cache k: the link's hello found both sides' caches the same
+                    # (``caches.mismatch``)
+                    for k, cls in enumerate(classes):
+                        if cls.group != group:
+                            continue
+                        # (no cache: not registered, which pull_blocks refuses)
+                        cache = registered[k] if k < len(registered) else None
+                        self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
+                        nbytes += len(local) * cls.block_bytes
                 blocks += len(local)
                 if len(pairs) > 1:
                     self._count_group(group, len(local))
