@@ -474,6 +474,8 @@ class Worker:
                         cache = registered[k] if k < len(registered) else None
                         self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
                         nbytes += len(local) * cls.block_bytes
+                        if len(classes) > 1:
+                            self._count_cache(k, len(local))
                 blocks += len(local)
                 if len(pairs) > 1:
                     self._count_group(group, len(local))
@@ -483,6 +485,12 @@ class Worker:
         """``pulled_blocks_group<k>``: blocks pulled of the k-th KV cache group that moves."""
         with self._lock:
             key = f"pulled_blocks_group{group}"
+            self._stats[key] = self._stats.get(key, 0) + blocks
+
+    def _count_cache(self, k: int, blocks: int) -> None:
+        """``pulled_blocks_cache<k>``: blocks pulled into the k-th registered cache (``caches.plan``)."""
+        with self._lock:
+            key = f"pulled_blocks_cache{k}"
             self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
