@@ -108,25 +108,37 @@ def write_eagle(path: Path, seed: int = 5) -> None:
                p + "post_attention_layernorm.weight": torch.ones(hidden)}, str(path / "model.safetensors"))
 
 
-def kv_rows(engine: Engine, path: Path, block: int) -> dict:
-    """Every layer's KV of the engine's first blocks, ``{layer: [blocks, tokens, values]}`` (float32)."""
+def block_shapes(engine: Engine) -> dict:
+    """``{layer: (heads, tokens, values)}``: the shape of one block of each layer's registered cache."""
+    return {name: tuple(cache["shape"][1:]) for cache in engine.stats()["registration"]["caches"]
+            for name in cache["layers"]}
+
+
+def kv_rows(engine: Engine, path: Path) -> dict:
+    """Every layer's KV of the engine's first blocks, ``{layer: [blocks, heads, tokens, values]}`` (float32)."""
+    shapes = block_shapes(engine)
     engine.call(op="kv_blocks", blocks=DUMPED, path=str(path))
     with np.load(path) as saved:
-        return {name: saved[name].view(np.float32).reshape(len(DUMPED), block, -1) for name in saved.files}
+        return {name: saved[name].view(np.float32).reshape(len(DUMPED), *shapes[name]) for name in saved.files}
 
 
-def find_prompt_kv(prefill: dict, decode: dict, remote_blocks: list, tokens: int, block: int) -> dict:
-    """Where the decode engine holds the prompt's KV the prefill engine computed: for each layer,
-    the decode block whose first rows equal, bit for bit, the rows of each of the request's prefill
-    blocks, up to the prompt's last token (which the decode engine computes itself). Asserts each
-    one is found; returns ``{layer: [decode block index per prefill block]}``."""
+def find_prompt_kv(prefill: dict, decode: dict, remote_blocks: list, tokens: int, by_token: bool) -> dict:
+    """Where the decode engine holds the prompt's KV the prefill engine computed: for each layer and
+    each of the request's prefill blocks before its last prompt token (which the decode engine
+    computes itself), the decode block that holds the same bytes. ``by_token``: a block's token
+    slots are its rows (MLA: ``[1, tokens, values]``), so a block's slots up to that token count
+    too; else (vLLM's CPU attention keeps a block in a layout of its own) whole blocks only. Asserts
+    each one is found; returns ``{layer: [decode block index per prefill block compared]}``."""
     found = {}
     for name, rows in prefill.items():
+        block = rows.shape[2]
         mine = []
         for k, remote in enumerate(remote_blocks):
             valid = min(block, tokens - 1 - k * block)
-            want = rows[DUMPED.index(remote), :valid]
-            hits = [i for i in range(len(DUMPED)) if np.array_equal(decode[name][i, :valid], want)]
+            if valid < block and not by_token:
+                break
+            want = rows[DUMPED.index(remote), :, :valid]
+            hits = [i for i in range(len(DUMPED)) if np.array_equal(decode[name][i, :, :valid], want)]
             assert hits, f"{name}: the prompt's block {k} (prefill block {remote}) is not on the decode engine"
             mine.append(hits[0])
         found[name] = mine
@@ -177,16 +189,16 @@ def test_an_mla_model_moves_its_latent_cache_exactly(mla):
     wrong_position = []
     for n, (prompt, expected) in enumerate(zip(MLA_PROMPTS, baseline)):
         params = prefill_for_remote_decode(prefill, [prompt])[0]
-        sent = kv_rows(prefill, work / f"p{n}.npz", MLA_BLOCK)
+        sent = kv_rows(prefill, work / f"p{n}.npz")
         out = decode.generate([prompt], MAX_TOKENS, [params])[0]["token_ids"]
-        got = kv_rows(decode, work / f"d{n}.npz", MLA_BLOCK)
-        where = find_prompt_kv(sent, got, params["remote_block_ids"], len(prompt), MLA_BLOCK)
+        got = kv_rows(decode, work / f"d{n}.npz")
+        where = find_prompt_kv(sent, got, params["remote_block_ids"], len(prompt), by_token=True)
         # the last prompt token, which the decode engine computes: its latent part (512 values) in the
         # first layer depends on the token alone, its rotary part (64) on its position too
         last, row = (len(prompt) - 1) // MLA_BLOCK, (len(prompt) - 1) % MLA_BLOCK
         first = sorted(sent)[0]
-        theirs = sent[first][DUMPED.index(params["remote_block_ids"][last]), row]
-        mine = got[first][where[first][last], row]
+        theirs = sent[first][DUMPED.index(params["remote_block_ids"][last]), 0, row]
+        mine = got[first][where[first][last], 0, row]
         assert np.allclose(mine[:512], theirs[:512], rtol=1e-5, atol=1e-5)
         if np.allclose(mine[512:], theirs[512:], rtol=1e-4, atol=1e-4):
             assert out == expected, f"prompt of {len(prompt)} tokens"
@@ -264,12 +276,12 @@ def test_an_eagle_drafters_cache_of_its_own_shape_moves_and_the_output_is_the_ba
         outputs = []
         for n, prompt in enumerate(SPEC_PROMPTS):
             params = prefill_for_remote_decode(prefill, [prompt])[0]
-            sent = kv_rows(prefill, work / f"eagle-p{n}.npz", LLAMA_BLOCK)
+            sent = kv_rows(prefill, work / f"eagle-p{n}.npz")
             outputs.append(single(decode, [prompt], [params])[0])
-            got = kv_rows(decode, work / f"eagle-d{n}.npz", LLAMA_BLOCK)
-            # every layer's prompt KV arrived, the drafter's included
-            assert drafter in sent and set(find_prompt_kv(sent, got, params["remote_block_ids"], len(prompt),
-                                                          LLAMA_BLOCK)) == set(sent)
+            got = kv_rows(decode, work / f"eagle-d{n}.npz")
+            # every layer's prompt KV arrived, the drafter's included (the blocks before the last token)
+            where = find_prompt_kv(sent, got, params["remote_block_ids"], len(prompt), by_token=False)
+            assert drafter in where and all(len(found) == (len(prompt) - 1) // LLAMA_BLOCK for found in where.values())
         assert outputs == baseline
         stats = decode.stats()["stats"]
         blocks = sum(math.ceil(len(p) / LLAMA_BLOCK) for p in SPEC_PROMPTS)

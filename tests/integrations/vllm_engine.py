@@ -13,7 +13,8 @@ holds a slot for a set time whatever this machine's speed; its output is then ``
 ``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "metrics"}`` -> the
 connector's Prometheus series (counter values, histogram counts); ``{"op": "vllm_metrics", "prefix": p}``
 -> vLLM's own counters whose names begin with ``p``; ``{"op": "kv_blocks", "blocks": [ids], "path": p}``
--> every layer's KV blocks ``ids`` saved to ``p`` (numpy ``.npz``, in-process engines only);
+-> every layer's KV blocks ``ids`` as registered, saved to ``p`` (numpy ``.npz``; in-process engines with
+the connector);
 ``{"op": "stats"}`` -> the worker connector's counters (in-process engines only);
 ``{"op": "shutdown", "grace_s": s}`` shuts the engine down the way ``vllm serve`` does (its engine core
 process gets SIGTERM and ``s`` seconds before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``)
@@ -133,20 +134,17 @@ def main() -> int:
             reply({"stats": connector.stats, "registration": connector.registration})
             continue
         if request["op"] == "kv_blocks":
-            # (in-process engines) the bytes of KV blocks ``blocks`` of every layer, saved with numpy
-            # to ``path`` as {layer name: [blocks, ...] uint8}: what a test compares between engines
+            # (in-process engines with the connector) the bytes of KV blocks ``blocks`` of every
+            # layer's view as the connector registered it, saved with numpy to ``path`` as
+            # {layer name: [blocks, ...] uint8}: what a test compares between engines
             import numpy as np
             import torch
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            layers = runner.vllm_config.compilation_config.static_forward_context
             arrays = {}
-            for name, layer in layers.items():
-                cache = getattr(layer, "kv_cache", None)
-                if isinstance(cache, list):
-                    cache = cache[0] if cache else None
-                if isinstance(cache, torch.Tensor) and cache.numel():
-                    arrays[name] = np.stack([cache[b].contiguous().view(torch.uint8).flatten().numpy()
+            for cache in get_kv_transfer_group()._worker._classes:
+                for name, view in zip(cache.layers, cache.tensors):
+                    arrays[name] = np.stack([view[b].contiguous().view(torch.uint8).flatten().numpy()
                                              for b in request["blocks"]])
             np.savez(request["path"], **arrays)
             reply({"layers": sorted(arrays)})
