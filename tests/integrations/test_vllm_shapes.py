@@ -354,3 +354,17 @@ def test_a_prefill_stops_short_by_the_backoff_and_its_decode_engine_loads_as_muc
     wrong = _request(range(3, 53), dict(params, remote_block_ids=[1, 2, 3, 4]), "d-wrong")
     assert decode.get_num_new_matched_tokens(wrong, 0) == (0, False)
     assert wrong.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_only_a_drafter_that_keeps_kv_is_compared():
+    """ngram decoding on the decode engine alone changes nothing that moves; an EAGLE drafter's
+    config must be the same on both engines."""
+    from llm_datadist.integrations.vllm import compat
+
+    def described(spec):
+        return compat.fields(SimpleNamespace(speculative_config=spec))["speculative"]
+
+    ngram = SimpleNamespace(method="ngram", model=None, num_speculative_tokens=3, uses_draft_kv_cache=lambda: False)
+    eagle = SimpleNamespace(method="eagle", model="/d", num_speculative_tokens=2, uses_draft_kv_cache=lambda: True)
+    assert described(None) is None and described(ngram) is None
+    assert described(eagle) == "eagle:/d:2"
