@@ -102,7 +102,6 @@ class Worker:
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self.compat["kv_groups"] = kv_groups.describe(groups)
         self._block_bytes = 0
-        self._group_block_bytes: List[int] = [0]  # bytes of one block of each cache's tensors together
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
         self._head_bytes: Optional[int] = None
@@ -161,7 +160,6 @@ class Worker:
         self._classes = classes
         self._descs = descs
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in parts[0])
-        self._group_block_bytes = [cls.block_bytes for cls in classes]
         if len(parts) > 1:
             self._head_bytes, self._heads_refusal = None, "a model with several KV caches (KV cache groups or " \
                 "layers of several shapes) moves KV only between engines of one tensor parallel size"
