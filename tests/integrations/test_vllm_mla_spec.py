@@ -156,7 +156,8 @@ def single(engine: Engine, prompts, params=None) -> list:
 
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
-    pytest.importorskip("transformers").DeepseekV2Config  # noqa: B018 - (skipped without it)
+    if not hasattr(pytest.importorskip("transformers"), "DeepseekV2ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV2 classes to write the checkpoint with")
     work = tmp_path_factory.mktemp("vllm-mla")
     model = work / "model"
     write_deepseek(model)
