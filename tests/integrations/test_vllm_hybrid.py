@@ -150,8 +150,9 @@ def test_state_space_groups_and_unknown_groups_are_refused_with_the_reason():
     from llm_datadist.integrations.vllm import groups as kv_groups
 
     full, _ = _specs()
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(NotImplementedError, match="state-space \\(Mamba\\).*NixlConnector"):
+    # (state-space groups move with mamba_cache_mode "none": test_vllm_mamba.py)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="all")
+    with pytest.raises(NotImplementedError, match="state-space \\(Mamba\\).*'all'.*--no-enable-prefix-caching"):
         kv_groups.transfer_groups(_config(full, mamba))
     chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
                                         attention_chunk_size=64)

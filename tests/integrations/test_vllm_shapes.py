@@ -292,14 +292,15 @@ def test_a_peer_that_registered_fewer_caches_than_it_says_fails_the_request(pref
 
 # -- the prompt backoff of MTP drafters ------------------------------------------------------------
 
-@pytest.mark.parametrize("lookahead, state, expected", [(0, False, 0), (1, False, 0), (3, False, 2), (0, True, 1),
-                                                        (3, True, 2)])
-def test_the_backoff_is_the_drafters_lookahead_less_one(lookahead, state, expected):
-    from llm_datadist.integrations.vllm.backoff import loaded_tokens, prefill_backoff
+@pytest.mark.parametrize("lookahead, expected", [(0, 0), (1, 0), (3, 2)])
+def test_the_backoff_is_the_drafters_lookahead_less_one(lookahead, expected):
+    from llm_datadist.integrations.vllm.backoff import prefill_backoff
+    from llm_datadist.integrations.vllm.options import Options
+    from llm_datadist.integrations.vllm.scheduler import Scheduler
 
-    assert prefill_backoff(SimpleNamespace(num_prefill_lookahead_tokens=lookahead), state) == expected
-    assert loaded_tokens(100, expected) == 100 - expected
-    assert loaded_tokens(expected, expected) == expected  # never less than nothing
+    assert prefill_backoff(SimpleNamespace(num_prefill_lookahead_tokens=lookahead)) == expected
+    assert prefill_backoff(SimpleNamespace()) == 0
+    assert Scheduler("d", Options.parse({}), BLOCK_SIZE, producer=False, backoff=expected).backoff == expected
 
 
 def test_vllms_lookahead_of_speculative_methods():

@@ -1,5 +1,5 @@
-"""The prompt backoff: trailing prompt tokens a prefill engine leaves uncomputed, so that its decode
-engine computes them itself (NixlConnector's ``_prefill_backoff``).
+"""The prompt backoff of speculative decoding: trailing prompt tokens a prefill engine leaves
+uncomputed, so that its decode engine computes them itself (NixlConnector's ``_prefill_backoff``).
 
 A multi-module MTP drafter reads ``num_speculative_tokens`` tokens past the computed range
 (vLLM's ``VllmConfig.num_prefill_lookahead_tokens``): a prefill engine that computed the whole
@@ -10,47 +10,18 @@ and computes the rest. EAGLE-style drafters read one token ahead (no backoff); n
 methods without a drafter read none. Both engines must agree, which the links' compatibility
 check makes sure of (``compat``: the speculative config of a method whose drafter keeps KV).
 
-A state-space (Mamba) group needs one token of backoff too (the decode engine recomputes the last
-token from the state before it); ``prefill_backoff`` takes that as ``state_groups``."""
+The scheduler takes the larger of this and a state-space group's one token
+(``groups.prefill_backoff``) and cuts the request (``scheduler.truncate_for_prefill``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def prefill_backoff(vllm_config: Any, state_groups: bool = False) -> int:
-    """Trailing prompt tokens this engine's prefill leaves to its decode engine (0: none)."""
+def prefill_backoff(vllm_config: Any) -> int:
+    """Trailing prompt tokens this engine's prefill leaves to its decode engine for its drafter (0: none)."""
     try:
         lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
     except (TypeError, ValueError):  # a config that cannot say (a test's stand-in)
         lookahead = 0
-    return max(1 if state_groups else 0, lookahead - 1)
-
-
-def loaded_tokens(prompt_tokens: int, backoff: int) -> int:
-    """Of a prompt of ``prompt_tokens``, how many a decode engine loads: all but the backoff (a
-    prompt no longer than the backoff is loaded whole, as its prefill engine computed it whole)."""
-    return prompt_tokens - backoff if backoff and prompt_tokens > backoff else prompt_tokens
-
-
-def truncate_for_prefill(request: Any, backoff: int) -> bool:
-    """Prefill side: drop the request's last ``backoff`` prompt tokens (it is computed one token at
-    most: ``max_tokens`` 1), as ``loaded_tokens`` expects; whether it was cut. Not for a prompt no
-    longer than the backoff, or one that skips reading the prefix cache (prompt logprobs: its
-    decode engine computes the whole prompt)."""
-    length = getattr(request, "num_prompt_tokens", None)
-    if not backoff or not isinstance(length, int) or length <= backoff:
-        return False
-    skips = getattr(request, "get_skip_reading_prefix_cache", None)
-    if callable(skips) and skips():
-        return False
-    if request.prompt_token_ids is not None:
-        del request.prompt_token_ids[-backoff:]
-    elif getattr(request, "prompt_embeds", None) is not None:
-        request.prompt_embeds = request.prompt_embeds[:-backoff]
-    else:
-        return False
-    del request._all_token_ids[-backoff:]
-    request.num_prompt_tokens -= backoff
-    request.max_tokens = 1
-    return True
+    return max(0, lookahead - 1)

@@ -42,10 +42,16 @@ class CacheClass:
     dtype: torch.dtype
     layers: List[str] = field(default_factory=list)  # every layer whose view is here
     tensors: List[torch.Tensor] = field(default_factory=list)  # one per distinct view
+    #: a state-space group's pages (``state.py``): the byte ranges of each page a pull moves (its
+    #: states, not the padding) and their bytes; None: whole blocks
+    ranges: Optional[Tuple[Tuple[int, int], ...]] = None
+    state_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of all tensors together."""
+        """Bytes a pull moves of one block of all tensors together."""
+        if self.ranges is not None:
+            return len(self.tensors) * self.state_bytes
         return sum(t[0].numel() * t.element_size() for t in self.tensors)
 
     def describe(self) -> str:
@@ -56,13 +62,16 @@ class CacheClass:
 
 
 def plan(kv_caches: Dict[str, Any], group_layers: Sequence[Sequence[str]], num_blocks: Optional[int],
-         kv_layout: Optional[str] = None) -> List[CacheClass]:
+         kv_layout: Optional[str] = None, states: Optional[Dict[int, Tuple[List[torch.Tensor], Any]]] = None
+         ) -> List[CacheClass]:
     """vLLM's ``kv_caches`` sorted into caches: per group (``group_layers``, the layer names of each
     group that moves, in order; empty: every layer is of one group), per ``(shape, dtype)`` of the
     layers' block views (``layout.blocks_view``), in the order of their first layer. Layers that
-    share one view count once among the tensors, and all appear among the layers. Refused
-    (``ValueError`` / ``NotImplementedError``, one line): a group without layers here, a layer
-    that is not one tensor, views on different devices."""
+    share one view count once among the tensors, and all appear among the layers. A state-space
+    group (``states``: by group position, its pages and ``state.StateLayout``, from
+    ``state.group_pages``) is one cache of its pages. Refused (``ValueError`` /
+    ``NotImplementedError``, one line): a group without layers here, a layer that is not one
+    tensor, views on different devices."""
     names = list(kv_caches)
     if group_layers:
         wanted: List[Set[str]] = [set(layers) for layers in group_layers]
@@ -73,6 +82,11 @@ def plan(kv_caches: Dict[str, Any], group_layers: Sequence[Sequence[str]], num_b
         wanted = [set(names)]
     out: List[CacheClass] = []
     for group, layers in enumerate(wanted):
+        if states and group in states:
+            pages, found = states[group]
+            out.append(CacheClass(group, tuple(pages[0].shape), pages[0].dtype, [n for n in names if n in layers],
+                                  list(pages), ranges=tuple(found.ranges), state_bytes=found.state_bytes))
+            continue
         # (views of one memory in two groups are normal: vLLM's hybrid manager lays a layer of
         # each group over one buffer, each group's blocks indexing it its own way)
         seen: Dict[int, CacheClass] = {}  # data_ptr -> the class of this group holding that view

@@ -9,7 +9,8 @@ model's KV heads, head size and layers, the cache dtype, the block size, the reg
 (tensors, per-block shape, element type; one per cache), the caches registered (``caches``: one
 per KV cache group and shape of its layers, with their tensors, block shape, dtype and layer
 names, compared cache by cache by ``caches.mismatch``), the KV cache groups that move
-(``kv_groups``: kind, window, layers; None for one full-attention group) and the speculative
+(``kv_groups``: kind, window, layers; None for one full-attention group), a state-space hybrid's
+states (``kv_states``: page size, offsets, shapes, dtypes; ``state.py``) and the speculative
 decoding config of a method whose drafter keeps KV (EAGLE, MTP, a draft model; ngram decoding on
 one side only changes nothing that moves). A rank's layout and caches are compared only between
 engines of one tensor parallel size; engines of different sizes compare the layout of all heads

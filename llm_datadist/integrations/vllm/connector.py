@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector over llm_datadist: decode engines pull prefill blocks. It supports vLLM's
     hybrid KV cache manager (``SupportsHMA``): each KV cache group's blocks move, a sliding-window
-    group's only inside its window (``groups``)."""
+    group's only inside its window, a state-space (Mamba) group's running-state block (``groups``,
+    ``state``)."""
 
     #: vLLM's label of the prompt tokens this connector loads (``vllm:prompt_tokens_cached_by_source``):
     #: they come from another vLLM instance.
@@ -54,7 +55,7 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
             # not handed to the decode side.
             raise ValueError("--enable-return-routed-experts is incompatible with LLMDataDistConnector: "
                              "the routed experts of a prefill are not passed to its decode engine")
-        # (refuses state-space groups and, among several groups, any but full and sliding-window attention)
+        # (refuses the group kinds and Mamba cache modes it cannot move)
         self._groups = kv_groups.transfer_groups(kv_cache_config)
         num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self._scheduler: Optional[Scheduler] = None

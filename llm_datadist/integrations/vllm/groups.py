@@ -9,17 +9,17 @@ its null block. So both sides clip such a group's block list to its last ``windo
 block (vLLM's block 0) in front; the decode side's list is then paired with the tail of the prefill
 side's (``Recv.group_pairs``), as for a local prefix hit.
 
-State-space (Mamba) groups are refused, not yet supported: vLLM's CPU build runs a tiny Mamba2
-hybrid (NemotronH), but a group's state moves by other rules: each layer's cache is a list of
-state views (conv, SSM) inside one page per block, only the running state's block moves (not one
-per token block, nor the speculative scratch slots), and the prefill engine must stop one token
-short of the prompt (the decode engine recomputes the last token from the state before it), as
-NixlConnector does."""
+A state-space (Mamba) group (``state``) moves one block per request, the one holding its running
+state, by the rules of ``state``; the prefill engine then stops one token short of the prompt.
+They move with vLLM's ``mamba_cache_mode`` ``"none"`` (no prefix caching) only, and beside at least
+one attention group (a hybrid model such as NemotronH, Jamba, Bamba)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
+
+from llm_datadist.integrations.vllm import state
 
 
 #: vLLM's null block (``BlockPool.null_block``, the first of the pool), which stands in a
@@ -32,10 +32,11 @@ class Group:
     """One KV cache group that moves between engines."""
 
     index: int  # in vLLM's ``kv_cache_groups``
-    kind: str  # "full" or "sliding_window" (or, for a lone group, the spec's class name)
+    kind: str  # "full", "sliding_window" or "mamba" (or, for a lone group, the spec's class name)
     window: int = 0  # sliding window in tokens; 0: every block of the prompt
     block_size: int = 0
     layers: Tuple[str, ...] = ()
+    spec_blocks: int = 0  # a state-space group's scratch blocks after its running state (speculative decoding)
 
     @property
     def window_blocks(self) -> int:
@@ -45,6 +46,11 @@ class Group:
         return -(-self.window // self.block_size) + 1
 
     @property
+    def is_state(self) -> bool:
+        """A state-space group: one running-state block per request moves (``state``)."""
+        return self.kind == "mamba"
+
+    @property
     def name(self) -> str:
         return f"sliding_window({self.window})" if self.window else self.kind
 
@@ -52,8 +58,9 @@ class Group:
 def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
     """The groups of ``kv_cache_config`` that move (vLLM's ``transfer_group_ids``), in that order;
     ``()`` without a config (an engine that does not say: one group of full attention).
-    ``NotImplementedError`` for groups this connector cannot move: state-space (Mamba) groups, and,
-    in a model with several groups, any other than full or sliding-window attention."""
+    ``NotImplementedError`` for groups this connector cannot move: state-space (Mamba) groups with
+    prefix caching (a ``mamba_cache_mode`` but ``"none"``) or without an attention group beside them,
+    and, in a model with several groups, any other than full, sliding-window or state-space."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return ()
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
@@ -67,10 +74,15 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
         spec = group.kv_cache_spec
         layers = tuple(group.layer_names)
         if isinstance(spec, MambaSpec):
-            raise NotImplementedError(
-                "LLMDataDistConnector does not move state-space (Mamba) KV cache groups (layers "
-                f"{', '.join(layers[:3])}{'...' if len(layers) > 3 else ''}): hybrid SSM models (Jamba, "
-                "Bamba, NemotronH...) are not supported yet; use another KV connector (NixlConnector) for them")
+            mode = str(getattr(spec, "mamba_cache_mode", "none"))
+            if mode not in state.SUPPORTED_CACHE_MODES:
+                raise NotImplementedError(
+                    f"LLMDataDistConnector moves state-space (Mamba) KV cache groups with mamba_cache_mode "
+                    f"{' or '.join(map(repr, state.SUPPORTED_CACHE_MODES))} only; this engine's group {index} has "
+                    f"{mode!r} (prefix caching of a hybrid SSM model): start it with --no-enable-prefix-caching")
+            out.append(Group(index, "mamba", 0, int(spec.block_size), layers,
+                             spec_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
+            continue
         block_size = int(getattr(spec, "block_size", 0) or 0)
         if isinstance(spec, UniformTypeKVCacheSpecs) and spec.kv_cache_specs and all(
                 isinstance(s, FullAttentionSpec) for s in spec.kv_cache_specs.values()):
@@ -87,7 +99,16 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
                 f"model's group {index} is {type(spec).__name__}")
         else:
             out.append(Group(index, type(spec).__name__, 0, block_size, layers))
+    if out and all(g.is_state for g in out):
+        raise NotImplementedError("LLMDataDistConnector moves state-space (Mamba) KV cache groups beside attention "
+                                  "groups only (hybrid models); this model has state-space layers only")
     return tuple(out)
+
+
+def prefill_backoff(groups: Sequence[Group]) -> int:
+    """Trailing prompt tokens the prefill engine leaves to the decode engine: one with a
+    state-space group (``state.PREFILL_BACKOFF``), else none."""
+    return state.PREFILL_BACKOFF if any(g.is_state for g in groups) else 0
 
 
 def describe(groups: Sequence[Group]) -> Optional[str]:
@@ -101,7 +122,8 @@ def describe(groups: Sequence[Group]) -> Optional[str]:
 def clip(groups: Sequence[Group], block_ids: Sequence[Sequence[int]], num_groups: int) -> Tuple[List[int], ...]:
     """A request's block ids (vLLM's, one list per KV cache group, ``num_groups`` of them) cut to
     what moves: the transfer groups, in order, each sliding-window one to its last
-    ``window_blocks`` ids. Without groups (no config): the first list, whole."""
+    ``window_blocks`` ids, each state-space one to its running-state block. Without groups (no
+    config): the first list, whole."""
     if not groups:
         return (list(block_ids[0]) if block_ids else [],)
     if len(block_ids) != num_groups:
@@ -110,7 +132,9 @@ def clip(groups: Sequence[Group], block_ids: Sequence[Sequence[int]], num_groups
     for group in groups:
         blocks = list(block_ids[group.index])
         keep = group.window_blocks
-        if keep:
+        if group.is_state:
+            blocks = state.running_state_block(blocks, group.spec_blocks, NULL_BLOCK)
+        elif keep:
             blocks = [b for b in blocks[-keep:] if b != NULL_BLOCK]
         out.append(blocks)
     return tuple(out)
@@ -119,13 +143,16 @@ def clip(groups: Sequence[Group], block_ids: Sequence[Sequence[int]], num_groups
 def expected_blocks(groups: Sequence[Group], prompt_tokens: int, block_size: int) -> List[Tuple[int, int]]:
     """``(fewest, most)`` block ids a prefill engine hands out per group for a prompt of
     ``prompt_tokens``: every block for a full group; for a sliding-window group at least one and
-    at most ``window_blocks`` (never more than the prompt has). Whether the decode side's own
-    blocks of a group are covered is checked when it pulls."""
+    at most ``window_blocks`` (never more than the prompt has); for a state-space group one.
+    Whether the decode side's own blocks of a group are covered is checked when it pulls."""
     if not groups:
         wanted = -(-prompt_tokens // block_size)
         return [(wanted, wanted)]
     out = []
     for group in groups:
         blocks = -(-prompt_tokens // (group.block_size or block_size))
+        if group.is_state:
+            out.append((min(1, blocks), min(1, blocks)))
+            continue
         out.append((min(1, blocks), min(blocks, group.window_blocks)) if group.window_blocks else (blocks, blocks))
     return out

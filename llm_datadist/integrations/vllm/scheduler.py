@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
-from llm_datadist.integrations.vllm import backoff as prompt_backoff
 from llm_datadist.integrations.vllm import groups as kv_groups
+from llm_datadist.integrations.vllm import state
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
@@ -66,6 +66,30 @@ class StopSignals:
         self._previous = {}
 
 
+def truncate_for_prefill(request, backoff: int) -> None:
+    """Prefill side of a model with state-space layers or a drafter with a lookahead: the request's
+    last ``backoff`` prompt tokens are dropped and it stops after one token, so that the state (and
+    the drafter's KV) it hands out is the one before them, from which the decode side computes them
+    (``state.PREFILL_BACKOFF``, ``backoff.prefill_backoff``). Once per
+    request (marked in its params, so a preempted request is not cut twice); not for a prompt of
+    ``backoff`` tokens or fewer, nor one that skips reading cached prefixes (its decode side loads
+    nothing)."""
+    params = request.kv_transfer_params
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)
+    if params.get("_llm_datadist_truncated") or prompt_length(request) <= backoff or (skips is not None and skips()):
+        return
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-backoff:]
+    elif getattr(request, "prompt_embeds", None) is not None:
+        request.prompt_embeds = request.prompt_embeds[:-backoff]
+    else:
+        return
+    del request._all_token_ids[-backoff:]
+    request.num_prompt_tokens -= backoff
+    request.max_tokens = 1
+    params["_llm_datadist_truncated"] = True
+
+
 def prompt_length(request) -> int:
     """Tokens of the request's prompt, given as token ids or as embeddings (vLLM's
     ``Request.num_prompt_tokens`` counts both)."""
@@ -80,14 +104,13 @@ class Scheduler:
                  kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1,
                  backoff: int = 0):
         self.engine_id = engine_id
-        #: trailing prompt tokens a prefill leaves to its decode engine (``backoff.prefill_backoff``:
-        #: a multi-module MTP drafter's lookahead), and the prefill requests cut by it
-        self.backoff = backoff
-        self._truncated: set = set()
         #: the KV cache groups that move (``groups.transfer_groups``; () if vLLM gave no config) and
         #: how many groups vLLM's block id lists have
         self.groups = groups
         self.num_groups = num_groups
+        #: trailing prompt tokens a prefill leaves to the decode side: one with state-space groups, a
+        #: multi-module MTP drafter's lookahead less one (``backoff``: ``backoff.prefill_backoff``)
+        self.backoff = max(kv_groups.prefill_backoff(groups), backoff)
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
@@ -147,12 +170,8 @@ class Scheduler:
         pull starts or it ends (``update_state_after_alloc``, ``request_finished`` or a refusal in
         ``get_num_new_matched_tokens``, each of which hands it to ``reqs_to_recv``)."""
         params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("do_remote_decode") and self.backoff and \
-                request.request_id not in self._truncated:
-            # a prefill for a decode engine stops short of the drafter's lookahead, which the decode
-            # engine computes (``backoff``); once per request, whatever vLLM does with it after
-            if prompt_backoff.truncate_for_prefill(request, self.backoff):
-                self._truncated.add(request.request_id)
+        if isinstance(params, dict) and params.get("do_remote_decode") and self.backoff:
+            truncate_for_prefill(request, self.backoff)
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             spec = recv_spec(params)
             if spec is not None:
@@ -173,8 +192,17 @@ class Scheduler:
                 return None, False  # asked; vLLM asks this again at a later step
             if not params.get("do_remote_prefill"):
                 return 0, False  # it could not say: computed here
-        # (what the prefill engine computed: the prompt less the backoff, which is computed here)
-        prompt = prompt_backoff.loaded_tokens(prompt_length(request), self.backoff)
+        # (the prefill stopped short of the prompt's last ``backoff`` tokens, which are computed here)
+        prompt = prompt_length(request)
+        if self.backoff and prompt <= self.backoff:
+            logger.warning("request %s: a prompt of %d token(s) leaves nothing to load from a prefill engine that "
+                           "stops %d token(s) short of the prompt (state-space layers, or a drafter's lookahead); "
+                           "computing it locally", request.request_id, prompt, self.backoff)
+            params["do_remote_prefill"] = False
+            if spec is not None:
+                self._recv[request.request_id] = spec  # still let the prefill side free its blocks
+            return 0, False
+        prompt -= self.backoff
         why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
         if why:
             logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d, "
@@ -189,6 +217,8 @@ class Scheduler:
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         why = "they are malformed" if spec is None else self._blocks_refusal(spec, prompt)
+        if not why and kv_groups.prefill_backoff(self.groups):
+            why = state.computed_refusal(params, prompt)
         if why:
             logger.warning("request %s: kv_transfer_params do not fit a prompt of %d tokens here (%s); computing "
                            "the prompt locally", request.request_id, prompt, why)
@@ -334,7 +364,6 @@ class Scheduler:
 
         params = request.kv_transfer_params
         self._forget_asked(request.request_id)
-        self._truncated.discard(request.request_id)
         if not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill"):

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import caches, compat, layout
+from llm_datadist.integrations.vllm import caches, compat, layout, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -58,6 +58,7 @@ class Worker:
         self.producer = bool(transfer.is_kv_producer)
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self._kv_cache_config = kv_cache_config  # (where a state-space layer's pages lie: state.py)
         self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
         self.tp_rank, self.tp_size, dp_rank = parallel_ranks(vllm_config)
         # Every worker of every engine on a host listens on its own port: with a fixed one, rank
@@ -128,7 +129,7 @@ class Worker:
 
     def _count(self, counter: str, n: int) -> None:
         with self._lock:
-            self._stats[counter] += n
+            self._stats[counter] = self._stats.get(counter, 0) + n
 
     @property
     def stats(self) -> Dict[str, int]:
@@ -146,9 +147,17 @@ class Worker:
         # One cache per KV cache group that moves and per shape and dtype of its layers' views
         # (``caches.plan``): a hybrid model's groups each index their own layers, and one group can
         # hold layers of several shapes (an EAGLE drafter's, MLA's, indexer caches); a group's
-        # block ids move in each of its caches.
-        classes = caches.plan(kv_caches, [g.layers for g in self.groups] if len(self.groups) > 1 else [],
-                              self.num_blocks, self.kv_cache_layout)
+        # block ids move in each of its caches. A state-space group is one cache of its layers'
+        # state pages (``state.group_pages``), of which a pull moves the states' bytes only.
+        hybrid = len(self.groups) > 1
+        if hybrid:
+            missing = [g.index for g in self.groups if not any(name in kv_caches for name in g.layers)]
+            if missing:
+                raise ValueError(f"LLMDataDistConnector: no KV caches of the layers of KV cache group(s) {missing}")
+        states = {k: state.group_pages(g, kv_caches, self._kv_cache_config, self.num_blocks)
+                  for k, g in enumerate(self.groups) if hybrid and g.is_state}
+        classes = caches.plan(kv_caches, [g.layers for g in self.groups] if hybrid else [], self.num_blocks,
+                              self.kv_cache_layout, states)
         parts = [cls.tensors for cls in classes]
         descs = [layout.cache_desc(tensors) for tensors in parts]
         tensors = [t for part in parts for t in part]
@@ -165,10 +174,13 @@ class Worker:
                 "layers of several shapes) moves KV only between engines of one tensor parallel size"
         else:
             self._head_bytes, self._heads_refusal = self._head_split(first)
+        # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
+        described = {"kv_states": ";".join(f"{self.groups[k].index}:{found.describe()}"
+                                           for k, (_, found) in sorted(states.items()))} if states else {}
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
                            layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0),
-                           caches=caches.describe(classes))
+                           caches=caches.describe(classes), **described)
         self._register()
         self.device = str(first.device)
         if self.producer and self.options.lease_tokens:
@@ -468,9 +480,18 @@ class Worker:
                     for k, cls in enumerate(classes):
                         if cls.group != group:
                             continue
-                        # (no cache: not registered, which pull_blocks refuses)
-                        cache = registered[k] if k < len(registered) else None
-                        self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
+                        if cls.ranges is not None:
+                            # a state-space group: the bytes of its states in each page (state.py)
+                            if k >= len(registered):
+                                raise ValueError("this engine's KV caches are not registered")
+                            for offset, size in cls.ranges:
+                                self.dd.engine.pull_block_range(cluster_id, k, registered[k].cache_id, remote, local,
+                                                                offset, offset, size)
+                            self._count(f"pulled_state_bytes_group{group}", len(local) * cls.block_bytes)
+                        else:
+                            # (no cache: not registered, which pull_blocks refuses)
+                            cache = registered[k] if k < len(registered) else None
+                            self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
                         nbytes += len(local) * cls.block_bytes
                         if len(classes) > 1:
                             self._count_cache(k, len(local))
