@@ -345,7 +345,7 @@ def test_a_peer_with_other_state_shapes_is_refused_and_nothing_is_written():
         worker.register({"layer0": pages, "layer1": attention})
         mine = worker.compat
         assert mine["kv_states"].startswith(f"0:page{PAGE}:0+1920=[3, 160]float32,1920+8192=[4, 32, 16]float32")
-        assert worker._group_block_bytes == [1920 + 8192, PAGE]
+        assert [c.block_bytes for c in worker._classes] == [1920 + 8192, PAGE]  # (bytes a pull moves a block)
         forged = dict(mine, kv_states=mine["kv_states"].replace("[4, 32, 16]", "[4, 32, 8]"))
         replies = [{"kv_compat": forged}, {"request_id": "req-p", "released": True}]
         worker._links_api = SimpleNamespace(notify=lambda cluster, message, timeout: replies.pop(0))

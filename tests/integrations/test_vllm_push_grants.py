@@ -305,6 +305,12 @@ def test_transfer_mode_is_checked_and_push_refuses_what_it_does_not_support():
     groups = (Group(0, "full", layers=("a",)), Group(1, "sliding_window", 32, 16, ("b",)))
     with pytest.raises(NotImplementedError, match="one KV cache group"):
         _check_push(producer, one, groups)
+    # a prompt backoff (an MTP drafter's lookahead) would leave tokens no push brings: refused
+    from llm_datadist.integrations.vllm.scheduler import Scheduler
+    push = Options.parse({"transfer_mode": "push"})
+    with pytest.raises(NotImplementedError, match="push mode does not support a prompt backoff .* last 2 prompt"):
+        Scheduler("p", push, 16, producer=True, backoff=2)
+    Scheduler("p", push, 16, producer=True, backoff=0).close()
     assert LLMDataDistConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
     assert LLMDataDistConnector.requires_piecewise_for_cudagraph({}) is False
 

@@ -11,11 +11,14 @@ or null], "names": [request ids] (optional)}``
 the first prompt is aborted once it has run ``s`` seconds, if it has not finished by then: a request that
 holds a slot for a set time whatever this machine's speed; its output is then ``{"aborted": true}``);
 ``{"op": "prompt_tokens"}`` -> vLLM's prompt-token counts by source; ``{"op": "metrics"}`` -> the
-connector's Prometheus series (counter values, histogram counts); ``{"op": "stats"}`` -> the
-worker connector's counters (in-process engines only); ``{"op": "shutdown", "grace_s": s}`` shuts
-the engine down the way ``vllm serve`` does (its engine core process gets SIGTERM and ``s`` seconds
-before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) -> ``{"seconds", "exitcodes"}``;
-``{"op": "step"}`` steps the engine once; ``{"op": "exit"}``.
+connector's Prometheus series (counter values, histogram counts); ``{"op": "vllm_metrics", "prefix": p}``
+-> vLLM's own counters whose names begin with ``p``; ``{"op": "kv_blocks", "blocks": [ids], "path": p}``
+-> every layer's KV blocks ``ids`` as registered, saved to ``p`` (numpy ``.npz``; in-process engines with
+the connector);
+``{"op": "stats"}`` -> the worker connector's counters (in-process engines only);
+``{"op": "shutdown", "grace_s": s}`` shuts the engine down the way ``vllm serve`` does (its engine core
+process gets SIGTERM and ``s`` seconds before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``)
+-> ``{"seconds", "exitcodes"}``; ``{"op": "step"}`` steps the engine once; ``{"op": "exit"}``.
 The first line written is ``{"ready": true}`` once the engine is up.
 """
 
@@ -121,10 +124,34 @@ def main() -> int:
                     values[metric.name] = int(getattr(metric, "value", getattr(metric, "count", 0)))
             reply({"metrics": values})
             continue
+        if request["op"] == "vllm_metrics":
+            # vLLM's own counters whose names begin with ``prefix`` (speculative decoding's drafts...)
+            values = {}
+            for metric in llm.get_metrics():
+                if metric.name.startswith(request["prefix"]) and hasattr(metric, "value"):
+                    values[metric.name] = values.get(metric.name, 0) + int(metric.value)
+            reply({"metrics": values})
+            continue
         if request["op"] == "stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
             connector = get_kv_transfer_group()
             reply({"stats": connector.stats, "registration": connector.registration})
+            continue
+        if request["op"] == "kv_blocks":
+            # (in-process engines with the connector) the bytes of KV blocks ``blocks`` of every
+            # layer's view as the connector registered it, saved with numpy to ``path`` as
+            # {layer name: [blocks, ...] uint8}: what a test compares between engines
+            import numpy as np
+            import torch
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            arrays = {}
+            for cache in get_kv_transfer_group()._worker._classes:
+                for name, view in zip(cache.layers, cache.tensors):
+                    arrays[name] = np.stack([view[b].contiguous().view(torch.uint8).flatten().numpy()
+                                             for b in request["blocks"]])
+            np.savez(request["path"], **arrays)
+            reply({"layers": sorted(arrays)})
             continue
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
         params = request.get("params") or [None] * len(prompts)

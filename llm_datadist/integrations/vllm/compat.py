@@ -6,15 +6,18 @@ What is compared: the KV format version of this connector (``KV_FORMAT``, not th
 version: releases that move KV the same way stay compatible), the model (vLLM's model name or
 path and its revision, or ``model_id`` from ``kv_connector_extra_config``), the model dtype, the
 model's KV heads, head size and layers, the cache dtype, the block size, the registered layout
-(tensors, per-block shape, element type; one per KV cache group of a hybrid model), the KV cache
-groups that move (``kv_groups``: kind, window, layers; None for one full-attention group), a
-state-space hybrid's states (``kv_states``: page size, offsets, shapes, dtypes; ``state.py``) and
-the speculative decoding config. A rank's layout is
-compared only between engines of one tensor parallel size; engines of different sizes compare the
-layout of all heads together instead (``PER_RANK``, ``layout_all_heads``). The weights are
-known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
-base's config), and hashing gigabytes of weights at start is not an option. Engines that load one
-checkpoint from different paths say so with the same ``model_id``."""
+(tensors, per-block shape, element type; one per cache), the caches registered (``caches``: one
+per KV cache group and shape of its layers, with their tensors, block shape, dtype and layer
+names, compared cache by cache by ``caches.mismatch``), the KV cache groups that move
+(``kv_groups``: kind, window, layers; None for one full-attention group), a state-space hybrid's
+states (``kv_states``: page size, offsets, shapes, dtypes; ``state.py``) and the speculative
+decoding config of a method whose drafter keeps KV (EAGLE, MTP, a draft model; ngram decoding on
+one side only changes nothing that moves). A rank's layout and caches are compared only between
+engines of one tensor parallel size; engines of different sizes compare the layout of all heads
+together instead (``PER_RANK``, ``layout_all_heads``). The weights are known by the model's name:
+two checkpoints of one geometry differ only there (a fine-tune has its base's config), and
+hashing gigabytes of weights at start is not an option. Engines that load one checkpoint from
+different paths say so with the same ``model_id``."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ KV_FORMAT = 1
 #: Limits on a peer's description (it comes from the network).
 MAX_FIELDS = 32
 MAX_NAME_CHARS = 64
-MAX_VALUE_CHARS = 1024
+MAX_VALUE_CHARS = 4096  # (``caches`` of a model with many shapes: ~50 each)
 #: How much of a value a log line shows.
 SHOWN_CHARS = 120
 
@@ -64,7 +67,9 @@ def fields(vllm_config: Any, model_id: Optional[str] = None) -> Dict[str, Any]:
         if revision:
             name += f"@{revision}"
     speculative = None
-    if spec is not None:
+    # (only a method whose drafter keeps KV of its own (EAGLE, MTP, a draft model) changes what
+    # moves; ngram or suffix decoding on one side only does not)
+    if spec is not None and _call(spec, "uses_draft_kv_cache") is not False:
         speculative = (f"{_get(spec, 'method')}:{_get(spec, 'model')}:"
                        f"{_get(spec, 'num_speculative_tokens')}")
     dtype = _get(model, "dtype")
@@ -96,7 +101,7 @@ def layout(desc: Any, tp_size: int = 1) -> str:
 
 #: Fields that describe one rank, compared only between engines of the same TP size (``tp_size``);
 #: between others, ``layout_all_heads`` says whether their blocks hold the same heads.
-PER_RANK = ("tp_size", "layout")
+PER_RANK = ("tp_size", "layout", "caches")
 
 
 def check(description: Any) -> Dict[str, Any]:
@@ -125,8 +130,21 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
     of meaning bumps."""
     skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
-    return [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
-            for name, value in mine.items() if name in theirs and theirs[name] != value and name not in skip]
+    out = [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
+           for name, value in mine.items()
+           if name in theirs and theirs[name] != value and name not in skip and name != "caches"]
+    if "caches" in mine and "caches" not in skip:
+        # the caches each side registered (``caches.describe``), compared cache by cache; a peer
+        # that does not say them (an older release) registers one cache of one shape at most
+        from llm_datadist.integrations.vllm import caches
+        if "caches" in theirs:
+            why = caches.mismatch(mine["caches"], theirs["caches"])
+            if why:
+                out.append(f"caches: {why}")
+        elif len(str(mine["caches"]).split(";")) > 1:
+            out.append("caches: it does not describe its KV caches (an older release), this engine registers "
+                       f"{len(str(mine['caches']).split(';'))} of different shapes or groups")
+    return out
 
 
 def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm.backoff import prefill_backoff
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata)
@@ -66,7 +67,7 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
                                          producer=bool(transfer.is_kv_producer),
                                          tp_size=parallel.tensor_parallel_size,
                                          kv_heads=_kv_heads(vllm_config), groups=self._groups,
-                                         num_groups=num_groups)
+                                         num_groups=num_groups, backoff=prefill_backoff(vllm_config))
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config, self._groups)
 
@@ -218,14 +219,16 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
     def registration(self) -> Optional[Dict[str, Any]]:
         """What the worker registered with llm_datadist: ``cluster_id``, ``num_tensors``, ``shape``
         (block id first), ``dtype`` (a ``DataType`` name), ``placement`` (``HOST``/``DEVICE``),
-        ``device`` (the tensors' torch device) and ``runtime`` (the engine's device runtime);
-        None before ``register_kv_caches``."""
+        ``device`` (the tensors' torch device) and ``runtime`` (the engine's device runtime), all of
+        the first cache; ``caches``: every cache (``caches.plan``: one per KV cache group and shape)
+        as ``{"group", "num_tensors", "shape", "dtype", "layers"}``; None before ``register_kv_caches``."""
         if self._worker is None or self._worker.cache is None:
             return None
         desc = self._worker.cache.cache_desc
         return {"cluster_id": self._worker.cluster_id, "num_tensors": desc.num_tensors,
                 "shape": list(desc.shape), "dtype": desc.data_type.name, "placement": desc.placement.name,
-                "device": self._worker.device, "runtime": self._worker.dd.engine.runtime.name}
+                "device": self._worker.device, "runtime": self._worker.dd.engine.runtime.name,
+                "caches": self._worker.registered_caches()}
 
 
 #: The name vllm-ascend gave its llm_datadist connector, so its configs need only the module path changed.

@@ -63,7 +63,7 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
     and, in a model with several groups, any other than full, sliding-window or state-space."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return ()
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
     all_groups = kv_cache_config.kv_cache_groups
     ids = getattr(kv_cache_config, "transfer_group_ids", None)
@@ -84,7 +84,12 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
                              spec_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
             continue
         block_size = int(getattr(spec, "block_size", 0) or 0)
-        if isinstance(spec, SlidingWindowSpec):
+        if isinstance(spec, UniformTypeKVCacheSpecs) and spec.kv_cache_specs and all(
+                isinstance(s, FullAttentionSpec) for s in spec.kv_cache_specs.values()):
+            # full attention (MLA included) in layers of several shapes: an EAGLE drafter's beside
+            # the target's, MLA's and indexer caches; each shape is a cache of its own (``caches``)
+            out.append(Group(index, "full", 0, block_size, layers))
+        elif isinstance(spec, SlidingWindowSpec):
             out.append(Group(index, "sliding_window", int(spec.sliding_window), block_size, layers))
         elif isinstance(spec, FullAttentionSpec):
             out.append(Group(index, "full", 0, block_size, layers))

@@ -68,9 +68,10 @@ class StopSignals:
 
 
 def truncate_for_prefill(request, backoff: int) -> None:
-    """Prefill side of a model with state-space layers: the request's last ``backoff`` prompt
-    tokens are dropped and it stops after one token, so that the state it hands out is the one
-    before them, from which the decode side computes them (``state.PREFILL_BACKOFF``). Once per
+    """Prefill side of a model with state-space layers or a drafter with a lookahead: the request's
+    last ``backoff`` prompt tokens are dropped and it stops after one token, so that the state (and
+    the drafter's KV) it hands out is the one before them, from which the decode side computes them
+    (``state.PREFILL_BACKOFF``, ``backoff.prefill_backoff``). Once per
     request (marked in its params, so a preempted request is not cut twice); not for a prompt of
     ``backoff`` tokens or fewer, nor one that skips reading cached prefixes (its decode side loads
     nothing)."""
@@ -101,14 +102,16 @@ def prompt_length(request) -> int:
 
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1,
-                 kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1):
+                 kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1,
+                 backoff: int = 0):
         self.engine_id = engine_id
         #: the KV cache groups that move (``groups.transfer_groups``; () if vLLM gave no config) and
         #: how many groups vLLM's block id lists have
         self.groups = groups
         self.num_groups = num_groups
-        #: trailing prompt tokens a prefill leaves to the decode side (one with state-space groups)
-        self.backoff = kv_groups.prefill_backoff(groups)
+        #: trailing prompt tokens a prefill leaves to the decode side: one with state-space groups, a
+        #: multi-module MTP drafter's lookahead less one (``backoff``: ``backoff.prefill_backoff``)
+        self.backoff = max(kv_groups.prefill_backoff(groups), backoff)
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
@@ -134,6 +137,13 @@ class Scheduler:
         self.ask_s = (options.link_timeout_ms + options.sync_kv_timeout_ms) / 1000 + 10.0
         self._signals = StopSignals(watch=producer)  # only a prefill engine holds blocks
         #: push mode (``push``; None: pull)
+        if options.transfer_mode == "push" and self.backoff:
+            # (a pushed prompt is the whole prompt: the decode side would wait for tokens the
+            # prefill leaves to it, or decode without their KV)
+            raise NotImplementedError(
+                f"LLMDataDistConnector: push mode does not support a prompt backoff (this engine's prefill would "
+                f"leave its last {self.backoff} prompt token(s) to the decode engine: a multi-module MTP drafter or "
+                "state-space layers); use transfer_mode 'pull'")
         self.push = PushScheduling(block_size, producer) if options.transfer_mode == "push" else None
 
     def close(self) -> None:
@@ -194,11 +204,12 @@ class Scheduler:
                 return None, False  # asked; vLLM asks this again at a later step
             if not params.get("do_remote_prefill"):
                 return 0, False  # it could not say: computed here
-        # (with state-space groups the prefill stopped short of the prompt's last token, which is computed here)
+        # (the prefill stopped short of the prompt's last ``backoff`` tokens, which are computed here)
         prompt = prompt_length(request)
         if self.backoff and prompt <= self.backoff:
-            logger.warning("request %s: a prompt of %d token(s) leaves nothing to load from a prefill engine of a "
-                           "model with state-space layers; computing it locally", request.request_id, prompt)
+            logger.warning("request %s: a prompt of %d token(s) leaves nothing to load from a prefill engine that "
+                           "stops %d token(s) short of the prompt (state-space layers, or a drafter's lookahead); "
+                           "computing it locally", request.request_id, prompt, self.backoff)
             params["do_remote_prefill"] = False
             if spec is not None:
                 self._recv[request.request_id] = spec  # still let the prefill side free its blocks
@@ -218,7 +229,7 @@ class Scheduler:
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         why = "they are malformed" if spec is None else self._blocks_refusal(spec, prompt)
-        if not why and self.backoff:
+        if not why and kv_groups.prefill_backoff(self.groups):
             why = state.computed_refusal(params, prompt)
         if why:
             logger.warning("request %s: kv_transfer_params do not fit a prompt of %d tokens here (%s); computing "

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import compat, layout, state
+from llm_datadist.integrations.vllm import caches, compat, layout, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -92,6 +92,8 @@ class Worker:
         self.caches: List[ld.Cache] = []
         self._descs: List[ld.CacheDesc] = []
         self._keep_groups: List[List[Any]] = []
+        #: the registered caches' layers, shapes and groups (``caches.plan``), by model_id
+        self._classes: List[caches.CacheClass] = []
         self._asleep: Optional[ld.CacheDesc] = None  # what was registered before sleep mode
         self.device: Optional[str] = None
         self._stats = {"links": 0, "pulled_requests": 0, "pulled_blocks": 0, "failed_requests": 0, "notified": 0,
@@ -102,10 +104,6 @@ class Worker:
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self.compat["kv_groups"] = kv_groups.describe(groups)
         self._block_bytes = 0
-        self._group_block_bytes: List[int] = [0]  # bytes of one block of each group's tensors together
-        #: per group that moves, the byte ranges of each page that a pull moves (a state-space
-        #: group's states, ``state.StateLayout.ranges``); None: whole blocks
-        self._state_ranges: List[Optional[Tuple[Tuple[int, int], ...]]] = []
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
         self._head_bytes: Optional[int] = None
@@ -160,49 +158,51 @@ class Worker:
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
-        if len(self.groups) > 1:
-            # a hybrid model: each group's layers are a cache of their own (a group's blocks are
-            # its own ids: they index only its layers)
+        # One cache per KV cache group that moves and per shape and dtype of its layers' views
+        # (``caches.plan``): a hybrid model's groups each index their own layers, and one group can
+        # hold layers of several shapes (an EAGLE drafter's, MLA's, indexer caches); a group's
+        # block ids move in each of its caches. A state-space group is one cache of its layers'
+        # state pages (``state.group_pages``), of which a pull moves the states' bytes only.
+        hybrid = len(self.groups) > 1
+        if hybrid:
             missing = [g.index for g in self.groups if not any(name in kv_caches for name in g.layers)]
             if missing:
                 raise ValueError(f"LLMDataDistConnector: no KV caches of the layers of KV cache group(s) {missing}")
-            parts, layouts = [], []
-            for g in self.groups:
-                if g.is_state:  # its layers' state pages (state.py)
-                    pages, found = state.group_pages(g, kv_caches, self._kv_cache_config, self.num_blocks)
-                    parts.append(pages)
-                    layouts.append(found)
-                else:
-                    parts.append(layout.kv_tensors({name: kv_caches[name] for name in g.layers if name in kv_caches},
-                                                   self.num_blocks, self.kv_cache_layout))
-                    layouts.append(None)
-        else:
-            parts, layouts = [layout.kv_tensors(kv_caches, self.num_blocks, self.kv_cache_layout)], [None]
+        states = {k: state.group_pages(g, kv_caches, self._kv_cache_config, self.num_blocks)
+                  for k, g in enumerate(self.groups) if hybrid and g.is_state}
+        classes = caches.plan(kv_caches, [g.layers for g in self.groups] if hybrid else [], self.num_blocks,
+                              self.kv_cache_layout, states)
+        if (self.pusher is not None or self.receiver is not None) and len(classes) > 1:
+            # (push.py pushes and grants the one cache's layers: a second cache would not move)
+            raise NotImplementedError(
+                f"LLMDataDistConnector: push mode moves models whose KV is one cache; this one's layers are "
+                f"{len(classes)} caches ({'; '.join(f'{len(c.layers)} layer(s) of {tuple(c.shape)}' for c in classes)}"
+                ": "
+                "layers of several shapes, such as an EAGLE drafter's, or several KV cache groups); use "
+                "transfer_mode 'pull'")
+        parts = [cls.tensors for cls in classes]
         descs = [layout.cache_desc(tensors) for tensors in parts]
         tensors = [t for part in parts for t in part]
         first = tensors[0]
-        if any(t.device != first.device for t in tensors):
-            raise NotImplementedError("LLMDataDistConnector: the KV cache groups' tensors are on different devices")
         if descs[0].placement == ld.Placement.DEVICE:
             layout.check_device(self.dd, first.device, self.device_id)
         self._keep = tensors
         self._keep_groups = parts
+        self._classes = classes
         self._descs = descs
         self._block_bytes = sum(t[0].numel() * t.element_size() for t in parts[0])
-        self._group_block_bytes = [sum(t[0].numel() * t.element_size() for t in part) if found is None else
-                                   len(part) * found.state_bytes for part, found in zip(parts, layouts)]
-        self._state_ranges = [None if found is None else found.ranges for found in layouts]
         if len(parts) > 1:
-            self._head_bytes, self._heads_refusal = None, "a hybrid model's KV moves only between engines of one " \
-                "tensor parallel size"
+            self._head_bytes, self._heads_refusal = None, "a model with several KV caches (KV cache groups or " \
+                "layers of several shapes) moves KV only between engines of one tensor parallel size"
         else:
             self._head_bytes, self._heads_refusal = self._head_split(first)
         # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
-        states = {"kv_states": ";".join(f"{g.index}:{found.describe()}" for g, found in zip(self.groups, layouts)
-                                        if found is not None)} if any(f is not None for f in layouts) else {}
+        described = {"kv_states": ";".join(f"{self.groups[k].index}:{found.describe()}"
+                                           for k, (_, found) in sorted(states.items()))} if states else {}
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0), **states)
+                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0),
+                           caches=caches.describe(classes), **described)
         self._register()
         self.device = str(first.device)
         if self.pusher is not None:
@@ -214,9 +214,15 @@ class Worker:
             # (in every group's tensors: a request's ids of all its groups).
             self.leases.set_layout([t.data_ptr() for t in tensors], [t[0].numel() * t.element_size() for t in tensors])
             self._links_api.set_read_guard(self.leases.read_guard)
-        logger.info("llm_datadist: registered %d KV tensors of shape %s (%s) on %s as cluster %d%s",
-                    len(tensors), tuple(first.shape), first.dtype, first.device, self.cluster_id,
-                    f", one cache per KV cache group ({kv_groups.describe(self.groups)})" if len(parts) > 1 else "")
+        logger.info("llm_datadist: registered %d KV tensors on %s as cluster %d, %d cache(s): %s", len(tensors),
+                    first.device, self.cluster_id, len(classes),
+                    "; ".join(f"group {c.group}: {len(c.tensors)}x{tuple(c.shape)} {c.dtype}" for c in classes))
+
+    def registered_caches(self) -> List[Dict[str, Any]]:
+        """The caches registered, by model_id: group (position among those that move), tensors,
+        shape (block id first), torch dtype and layer names."""
+        return [{"group": c.group, "num_tensors": len(c.tensors), "shape": list(c.shape),
+                 "dtype": str(c.dtype).replace("torch.", ""), "layers": list(c.layers)} for c in self._classes]
 
     def _head_split(self, first) -> Tuple[Optional[int], str]:
         """``(bytes of one KV head in a block, "")`` if each block of the registered tensors holds
@@ -237,7 +243,7 @@ class Worker:
     def _register(self) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
         # link's plane for device memory (cuda_ipc on one host with a link secret, staging elsewhere).
-        # Cache k (the k-th group that moves) is (this cluster, model_id k) for peers.
+        # Cache k (``caches.plan``'s k-th: by group, then shape) is (this cluster, model_id k) for peers.
         self.caches = [self.cm.register_blocks_cache(desc, [t.data_ptr() for t in tensors],
                                                      ld.BlocksCacheKey(self.cluster_id, k), True)
                        for k, (desc, tensors) in enumerate(zip(self._descs, self._keep_groups))]
@@ -446,12 +452,13 @@ class Worker:
         pull_error = None
         if local:
             with self._lock:
-                caches, asleep = list(self.caches), self._asleep is not None
+                registered, classes, asleep = list(self.caches), list(self._classes), self._asleep is not None
             try:
                 pairs = pair_blocks(spec, max(1, len(self.groups)))
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
-                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, caches, pairs, cluster_id))
+                self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, registered, classes, pairs,
+                                                                                   cluster_id))
             except Unreachable as exc:
                 # No link, so no release can be sent either: if that engine is alive, its lease
                 # frees the blocks.
@@ -485,10 +492,11 @@ class Worker:
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
         return True
 
-    def _pull_blocks(self, spec: Recv, caches: List[ld.Cache], pairs: List[Tuple[int, List[int], List[int]]],
-                     cluster_id: int) -> None:
+    def _pull_blocks(self, spec: Recv, registered: List[ld.Cache], classes: List[caches.CacheClass],
+                     pairs: List[Tuple[int, List[int], List[int]]], cluster_id: int) -> None:
         """Pull ``pairs`` (``(group, remote ids, local ids)``, ``pair_blocks``) from ``cluster_id``
-        (the one linked at the spec's address), each group from and into its own cache, timed for
+        (the one linked at the spec's address), each group from and into its own caches
+        (``registered``, one per class of ``classes``), timed for
         vLLM's metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
         ``compat.Incompatible`` (nothing pulled) if the request or the link's peer was refused."""
         why = spec.refused or self.peers.peer(spec).incompatible
@@ -506,23 +514,31 @@ class Worker:
                 if spec.heads:
                     # this rank's heads, one byte range of each block on both sides (one group only)
                     size = self._head_bytes
-                    self.dd.engine.pull_block_range(cluster_id, 0, caches[0].cache_id, remote, local,
+                    self.dd.engine.pull_block_range(cluster_id, 0, registered[0].cache_id, remote, local,
                                                     spec.src_head * size, spec.dst_head * size, spec.heads * size)
                     nbytes += len(local) * len(self._keep) * spec.heads * size
-                elif group < len(self._state_ranges) and self._state_ranges[group] is not None:
-                    # a state-space group: the bytes of its states in each page (state.py)
-                    if group >= len(caches):
-                        raise ValueError("this engine's KV caches are not registered")
-                    for offset, size in self._state_ranges[group]:
-                        self.dd.engine.pull_block_range(cluster_id, group, caches[group].cache_id, remote, local,
-                                                        offset, offset, size)
-                    nbytes += len(local) * self._group_block_bytes[group]
-                    self._count(f"pulled_state_bytes_group{group}", len(local) * self._group_block_bytes[group])
                 else:
-                    # (no cache: not registered, which pull_blocks refuses)
-                    cache = caches[group] if group < len(caches) else None
-                    self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, group), cache, remote, local)
-                    nbytes += len(local) * self._group_block_bytes[group]
+                    # the group's blocks in each of its caches (one per shape of its layers), cache k
+                    # from the peer's cache k: the link's hello found both sides' caches the same
+                    # (``caches.mismatch``)
+                    for k, cls in enumerate(classes):
+                        if cls.group != group:
+                            continue
+                        if cls.ranges is not None:
+                            # a state-space group: the bytes of its states in each page (state.py)
+                            if k >= len(registered):
+                                raise ValueError("this engine's KV caches are not registered")
+                            for offset, size in cls.ranges:
+                                self.dd.engine.pull_block_range(cluster_id, k, registered[k].cache_id, remote, local,
+                                                                offset, offset, size)
+                            self._count(f"pulled_state_bytes_group{group}", len(local) * cls.block_bytes)
+                        else:
+                            # (no cache: not registered, which pull_blocks refuses)
+                            cache = registered[k] if k < len(registered) else None
+                            self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
+                        nbytes += len(local) * cls.block_bytes
+                        if len(classes) > 1:
+                            self._count_cache(k, len(local))
                 blocks += len(local)
                 if len(pairs) > 1:
                     self._count_group(group, len(local))
@@ -532,6 +548,12 @@ class Worker:
         """``pulled_blocks_group<k>``: blocks pulled of the k-th KV cache group that moves."""
         with self._lock:
             key = f"pulled_blocks_group{group}"
+            self._stats[key] = self._stats.get(key, 0) + blocks
+
+    def _count_cache(self, k: int, blocks: int) -> None:
+        """``pulled_blocks_cache<k>``: blocks pulled into the k-th registered cache (``caches.plan``)."""
+        with self._lock:
+            key = f"pulled_blocks_cache{k}"
             self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
