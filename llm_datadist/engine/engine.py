@@ -243,6 +243,16 @@ class Engine:
         if self.links is not None:
             self.links.set_write_guard(guard)
 
+    def quiesce_writes(self, peer_cluster_id: int, timeout_s: float) -> bool:
+        """After narrowing what the write guard allows a peer (a grant ended): wait until none of
+        its pushes through the server that passed the guard before is still writing, so that no
+        byte of theirs lands from then on. True if none was left within ``timeout_s``; else the
+        connections carrying them are shut down (those pushes fail and the link ends) and False is
+        returned. True at once without a guard or links."""
+        if self.links is None:
+            return True
+        return self.links.quiesce_writes(int(peer_cluster_id), float(timeout_s))
+
     @staticmethod
     def read_tag(tag: Any):
         """A context manager: the pulls this thread makes inside carry ``tag`` (bytes, or str as

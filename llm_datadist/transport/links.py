@@ -839,6 +839,10 @@ class LinkManager:
         ranges or None`` (``read_guard.WriteGuard``); None: no guard."""
         self.write_guard.set(guard)
 
+    def quiesce_writes(self, peer_cluster_id: int, timeout_s: float) -> bool:
+        """Wait for the peer's pushes that passed the write guard to end (``WriteGuard.quiesce``)."""
+        return self.write_guard.quiesce(peer_cluster_id, timeout_s)
+
     def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
         """Send a JSON object to a linked peer over the link (authenticated like it) and return
         its handler's reply; ``LLMException`` with the peer's status if it refused or failed."""

@@ -18,15 +18,22 @@ None``, is refused with ``LLM_KV_CACHE_NOT_EXIST`` before a byte lands unless ev
 descriptors' destination ranges lies inside the ranges the guard allows that authenticated peer
 now (a push carries no tag: grants are keyed by the peer, so the wire is unchanged). The refused
 payload is read and dropped and the link goes on. Writes over one-sided planes are not seen.
+A push that passed the guard goes on writing while its payload streams in: the guard counts such
+pushes per peer (``WriteGuard.writing``), so that an owner that narrowed what a peer may write can
+wait until none that passed before is left (``WriteGuard.quiesce``); past its deadline the
+connections carrying them are shut down, so no further byte of theirs lands (the link ends).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import os
+import socket
 import threading
+import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from llm_datadist import _io
 from llm_datadist.transport.budgets import MAX_PULL_TAG_BYTES
@@ -140,10 +147,61 @@ class WriteGuard:
         self._count = count
         self._lock = threading.Lock()
         self._refusals = 0
+        #: pushes checked and still writing: peer -> connection fd -> how many (``writing``)
+        self._writing: Dict[int, Dict[int, int]] = {}
+        self._done = threading.Condition(self._lock)
 
     @property
     def installed(self) -> bool:
         return self._guard is not None
+
+    @contextmanager
+    def writing(self, peer_id: int, fd: int) -> Iterator[None]:
+        """Around one push of ``peer_id`` on connection ``fd``, from before its check until its
+        last byte landed or it was refused (``Requests.push``). Counted only while a guard is
+        installed: without one nothing is ever narrowed, so nothing is waited for."""
+        if self._guard is None:
+            yield
+            return
+        with self._lock:
+            fds = self._writing.setdefault(peer_id, {})
+            fds[fd] = fds.get(fd, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                fds = self._writing.get(peer_id, {})
+                if fds.get(fd, 1) > 1:
+                    fds[fd] -= 1
+                else:
+                    fds.pop(fd, None)
+                if not fds:
+                    self._writing.pop(peer_id, None)
+                self._done.notify_all()
+
+    def quiesce(self, peer_id: int, timeout_s: float) -> bool:
+        """Wait until no push of ``peer_id`` that passed the guard is still writing; True if none
+        was left within ``timeout_s``. Else the connections carrying them are shut down (those
+        pushes fail, the link ends, no further byte of theirs lands), the wait goes on at most a
+        second more for them to stop, and False is returned. For an owner that narrowed what the
+        guard allows that peer (a grant ended): pushes checked from then on see the narrower ranges."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            while self._writing.get(peer_id):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._done.wait(left)
+            else:
+                return True
+            fds = list(self._writing.get(peer_id, {}))
+        for fd in fds:
+            _shutdown(fd)
+        logger.warning("cluster %d: %d connection(s) of cluster %d still wrote a push %.1f s after what it may "
+                       "write was narrowed; shut down (the link ends)", self.cluster_id, len(fds), peer_id, timeout_s)
+        with self._lock:
+            self._done.wait_for(lambda: not self._writing.get(peer_id), 1.0)
+        return False
 
     def set(self, guard: Optional[WriteGuardFn]) -> None:
         """Check every push with ``guard`` from now on (None: no guard, the registry alone)."""
@@ -179,3 +237,17 @@ class WriteGuard:
             logger.warning("cluster %d refused %s from cluster %d (%d refused writes so far; the link stays)",
                            self.cluster_id, what, peer_id, refusals)
         return REFUSED
+
+
+def _shutdown(fd: int) -> None:
+    """Shut the socket of ``fd`` down both ways, through a duplicate (``fd`` stays its owner's)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()

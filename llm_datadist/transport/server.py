@@ -247,7 +247,6 @@ class Requests:
         return reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0, wire.encode_json({"released": released}))
 
     def push(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        engine = self.engine
         peer_id = peer.cluster_id
         if length < 16:
             raise ProtocolError(f"push frame of {length} bytes")
@@ -255,7 +254,13 @@ class Requests:
         problem, *values = _io.read_push(fd, length, _session.FRAME_TIMEOUT_MS, wire.MAX_DESCRIPTOR_BYTES)
         if problem != _io.PUSH_OK:
             raise ProtocolError(_push_problem(problem, length, *values))
-        generation, desc_len, plan = values
+        # (counted from before its check to its last byte: an owner that narrows the guard waits for
+        # the pushes that passed it, ``WriteGuard.quiesce``)
+        with self._write_guard.writing(peer_id, fd):
+            return self._push(fd, req_id, length, peer_id, *values)
+
+    def _push(self, fd: int, req_id: int, length: int, peer_id: int, generation: int, desc_len: int, plan) -> bool:
+        engine = self.engine
         data_len = length - 16 - desc_len
         drained = False
         # (the write guard first: a refused push pins nothing, its payload is drained below)

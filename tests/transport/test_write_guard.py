@@ -139,3 +139,81 @@ def test_a_guard_that_raises_refuses_and_the_link_stays(trio):
     _only(owner, {})
     owner.call(c_grant, {WRITER_ID: [0]})
     assert writer.call(c_push, [0], [0]) == "ok"
+
+
+# -- a push that passed the guard before the owner narrowed it ----------------------------------------
+
+def c_mutable_grant(state, blocks: Sequence[int]) -> None:
+    """Allow WRITER_ID ``blocks`` in every tensor, through a guard whose grant ``c_narrow`` ends."""
+    state.allowed = {WRITER_ID: [(a.ctypes.data + b * BLOCK, BLOCK) for a in state.arrays for b in blocks]}
+    state.dd.engine.set_write_guard(lambda peer: state.allowed.get(peer))
+
+
+def c_narrow_and_quiesce(state, timeout_s: float) -> dict:
+    """End WRITER_ID's grant, then wait for its pushes that passed before (``quiesce_writes``)."""
+    import time
+
+    state.allowed = {}
+    start = time.monotonic()
+    quiet = state.dd.engine.quiesce_writes(WRITER_ID, timeout_s)
+    return {"quiet": quiet, "seconds": time.monotonic() - start, "arrays": c_arrays(state)}
+
+
+def c_slow_push(state, src: Sequence[int], dst: Sequence[int], pause_s: float) -> str:
+    """``c_push`` over the frames path, the payload sent ``pause_s`` after the descriptors."""
+    import time
+
+    from llm_datadist import _io
+    from llm_datadist.transport.planes import tcp
+
+    tcp.TcpPlane.block_route = lambda self, *args, **kwargs: None  # (this child process only)
+
+    def send(fd, head, plan, timeout_ms):
+        st, err = _io.send_bytes(fd, head, timeout_ms)
+        if st:
+            return st, err
+        time.sleep(pause_s)
+        return _io.send_plan(fd, b"", plan, False, timeout_ms)
+
+    tcp.HOST_PAYLOAD.send = send
+    return c_push(state, src, dst)
+
+
+@pytest.mark.parametrize("pause_s, timeout_s, quiet", [(3.0, 0.5, False), (0.5, 20.0, True)])
+def test_a_push_that_passed_the_guard_lands_before_quiesce_returns_or_never(pause_s, timeout_s, quiet):
+    """The owner narrows the guard while a checked push's payload is still to come, then calls
+    ``quiesce_writes``: either the push ends within the wait (it lands, the link stays, True) or
+    its connection is shut down at the deadline (False): not one byte of it lands afterwards, the
+    push fails and the link ends. Without the wait, the late payload landed in blocks the owner had
+    already given back (the review's finding)."""
+    import threading
+    import time
+
+    with ExitStack() as stack:
+        owner = stack.enter_context(Cluster(OWNER_ID, "DECODER", plane="tcp", timeout=60.0))
+        writer = stack.enter_context(Cluster(WRITER_ID, "PROMPT", listen=True, plane="tcp", timeout=60.0))
+        owner.call(c_register, None)
+        writer.call(c_register, 7)
+        sent = writer.call(c_arrays)
+        link(owner, writer)
+        owner.call(c_mutable_grant, [2])
+        result: dict = {}
+        pusher = threading.Thread(target=lambda: result.setdefault("push", writer.call(c_slow_push, [3], [2],
+                                                                                        pause_s)))
+        pusher.start()
+        time.sleep(0.3)  # its descriptors passed the guard; its payload comes pause_s after them
+        done = owner.call(c_narrow_and_quiesce, timeout_s)
+        pusher.join(60)
+        assert done["quiet"] is quiet
+        landed = [bool((done["arrays"][k][2] == sent[k][3]).all()) for k in range(TENSORS)]
+        time.sleep(pause_s)  # (the payload's time has passed: nothing more can come)
+        later = owner.call(c_arrays)
+        for k in range(TENSORS):
+            assert all((later[k][b] == FILL).all() for b in range(BLOCKS) if b != 2)
+        if quiet:
+            assert result["push"] == "ok" and landed == [True] * TENSORS  # landed before quiesce returned
+            assert WRITER_ID in owner.call(c_links)["linked"]
+        else:
+            assert result["push"] != "ok"
+            assert all((later[k][2] == FILL).all() for k in range(TENSORS)), "a byte landed after the deadline"
+            assert WRITER_ID not in owner.call(c_links)["linked"]
