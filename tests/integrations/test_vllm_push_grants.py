@@ -114,6 +114,8 @@ def test_grant_book_in_this_process():
 class FakeLinks:
     def __init__(self) -> None:
         self.notes: list = []
+        self.quiesced: list = []
+        self.unlinked: list = []
 
     def set_write_guard(self, guard) -> None:
         self.guard = guard
@@ -124,6 +126,13 @@ class FakeLinks:
     def notify(self, cluster_id, message, timeout_ms):
         self.notes.append((cluster_id, message))
         return {"ok": True}
+
+    def quiesce_writes(self, peer_cluster_id, timeout_s):
+        self.quiesced.append(peer_cluster_id)
+        return True
+
+    def unlink_many(self, cluster_ids, timeout_ms, force):
+        self.unlinked.extend(cluster_ids)
 
 
 class FakeCM:
@@ -431,3 +440,83 @@ def test_the_schedulers_hand_each_step_and_each_allocation_to_their_workers():
     assert meta.push_cancel == {"d1"}
     bad = SimpleNamespace(request_id="d2", kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"})
     assert sched.matched_tokens(bad, 0, 70) == (0, False) and bad.kv_transfer_params["do_remote_prefill"] is False
+
+
+# -- what a hostile or unlucky peer cannot do (review findings) -------------------------------------------
+
+def test_an_expired_grant_tells_the_prefill_side():
+    """A grant that runs out ends the request on the decode side (vLLM frees its blocks) and the
+    prefill worker is told (``push_cancel`` with the grant), also when the write guard ended it
+    first on a link's thread."""
+    from llm_datadist.integrations.vllm.push import PushReg, Receiver
+
+    w = _worker(False)
+    w.peers = SimpleNamespace(submit=lambda spec, task: (task(), True)[1], notify_timeout_ms=1000)
+    rx = Receiver(w)
+    for req_id in ("d", "e"):
+        rx._awaiting[req_id] = PushReg([3, 4], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    token = rx.grants.grant("d", 7, [(0, 64)], 0.01)
+    other = rx.grants.grant("e", 7, [(64, 64)], 0.01)
+    time.sleep(0.05)
+    assert rx.grants.guard(7) is None  # (a push's check on a link's thread ended both)
+    rx.on_step({}, set())
+    assert rx.take() == ({"d", "e"}, {"d", "e"})  # reported failed: vLLM frees their blocks now
+    cancels = sorted((m["decode_request_id"], m["grant"]) for _, m in w._links_api.notes if m["op"] == "push_cancel")
+    assert cancels == [("d", token), ("e", other)], "the prefill side was never told"
+    assert w._links_api.quiesced == [7, 7]
+    # ran out in the guard, then the request ended before the next step: still cancelled there
+    rx._awaiting["f"] = PushReg([5], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    third = rx.grants.grant("f", 7, [(0, 64)], 0.01)
+    time.sleep(0.05)
+    assert rx.grants.guard(7) is None
+    rx.on_step({}, {"f"})
+    assert w._links_api.notes[-1][1] == {"op": "push_cancel", "decode_request_id": "f", "grant": third}
+    assert rx.take() == ({"f"}, {"f"}) and rx.grants.take_expired(time.monotonic()) == {}
+
+
+def test_a_replaced_grant_leaves_its_old_peer_no_write_access():
+    from llm_datadist.integrations.vllm.push import GrantBook
+
+    book = GrantBook()
+    book.grant("r", 7, [(4096, 4096)], 30.0)
+    book.grant("r", 8, [(8192, 4096)], 30.0)
+    assert book.guard(7) is None, "peer 7 may still write its replaced grant's range"
+    assert book.guard(8) is not None
+
+
+def test_a_closed_receiver_leaves_a_guard_that_refuses_every_peer():
+    """Closing the decode side installs a deny-all write guard (no guard at all would let every
+    linked peer write all KV until the engine is finalized)."""
+    from llm_datadist.integrations.vllm.push import Receiver
+
+    w = _worker(False)
+    rx = Receiver(w)
+    rx.install()
+    rx.grants.grant("r", 7, [(0, 64)], 30.0)
+    assert w._links_api.guard(7) is not None
+    rx.close()
+    assert w._links_api.guard is not None and w._links_api.guard(7) is None and w._links_api.guard(8) is None
+
+
+def test_a_request_is_reported_only_after_its_peers_writes_quiesced():
+    """Each ending of a grant (push_done, cancel, expiry) waits for the peer's writes through the
+    server (``engine.quiesce_writes``) after the grant is gone and before vLLM hears of it; writes
+    that do not quiesce fail the request."""
+    from llm_datadist.integrations.vllm.push import PushReg, Receiver
+
+    w = _worker(False)
+    rx = Receiver(w)
+    seen = []
+
+    def quiesce(peer, timeout_s):
+        seen.append((peer, rx.grants.guard(peer), set(rx._recved)))
+        return len(seen) == 1
+    w._links_api.quiesce_writes = quiesce
+    for req_id in ("a", "b"):
+        rx._awaiting[req_id] = PushReg([3], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    ta = rx.grants.grant("a", 7, [(0, 64)], 30.0)
+    tb = rx.grants.grant("b", 7, [(64, 64)], 30.0)
+    rx.on_notify(7, {"op": "push_done", "decode_request_id": "a", "grant": ta, "ok": True})
+    assert seen[0][0] == 7 and seen[0][2] == set() and rx.take() == ({"a"}, set())
+    rx.on_notify(7, {"op": "push_done", "decode_request_id": "b", "grant": tb, "ok": True})
+    assert seen[1] == (7, None, set()) and rx.take() == ({"b"}, {"b"})  # did not quiesce: failed

@@ -52,6 +52,10 @@ TRANSFER_MODES = ("pull", "push")
 #: The most registrations a prefill worker keeps waiting for their request (from all peers).
 MAX_PENDING_REGS = 4096
 
+#: How long ending a grant waits for the peer's pushes through the server that passed the guard
+#: before (``engine.quiesce_writes``; past it their connections are shut).
+QUIESCE_S = 2.0
+
 #: The most block ids one registration may name.
 MAX_REG_BLOCKS = 1 << 20
 
@@ -135,21 +139,31 @@ class GrantBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.grants: Dict[str, Grant] = {}
+        self._expired: Dict[str, Grant] = {}  # ran out, not yet taken (``take_expired``)
         self._union: Dict[int, Any] = {}  # peer -> RangeSet of its live grants
         self._first_deadline = float("inf")
 
     def grant(self, req_id: str, peer: int, ranges: List[Tuple[int, int]], seconds: float) -> str:
+        """Grant ``peer`` writes to ``ranges`` for ``req_id``; a grant it replaces ends (its peer's
+        writes are rebuilt without it)."""
         token = secrets.token_urlsafe(16)
         with self._lock:
+            old = self.grants.get(req_id)
             self.grants[req_id] = Grant(peer, list(ranges), token, time.monotonic() + seconds)
             self._rebuild(peer)
+            if old is not None and old.peer != peer:
+                self._rebuild(old.peer)
         return token
 
     def revoke(self, req_id: str) -> Optional[Grant]:
+        """End the grant of ``req_id``; also one that ran out and was not yet taken (its peer's
+        writes were rebuilt then)."""
         with self._lock:
             grant = self.grants.pop(req_id, None)
             if grant is not None:
                 self._rebuild(grant.peer)
+            else:
+                grant = self._expired.pop(req_id, None)
         return grant
 
     def finish(self, peer: int, req_id: str, token: Any) -> Optional[Grant]:
@@ -163,18 +177,25 @@ class GrantBook:
             self._rebuild(peer)
         return grant
 
-    def expire(self, now: float) -> List[str]:
-        """End the grants whose time ran out; their request ids."""
+    def expire(self, now: float) -> None:
+        """End the grants whose time ran out (kept for ``take_expired``)."""
         with self._lock:
             if now < self._first_deadline:
-                return []
+                return
             gone = [r for r, g in self.grants.items() if g.deadline <= now]
-            peers = {self.grants.pop(r).peer for r in gone}
-            for peer in peers:
+            for req_id in gone:
+                self._expired[req_id] = self.grants.pop(req_id)
+            for peer in {self._expired[r].peer for r in gone}:
                 self._rebuild(peer)
             if not gone:
                 self._first_deadline = min((g.deadline for g in self.grants.values()), default=float("inf"))
-        return gone
+
+    def take_expired(self, now: float) -> Dict[str, Grant]:
+        """The grants that ran out (by ``now``, or ended by the guard before) since the last call."""
+        self.expire(now)
+        with self._lock:
+            out, self._expired = self._expired, {}
+        return out
 
     def guard(self, peer: int):
         """The engine's write guard: what ``peer`` may write now (None: nothing)."""
@@ -191,6 +212,11 @@ class GrantBook:
             union.pop(peer, None)
         self._union = union  # (replaced whole: the links' threads read it without the lock)
         self._first_deadline = min((g.deadline for g in self.grants.values()), default=float("inf"))
+
+
+def _deny_all(peer: int) -> None:
+    """The write guard a closed receiver leaves: no peer may write anything."""
+    return None
 
 
 class Receiver:
@@ -215,7 +241,7 @@ class Receiver:
 
     def close(self) -> None:
         self.w._links_api.set_notify_handler(None)
-        self.w._links_api.set_write_guard(None)
+        self.w._links_api.set_write_guard(_deny_all)  # (None would be no guard: every peer writes anything)
 
     def on_step(self, regs: Dict[str, PushReg], cancel: Set[str]) -> None:
         for req_id in cancel:
@@ -224,28 +250,50 @@ class Receiver:
                 grant = self.grants.revoke(req_id)  # writes through this engine's server stop now
                 if reg is not None:
                     self._cancelling[req_id] = reg
-            if reg is None:
-                continue
-            if grant is None or not self.w.peers.submit(reg.as_recv(), lambda r=req_id, t=grant: self._cancel(r, t)):
-                self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
+            if reg is not None:
+                self._stop(req_id, reg, grant, "the request ended before its KV was pushed", True)
         for req_id, reg in regs.items():
             if reg.awaiting:
                 with self._lock:
                     self._awaiting[req_id] = reg
             if not self.w.peers.submit(reg.as_recv(), lambda r=req_id, g=reg: self._register(r, g)):
                 self._end(req_id, False, "this engine is shutting down")
-        for req_id in self.grants.expire(time.monotonic()):
-            self._end(req_id, False, f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s")
+        for req_id, grant in self.grants.take_expired(time.monotonic()).items():
+            with self._lock:
+                reg = self._awaiting.pop(req_id, None)
+                if reg is not None:
+                    self._cancelling[req_id] = reg
+            if reg is not None:
+                self._stop(req_id, reg, grant,
+                           f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s", False)
 
-    def _cancel(self, req_id: str, grant: Grant) -> None:
-        """Tell the prefill worker to push no more of an ended request, then report it (vLLM frees
-        its blocks only then)."""
+    def _stop(self, req_id: str, reg: PushReg, grant: Optional[Grant], why: str, cancel: bool) -> None:
+        """A request whose grant ended here before its push did: the prefill worker is told
+        (``push_cancel``, on the peer's thread), then it is reported."""
+        if grant is None or not self.w.peers.submit(reg.as_recv(),
+                                                     lambda: self._cancel(req_id, grant, why, cancel)):
+            self._end(req_id, False, why, cancel=cancel, peer=grant.peer if grant is not None else None)
+
+    def _cancel(self, req_id: str, grant: Grant, why: str, cancel: bool) -> None:
+        """Tell the prefill worker to push no more of an ended request and wait for its answer, sent
+        once no push of it is in flight; then report it (vLLM frees its blocks only then). Without
+        that answer the link is ended, so no push of it can start after."""
+        problem = ""
         try:
-            self.w._links_api.notify(grant.peer, {"op": "push_cancel", "decode_request_id": req_id,
-                                                  "grant": grant.token}, self.w.peers.notify_timeout_ms)
+            reply = self.w._links_api.notify(grant.peer, {"op": "push_cancel", "decode_request_id": req_id,
+                                                          "grant": grant.token}, self.w.peers.notify_timeout_ms)
+            if not isinstance(reply, dict) or reply.get("ok") is False:
+                problem = str(reply.get("why") if isinstance(reply, dict) else "a malformed answer")[:200]
         except Exception as exc:  # noqa: BLE001 - reported all the same
-            logger.warning("request %s: could not tell cluster %d to stop pushing it: %s", req_id, grant.peer, exc)
-        self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            logger.error("request %s: cluster %d did not confirm it stopped pushing it (%s): ending the link",
+                         req_id, grant.peer, problem)
+            try:
+                self.w._links_api.unlink_many([grant.peer], 1000, True)
+            except Exception as exc:  # noqa: BLE001 - the request is reported all the same
+                logger.error("could not end the link to cluster %d: %s", grant.peer, exc)
+        self._end(req_id, False, why, cancel=cancel, peer=grant.peer)
 
     def _register(self, req_id: str, reg: PushReg) -> None:
         """On the peer's thread: link, grant, register; a refusal fails the request."""
@@ -286,15 +334,25 @@ class Receiver:
             return {"ok": False, "why": "no such grant"}
         ok = message.get("ok") is True
         self._trace.write({"event": "ready", "request": req_id, "t": time.time(), "ok": ok})
-        self._end(req_id, ok, "" if ok else f"the prefill engine failed to push it: {str(message.get('why'))[:200]}")
+        self._end(req_id, ok, "" if ok else f"the prefill engine failed to push it: {str(message.get('why'))[:200]}",
+                  peer=peer)
         return {"ok": True}
 
-    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False) -> None:
-        self.grants.revoke(req_id)
+    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False, peer: Optional[int] = None) -> None:
+        """Report a request (its grant ended first: no push of the granted peer that passed the
+        guard before is still writing when vLLM hears of it, ``engine.quiesce_writes``)."""
+        grant = self.grants.revoke(req_id)
+        if grant is not None:
+            peer = grant.peer
         with self._lock:
             reg = self._awaiting.pop(req_id, None) or self._cancelling.pop(req_id, None)
-            if reg is None:
-                return
+        if reg is None:
+            return
+        if peer is not None and not self.w._links_api.quiesce_writes(peer, QUIESCE_S):
+            logger.error("request %s: a push of cluster %d was still writing %.0f s after its grant ended: its "
+                         "link was ended", req_id, peer, QUIESCE_S)
+            ok, why = False, why or "a push was still writing when its grant ended"
+        with self._lock:
             self._recved.add(req_id)
             if not ok:
                 self._failed.add(req_id)
