@@ -524,6 +524,7 @@ class Pusher:
                 for reg in self._inbox + [r for regs in self._pending.values() for r in regs]:
                     if reg.peer == peer and reg.decode_request_id == d_id:
                         self._settle(reg)
+                        reg.blocks = []  # (it may wait in the expiry order a while yet)
                 return {"cancelled": False, "ok": True}
         with self._ran:  # (its pushes queued skip it: ``failed``; one running is waited for)
             idle = self._ran.wait_for(lambda: self._running is not found, CANCEL_WAIT_S)
@@ -809,6 +810,7 @@ class Pusher:
     def _refuse(self, reg: Registration, why: str) -> None:
         """Under the lock: a registration refused (its decode side hears it, on the notifier's thread)."""
         self._settle(reg)
+        reg.blocks = []  # (it may wait in the expiry order a while yet)
         self.stats["push_regs_refused"] += 1
         logger.warning("llm_datadist: refused cluster %d's registration of request %s: %s", reg.peer,
                        reg.decode_request_id, why)
