@@ -9,7 +9,9 @@ The request flow is that of vLLM 0.32's NIXL push mode, so its proxies drive it:
   keyed by the link's authenticated peer) and registers them with a ``push_reg`` notification
   naming the request: ``remote_request_id`` (with its lease token) when the params carry it, else
   the decode request's own id, which the prefill side matches by its base id (vLLM's ids without
-  the ``-<8 hex>`` suffix it appends; NIXL's push matches the same way).
+  the ``-<8 hex>`` suffix it appends; NIXL's push matches the same way) only where its operator
+  opted in (``push_match_by_request_id``: then any authenticated decode peer that knows a request's
+  id can receive its KV), and never where two live requests share the base id.
 * The prefill worker (``Pusher``) learns its requests' blocks and the prompt tokens each step
   computes from its scheduler. From ``save_kv_layer`` it pushes that layer's blocks of the step's
   tokens to every registered request on its push thread (one ``push_blocks`` call per layer and
