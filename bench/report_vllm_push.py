@@ -53,6 +53,8 @@ def engines(model: Path, work: Path, mode: str, tag: str):
     from test_vllm import Engine
 
     extra = {"transfer_mode": mode, "data_plane": "tcp", "link_secret": SECRET, "kv_lease_s": 120.0}
+    if mode == "push":  # (the pipelined order registers without a lease token: matched by request id)
+        extra["push_match_by_request_id"] = True
     args = {"max_model_len": 2048, "max_num_batched_tokens": 2048}
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "LLM_DATADIST_PUSH_TRACE": str(work / f"trace-{tag}")}

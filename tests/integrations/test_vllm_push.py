@@ -34,7 +34,10 @@ ORDERED = prompts_of([20, 150], seed=31)
 PIPELINED = prompts_of([90, 200], seed=32)
 CACHED = prompts_of([96], seed=33)
 SERVED = prompts_of([130], seed=34)
-PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET, "kv_lease_s": 20.0}
+# (the pipelined order registers without a lease token: the prefill engine opts in to matching it
+# by request id; the decode engine ignores the option)
+PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET, "kv_lease_s": 20.0,
+        "push_match_by_request_id": True}
 
 
 @pytest.fixture(scope="module")

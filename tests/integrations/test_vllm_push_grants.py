@@ -114,6 +114,8 @@ def test_grant_book_in_this_process():
 class FakeLinks:
     def __init__(self) -> None:
         self.notes: list = []
+        self.quiesced: list = []
+        self.unlinked: list = []
 
     def set_write_guard(self, guard) -> None:
         self.guard = guard
@@ -125,6 +127,13 @@ class FakeLinks:
         self.notes.append((cluster_id, message))
         return {"ok": True}
 
+    def quiesce_writes(self, peer_cluster_id, timeout_s):
+        self.quiesced.append(peer_cluster_id)
+        return True
+
+    def unlink_many(self, cluster_ids, timeout_ms, force):
+        self.unlinked.extend(cluster_ids)
+
 
 class FakeCM:
     def __init__(self) -> None:
@@ -134,12 +143,12 @@ class FakeCM:
         self.pushes.append((key.cluster_id, list(src), list(dst), None if src_layers is None else list(src_layers)))
 
 
-def _worker(producer: bool):
+def _worker(producer: bool, **extra):
     from llm_datadist.integrations.vllm.leases import LeaseBook
     from llm_datadist.integrations.vllm.metrics import Recorder
     from llm_datadist.integrations.vllm.options import Options
 
-    options = Options(kv_lease_s=30.0, listen_host="127.0.0.1")
+    options = Options(**dict({"kv_lease_s": 30.0, "listen_host": "127.0.0.1"}, **extra))
     return SimpleNamespace(options=options, _links_api=FakeLinks(), cm=FakeCM(), caches=["cache"],
                            _keep=[np.zeros((8, 16))] * 4, block_size=16, leases=LeaseBook(options),
                            recorder=Recorder(), _block_bytes=64, peers=None)
@@ -180,13 +189,14 @@ def _reg(pusher, peer: int, d_id: str, r_id: str, blocks, first: int = 0, grant:
 
 def _settle(pusher) -> None:
     pusher._queue.join()
+    pusher._notes.join()
 
 
 def test_pusher_refuses_bad_registrations_and_pushes_nothing():
     from llm_datadist.integrations.vllm.leases import lease_request_id
     from llm_datadist.integrations.vllm.push import Pusher
 
-    w = _worker(True)
+    w = _worker(True, push_match_by_request_id=True)  # (registrations by base id)
     pusher = Pusher(w)
     pusher.set_layout({"l0": 0, "l1": 1, "l2": 2, "l3": 3}, SimpleNamespace(type="cpu"))
     try:
@@ -229,7 +239,7 @@ def test_pusher_refuses_bad_registrations_and_pushes_nothing():
 def test_pusher_pushes_each_layer_of_each_step_once():
     from llm_datadist.integrations.vllm.push import Pusher
 
-    w = _worker(True)
+    w = _worker(True, push_match_by_request_id=True)  # (registrations by base id)
     pusher = Pusher(w)
     pusher.set_layout({"l0": 0, "l1": 1}, SimpleNamespace(type="cpu"))
     try:
@@ -267,16 +277,16 @@ def test_a_decode_request_that_ends_first_revokes_its_grant_and_stops_the_pusher
     assert w._links_api.notes == [(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": token})]
     assert rx.take() == ({"dreq"}, {"dreq"})  # reported, so vLLM frees its blocks
     # the prefill side, told so, pushes no more of it
-    wp = _worker(True)
+    wp = _worker(True, push_match_by_request_id=True)
     pusher = Pusher(wp)
     pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
     try:
         _reg(pusher, 7, "dreq", "", [3, 4], grant=token)
         pusher.begin(_step("dreq", [1, 2], 0, 20, 32))
         assert pusher.on_cancel(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": "forged"}) == \
-            {"cancelled": False}
+            {"cancelled": False, "ok": True}
         assert pusher.on_cancel(7, {"op": "push_cancel", "decode_request_id": "dreq", "grant": token}) == \
-            {"cancelled": True}
+            {"cancelled": True, "ok": True}
         pusher.save_layer("l0")
         pusher.wait()
         _settle(pusher)
@@ -320,7 +330,7 @@ def test_a_registration_between_chunks_pushes_the_computed_chunk_then_layer_by_l
     goes at the next step, all layers in one call, then the rest layer by layer."""
     from llm_datadist.integrations.vllm.push import Pusher
 
-    w = _worker(True)
+    w = _worker(True, push_match_by_request_id=True)  # (registrations by base id)
     w._keep = w._keep[:2]  # (two layers, one tensor each)
     pusher = Pusher(w)
     pusher.set_layout({"l0": 0, "l1": 1}, SimpleNamespace(type="cpu"))
@@ -349,7 +359,7 @@ def test_a_registration_between_chunks_pushes_the_computed_chunk_then_layer_by_l
 def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side():
     from llm_datadist.integrations.vllm.push import Pusher
 
-    w = _worker(True)
+    w = _worker(True, push_match_by_request_id=True)  # (registrations by base id)
     pusher = Pusher(w)
     pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
     try:
@@ -369,7 +379,7 @@ def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side(
 def test_an_aborted_prefill_tells_its_decode_side():
     from llm_datadist.integrations.vllm.push import Pusher
 
-    w = _worker(True)
+    w = _worker(True, push_match_by_request_id=True)  # (registrations by base id)
     pusher = Pusher(w)
     pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
     try:
@@ -431,3 +441,282 @@ def test_the_schedulers_hand_each_step_and_each_allocation_to_their_workers():
     assert meta.push_cancel == {"d1"}
     bad = SimpleNamespace(request_id="d2", kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"})
     assert sched.matched_tokens(bad, 0, 70) == (0, False) and bad.kv_transfer_params["do_remote_prefill"] is False
+
+
+# -- what a hostile or unlucky peer cannot do (review findings) -------------------------------------------
+
+def _held(pusher, req_id: str, blocks, prompt: int) -> None:
+    """A prefill request computed whole and finished: its blocks held for its decode side."""
+    pusher.begin(_step(req_id, blocks, 0, prompt, prompt))
+    pusher.wait()
+    pusher.begin(_step(req_id, [], 0, 0, prompt, held=[req_id]))
+
+
+def test_a_registration_without_a_lease_token_gets_nothing_unless_matching_by_id_is_on():
+    """lease_tokens on (the default): a peer that names the victim's base id as its own decode
+    request id, with no lease token, gets no push and cannot free the victim's blocks; the
+    registration with the lease token still gets it. With ``push_match_by_request_id`` (the opt-in
+    for the pipelined order) a registration without blocks still frees nothing."""
+    from llm_datadist.integrations.vllm.leases import lease_request_id
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    for opt_in in (False, True):
+        w = _worker(True, push_match_by_request_id=opt_in)
+        assert w.options.lease_tokens
+        pusher = Pusher(w)
+        pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+        try:
+            _held(pusher, "victim-1-abcdef01", [10, 11, 12], 40)
+            _reg(pusher, 66, "victim-1-99999999", "", [])  # attacker: drop the victim's job
+            _settle(pusher)
+            assert "victim-1-abcdef01" in pusher.jobs and w.cm.pushes == []
+            if not opt_in:
+                _reg(pusher, 66, "victim-1-99999999", "", [1, 2, 3])  # attacker: take its KV
+                _settle(pusher)
+                assert w.cm.pushes == [], f"pushed the victim's KV to an untokened peer: {w.cm.pushes}"
+                assert "push_match_by_request_id is off" in w._links_api.notes[-1][1]["why"]
+            _reg(pusher, 9, "d-1", lease_request_id(w.leases.key, "victim-1-abcdef01"), [4, 5, 6])
+            _settle(pusher)
+            assert w.cm.pushes == [(9, [10, 11, 12], [4, 5, 6], None)]
+        finally:
+            pusher.close()
+
+
+def test_two_live_requests_of_one_base_id_are_matched_to_neither():
+    """Client-chosen ids that collide (vLLM appends -<8 hex> to X-Request-Id): a registration by
+    base id is ambiguous, refused, and neither request is touched."""
+    from llm_datadist.integrations.vllm.push import Pusher
+
+    w = _worker(True, push_match_by_request_id=True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        a, b = "cmpl-x-0-aaaaaaaa", "cmpl-x-0-bbbbbbbb"
+        meta = _step(a, [10, 11], 0, 32, 32, held=[a, b])
+        meta.push_steps.update(_step(b, [20, 21], 0, 32, 32).push_steps)
+        pusher.begin(meta)
+        pusher.wait()
+        pusher.begin(_step("none", [], 0, 0, 1, held=[a, b]))
+        _reg(pusher, 9, "cmpl-x-0-11111111", "", [1, 2])  # the decode side of a (or of b)
+        _settle(pusher)
+        assert w.cm.pushes == [] and pusher.jobs[a].reg is None and pusher.jobs[b].reg is None
+        assert "2 requests here have its base id" in w._links_api.notes[-1][1]["why"]
+        # one of them gone: the other is matched again
+        pusher.forget({b})
+        _reg(pusher, 9, "cmpl-x-0-22222222", "", [1, 2])
+        _settle(pusher)
+        assert w.cm.pushes == [(9, [10, 11], [1, 2], None)]
+    finally:
+        pusher.close()
+
+
+def test_push_cancel_answers_after_the_push_in_flight_ended(monkeypatch):
+    """``push_cancel`` is answered only once the request's running push_blocks returned (the
+    decode side frees the blocks then); one still running after CANCEL_WAIT_S is answered
+    ``ok: false``, and the decode side then ends the link before it reports the request."""
+    import threading
+
+    from llm_datadist.integrations.vllm import push as push_mod
+    from llm_datadist.integrations.vllm.push import Grant, PushReg, Pusher, Receiver
+
+    w = _worker(True, push_match_by_request_id=True)
+    in_push, release = threading.Event(), threading.Event()
+    writing = []
+
+    def slow_push(key, cache, src, dst, *rest):
+        writing.append(True)
+        in_push.set()
+        release.wait(10)
+        writing.pop()
+    w.cm.push_blocks = slow_push
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _held(pusher, "r-1-abcdef01", [10, 11], 32)
+        _reg(pusher, 9, "r-1-00000001", "", [1, 2], grant="g" * 22)
+        assert in_push.wait(5)
+        threading.Timer(0.3, release.set).start()
+        answer = pusher.on_cancel(9, {"op": "push_cancel", "decode_request_id": "r-1-00000001", "grant": "g" * 22})
+        assert not writing, "push_cancel answered while the push still wrote"
+        assert answer == {"cancelled": True, "ok": True}
+        _settle(pusher)
+        # a push that does not end in time: ok false
+        monkeypatch.setattr(push_mod, "CANCEL_WAIT_S", 0.2)
+        in_push.clear()
+        release.clear()
+        _held(pusher, "r-2-abcdef02", [12, 13], 32)
+        _reg(pusher, 9, "r-2-00000002", "", [3, 4], grant="h" * 22)
+        assert in_push.wait(5)
+        answer = pusher.on_cancel(9, {"op": "push_cancel", "decode_request_id": "r-2-00000002", "grant": "h" * 22})
+        assert answer["cancelled"] and answer["ok"] is False and writing
+        release.set()
+        _settle(pusher)
+    finally:
+        release.set()
+        pusher.close()
+    # the decode side, answered ok false: the link ends, then the request is reported
+    wd = _worker(False)
+    wd.peers = SimpleNamespace(submit=lambda spec, task: (task(), True)[1], notify_timeout_ms=1000)
+    wd._links_api.notify = lambda cluster_id, message, timeout_ms: {"cancelled": True, "ok": False, "why": "busy"}
+    rx = Receiver(wd)
+    rx._cancelling["d"] = PushReg([3, 4], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    rx._cancel("d", Grant(7, [(0, 64)], "t", 0.0), "the request ended", True)
+    assert wd._links_api.unlinked == [7] and rx.take() == ({"d"}, {"d"})
+
+
+def test_an_expired_grant_tells_the_prefill_side_which_stops_pushing():
+    """A grant that runs out ends the request on the decode side (vLLM frees its blocks) and the
+    prefill worker is told (``push_cancel`` with the grant), also when the write guard ended it
+    first on a link's thread; the prefill side's job has its own deadline past which it pushes
+    nothing and reports failure."""
+    from llm_datadist.integrations.vllm.push import PushReg, Pusher, Receiver
+
+    w = _worker(False)
+    w.peers = SimpleNamespace(submit=lambda spec, task: (task(), True)[1], notify_timeout_ms=1000)
+    rx = Receiver(w)
+    for req_id in ("d", "e"):
+        rx._awaiting[req_id] = PushReg([3, 4], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    token = rx.grants.grant("d", 7, [(0, 64)], 0.01)
+    other = rx.grants.grant("e", 7, [(64, 64)], 0.01)
+    time.sleep(0.05)
+    assert rx.grants.guard(7) is None  # (a push's check on a link's thread ended both)
+    rx.on_step({}, set())
+    assert rx.take() == ({"d", "e"}, {"d", "e"})  # reported failed: vLLM frees their blocks now
+    cancels = sorted((m["decode_request_id"], m["grant"]) for _, m in w._links_api.notes if m["op"] == "push_cancel")
+    assert cancels == [("d", token), ("e", other)], "the prefill side was never told"
+    assert w._links_api.quiesced == [7, 7]
+    # ran out in the guard, then the request ended before the next step: still cancelled there
+    rx._awaiting["f"] = PushReg([5], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    third = rx.grants.grant("f", 7, [(0, 64)], 0.01)
+    time.sleep(0.05)
+    assert rx.grants.guard(7) is None
+    rx.on_step({}, {"f"})
+    assert w._links_api.notes[-1][1] == {"op": "push_cancel", "decode_request_id": "f", "grant": third}
+    assert rx.take() == ({"f"}, {"f"}) and rx.grants.take_expired(time.monotonic()) == {}
+    # the prefill side: nothing pushed after its job's deadline
+    wp = _worker(True, push_match_by_request_id=True, kv_lease_s=1.0)
+    wp._keep = wp._keep[:1]
+    pusher = Pusher(wp)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        _reg(pusher, 9, "x-1-00000001", "", [1, 2])
+        pusher.begin(_step("x-1-0000abcd", [10, 11], 0, 16, 32))
+        pusher.save_layer("l0")
+        pusher.wait()
+        assert len(wp.cm.pushes) == 1
+        time.sleep(1.1)
+        pusher.begin(_step("x-1-0000abcd", [10, 11], 16, 32, 32))
+        pusher.save_layer("l0")
+        pusher.wait()
+        _settle(pusher)
+        assert len(wp.cm.pushes) == 1
+        assert [(m["op"], m["ok"]) for _, m in wp._links_api.notes] == [("push_done", False)]
+        assert "kv_lease_s" in wp._links_api.notes[0][1]["why"]
+    finally:
+        pusher.close()
+
+
+def test_refusals_and_notifications_never_hold_up_a_step():
+    """Refusals (and push_done) are sent on the notifier's thread, which ``wait_for_save`` does
+    not wait for; a peer that answers slowly has at most MAX_NOTES_PER_PEER of them waiting, the
+    rest dropped and counted."""
+    import threading
+
+    from llm_datadist.integrations.vllm.push import MAX_NOTES_PER_PEER, Pusher
+
+    w = _worker(True)
+    gate = threading.Event()
+
+    def notify(cluster_id, message, timeout_ms):
+        gate.wait(0.3)  # a peer that answers slowly (stands in for the 5 s timeout of one that never does)
+        return {"ok": True}
+    w._links_api.notify = notify
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        n = MAX_NOTES_PER_PEER + 10
+        for i in range(n):
+            _reg(pusher, 66, f"x-{i}", f"forged-{i}", [1])  # refused when matched: a bad lease token
+        t = time.monotonic()
+        pusher.begin(_step("honest-1-abcdef01", [10], 0, 8, 8))  # an unrelated step of this engine
+        pusher.save_layer("l0")
+        pusher.wait()  # wait_for_save
+        spent = time.monotonic() - t
+        assert spent < 3, f"one step waited {spent:.1f} s for another peer's refusals"
+        assert pusher.stats["push_regs_refused"] == n
+        assert pusher.stats["push_notes_dropped"] >= n - MAX_NOTES_PER_PEER
+    finally:
+        gate.set()
+        pusher.close()
+
+
+def test_one_peer_cannot_take_every_pending_registration_slot():
+    """Registrations of requests not here yet wait (kv_lease_s); one peer may hold at most
+    MAX_PENDING_REGS_PER_PEER of them, so other decode engines still register."""
+    from llm_datadist.integrations.vllm.push import MAX_PENDING_REGS_PER_PEER, Pusher
+
+    w = _worker(True, push_match_by_request_id=True)
+    pusher = Pusher(w)
+    pusher.set_layout({"l0": 0}, SimpleNamespace(type="cpu"))
+    try:
+        taken = [_reg(pusher, 66, f"junk-{i}-00000000", "", [1])["accepted"]
+                 for i in range(MAX_PENDING_REGS_PER_PEER + 5)]
+        _settle(pusher)
+        assert taken.count(True) == MAX_PENDING_REGS_PER_PEER and not any(taken[MAX_PENDING_REGS_PER_PEER:])
+        assert _reg(pusher, 9, "legit-1-00000001", "", [1])["accepted"] is True, "another peer is locked out"
+        _settle(pusher)
+        # the legitimate one still finds its request when it comes
+        pusher.begin(_step("legit-1-abcdef01", [10], 0, 8, 8))
+        pusher.save_layer("l0")
+        pusher.wait()
+        assert w.cm.pushes == [(9, [10], [1], [0])]
+    finally:
+        pusher.close()
+
+
+def test_a_replaced_grant_leaves_its_old_peer_no_write_access():
+    from llm_datadist.integrations.vllm.push import GrantBook
+
+    book = GrantBook()
+    book.grant("r", 7, [(4096, 4096)], 30.0)
+    book.grant("r", 8, [(8192, 4096)], 30.0)
+    assert book.guard(7) is None, "peer 7 may still write its replaced grant's range"
+    assert book.guard(8) is not None
+
+
+def test_a_closed_receiver_leaves_a_guard_that_refuses_every_peer():
+    """Closing the decode side installs a deny-all write guard (no guard at all would let every
+    linked peer write all KV until the engine is finalized)."""
+    from llm_datadist.integrations.vllm.push import Receiver
+
+    w = _worker(False)
+    rx = Receiver(w)
+    rx.install()
+    rx.grants.grant("r", 7, [(0, 64)], 30.0)
+    assert w._links_api.guard(7) is not None
+    rx.close()
+    assert w._links_api.guard is not None and w._links_api.guard(7) is None and w._links_api.guard(8) is None
+
+
+def test_a_request_is_reported_only_after_its_peers_writes_quiesced():
+    """Each ending of a grant (push_done, cancel, expiry) waits for the peer's writes through the
+    server (``engine.quiesce_writes``) after the grant is gone and before vLLM hears of it; writes
+    that do not quiesce fail the request."""
+    from llm_datadist.integrations.vllm.push import PushReg, Receiver
+
+    w = _worker(False)
+    rx = Receiver(w)
+    seen = []
+
+    def quiesce(peer, timeout_s):
+        seen.append((peer, rx.grants.guard(peer), set(rx._recved)))
+        return len(seen) == 1
+    w._links_api.quiesce_writes = quiesce
+    for req_id in ("a", "b"):
+        rx._awaiting[req_id] = PushReg([3], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    ta = rx.grants.grant("a", 7, [(0, 64)], 30.0)
+    tb = rx.grants.grant("b", 7, [(64, 64)], 30.0)
+    rx.on_notify(7, {"op": "push_done", "decode_request_id": "a", "grant": ta, "ok": True})
+    assert seen[0][0] == 7 and seen[0][2] == set() and rx.take() == ({"a"}, set())
+    rx.on_notify(7, {"op": "push_done", "decode_request_id": "b", "grant": tb, "ok": True})
+    assert seen[1] == (7, None, set()) and rx.take() == ({"b"}, {"b"})  # did not quiesce: failed

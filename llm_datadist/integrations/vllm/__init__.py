@@ -96,6 +96,12 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
     ``"push"``: the prefill engine writes each layer's KV into blocks the decode engine allocated and
     granted it, while its prefill still computes (``push``: the flow, the grants, what is refused);
     any other value is refused at start-up. Set it on both engines.
+``push_match_by_request_id`` (``false``)
+    Push mode, on the prefill engine: also take a decode engine's registration that names no
+    ``remote_request_id`` (the decode engine got the request before the prefill engine made its
+    params: a proxy that sends to both at once), matching it by the decode request's base id. Off,
+    such registrations are refused: with it on, any authenticated decode peer that knows a request's
+    id can have its KV pushed to it (``push``).
 ``model_id`` (vLLM's model name or path, and ``@revision``)
     What the compatibility check knows the model by (``compat.py``); set the same string on
     every engine of a deployment that loads one checkpoint from different paths.

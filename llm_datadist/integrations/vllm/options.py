@@ -34,6 +34,7 @@ class Options:
     model_id: Optional[str] = None
     link_idle_s: float = 300.0
     transfer_mode: str = "pull"  # or "push" (``push``)
+    push_match_by_request_id: bool = False  # push mode: match registrations without a lease token by base id
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
@@ -50,8 +51,9 @@ class Options:
         if opts.transfer_mode not in ("pull", "push"):
             raise ValueError("LLMDataDistConnector: transfer_mode must be 'pull' or 'push', got "
                              f"{opts.transfer_mode!r}")
-        if not isinstance(opts.lease_tokens, bool):
-            raise ValueError(f"LLMDataDistConnector: lease_tokens must be true or false, got {opts.lease_tokens!r}")
+        for name in ("lease_tokens", "push_match_by_request_id"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ValueError(f"LLMDataDistConnector: {name} must be true or false, got {getattr(opts, name)!r}")
         if isinstance(opts.release_records_bytes, bool) or not isinstance(opts.release_records_bytes, int) or \
                 opts.release_records_bytes < 0:
             raise ValueError("LLMDataDistConnector: release_records_bytes must be a byte count >= 0, "

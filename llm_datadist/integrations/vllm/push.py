@@ -9,7 +9,9 @@ The request flow is that of vLLM 0.32's NIXL push mode, so its proxies drive it:
   keyed by the link's authenticated peer) and registers them with a ``push_reg`` notification
   naming the request: ``remote_request_id`` (with its lease token) when the params carry it, else
   the decode request's own id, which the prefill side matches by its base id (vLLM's ids without
-  the ``-<8 hex>`` suffix it appends; NIXL's push matches the same way).
+  the ``-<8 hex>`` suffix it appends; NIXL's push matches the same way) only where its operator
+  opted in (``push_match_by_request_id``: then any authenticated decode peer that knows a request's
+  id can receive its KV), and never where two live requests share the base id.
 * The prefill worker (``Pusher``) learns its requests' blocks and the prompt tokens each step
   computes from its scheduler. From ``save_kv_layer`` it pushes that layer's blocks of the step's
   tokens to every registered request on its push thread (one ``push_blocks`` call per layer and
@@ -29,6 +31,7 @@ the decode engine's code: an authenticated peer can write every registered cache
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -51,6 +54,10 @@ TRANSFER_MODES = ("pull", "push")
 
 #: The most registrations a prefill worker keeps waiting for their request (from all peers).
 MAX_PENDING_REGS = 4096
+
+#: How long ending a grant waits for the peer's pushes through the server that passed the guard
+#: before (``engine.quiesce_writes``; past it their connections are shut).
+QUIESCE_S = 2.0
 
 #: The most block ids one registration may name.
 MAX_REG_BLOCKS = 1 << 20
@@ -135,21 +142,31 @@ class GrantBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.grants: Dict[str, Grant] = {}
+        self._expired: Dict[str, Grant] = {}  # ran out, not yet taken (``take_expired``)
         self._union: Dict[int, Any] = {}  # peer -> RangeSet of its live grants
         self._first_deadline = float("inf")
 
     def grant(self, req_id: str, peer: int, ranges: List[Tuple[int, int]], seconds: float) -> str:
+        """Grant ``peer`` writes to ``ranges`` for ``req_id``; a grant it replaces ends (its peer's
+        writes are rebuilt without it)."""
         token = secrets.token_urlsafe(16)
         with self._lock:
+            old = self.grants.get(req_id)
             self.grants[req_id] = Grant(peer, list(ranges), token, time.monotonic() + seconds)
             self._rebuild(peer)
+            if old is not None and old.peer != peer:
+                self._rebuild(old.peer)
         return token
 
     def revoke(self, req_id: str) -> Optional[Grant]:
+        """End the grant of ``req_id``; also one that ran out and was not yet taken (its peer's
+        writes were rebuilt then)."""
         with self._lock:
             grant = self.grants.pop(req_id, None)
             if grant is not None:
                 self._rebuild(grant.peer)
+            else:
+                grant = self._expired.pop(req_id, None)
         return grant
 
     def finish(self, peer: int, req_id: str, token: Any) -> Optional[Grant]:
@@ -163,18 +180,25 @@ class GrantBook:
             self._rebuild(peer)
         return grant
 
-    def expire(self, now: float) -> List[str]:
-        """End the grants whose time ran out; their request ids."""
+    def expire(self, now: float) -> None:
+        """End the grants whose time ran out (kept for ``take_expired``)."""
         with self._lock:
             if now < self._first_deadline:
-                return []
+                return
             gone = [r for r, g in self.grants.items() if g.deadline <= now]
-            peers = {self.grants.pop(r).peer for r in gone}
-            for peer in peers:
+            for req_id in gone:
+                self._expired[req_id] = self.grants.pop(req_id)
+            for peer in {self._expired[r].peer for r in gone}:
                 self._rebuild(peer)
             if not gone:
                 self._first_deadline = min((g.deadline for g in self.grants.values()), default=float("inf"))
-        return gone
+
+    def take_expired(self, now: float) -> Dict[str, Grant]:
+        """The grants that ran out (by ``now``, or ended by the guard before) since the last call."""
+        self.expire(now)
+        with self._lock:
+            out, self._expired = self._expired, {}
+        return out
 
     def guard(self, peer: int):
         """The engine's write guard: what ``peer`` may write now (None: nothing)."""
@@ -191,6 +215,11 @@ class GrantBook:
             union.pop(peer, None)
         self._union = union  # (replaced whole: the links' threads read it without the lock)
         self._first_deadline = min((g.deadline for g in self.grants.values()), default=float("inf"))
+
+
+def _deny_all(peer: int) -> None:
+    """The write guard a closed receiver leaves: no peer may write anything."""
+    return None
 
 
 class Receiver:
@@ -215,7 +244,7 @@ class Receiver:
 
     def close(self) -> None:
         self.w._links_api.set_notify_handler(None)
-        self.w._links_api.set_write_guard(None)
+        self.w._links_api.set_write_guard(_deny_all)  # (None would be no guard: every peer writes anything)
 
     def on_step(self, regs: Dict[str, PushReg], cancel: Set[str]) -> None:
         for req_id in cancel:
@@ -224,28 +253,50 @@ class Receiver:
                 grant = self.grants.revoke(req_id)  # writes through this engine's server stop now
                 if reg is not None:
                     self._cancelling[req_id] = reg
-            if reg is None:
-                continue
-            if grant is None or not self.w.peers.submit(reg.as_recv(), lambda r=req_id, t=grant: self._cancel(r, t)):
-                self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
+            if reg is not None:
+                self._stop(req_id, reg, grant, "the request ended before its KV was pushed", True)
         for req_id, reg in regs.items():
             if reg.awaiting:
                 with self._lock:
                     self._awaiting[req_id] = reg
             if not self.w.peers.submit(reg.as_recv(), lambda r=req_id, g=reg: self._register(r, g)):
                 self._end(req_id, False, "this engine is shutting down")
-        for req_id in self.grants.expire(time.monotonic()):
-            self._end(req_id, False, f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s")
+        for req_id, grant in self.grants.take_expired(time.monotonic()).items():
+            with self._lock:
+                reg = self._awaiting.pop(req_id, None)
+                if reg is not None:
+                    self._cancelling[req_id] = reg
+            if reg is not None:
+                self._stop(req_id, reg, grant,
+                           f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s", False)
 
-    def _cancel(self, req_id: str, grant: Grant) -> None:
-        """Tell the prefill worker to push no more of an ended request, then report it (vLLM frees
-        its blocks only then)."""
+    def _stop(self, req_id: str, reg: PushReg, grant: Optional[Grant], why: str, cancel: bool) -> None:
+        """A request whose grant ended here before its push did: the prefill worker is told
+        (``push_cancel``, on the peer's thread), then it is reported."""
+        if grant is None or not self.w.peers.submit(reg.as_recv(),
+                                                     lambda: self._cancel(req_id, grant, why, cancel)):
+            self._end(req_id, False, why, cancel=cancel, peer=grant.peer if grant is not None else None)
+
+    def _cancel(self, req_id: str, grant: Grant, why: str, cancel: bool) -> None:
+        """Tell the prefill worker to push no more of an ended request and wait for its answer, sent
+        once no push of it is in flight; then report it (vLLM frees its blocks only then). Without
+        that answer the link is ended, so no push of it can start after."""
+        problem = ""
         try:
-            self.w._links_api.notify(grant.peer, {"op": "push_cancel", "decode_request_id": req_id,
-                                                  "grant": grant.token}, self.w.peers.notify_timeout_ms)
+            reply = self.w._links_api.notify(grant.peer, {"op": "push_cancel", "decode_request_id": req_id,
+                                                          "grant": grant.token}, self.w.peers.notify_timeout_ms)
+            if not isinstance(reply, dict) or reply.get("ok") is False:
+                problem = str(reply.get("why") if isinstance(reply, dict) else "a malformed answer")[:200]
         except Exception as exc:  # noqa: BLE001 - reported all the same
-            logger.warning("request %s: could not tell cluster %d to stop pushing it: %s", req_id, grant.peer, exc)
-        self._end(req_id, False, "the request ended before its KV was pushed", cancel=True)
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            logger.error("request %s: cluster %d did not confirm it stopped pushing it (%s): ending the link",
+                         req_id, grant.peer, problem)
+            try:
+                self.w._links_api.unlink_many([grant.peer], 1000, True)
+            except Exception as exc:  # noqa: BLE001 - the request is reported all the same
+                logger.error("could not end the link to cluster %d: %s", grant.peer, exc)
+        self._end(req_id, False, why, cancel=cancel, peer=grant.peer)
 
     def _register(self, req_id: str, reg: PushReg) -> None:
         """On the peer's thread: link, grant, register; a refusal fails the request."""
@@ -286,15 +337,25 @@ class Receiver:
             return {"ok": False, "why": "no such grant"}
         ok = message.get("ok") is True
         self._trace.write({"event": "ready", "request": req_id, "t": time.time(), "ok": ok})
-        self._end(req_id, ok, "" if ok else f"the prefill engine failed to push it: {str(message.get('why'))[:200]}")
+        self._end(req_id, ok, "" if ok else f"the prefill engine failed to push it: {str(message.get('why'))[:200]}",
+                  peer=peer)
         return {"ok": True}
 
-    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False) -> None:
-        self.grants.revoke(req_id)
+    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False, peer: Optional[int] = None) -> None:
+        """Report a request (its grant ended first: no push of the granted peer that passed the
+        guard before is still writing when vLLM hears of it, ``engine.quiesce_writes``)."""
+        grant = self.grants.revoke(req_id)
+        if grant is not None:
+            peer = grant.peer
         with self._lock:
             reg = self._awaiting.pop(req_id, None) or self._cancelling.pop(req_id, None)
-            if reg is None:
-                return
+        if reg is None:
+            return
+        if peer is not None and not self.w._links_api.quiesce_writes(peer, QUIESCE_S):
+            logger.error("request %s: a push of cluster %d was still writing %.0f s after its grant ended: its "
+                         "link was ended", req_id, peer, QUIESCE_S)
+            ok, why = False, why or "a push was still writing when its grant ended"
+        with self._lock:
             self._recved.add(req_id)
             if not ok:
                 self._failed.add(req_id)
@@ -318,7 +379,7 @@ class Receiver:
 
 # -- the prefill side ---------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)
 class Registration:
     peer: int
     decode_request_id: str
@@ -326,7 +387,9 @@ class Registration:
     blocks: List[int]
     first_block: int
     grant: str
-    until: float  # monotonic: given up on if its request is not found by then
+    until: float  # monotonic: given up on if its request is not found by then; its job's deadline
+    live: bool = True  # waiting (inbox or pending): counted against the caps
+    key: Optional[Tuple[str, str]] = None  # ("id", request id) or ("base", base id), once checked
 
 
 @dataclass
@@ -344,6 +407,20 @@ class Job:
     done: bool = False
     held: bool = False  # finished; its blocks held for its decode side
     sent: bool = False  # its decode side was told (``push_done``)
+    deadline: float = float("inf")  # monotonic: no push after it (its grant runs out about then)
+
+
+#: The most registrations one peer may have waiting for their request (of ``MAX_PENDING_REGS``).
+MAX_PENDING_REGS_PER_PEER = MAX_PENDING_REGS // 4
+
+#: The most notifications (``push_done``) waiting to be sent, in all and to one peer; more are
+#: dropped and counted (``push_notes_dropped``): their grants end with their time.
+MAX_NOTES = 1024
+MAX_NOTES_PER_PEER = 64
+
+#: How long a ``push_cancel`` waits for the request's push in flight before it answers ``ok: false``
+#: (below the decode side's notification timeout).
+CANCEL_WAIT_S = 2.0
 
 
 class Pusher:
@@ -354,24 +431,37 @@ class Pusher:
         self.block_size = worker.block_size
         self._lock = threading.Lock()
         self.jobs: Dict[str, Job] = {}
-        self._by_base: Dict[str, str] = {}
+        self._by_base: Dict[str, Set[str]] = {}  # base id -> the live requests of it
         self._inbox: List[Registration] = []
-        self._pending: List[Registration] = []
+        self._pending: Dict[Tuple[str, str], List[Registration]] = {}  # by key: their request not here yet
+        self._pending_order: "collections.deque[Registration]" = collections.deque()  # by ``until``
+        self._waiting = 0  # live registrations (inbox and pending)
+        self._waiting_of: Dict[int, int] = {}  # ... per peer
         self._meta = None  # the step's metadata begun (``begin``)
         self._step_jobs: List[Job] = []  # this step's jobs with a registration
         self._layer_index: Dict[str, int] = {}
         self._num_layers = 0
         self._saved = 0  # layers saved in this step
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._running: Optional[Job] = None  # whose push the push thread runs now
+        self._ran = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="llm_datadist-push", daemon=True)
         self._thread.start()
+        # notifications go on their own thread: a slow peer never holds up the steps' pushes
+        self._notes: "queue.Queue[Optional[Tuple[int, Dict[str, Any]]]]" = queue.Queue(MAX_NOTES)
+        self._notes_lock = threading.Lock()
+        self._notes_of: Dict[int, int] = {}
+        self._notifier = threading.Thread(target=self._send_notes, name="llm_datadist-push-notes", daemon=True)
+        self._notifier.start()
         #: ``pushed_layers``: layers pushed (per request and step; a late push of all layers counts
         #: each), ``pushed_late``: pushes of all layers at once of tokens computed before their
         #: registration came, ``pushed_tokens``: prompt tokens pushed, counted once per layer (each
         #: layer of each token exactly once: layers x prompt tokens not cached on the decode side),
-        #: ``push_regs``: registrations taken, ``push_regs_refused``: refused
+        #: ``push_regs``: registrations taken, ``push_regs_refused``: refused, ``push_notes_dropped``:
+        #: notifications to decode workers dropped (too many waiting)
         self.stats = {"pushed_layers": 0, "pushed_blocks": 0, "pushed_tokens": 0, "pushed_requests": 0,
-                      "push_failures": 0, "pushed_late": 0, "push_regs": 0, "push_regs_refused": 0}
+                      "push_failures": 0, "pushed_late": 0, "push_regs": 0, "push_regs_refused": 0,
+                      "push_notes_dropped": 0}
         self._trace = Trace()
         self._device_sync: Optional[Callable[[], Any]] = None
 
@@ -390,7 +480,7 @@ class Pusher:
 
     # -- the link's thread ---------------------------------------------------------------------------
     def on_reg(self, peer: int, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A decode worker's ``push_reg``: checked for form here, matched at the next step."""
+        """A decode worker's ``push_reg``: checked for form here, matched on the push thread."""
         d_id, r_id, blocks = message.get("decode_request_id"), message.get("request_id"), message.get("blocks")
         first, grant = message.get("first_block"), message.get("grant")
         if not (isinstance(d_id, str) and isinstance(r_id, str) and isinstance(grant, str)
@@ -401,31 +491,48 @@ class Pusher:
             self._count("push_regs_refused")
             return {"accepted": False, "why": "a malformed registration"}
         with self._lock:
-            if len(self._inbox) + len(self._pending) >= MAX_PENDING_REGS:
+            if self._waiting >= MAX_PENDING_REGS or self._waiting_of.get(peer, 0) >= MAX_PENDING_REGS_PER_PEER:
                 self.stats["push_regs_refused"] += 1
                 return {"accepted": False, "why": "too many registrations are pending"}
             self._inbox.append(Registration(peer, d_id, r_id, list(blocks), first, grant,
                                             time.monotonic() + self.w.options.kv_lease_s))
+            self._waiting += 1
+            self._waiting_of[peer] = self._waiting_of.get(peer, 0) + 1
             self.stats["push_regs"] += 1
-        self._queue.put(self._on_inbox)
+            first_in = len(self._inbox) == 1
+        if first_in:  # (one task takes the whole inbox)
+            self._queue.put(self._on_inbox)
         return {"accepted": True}
 
     def on_cancel(self, peer: int, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A decode worker's ``push_cancel`` (its request ended first): no more pushes for it."""
+        """A decode worker's ``push_cancel`` (its request ended first, or its grant ran out): no
+        more pushes for it. Answered once no push of it is in flight (``ok: false`` if one still
+        is after ``CANCEL_WAIT_S``: the decode side then ends the link)."""
         d_id, grant = message.get("decode_request_id"), message.get("grant")
+        if not isinstance(grant, str):
+            return {"cancelled": False, "ok": True}
         with self._lock:
+            found = None
             for job in self.jobs.values():
                 reg = job.reg
                 if reg is not None and reg.peer == peer and reg.decode_request_id == d_id and \
-                        isinstance(grant, str) and secrets.compare_digest(reg.grant, grant):
+                        secrets.compare_digest(reg.grant, grant):
                     job.failed = job.failed or "its decode request ended first"
                     job.done = True  # (nothing to tell it)
                     self.w.leases.release(job.req_id)
-                    return {"cancelled": True}
-            self._pending = [r for r in self._pending + self._inbox
-                             if not (r.peer == peer and r.decode_request_id == d_id)]
-            self._inbox = []
-        return {"cancelled": False}
+                    found = job
+                    break
+            if found is None:
+                for reg in self._inbox + [r for regs in self._pending.values() for r in regs]:
+                    if reg.peer == peer and reg.decode_request_id == d_id:
+                        self._settle(reg)
+                        reg.blocks = []  # (it may wait in the expiry order a while yet)
+                return {"cancelled": False, "ok": True}
+        with self._ran:  # (its pushes queued skip it: ``failed``; one running is waited for)
+            idle = self._ran.wait_for(lambda: self._running is not found, CANCEL_WAIT_S)
+        if not idle:
+            return {"cancelled": True, "ok": False, "why": f"a push of it was still running after {CANCEL_WAIT_S} s"}
+        return {"cancelled": True, "ok": True}
 
     # -- vLLM's steps (the worker's main thread) ---------------------------------------------------------
     def begin(self, meta) -> None:
@@ -440,18 +547,20 @@ class Pusher:
                 if job is not None and job.reg is not None:
                     self._fail(job, "the prefill request was aborted")  # its decode side hears it now
                 self._drop(req_id)
+            new: List[str] = []
             for req_id, step in getattr(meta, "push_steps", {}).items():
                 job = self.jobs.get(req_id)
                 if job is None:
                     job = self.jobs[req_id] = Job(req_id, computed=step.start)
-                    self._by_base[base_request_id(req_id)] = req_id
+                    self._by_base.setdefault(base_request_id(req_id), set()).add(req_id)
+                    new.append(req_id)
                 job.blocks, job.prompt_tokens = list(step.block_ids), step.prompt_tokens
                 job.step = (step.start, step.end) if step.end > step.start else None
             for req_id in getattr(meta, "reqs_to_send", ()):
                 job = self.jobs.get(req_id)
                 if job is not None:
                     job.held = True  # finished: no step computes more of it; its blocks are held
-            self._match_all()
+            self._match_all(new)
             self._step_jobs = []
             self._saved = 0
             for job in list(self.jobs.values()):
@@ -463,18 +572,36 @@ class Pusher:
                         continue
                     self._step_jobs.append(job)
 
-    def _match_all(self) -> None:
-        """Attach the registrations that came to their requests (under the lock)."""
-        regs, self._inbox = self._pending + self._inbox, []
-        self._pending = []
+    def _match_all(self, new: List[str]) -> None:
+        """Under the lock: attach the registrations that came to their requests, and the pending
+        ones to the requests ``new`` here; give up on those pending past their time."""
         now = time.monotonic()
+        regs, self._inbox = self._inbox, []
         for reg in regs:
-            self._match(reg, now)
+            if reg.live:
+                self._match(reg, now)
+        for req_id in new:
+            for key in (("id", req_id), ("base", base_request_id(req_id))):
+                for reg in self._pending.pop(key, ()):
+                    if reg.live:
+                        self._match(reg, now)
+        while self._pending_order and (self._pending_order[0].until <= now or not self._pending_order[0].live):
+            reg = self._pending_order.popleft()
+            regs = self._pending.get(reg.key, [])
+            if reg in regs:
+                regs.remove(reg)
+                if not regs:
+                    del self._pending[reg.key]
+            if reg.live:
+                self._refuse(reg, "no such request here")
 
     def _advance(self, job: Job) -> None:
         """Under the lock: push what a registered request computed before (all layers at once),
         and finish one whose prompt is pushed whole and that no step is computing."""
         if job.reg is None or job.failed or job.done:
+            return
+        if time.monotonic() >= job.deadline:
+            self._fail(job, f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)")
             return
         if job.computed > job.pushed:
             self._submit(job, job.pushed, job.computed, None)
@@ -486,42 +613,77 @@ class Pusher:
         """On the push thread, as registrations come: a request that finished (its blocks held,
         no step to wait for) is pushed now."""
         with self._lock:
-            self._match_all()
+            self._match_all([])
             for job in list(self.jobs.values()):
                 if job.held and job.step is None:
                     self._advance(job)
 
-    def _match(self, reg: Registration, now: float) -> None:
+    def _key(self, reg: Registration) -> Optional[Tuple[str, str]]:
+        """Under the lock: which request a registration names (None: refused). By its lease token
+        (with ``lease_tokens``; else its plain id), or without one by its decode request's base id
+        where ``push_match_by_request_id`` lets it."""
         if reg.remote_request_id:
-            req_id: Optional[str] = reg.remote_request_id
-            if self.w.options.lease_tokens:
-                checked = check_lease(self.w.leases.key, reg.remote_request_id)
-                if checked is None:
-                    self._refuse(reg, "no valid lease token for this request")
-                    return
-                req_id = checked[0]
+            if not self.w.options.lease_tokens:
+                return ("id", reg.remote_request_id)
+            checked = check_lease(self.w.leases.key, reg.remote_request_id)
+            if checked is None:
+                self._refuse(reg, "no valid lease token for this request")
+                return None
+            return ("id", checked[0])
+        if not self.w.options.push_match_by_request_id:
+            self._refuse(reg, "it names no request (remote_request_id) and this engine matches none by its id "
+                              "(push_match_by_request_id is off)")
+            return None
+        return ("base", base_request_id(reg.decode_request_id))
+
+    def _match(self, reg: Registration, now: float) -> None:
+        if reg.key is None:
+            reg.key = self._key(reg)
+            if reg.key is None:
+                return
+        kind, name = reg.key
+        if kind == "id":
+            job = self.jobs.get(name)
         else:
-            req_id = self._by_base.get(base_request_id(reg.decode_request_id))
-        job = self.jobs.get(req_id) if req_id is not None else None
+            ids = self._by_base.get(name, set())
+            if len(ids) > 1:  # (client-chosen ids that collide: neither is given away)
+                self._refuse(reg, f"{len(ids)} requests here have its base id")
+                return
+            job = self.jobs[next(iter(ids))] if ids else None
         if job is None:
             if now < reg.until:
-                self._pending.append(reg)  # its request has not reached this engine yet
+                self._pending.setdefault(reg.key, []).append(reg)  # its request has not reached this engine yet
+                self._pending_order.append(reg)
             else:
                 self._refuse(reg, "no such request here")
             return
+        self._settle(reg)
         if job.reg is not None:
             self._refuse(reg, "another decode request registered for it first")
             return
-        if not reg.blocks:  # nothing wanted: free what is held for it
-            self._drop(job.req_id)
-            self.w.leases.release(job.req_id)
-            return
+        if not reg.blocks:  # nothing wanted: free what is held for it, if it named the request by its token
+            if kind == "id":
+                self._drop(job.req_id)
+                self.w.leases.release(job.req_id)
+            return  # (by its base id: its held blocks go when their lease runs out)
         total = -(-job.prompt_tokens // self.block_size)
         if reg.first_block > total or len(reg.blocks) != total - reg.first_block:
             self._refuse(reg, f"it names {len(reg.blocks)} blocks from block {reg.first_block}; the prompt has "
                               f"{total}")
             return
         job.reg = reg  # (blocks before ``first_block`` are cached there: ``_submit`` skips them)
+        job.deadline = reg.until  # (its grant, made before it was sent, runs out about then)
+
+    def _settle(self, reg: Registration) -> None:
+        """Under the lock: a registration no longer waits (matched, refused, cancelled)."""
+        if reg.live:
+            reg.live = False
+            self._waiting -= 1
+            left = self._waiting_of.get(reg.peer, 0) - 1
+            if left > 0:
+                self._waiting_of[reg.peer] = left
+            else:
+                self._waiting_of.pop(reg.peer, None)
 
     def save_layer(self, layer_name: str) -> None:
         if not self._step_jobs:
@@ -589,11 +751,16 @@ class Pusher:
         key = ld.BlocksCacheKey(reg.peer, 0)
 
         def push() -> None:
-            if job.failed:
-                return
-            if sync is not None:
-                sync()
+            with self._ran:  # (``on_cancel`` sets ``failed`` first, then waits for ``_running``)
+                if job.failed:
+                    return
+                if time.monotonic() >= job.deadline:
+                    job.failed = f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)"
+                    return
+                self._running = job
             try:
+                if sync is not None:
+                    sync()
                 if layer is None:
                     self.w.cm.push_blocks(key, self.w.caches[0], src, dst)
                     layers = len(self.w._keep)
@@ -604,6 +771,10 @@ class Pusher:
             except Exception as exc:  # noqa: BLE001 - reported to the decode side (push_done)
                 job.failed = job.failed or f"{type(exc).__name__}: {exc}"
                 return
+            finally:
+                with self._ran:
+                    self._running = None
+                    self._ran.notify_all()
             with self._lock:
                 self.stats["pushed_layers"] += layers
                 self.stats["pushed_blocks"] += len(src) * layers
@@ -624,13 +795,8 @@ class Pusher:
         def done() -> None:
             job.sent = True
             ok = not job.failed
-            message = {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
-                       "ok": ok, "why": job.failed[:200]}
-            try:
-                self.w._links_api.notify(reg.peer, message, 5000)
-            except Exception as exc:  # noqa: BLE001 - its grant ends with its time
-                logger.error("request %s: could not tell cluster %d that its KV was pushed: %s", job.req_id,
-                             reg.peer, exc)
+            self._note(reg.peer, {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
+                                  "ok": ok, "why": job.failed[:200]})
             with self._lock:
                 self.stats["pushed_requests" if ok else "push_failures"] += 1
             self._trace.write({"event": "done", "request": job.req_id, "t": time.time(), "ok": ok})
@@ -644,24 +810,61 @@ class Pusher:
         self._finish(job)
 
     def _refuse(self, reg: Registration, why: str) -> None:
-        self.stats["push_regs_refused"] += 1  # (under the lock)
+        """Under the lock: a registration refused (its decode side hears it, on the notifier's thread)."""
+        self._settle(reg)
+        reg.blocks = []  # (it may wait in the expiry order a while yet)
+        self.stats["push_regs_refused"] += 1
         logger.warning("llm_datadist: refused cluster %d's registration of request %s: %s", reg.peer,
                        reg.decode_request_id, why)
-        if not reg.grant:
-            return
+        if reg.grant:
+            self._note(reg.peer, {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
+                                  "ok": False, "why": why})
 
-        def tell() -> None:
+    def _note(self, peer: int, message: Dict[str, Any]) -> None:
+        """Queue a notification for the notifier's thread; dropped (and counted) past the caps."""
+        with self._notes_lock:
+            if self._notes_of.get(peer, 0) < MAX_NOTES_PER_PEER:
+                try:
+                    self._notes.put_nowait((peer, message))
+                except queue.Full:
+                    pass
+                else:
+                    self._notes_of[peer] = self._notes_of.get(peer, 0) + 1
+                    return
+            self.stats["push_notes_dropped"] += 1
+        logger.warning("llm_datadist: dropped a notification to cluster %d (too many waiting); its grant ends with "
+                       "its time", peer)
+
+    def _send_notes(self) -> None:
+        while True:
+            item = self._notes.get()
             try:
-                self.w._links_api.notify(reg.peer, {"op": "push_done", "decode_request_id": reg.decode_request_id,
-                                                    "grant": reg.grant, "ok": False, "why": why}, 5000)
-            except Exception:  # noqa: BLE001 - its grant ends with its time
-                pass
-        self._queue.put(tell)
+                if item is None:
+                    return
+                peer, message = item
+                try:
+                    self.w._links_api.notify(peer, message, 5000)
+                except Exception as exc:  # noqa: BLE001 - its grant ends with its time
+                    logger.error("could not tell cluster %d about request %s: %s", peer,
+                                 message.get("decode_request_id"), exc)
+                finally:
+                    with self._notes_lock:
+                        left = self._notes_of.get(peer, 0) - 1
+                        if left > 0:
+                            self._notes_of[peer] = left
+                        else:
+                            self._notes_of.pop(peer, None)
+            finally:
+                self._notes.task_done()
 
     def _drop(self, req_id: str) -> None:
         job = self.jobs.pop(req_id, None)
-        if job is not None and self._by_base.get(base_request_id(req_id)) == req_id:
-            del self._by_base[base_request_id(req_id)]
+        if job is not None:
+            ids = self._by_base.get(base_request_id(req_id))
+            if ids is not None:
+                ids.discard(req_id)
+                if not ids:
+                    del self._by_base[base_request_id(req_id)]
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -682,6 +885,11 @@ class Pusher:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(10)
+        try:
+            self._notes.put(None, timeout=5)
+        except queue.Full:
+            return
+        self._notifier.join(10)
 
 
 class Trace:
