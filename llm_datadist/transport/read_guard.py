@@ -150,6 +150,10 @@ class WriteGuard:
         #: pushes checked and still writing: peer -> connection fd -> how many (``writing``)
         self._writing: Dict[int, Dict[int, int]] = {}
         self._done = threading.Condition(self._lock)
+        #: per peer, the guard's last answer if a tuple, and its ``RangeSet``: an owner that answers
+        #: with the same tuple of ``(address, nbytes)`` tuples until what the peer may write changes
+        #: has it converted once (a list is converted every time: it may change in place)
+        self._converted: Dict[int, Tuple[Any, Any]] = {}
 
     @property
     def installed(self) -> bool:
@@ -220,7 +224,14 @@ class WriteGuard:
             if allowed is None:
                 return self._refuse(peer_id, "a push from a peer that holds no write grant")
             if not isinstance(allowed, _io.RangeSet):
-                allowed = _io.RangeSet(allowed)
+                last = self._converted.get(peer_id) if type(allowed) is tuple else None
+                if last is not None and last[0] is allowed:
+                    allowed = last[1]
+                elif type(allowed) is tuple:
+                    answer, allowed = allowed, _io.RangeSet(allowed)
+                    self._converted[peer_id] = (answer, allowed)  # (holds the answer: its id stays its own)
+                else:
+                    allowed = _io.RangeSet(allowed)  # (a list may change in place: converted every time)
         except Exception as exc:  # noqa: BLE001 - a failing guard refuses; the link goes on
             return self._refuse(peer_id, f"a push the write guard failed on ({type(exc).__name__}: {exc})")
         bad = allowed.first_outside(plan, True)

@@ -217,3 +217,28 @@ def test_a_push_that_passed_the_guard_lands_before_quiesce_returns_or_never(paus
             assert result["push"] != "ok"
             assert all((later[k][2] == FILL).all() for k in range(TENSORS)), "a byte landed after the deadline"
             assert WRITER_ID not in owner.call(c_links)["linked"]
+
+
+def test_a_guards_tuple_answer_is_converted_once_and_a_list_every_time():
+    """``WriteGuard`` keeps the ``RangeSet`` of a peer's last tuple answer (an owner answers with
+    one tuple until that peer's grants change), and converts a list every time: an owner that
+    narrows a list in place is seen at the next push."""
+    import struct
+
+    from llm_datadist import _io
+    from llm_datadist.transport.read_guard import WriteGuard
+
+    plan = _io.plan_from_wire(struct.pack("<QQQ", 0, 4096, BLOCK))  # writes [4096, 4096 + BLOCK)
+    guard = WriteGuard(OWNER_ID)
+    answer = ((4096, BLOCK),)
+    guard.set(lambda peer: answer)
+    assert guard.refusal(WRITER_ID, plan) == 0
+    first = guard._converted[WRITER_ID][1]
+    assert guard.refusal(WRITER_ID, plan) == 0 and guard._converted[WRITER_ID][1] is first
+    answer = ((8192, BLOCK),)  # the peer's grants changed: a new tuple, converted anew
+    assert guard.refusal(WRITER_ID, plan) != 0
+    allowed = [(4096, BLOCK)]
+    guard.set(lambda peer: allowed)
+    assert guard.refusal(WRITER_ID, plan) == 0
+    allowed.clear()  # narrowed in place
+    assert guard.refusal(WRITER_ID, plan) != 0

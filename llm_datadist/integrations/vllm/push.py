@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import llm_datadist as ld
-from llm_datadist import _io
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, check_lease, utf8_len
 from llm_datadist.integrations.vllm.meta import Recv, _peer
 
@@ -143,7 +142,7 @@ class GrantBook:
         self._lock = threading.Lock()
         self.grants: Dict[str, Grant] = {}
         self._expired: Dict[str, Grant] = {}  # ran out, not yet taken (``take_expired``)
-        self._union: Dict[int, Any] = {}  # peer -> RangeSet of its live grants
+        self._union: Dict[int, Any] = {}  # peer -> its live grants' ranges, one tuple (the guard's answer)
         self._first_deadline = float("inf")
 
     def grant(self, req_id: str, peer: int, ranges: List[Tuple[int, int]], seconds: float) -> str:
@@ -210,7 +209,7 @@ class GrantBook:
         ranges = [r for g in self.grants.values() if g.peer == peer for r in g.ranges]
         union = dict(self._union)
         if ranges:
-            union[peer] = _io.RangeSet(ranges)
+            union[peer] = tuple((int(a), int(n)) for a, n in ranges)  # (immutable: the guard converts it once)
         else:
             union.pop(peer, None)
         self._union = union  # (replaced whole: the links' threads read it without the lock)
