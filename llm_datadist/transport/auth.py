@@ -6,6 +6,14 @@ server id)``, where the label differs between the two directions (so a proof can
 back) and both nonces are fresh (so a recorded proof cannot be replayed). The secret itself never
 crosses the wire. Proofs are compared in constant time.
 
+With a secret, what the two sides then say is signed too (protocol version 8): the ``AUTH``
+message carries ``mac``, an HMAC under the secret of everything else it says (its purpose, and for a
+link the planes, host, pid and uid, protection...), and the ``HELLO_REPLY`` carries ``mac`` over
+everything it says *and* the request it answers (``message_mac``). Both are bound to the
+connection's nonces and ids like the proofs, so a relay that changes any field of either (the Unix
+socket name that steers where the link's connections go, a plane offer, a host identity) fails the
+link, and a signed message cannot be moved to another connection.
+
 A link of a cluster to its own listener (a *self-link*) is proven otherwise: the process keeps a
 random key in memory only (``new_self_key``) and its link request carries
 ``HMAC-SHA256(key, self label | client nonce | server nonce)`` (``self_proof``), so that only this
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from typing import Any, Dict, Optional
 
@@ -27,7 +36,11 @@ SECRET_OPTION = "llm.LinkSecret"
 SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
 NONCE_BYTES = 32
 _LABELS = {"client": b"llm_datadist link v5 client proof", "server": b"llm_datadist link v5 server proof",
-           "self": b"llm_datadist link v5 self proof"}
+           "self": b"llm_datadist link v5 self proof", "request": b"llm_datadist link v8 request mac",
+           "reply": b"llm_datadist link v8 reply mac"}
+#: Fields of a handshake message that are not part of what its MAC covers (proofs are checked on
+#: their own; the MAC does not cover itself).
+UNSIGNED_FIELDS = ("proof", "self_proof", "mac")
 
 
 def resolve_secret(options: Dict[str, str]) -> Optional[bytes]:
@@ -67,6 +80,38 @@ def verify(secret: bytes, side: str, client_nonce: str, server_nonce: str, clien
     if not isinstance(received, str):
         return False
     expected = proof(secret, side, client_nonce, server_nonce, client_id, server_id)
+    return hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))
+
+
+def signed_part(message: Dict[str, Any]) -> Dict[str, Any]:
+    """What of a handshake message its MAC covers: all but ``UNSIGNED_FIELDS``."""
+    return {key: value for key, value in message.items() if key not in UNSIGNED_FIELDS}
+
+
+def _canonical(messages) -> bytes:
+    """One byte string for a list of JSON values, the same on both sides of the wire for the same
+    values (keys sorted, no spaces, ASCII escapes): what was decoded is encoded again, so a
+    duplicate key or a re-spelled number that changes the decoded value changes the MAC input."""
+    return json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def message_mac(secret: bytes, side: str, client_nonce: str, server_nonce: str, client_id: int, server_id: int,
+                *messages: Dict[str, Any]) -> str:
+    """The MAC ``side`` ("request": the ``AUTH`` message; "reply": the ``HELLO_REPLY``, over the
+    reply and the request it answers) puts in ``mac``: HMAC-SHA256 under the secret of the label,
+    the connection's nonces and ids and the signed part of ``messages``."""
+    body = _canonical([signed_part(message) for message in messages])
+    head = b"|".join([_LABELS[side], bytes.fromhex(client_nonce), bytes.fromhex(server_nonce),
+                      str(client_id).encode(), str(server_id).encode()])
+    return hmac.new(secret, head + b"|" + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
+
+
+def verify_mac(secret: bytes, side: str, client_nonce: str, server_nonce: str, client_id: int, server_id: int,
+               received: Any, *messages: Dict[str, Any]) -> bool:
+    """Whether ``received`` is ``side``'s MAC of ``messages`` (constant-time comparison)."""
+    if not isinstance(received, str):
+        return False
+    expected = message_mac(secret, side, client_nonce, server_nonce, client_id, server_id, *messages)
     return hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))
 
 

@@ -18,6 +18,14 @@ link connection: a ``LinkAgreement``) and ``open_connections`` (the link's data 
 ``LinkConnections``). What to do with a request -- the link table, the caps -- is the link
 manager's (``links``). Nothing about this process is sent before the peer has authenticated.
 
+With a secret, the ``AUTH`` message and the ``HELLO_REPLY`` are signed (``auth.message_mac``; the
+reply's MAC covers the request it answers too), so nothing that steers where a link's bytes go --
+the Unix socket name, the planes, the host identity, the pid and uid each side states, the
+protection -- can be changed on the way: a changed request is refused, a changed reply fails the
+link. Each side states its pid and uid in the link request or reply, and a link's Unix connections
+must come from exactly that process (``SO_PEERCRED``): a relay between them is refused on both
+sides, with or without protection.
+
 Failures: ``ProtocolError`` for a malformed frame or message; ``LLMException`` for a closed,
 silent or slow connection and for a refusal (``AuthRefused`` when the peer's proof is wrong,
 ``errors.MutualLink`` when the peer is linking to this cluster at the same moment).
@@ -26,6 +34,7 @@ silent or slow connection and for a refusal (``AuthRefused`` when the peer's pro
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -95,6 +104,8 @@ class Admission:
     refused: Optional[str] = None
     auth_failure: bool = False
     nonces: Tuple[str, str] = ("", "")
+    #: the accepting cluster's own id (the reply's MAC binds it)
+    server_id: int = 0
 
     @property
     def purpose(self) -> Any:
@@ -145,12 +156,28 @@ def accept_hello(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     if not send_frame(fd, wire.OP_CHALLENGE, challenge, deadline):
         return Admission(peer_id, refused="the challenge could not be sent")
     _, message = receive_frame(fd, wire.OP_AUTH, deadline, "authentication")
-    if secret is not None and not auth.verify(secret, "client", client_nonce, server_nonce, peer_id, cluster_id,
-                                              message.get("proof")):
-        on_auth_failure(peer_id, "wrong link secret")
-        send_frame(fd, wire.OP_HELLO_REPLY, {"error": "authentication failed"}, deadline, S.LLM_LINK_FAILED)
-        return Admission(peer_id, refused="wrong link secret", auth_failure=True)
-    return Admission(peer_id, message, nonces=(client_nonce, server_nonce))
+    if secret is not None:
+        why = None
+        if not auth.verify(secret, "client", client_nonce, server_nonce, peer_id, cluster_id, message.get("proof")):
+            why = "wrong link secret"
+        elif not auth.verify_mac(secret, "request", client_nonce, server_nonce, peer_id, cluster_id,
+                                 message.get("mac"), message):
+            why = "its authentication message was changed on the way (its MAC does not verify)"
+        if why is not None:
+            on_auth_failure(peer_id, why)
+            send_frame(fd, wire.OP_HELLO_REPLY, {"error": "authentication failed"}, deadline, S.LLM_LINK_FAILED)
+            return Admission(peer_id, refused=why, auth_failure=True)
+    return Admission(peer_id, message, nonces=(client_nonce, server_nonce), server_id=cluster_id)
+
+
+def signed_reply(secret: Optional[bytes], admission: Admission, reply: Dict[str, Any]) -> Dict[str, Any]:
+    """``reply`` to the ``AUTH`` message of ``admission``, with a secret signed (``mac``: over the
+    reply and the request it answers, bound to the connection); as it is without one."""
+    if secret is None:
+        return reply
+    client_nonce, server_nonce = admission.nonces
+    return dict(reply, mac=auth.message_mac(secret, "reply", client_nonce, server_nonce, admission.peer_id,
+                                            admission.server_id, reply, admission.request))
 
 
 @dataclass(frozen=True)
@@ -159,7 +186,8 @@ class LinkRequest:
     open (forward, reverse), the two-sided link it is for (its name and the digest of its rank
     table and rank map, ``comms.digest``), its remote-cache-access option, with a two-sided
     link the rank the peer claims in it, the protection it asks for and the record suites it can
-    run (``protection``)."""
+    run (``protection``), and the pid and uid of the process it says it is (its Unix connections
+    must come from that process)."""
 
     role: str
     planes: List[str]
@@ -169,6 +197,8 @@ class LinkRequest:
     rank: Optional[int] = None
     protection: str = protection.OFF
     suites: Tuple[str, ...] = ()
+    pid: int = 0
+    uid: int = -1
 
 
 def read_link_request(message: Dict[str, Any]) -> LinkRequest:
@@ -196,8 +226,33 @@ def read_link_request(message: Dict[str, Any]) -> LinkRequest:
         raise ProtocolError(f"link request: protection {brief(asked)}")
     if not (isinstance(suites, list) and all(isinstance(x, str) for x in suites)):
         raise ProtocolError(f"link request: suites {brief(suites)}")
+    pid, uid = stated_process(message, "link request")
     return LinkRequest(message["role"][:64], list(planes)[:8], (want[0], want[1]), comm,
-                       bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]))
+                       bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]), pid, uid)
+
+
+def this_process() -> Dict[str, int]:
+    """The pid and uid a link request or reply states for this side."""
+    return {"pid": os.getpid(), "uid": os.getuid()}
+
+
+def stated_process(message: Dict[str, Any], what: str) -> Tuple[int, int]:
+    """The ``(pid, uid)`` a link request or reply states; ProtocolError if malformed."""
+    pid, uid = message.get("pid"), message.get("uid")
+    if not (is_int(pid, 1, (1 << 31) - 1) and is_int(uid, 0, (1 << 32) - 1)):
+        raise ProtocolError(f"{what}: pid {brief(pid)} or uid {brief(uid)}")
+    return pid, uid
+
+
+def check_process(sock: socket.socket, stated: Tuple[int, int], whose: str) -> Tuple[int, int]:
+    """The ``(pid, uid)`` the kernel has for the Unix connection ``sock`` (``SO_PEERCRED``), which
+    must be ``stated`` (what the peer said, signed with a secret): otherwise something other than
+    the peer's own process serves or opened it -- a relay -- and the link fails."""
+    pid, uid = peer_credentials(sock)
+    if (pid, uid) != tuple(stated):
+        raise fail(S.LLM_LINK_FAILED, f"{whose} Unix connection comes from pid {pid} (uid {uid}), not from the "
+                                      f"peer's own process (pid {stated[0]}, uid {stated[1]}): refused")
+    return pid, uid
 
 
 def link_reply(cluster_id: int, role: str, planes: Sequence[str], remote_accessible: bool, token: str,
@@ -206,7 +261,7 @@ def link_reply(cluster_id: int, role: str, planes: Sequence[str], remote_accessi
     """The reply that grants a link request (``protected``: the link's protection, in ``suite``)."""
     return {"cluster_id": cluster_id, "role": role, "planes": list(planes), "host": host_identity(),
             "remote_cache_accessible": remote_accessible, "token": token, "unix": unix_name,
-            "protection": protected, "suite": suite}
+            "protection": protected, "suite": suite, **this_process()}
 
 
 def send_reply(sock: socket.socket, reply: Dict[str, Any], status: int, deadline: float) -> bool:
@@ -253,6 +308,7 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
         if not auth.verify(secret, "server", nonce, server_nonce, cluster_id, remote_id, challenge.get("proof")):
             raise AuthRefused("the peer does not know the link secret")
         message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
+        message["mac"] = auth.message_mac(secret, "request", nonce, server_nonce, cluster_id, remote_id, message)
     if self_key is not None:
         message["self_proof"] = auth.self_proof(self_key, nonce, server_nonce)
     if nonces is not None:
@@ -262,7 +318,12 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
     if not send_frame(fd, wire.OP_AUTH, message, deadline):
         raise fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
     status, reply = receive_frame(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
-    if status == S.LLM_ALREADY_LINK and reply.get("mutual") is True:
+    mutual = status == S.LLM_ALREADY_LINK and reply.get("mutual") is True
+    if secret is not None and (status == 0 or mutual) and not auth.verify_mac(
+            secret, "reply", nonce, server_nonce, cluster_id, remote_id, reply.get("mac"), reply, message):
+        # Only a refusal may come unsigned: it ends the link, which anyone on the path can do anyway.
+        raise AuthRefused("the peer's reply was changed on the way (its MAC does not verify)")
+    if mutual:
         raise MutualLink()
     if status != 0:
         raise fail(status, f"refused: {reply.get('error', '')}")
@@ -287,6 +348,8 @@ class LinkAgreement:
     suite: Optional[str] = None
     #: ``protection.link_digest`` of the request and reply, as this side holds them
     digest: bytes = b""
+    #: the pid and uid the server stated (its Unix connections must come from that process)
+    process: Tuple[int, int] = (0, -1)
 
 
 def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int], role: str,
@@ -304,7 +367,7 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     request = dict(purpose="link", role=role, planes=list(planes), host=host_identity(),
                    remote_cache_accessible=remote_accessible,
                    connections=[CONNECTIONS_PER_DIRECTION, CONNECTIONS_PER_DIRECTION], force_link=True,
-                   protection=protect, suites=protection.suites_here())
+                   protection=protect, suites=protection.suites_here(), **this_process())
     if comm is not None:
         request["comm"], request["rank"] = list(comm), rank
     found: List[int] = []
@@ -335,7 +398,8 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
     host = reply.get("host") if isinstance(reply.get("host"), dict) else {}
     local = isinstance(unix_name, str) and local_sockets and same_host(host_identity(), host)
     return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0],
-                         granted, suite if granted != protection.OFF else None, protection.link_digest(request, reply))
+                         granted, suite if granted != protection.OFF else None, protection.link_digest(request, reply),
+                         stated_process(reply, "link reply"))
 
 
 @dataclass
@@ -385,10 +449,8 @@ def open_connections(ip: str, port: int, cluster_id: int, secret: Optional[bytes
             sock = seal(sock, nonces[0])
             sockets.append(sock)
         if unix:
-            pid, uid = peer_credentials(sock)
-            if made.pid and (pid, uid) != (made.pid, made.uid):
-                raise fail(S.LLM_LINK_FAILED, "the link's connections reach different processes")
-            made.unix, made.pid, made.uid = True, pid, uid
+            made.pid, made.uid = check_process(sock, agreement.process, f"cluster {remote_id}'s")
+            made.unix = True
         (made.forward if purpose == "forward" else made.reverse).append(sock)
     return made
 

@@ -945,6 +945,7 @@ class LinkManager:
                                                                admission.request.get("self_proof"))
             status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
                                                     source_of(conn), proven_self, self.listener.on_rank_port(conn))
+            reply = handshake.signed_reply(self.secret, admission, reply)
             if peer is not None:  # (set before the reply goes: the data connections come after it)
                 peer.link_digest = protection.link_digest(admission.request, reply)
             sent = handshake.send_reply(conn, reply, status, deadline)
@@ -968,6 +969,7 @@ class LinkManager:
         if purpose in ("forward", "reverse"):
             status, reply, peer, relay = self._accept_data(peer_id, purpose, admission.request.get("token"), conn,
                                                            admission.nonces)
+            reply = handshake.signed_reply(self.secret, admission, reply)
             if not handshake.send_reply(conn, reply, status, deadline) or status != 0:
                 if peer is not None:
                     self._lose(peer, f"its {purpose} connection failed", quiet=True)
@@ -1012,7 +1014,8 @@ class LinkManager:
                                              f"{protection.CRYPTOGRAPHY_MISSING})")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source,
-                    authenticated=self.secret is not None, protection=protected, protection_suite=suite)
+                    authenticated=self.secret is not None, protection=protected, protection_suite=suite,
+                    stated=(request.pid, request.uid))
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
@@ -1079,6 +1082,13 @@ class LinkManager:
                 return refused
             if unix and peer_id == self.engine.cluster_id and pid != os.getpid():
                 return refused  # a self-link's connections come from this process (the kernel says so)
+            if unix and (pid, uid) != peer.stated:
+                # Not the process that asked for the link (a relay between it and this socket).
+                logger.warning("cluster %d refused a Unix connection of cluster %d's link from pid %d (uid %d): the "
+                               "link was asked for by pid %d (uid %d)", self.engine.cluster_id, peer_id, pid, uid,
+                               *peer.stated)
+                refusal = {"error": "a Unix connection from another process than the link's"}
+                return S.LLM_LINK_FAILED, refusal, peer, None
             first = not peer.channels and not peer.incoming
             if first:
                 peer.unix, peer.pid, peer.uid = unix, pid, uid
@@ -1163,7 +1173,7 @@ class LinkManager:
                                           sockets, seal)
         peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
                     authenticated=self.secret is not None, protection=agreement.protection,
-                    protection_suite=agreement.suite)
+                    protection_suite=agreement.suite, stated=agreement.process)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
         peer.channels = [Channel(sock, name) for sock in made.forward]
         peer.incoming = made.reverse

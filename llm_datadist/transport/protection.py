@@ -38,8 +38,11 @@ socket; a ``Relay`` seals what it reads from the other end onto the TCP connecti
 and opens what arrives there back into the pair (another thread). Every frame after the
 handshake is protected this way -- the ``tcp`` and ``staging`` planes' payloads, descriptors and
 control messages alike -- without a second implementation of the frame paths. Same-host Unix
-connections are never sealed (nothing crosses a network); ``nixl``, whose transfers bypass the
-link's connections, is refused on protected links. What it costs: ``bench/report_protection.py``.
+connections are not sealed (nothing crosses a network): since protocol version 8 they are used only
+where the kernel proves (``SO_PEERCRED``) that the other end is the process the peer stated in its
+signed link request or reply, so a relay cannot sit between them (``handshake.check_process``);
+``nixl``, whose transfers bypass the link's connections, is refused on protected links. What it
+costs: ``bench/report_protection.py``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from llm_datadist.status import LLMException
+from llm_datadist.transport import auth
 from llm_datadist.transport.errors import S
 from llm_datadist.transport.threads import Threads
 
@@ -137,11 +141,10 @@ def at_least(mode: str, floor: str) -> bool:
 
 
 def link_digest(request: Dict[str, Any], reply: Dict[str, Any]) -> bytes:
-    """SHA-256 of a link's request (less its proofs) and reply as each side holds them: the same
+    """SHA-256 of a link's request and reply (less their proofs and MACs) as each side holds them: the same
     on both sides unless something changed them on the way, which then gives the link's
     connections keys that do not match (their first record fails)."""
-    asked = {key: value for key, value in request.items() if key not in ("proof", "self_proof")}
-    text = json.dumps([asked, reply], sort_keys=True, separators=(",", ":"))
+    text = json.dumps([auth.signed_part(request), auth.signed_part(reply)], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).digest()
 
 

@@ -239,6 +239,9 @@ class Peer:
     unix: bool = False   # the data connections are Unix-domain sockets (this host, this netns)
     pid: int = 0         # proven by SO_PEERCRED on the Unix connections; 0 = not proven
     uid: int = -1
+    # The (pid, uid) the peer stated in its link request or reply (signed with a secret): its
+    # Unix connections must come from exactly that process (``handshake.check_process``).
+    stated: Tuple[int, int] = (0, -1)
     # The link was authenticated with a secret: this side has one (so the handshake of every
     # connection of the link required the peer's proof of it and verified it). Set at link time
     # from this side's own configuration, never from anything the peer sends.

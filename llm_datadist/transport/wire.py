@@ -9,7 +9,7 @@ Every frame is a fixed 28-byte header followed by ``payload_len`` bytes::
     req_id  u64  echoed by the reply
     length  u64  payload bytes that follow
 
-Every connection starts with a handshake of four JSON frames (protocol version 7): HELLO from the
+Every connection starts with a handshake of four JSON frames (protocol version 8): HELLO from the
 connecting side (``cluster_id``, ``nonce``, ``auth``), CHALLENGE from the accepting side (its
 ``cluster_id``, ``nonce``, ``auth`` and, with a secret, its ``proof``), AUTH from the connecting side
 (its ``proof`` and what the connection is for: ``purpose`` "link" with the link's parameters, or
@@ -37,6 +37,12 @@ Version 7 added link protection (``protection``): the link request and its reply
 ``protection`` ("off", "integrity" or "encrypt"), and on a protected link every TCP data
 connection carries, after its HELLO_REPLY, only sealed records in which the frames above travel.
 A version 6 peer would read records as frames, so it is refused at the handshake.
+
+Version 8 signs the handshake: with a secret, the AUTH message and the HELLO_REPLY carry ``mac``
+(``auth.message_mac``: HMAC under the secret of all they say, the reply's over the request too,
+bound to the connection's nonces and ids), and the link request and reply state the sender's
+``pid`` and ``uid``, from which the link's Unix connections must come (``SO_PEERCRED``). A version
+7 peer would take an unsigned reply, so it is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")

@@ -1,7 +1,7 @@
-"""A hand-written client of the link protocol (version 6), for tests that play a hostile or
+"""A hand-written client of the link protocol (version 8), for tests that play a hostile or
 broken peer: it speaks the handshake with plain blocking sockets and lets the test send any
 frame afterwards. It shares no code with ``llm_datadist.transport.links`` (only the frame
-constants and the HMAC proof function), so a test built on it checks the server against the
+constants and the HMAC proof and MAC functions), so a test built on it checks the server against the
 protocol, not against itself.
 """
 
@@ -81,6 +81,9 @@ def handshake(sock: socket.socket, cluster_id: int, request: Dict[str, Any], sec
         message["proof"] = proof
     elif secret is not None:
         message["proof"] = auth.proof(secret, "client", nonce, challenge["nonce"], cluster_id, challenge["cluster_id"])
+    if secret is not None and "mac" not in message:  # protocol 8 signs what the AUTH message says
+        message["mac"] = auth.message_mac(secret, "request", nonce, challenge["nonce"], cluster_id,
+                                          challenge["cluster_id"], message)
     sock.sendall(json_frame(wire.OP_AUTH, message))
     op, status, _, payload = read_frame(sock)
     reply = json.loads(payload)
@@ -93,7 +96,7 @@ def handshake(sock: socket.socket, cluster_id: int, request: Dict[str, Any], sec
 
 def link_request(**changes) -> Dict[str, Any]:
     request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "remote_cache_accessible": True,
-               "connections": [1, 1], "force_link": True}
+               "connections": [1, 1], "force_link": True, "pid": os.getpid(), "uid": os.getuid()}
     request.update(changes)
     return request
 
@@ -209,7 +212,7 @@ class RawServer:
             reply: Dict[str, Any] = {"cluster_id": self.cluster_id}
             if request["purpose"] == "link":
                 reply.update(role="PROMPT", planes=["tcp"], host={}, remote_cache_accessible=True, token="t" * 32,
-                             unix=None)
+                             unix=None, pid=os.getpid(), uid=os.getuid())
             conn.sendall(json_frame(wire.OP_HELLO_REPLY, reply))
             if request["purpose"] != "forward":
                 conn.settimeout(None)

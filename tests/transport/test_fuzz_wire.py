@@ -210,6 +210,10 @@ class Checker:
                     body = json.loads(payload)
                 except ValueError:
                     raise Mismatch(f"{wire.OP_NAMES.get(reply.op)} reply is not JSON: {payload[:80]!r}") from None
+                if reply.signed is not None:  # the MAC over the whole reply (its token too) and the request
+                    secret, *connection, request = reply.signed
+                    if not auth.verify_mac(secret, "reply", *connection, body.pop("mac", None), body, request):
+                        raise Mismatch(f"{wire.OP_NAMES.get(reply.op)} reply without its MAC: {payload[:200]!r}")
                 if reply.kind == "link":  # the one-time token is random: 16 bytes in hex
                     token = body.pop("token", None)
                     ok = body == reply.value and isinstance(token, str) and len(token) == 32 and \

@@ -6,6 +6,7 @@ version, a malformed hello or link request, a wrong cluster and a link made at t
 from __future__ import annotations
 
 import dataclasses
+import os
 import select
 import socket
 import threading
@@ -65,7 +66,8 @@ def grant(sock: socket.socket, secret: Optional[bytes], planes=("tcp",), unix: O
     if admission.refused is not None:
         return admission, None
     request = handshake.read_link_request(admission.request)
-    reply = handshake.link_reply(SERVER, "PROMPT", planes, True, "t0ken", unix)
+    reply = handshake.signed_reply(secret, admission, handshake.link_reply(SERVER, "PROMPT", planes, True, "t0ken",
+                                                                           unix))
     assert handshake.send_reply(sock, reply, 0, soon())
     return admission, request
 
@@ -83,11 +85,12 @@ def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret)
     agreement = ask(client_end, secret, planes=("cma", "tcp"), comm=("comm", "digest"), rank=3)
     admission, request = served()
     assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
+    me = (os.getpid(), os.getuid())
     assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3,
-                                            "off", tuple(protection.suites_here()))
+                                            "off", tuple(protection.suites_here()), *me)
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
     assert dataclasses.replace(agreement, digest=b"") == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None,
-                                                                                  SERVER)
+                                                                                  SERVER, process=me)
     # Both sides hold the same request and reply: the same digest (a protected link's keys use it).
     sent = handshake.link_reply(SERVER, "PROMPT", ("tcp",), True, "t0ken", None)
     assert agreement.digest == protection.link_digest(admission.request, sent)
@@ -187,14 +190,14 @@ def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, clien
     assert admission == handshake.Admission(CLIENT, refused=said, auth_failure=True) and request is None
 
 
-@pytest.mark.parametrize("version", [4, 5, 6, wire.PROTOCOL_VERSION + 1],
+@pytest.mark.parametrize("version", [4, 5, 6, 7, wire.PROTOCOL_VERSION + 1],
                          ids=["v4 (before pull tags)", "v5 (before the nixl table entry)",
-                              "v6 (before link protection)", "newer"])
+                              "v6 (before link protection)", "v7 (before the signed handshake)", "newer"])
 def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version(pair, version):
     """The server raises the one line naming both versions (the caller logs it and closes), and
     first answers with a refused CHALLENGE in the peer's version carrying that line, which a
     client of any version since 3 reports as ``refused: <line>``."""
-    assert wire.PROTOCOL_VERSION == 7
+    assert wire.PROTOCOL_VERSION == 8
     server_end, client_end = pair
     served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
     payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
@@ -202,7 +205,7 @@ def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version
     client_end.sendall(head + payload)
     with pytest.raises(wire.VersionMismatch) as bad:
         served()
-    line = f"protocol version {version}, this side speaks 7"
+    line = f"protocol version {version}, this side speaks 8"
     assert str(bad.value) == line and bad.value.version == version
     select.select([client_end], [], [], 3)
     answer = client_end.recv(1 << 16)
@@ -220,9 +223,9 @@ def test_a_client_answered_in_another_version_fails_with_the_line_naming_both(pa
                                                         soon()))
     select.select([server_end], [], [], 3)
     server_end.recv(1 << 16)
-    payload = wire.encode_json({"error": "protocol version 7, this side speaks 8"})
-    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 8, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
-    with pytest.raises(wire.VersionMismatch, match="^protocol version 8, this side speaks 7$"):
+    payload = wire.encode_json({"error": "protocol version 8, this side speaks 9"})
+    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 9, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
+    with pytest.raises(wire.VersionMismatch, match="^protocol version 9, this side speaks 8$"):
         done()
 
 
@@ -255,9 +258,14 @@ def test_a_malformed_hello_is_a_protocol_error_and_nothing_is_answered(pair, hel
     ({"comm": ["c", "digest"], "rank": -1}, "rank"),
     ({"comm": ["c", "digest"], "rank": True}, "rank"),
     ({"comm": ["c", "digest"], "rank": "1"}, "rank"),
+    ({"pid": 0}, "pid"),
+    ({"pid": "7"}, "pid"),
+    ({"uid": -1}, "pid 7 or uid"),
+    ({"uid": None}, "pid 7 or uid"),
 ])
 def test_a_malformed_link_request_is_a_protocol_error(change, what):
-    request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "connections": [2, 2]}
+    request = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {}, "connections": [2, 2],
+               "pid": 7, "uid": 0}
     with pytest.raises(ProtocolError) as bad:
         handshake.read_link_request(dict(request, **change))
     assert str(bad.value).startswith(f"link request: {what}")
@@ -265,8 +273,9 @@ def test_a_malformed_link_request_is_a_protocol_error(change, what):
 
 def test_a_link_request_is_cut_to_size():
     request = handshake.read_link_request({"role": "R" * 100, "planes": [f"p{i}" for i in range(20)], "host": {},
-                                           "connections": [1, 4]})
-    assert request == handshake.LinkRequest("R" * 64, [f"p{i}" for i in range(8)], (1, 4), None, False)
+                                           "connections": [1, 4], "pid": 7, "uid": 1000})
+    assert request == handshake.LinkRequest("R" * 64, [f"p{i}" for i in range(8)], (1, 4), None, False,
+                                            pid=7, uid=1000)
 
 
 def test_the_client_refuses_a_server_of_another_cluster_id(pair):
@@ -357,3 +366,135 @@ def test_a_failed_authentication_is_reported_before_the_peer_holds_the_refusal(p
     assert status == LLMStatusCode.LLM_LINK_FAILED
     assert served().refused == why
     assert calls == [(CLIENT, why, False)]
+
+
+# -- protocol 8: the signed request and reply, and the process each side states --------------------
+class Rewriter:
+    """A man in the middle between two socket pairs: it passes every frame on, changing the JSON
+    body of the first frame of ``op`` with ``change`` (a dict update) — what a relay on the link's
+    TCP path can do to the handshake, which travels in the clear."""
+
+    def __init__(self, op: int, change: Dict[str, Any]) -> None:
+        self.client_end, self._near = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._far, self.server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.client_end.setblocking(False)
+        self.server_end.setblocking(False)
+        self.op, self.change, self.changed = op, change, 0
+        for source, sink in ((self._near, self._far), (self._far, self._near)):
+            threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _read(self, sock: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while True:
+                head = self._read(source, wire.HEADER_BYTES)
+                magic, version, op, status, req_id, length = wire.HEADER.unpack(head)
+                body = self._read(source, length)
+                if op == self.op and not self.changed:
+                    self.changed += 1
+                    body = wire.encode_json(dict(wire.decode_json(body), **self.change))
+                    head = wire.HEADER.pack(magic, version, op, status, req_id, len(body))
+                sink.sendall(head + body)
+        except (EOFError, OSError):
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for sock in (self.client_end, self._near, self._far, self.server_end):
+            sock.close()
+
+
+@pytest.mark.parametrize("change", [
+    {"unix": "llm_datadist.relay"},   # the attack: the link's connections to the relay's own socket
+    {"planes": ["tcp", "cma"]},
+    {"host": {"boot_id": "x", "pid_ns": "y", "net_ns": "z"}},
+    {"pid": 4242},
+    {"role": "DECODER"},
+    {"mac": "00" * 32},
+], ids=["unix", "planes", "host", "pid", "role", "mac"])
+def test_with_a_secret_a_reply_changed_on_the_way_fails_the_link(change):
+    """Defect 1 of issue 32: the reply's Unix socket name travelled unsigned, so a relay on the TCP
+    path pointed the link's connections at a socket of its own. Now any field changed fails."""
+    middle = Rewriter(wire.OP_HELLO_REPLY, change)
+    try:
+        served = in_thread(lambda: grant(middle.server_end, SECRET, planes=("cma", "tcp"), unix="llm_datadist.real"))
+        with pytest.raises(handshake.AuthRefused, match="reply was changed on the way"):
+            ask(middle.client_end, SECRET, local_sockets=True)
+        assert middle.changed == 1
+        served()
+    finally:
+        middle.close()
+
+
+@pytest.mark.parametrize("change", [{"planes": ["cma"]}, {"pid": 4242}, {"protection": "integrity"},
+                                    {"host": {}}, {"token": "t0ken"}], ids=["planes", "pid", "protection", "host",
+                                                                            "extra field"])
+def test_with_a_secret_a_request_changed_on_the_way_is_refused(change):
+    middle = Rewriter(wire.OP_AUTH, change)
+    try:
+        served = in_thread(lambda: grant(middle.server_end, SECRET))
+        with pytest.raises(LLMException, match="refused: authentication failed"):
+            ask(middle.client_end, SECRET)
+        admission, request = served()
+        assert admission.auth_failure and "changed on the way" in admission.refused and request is None
+    finally:
+        middle.close()
+
+
+def test_without_a_secret_nothing_is_signed_and_a_changed_reply_is_taken():
+    """What a secret buys: without one the handshake is not signed (documented in README Security)."""
+    middle = Rewriter(wire.OP_HELLO_REPLY, {"unix": "llm_datadist.relay"})
+    try:
+        served = in_thread(lambda: grant(middle.server_end, None, planes=("cma", "tcp"), unix="llm_datadist.real"))
+        assert ask(middle.client_end, None, local_sockets=True).unix_name == "llm_datadist.relay"
+        served()
+    finally:
+        middle.close()
+
+
+def test_a_signed_reply_is_bound_to_its_connection(pair):
+    """A reply signed for one connection (its nonces) does not verify on another."""
+    first_server, first_client = pair
+    served = in_thread(lambda: grant(first_server, SECRET))
+    ask(first_client, SECRET)
+    admission, _ = served()
+    reply = handshake.signed_reply(SECRET, admission, handshake.link_reply(SERVER, "PROMPT", ("tcp",), True, "t", None))
+    server_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server_end.setblocking(False)
+        client_end.setblocking(False)
+
+        def replay():
+            admitted = handshake.accept_hello(server_end, SERVER, SECRET, soon())
+            handshake.send_reply(server_end, reply, 0, soon())
+            return admitted
+
+        replayed = in_thread(replay)
+        with pytest.raises(handshake.AuthRefused, match="reply was changed on the way"):
+            ask(client_end, SECRET)
+        assert replayed().refused is None
+    finally:
+        server_end.close()
+        client_end.close()
+
+
+def test_a_unix_connection_must_come_from_the_process_the_peer_stated(pair):
+    """``check_process``: the kernel's pid and uid of the connection against the stated ones."""
+    server_end, client_end = pair
+    me = (os.getpid(), os.getuid())
+    assert handshake.check_process(client_end, me, "the peer's") == me
+    with pytest.raises(LLMException, match=rf"comes from pid {me[0]} .*not from the peer's own process \(pid 1,"):
+        handshake.check_process(client_end, (1, me[1]), "cluster 5's")
+    with pytest.raises(LLMException, match="not from the peer's own process"):
+        handshake.check_process(client_end, (me[0], me[1] + 1), "cluster 5's")

@@ -178,7 +178,7 @@ def test_a_reply_granting_less_than_asked_fails_the_link():
         admission = handshake.accept_hello(theirs, 1, b"s", dl.after(5000))
         granted.append(admission.request)
         reply = handshake.link_reply(1, "PROMPT", ["tcp"], False, "t" * 32, None, protection.OFF)
-        handshake.send_reply(theirs, reply, 0, dl.after(5000))
+        handshake.send_reply(theirs, handshake.signed_reply(b"s", admission, reply), 0, dl.after(5000))
 
     server = threading.Thread(target=serve)
     server.start()
@@ -478,11 +478,12 @@ class RewritingMiddle(Middle):
 
 
 @pytest.mark.parametrize("field, value", [("suites", ["hmac-sha256"]), ("planes", ["tcp", "cma"])])
-def test_a_link_request_changed_on_the_way_gives_a_protected_link_that_fails(field, value):
-    """The link request travels unsealed, before any key exists; the keys of the link's
-    connections cover it (``link_digest``), so a man in the middle that changes it -- here
-    talking an integrity link down from GMAC to HMAC, or changing the planes offered -- gets a
-    link whose first record fails, never one that works on what it chose."""
+def test_a_link_request_changed_on_the_way_is_refused_at_the_handshake(field, value):
+    """The link request travels unsealed, before any key exists, but signed (protocol 8: its MAC
+    under the secret), so a man in the middle that changes it -- here talking an integrity link
+    down from GMAC to HMAC, or changing the planes offered -- is refused before any connection of
+    the link opens (counted as a failed authentication), never given a link that works on what it
+    chose. (Before protocol 8 the keys' ``link_digest`` caught it at the first record.)"""
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, protection.INTEGRITY, listen=True)
         client = start(stack, CLIENT_ID, protection.INTEGRITY)
@@ -491,9 +492,84 @@ def test_a_link_request_changed_on_the_way_gives_a_protected_link_that_fails(fie
         status = link_through(client, server, middle)
         assert middle.rewritten == 1
         assert status != (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-        assert wait_for(lambda: server.call(stats)["protection_failures"] >= 1)
+        assert wait_for(lambda: server.call(stats)["auth_failures"] >= 1)
         assert CLIENT_ID not in server.call(linked_ids)
 
 
 def linked_ids(state):
     return state.dd.engine.links.linked_clusters()
+
+
+# -- a same-host relay that points the link's Unix connections at itself (issue 32, defect 1) -------
+
+RELAY_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay_child.py")
+
+
+def start_relay(stack: ExitStack, server_port: int, uid: Optional[int], folder) -> int:
+    """``relay_child.py`` in front of the server's TCP port, as ``uid`` (None: this user, this
+    Python; another uid runs a copy in ``folder`` with the system's python3), capturing into
+    ``folder / "capture"``; its port."""
+    import select
+    import shutil
+    import subprocess
+    script, python = RELAY_CHILD, sys.executable
+    if uid is not None:
+        script, python = str(folder / "relay_child.py"), shutil.which("python3", path="/usr/bin:/bin")
+        shutil.copy(RELAY_CHILD, script)
+        os.chmod(script, 0o644)
+        os.chown(folder / "capture", uid, -1)
+    process = subprocess.Popen([python, script, str(server_port), str(folder / "capture")], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, user=uid, cwd="/", env={"PATH": "/usr/bin:/bin"})
+
+    def stop() -> None:
+        process.kill()
+        process.wait(10)
+        process.stdout.close()
+    stack.callback(stop)
+    ready, _, _ = select.select([process.stdout], [], [], 20)
+    assert ready, "the relay did not start"
+    return int(process.stdout.readline())
+
+
+def unix_link(state, remote_id: int) -> bool:
+    return state.dd.engine.links._peers[remote_id].unix
+
+
+@pytest.mark.parametrize("uid", [None, 65534], ids=["relay of the same user", "relay as uid 65534"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_relay_cannot_point_a_protected_links_unix_connections_at_itself(mode, uid):
+    """Seen at protocol 7: a relay on the link's TCP path rewrote the reply's Unix socket name to a
+    socket of its own relayed to the real one; the link came up over Unix connections, unsealed,
+    and the relay read every pulled block. Now the reply is signed: the link fails before any data
+    connection is opened, nothing crosses the relay's socket, and a direct link still works."""
+    import shutil
+    if uid is not None and (os.geteuid() != 0 or shutil.which("python3", path="/usr/bin:/bin") is None):
+        pytest.skip("running the relay as another uid needs root and a system python3")
+    import pathlib
+    import tempfile
+    with ExitStack() as stack:
+        folder = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))  # (pytest's tmp_path is 0700)
+        os.chmod(folder, 0o755)
+        capture = folder / "capture"
+        capture.touch()
+        options = {"llm.LinkSecret": SECRET, protection.OPTION: mode}
+        server = stack.enter_context(Cluster(SERVER_ID, "PROMPT", listen=True, options=options, timeout=60.0))
+        client = stack.enter_context(Cluster(CLIENT_ID, "DECODER", options=options, timeout=60.0))
+        server.call(register_guarded, 1)
+        client.call(register_guarded, 2)
+        port = start_relay(stack, server.address[1], uid, folder)
+        from llm_datadist.testing import _link
+        status = client.call(_link, SERVER_ID, "127.0.0.1", port, 5000)
+        if status == (S.LLM_SUCCESS, [S.LLM_SUCCESS]):  # (protocol 7) show what the relay got
+            client.call(pull, SERVER_ID, [0, 1], [0, 1])
+        seen = capture.read_bytes()
+        secret_block = server.call(block_bytes, 0, 1)
+        read_in_clear = secret_block in seen
+        assert not read_in_clear, "the relay read a pulled block in the clear"
+        assert status != (S.LLM_SUCCESS, [S.LLM_SUCCESS]) and seen == b""
+        assert wait_for(lambda: SERVER_ID not in client.call(linked_ids))
+        # The same clusters link directly, over their Unix socket, and move exact bytes.
+        assert client.call(_link, SERVER_ID, *server.address, 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert client.call(unix_link, SERVER_ID)
+        assert client.call(pull, SERVER_ID, [1], [5]) == 0
+        assert client.call(block_bytes, 0, 5) == secret_block

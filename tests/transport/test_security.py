@@ -746,7 +746,8 @@ def handshake(sock, request):
     return reply
 first = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 reply = handshake(first, {"purpose": "link", "role": "DECODER", "planes": ["cma", "tcp"], "host": {},
-                          "remote_cache_accessible": True, "connections": [1, 1]})
+                          "remote_cache_accessible": True, "connections": [1, 1], "pid": os.getpid(),
+                          "uid": os.getuid()})
 conns = []
 for purpose in ("forward", "reverse"):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -805,3 +806,23 @@ def _plane_if_same_user(state, remote_id: int) -> str:
     _, info = links._fetch_table(peer, 3000)
     peer.uid = os.geteuid()
     return links._choose_plane(peer, info).name
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "secret"])
+def test_a_unix_connection_from_another_process_than_the_link_request_stated_is_refused(secret):
+    """Protocol 8: a link request states the pid and uid of its process (signed with a secret), and
+    the server takes the link's Unix connections only from that process (``SO_PEERCRED``) -- a
+    relay that opens them on the real client's behalf is refused and the link is dropped. Here a
+    raw client states its parent's pid and then opens the Unix connections itself."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=secret)
+        key = None if secret is None else secret.encode()
+        with pytest.raises(rawpeer.Refused) as refused:
+            rawpeer.RawLink(server.address, 71, key, unix=True, pid=os.getppid())
+        assert refused.value.status == S.LLM_LINK_FAILED
+        assert refused.value.message["error"] == "a Unix connection from another process than the link's"
+        assert wait_for(lambda: 71 not in server.call(linked))
+        # Stating its own pid, the same raw client's Unix connections are taken.
+        honest = rawpeer.RawLink(server.address, 72, key, unix=True)
+        stack.callback(honest.close)
+        assert [sock.family for sock in honest.sockets] == [socket.AF_UNIX] * 2

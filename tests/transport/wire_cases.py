@@ -14,6 +14,7 @@ or spliced with garbage, the whole stream truncated.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -168,7 +169,7 @@ class CaseGenerator:
         if case.mode == "link":
             message: Dict[str, Any] = {"purpose": "link", "role": "DECODER", "planes": ["tcp"], "host": {},
                                        "remote_cache_accessible": t.remote_accessible, "connections": [1, 1],
-                                       "force_link": True}
+                                       "force_link": True, "pid": os.getpid(), "uid": os.getuid()}
             if rng.random() < 0.08:  # a member of a two-sided link, or a malformed claim to be one
                 message["comm"] = rng.choice([["link", "ab" * 16], ["pd_comm_x", ""], [], ["a"], ["a", 1],
                                               "link", None, {"name": "a"}, [["a"], "b"]])
@@ -179,7 +180,7 @@ class CaseGenerator:
                 message["suites"] = rng.choice([["aes-256-gmac", "hmac-sha256"], ["aes-256-gcm"], ["hmac-sha256"],
                                                 [], ["rot13"], "aes-256-gcm", [1], None])
             if rng.random() < 0.4:
-                key = rng.choice(["role", "planes", "host", "remote_cache_accessible", "connections"])
+                key = rng.choice(["role", "planes", "host", "remote_cache_accessible", "connections", "pid", "uid"])
                 message[key] = rng.choice([
                     None, 0, 1, 5, True, "x", [], [1], [0, 1], [1, 5], [4, 4], [1.0, 1], [True, 1], ["1", 1],
                     {}, {"boot_id": "x"}, ["cma", "tcp"], ["cma", 1], "DECODER" * 40, not t.remote_accessible])
@@ -200,6 +201,13 @@ class CaseGenerator:
                 proof = reflected = "00" * 32
             message["proof"] = proof if clean else rng.choice([proof] * 8 + [proof.upper(), proof[:-2], "", None, 0,
                                                                              [proof], reflected])
+            try:  # protocol 8: the AUTH message's MAC over what it says
+                mac = auth.message_mac(secret, "request", *args, message)
+            except (TypeError, ValueError, NameError):  # (args of a hello perturbed beyond proving)
+                mac = "00" * 32
+            message["mac"] = mac if clean else rng.choice([mac] * 12 + [mac.upper(), "", None, [mac], proof])
+            if not clean and rng.random() < 0.05:  # a field changed after signing (a man in the middle)
+                message[rng.choice(["planes", "pid", "role", "token", "purpose"])] = self._json_value(rng, 1)
         if not clean and rng.random() < 0.05:
             message[rng.choice(["extra", "pid", "unix"])] = self._json_value(rng, 2)
         weird = 0.0 if clean else 0.04

@@ -250,7 +250,9 @@ class FuzzServer:
             else:
                 # A link whose handshake is done and whose data connections are awaited, and the
                 # listener's bookkeeping of a connection in its handshake (_accept_loop).
-                staged = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1))
+                # (Its link request came from this process: the connection's SO_PEERCRED is this pid.)
+                staged = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1),
+                              stated=(os.getpid(), os.getuid()))
                 with links._lock:
                     links._peers[case.peer_id] = staged
                     links._pending[case.token] = staged

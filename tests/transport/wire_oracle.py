@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import hmac
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -58,6 +59,9 @@ class ExpectedReply:
     value: Any = None
     #: the frame's protocol version: this one's, but for the refusal of a hello of another
     version: int = wire.PROTOCOL_VERSION
+    #: with a secret, the reply carries ``mac`` over itself and the request it answers (protocol
+    #: 8): (secret, client nonce, server nonce, client id, server id, request), else None
+    signed: Optional[Tuple[bytes, str, str, int, int, Dict[str, Any]]] = None
 
 
 @dataclass
@@ -249,15 +253,22 @@ class ServerModel:
                                             self.cluster_id)
         out.replies.append(ExpectedReply(wire.OP_CHALLENGE, 0, 1, "json", challenge))
         message = self._receive(stream, wire.OP_AUTH, "authentication")
+        self._signed = None
         if secret is not None:
             expected = auth.proof(secret, "client", client_nonce, self.server_nonce, peer_id, self.cluster_id)
             received = message.get("proof")
+            mac = auth.message_mac(secret, "request", client_nonce, self.server_nonce, peer_id, self.cluster_id,
+                                   message)  # (protocol 8: what the AUTH message says is signed)
+            received_mac = message.get("mac")
             if not (isinstance(received, str)
-                    and hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))):
+                    and hmac.compare_digest(expected.encode(), received.encode("utf-8", "replace"))
+                    and isinstance(received_mac, str)
+                    and hmac.compare_digest(mac.encode(), received_mac.encode("utf-8", "replace"))):
                 out.auth_failures += 1
                 out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, S.LLM_LINK_FAILED, 1, "json",
                                                  {"error": "authentication failed"}))
                 raise Closed("auth_refused")
+            self._signed = (secret, client_nonce, self.server_nonce, peer_id, self.cluster_id, message)
         purpose = message.get("purpose")
         if purpose == "link":
             self._link_request(out, session, peer_id, message)
@@ -266,9 +277,11 @@ class ServerModel:
             token = message.get("token")
             if staged is None or not isinstance(token, str) or token != staged[1] or peer_id != staged[0]:
                 out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, S.LLM_LINK_FAILED, 1, "json",
-                                                 {"error": "no pending link for this connection"}))
+                                                 {"error": "no pending link for this connection"},
+                                                 signed=self._signed))
                 raise Closed("refused")
-            out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, 0, 1, "json", {"cluster_id": self.cluster_id}))
+            out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, 0, 1, "json", {"cluster_id": self.cluster_id},
+                                             signed=self._signed))
             if purpose == "reverse":
                 raise Closed("handed_over")  # the server now sends requests on it; it reads nothing
             self._serve(stream, out, session, peer_id, True, ready=False)
@@ -295,6 +308,9 @@ class ServerModel:
             raise protocol_error("link request: protection")
         if not (isinstance(suites, list) and all(isinstance(x, str) for x in suites)):
             raise protocol_error("link request: suites")
+        pid, uid = message.get("pid"), message.get("uid")  # (protocol 8) the process it says it is
+        if not (_is_u64(pid, 1, (1 << 31) - 1) and _is_u64(uid, 0, (1 << 32) - 1)):
+            raise protocol_error("link request: pid or uid")
         preferred = {"off": [], "integrity": ["aes-256-gmac", "hmac-sha256"], "encrypt": ["aes-256-gcm"]}[asked]
         suite = next((x for x in preferred if x in suites[:8] and x in suites_here()), None)
         if comm is None and bool(message.get("remote_cache_accessible")) != self.remote_accessible:
@@ -318,12 +334,12 @@ class ServerModel:
             out.notes.append("hijack attempts")
         if refusal is not None:
             out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, refusal[0], 1, "json",
-                                             {"cluster_id": self.cluster_id, "error": refusal[1]}))
+                                             {"cluster_id": self.cluster_id, "error": refusal[1]}, signed=self._signed))
             raise Closed("refused")
         out.replies.append(ExpectedReply(wire.OP_HELLO_REPLY, 0, 1, "link", {
             "cluster_id": self.cluster_id, "role": self.role, "planes": self.planes, "host": self.host,
             "remote_cache_accessible": self.remote_accessible, "unix": self.unix_name, "protection": asked,
-            "suite": suite}))
+            "suite": suite, "pid": os.getpid(), "uid": os.getuid()}, signed=self._signed))
         # The server waits for the link's data connections, which never come: the half-made
         # link is dropped when this connection ends.
         raise Closed("link_abandoned")

@@ -51,6 +51,15 @@ def proof(side, client_nonce, server_nonce, server_id):
     return hmac.new(SECRET, message, hashlib.sha256).hexdigest()
 
 
+def mac(side, client_nonce, server_nonce, server_id, message):
+    """Protocol 8's MAC of an AUTH message (``auth.message_mac``, written again here)."""
+    signed = {key: value for key, value in message.items() if key not in ("proof", "self_proof", "mac")}
+    body = json.dumps([signed], sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    head = b"|".join([bytes.fromhex(CONFIG["labels"][side]), bytes.fromhex(client_nonce),
+                      bytes.fromhex(server_nonce), str(ME).encode(), str(server_id).encode()])
+    return hmac.new(SECRET, head + b"|" + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
+
+
 def handshake(sock, request):
     nonce = os.urandom(32).hex()
     send(sock, OP["HELLO"], {"cluster_id": ME, "nonce": nonce, "auth": SECRET is not None})
@@ -60,6 +69,7 @@ def handshake(sock, request):
     message = dict(request)
     if SECRET is not None:
         message["proof"] = proof("client", nonce, challenge["nonce"], challenge["cluster_id"])
+        message["mac"] = mac("request", nonce, challenge["nonce"], challenge["cluster_id"], message)
     send(sock, OP["AUTH"], message)
     op, status, _, reply = recv(sock)
     if status != 0:
@@ -80,7 +90,8 @@ def serve_reverse(sock):
 
 first = socket.create_connection(("127.0.0.1", CONFIG["port"]), timeout=20)
 reply = handshake(first, {"purpose": "link", "role": "DECODER", "planes": ["cuda_ipc", "tcp"], "host": {},
-                          "remote_cache_accessible": True, "connections": [1, 1]})
+                          "remote_cache_accessible": True, "connections": [1, 1], "pid": os.getpid(),
+                          "uid": os.getuid()})
 conns = []
 for purpose in ("forward", "reverse"):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
