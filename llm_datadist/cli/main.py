@@ -181,8 +181,8 @@ def _two_host_flags(hosts, listening: str, linking: str, peer_help: str, waits: 
     hosts.add_argument("--peer", type=_address(False), default=None, metavar="HOST:PORT",
                        help=f"{linking}: {peer_help}")
     hosts.add_argument("--secret-file", default=None, metavar="PATH",
-                       help="a file holding the link secret both sides share (its text; the file must not be "
-                            "readable by every user)")
+                       help="a file holding the link secret both sides share (its text, at least 16 bytes; "
+                            "yours, with no permission for group or others: chmod 600)")
     hosts.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
                        help=f"the longest wait for the other side: to link, to answer, {waits} "
                             f"(default {DEFAULT_TIMEOUT_S:g})")

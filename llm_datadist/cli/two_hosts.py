@@ -19,16 +19,15 @@ Errors are ``TwoHostError``: one line for the user, exit status 2.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
-import stat
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-#: A secret file larger than this is refused (a secret is a line of text).
-MAX_SECRET_FILE_BYTES = 4096
+from llm_datadist.status import LLMException
+from llm_datadist.transport import auth
+
 #: Default of ``--timeout``: how long a side waits for its peer to link, to answer, or to speak
 #: again, and the deadline of one transfer call.
 DEFAULT_TIMEOUT_S = 60.0
@@ -100,37 +99,12 @@ def resolve(host: str) -> str:
 
 
 def read_secret_file(path: str) -> str:
-    """The link secret in ``path``: the file's text without the white space around it. Refused
-    (``TwoHostError``, never quoting the file's content): a missing or unreadable file, one that
-    is not a regular file, one every user may read, one larger than ``MAX_SECRET_FILE_BYTES``, one
-    that is not UTF-8 text, one with nothing but white space."""
+    """The link secret in ``path`` (``auth.read_secret_file``: a key's rules); its refusal as a
+    ``TwoHostError``."""
     try:
-        # O_NONBLOCK: a FIFO or device opens at once and is refused below as not a regular file
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise TwoHostError(f"cannot read the secret file {path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TwoHostError(f"the secret file {path} is not a regular file")
-        if info.st_mode & stat.S_IROTH:
-            raise TwoHostError(f"the secret file {path} is readable by every user (mode "
-                               f"{stat.S_IMODE(info.st_mode):04o}); make it private: chmod 600 {path}")
-        if info.st_size > MAX_SECRET_FILE_BYTES:
-            raise TwoHostError(f"the secret file {path} has {info.st_size} bytes, more than the "
-                               f"{MAX_SECRET_FILE_BYTES} a secret may have")
-        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise TwoHostError(f"the secret file {path} has more than the {MAX_SECRET_FILE_BYTES} bytes a secret may have")
-    try:
-        secret = data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise TwoHostError(f"the secret file {path} is not UTF-8 text") from None
-    if not secret:
-        raise TwoHostError(f"the secret file {path} is empty")
-    return secret
+        return auth.read_secret_file(path)
+    except LLMException as exc:
+        raise TwoHostError(exc.args[0]) from None
 
 
 def heartbeat_interval(timeout_s: float) -> float:

@@ -21,7 +21,10 @@ very process can claim this cluster's own id, with or without a secret.
 
 The secret comes from the option ``llm.LinkSecret`` (``LLMConfig.link_secret``) or, when the
 option is absent, the environment variable ``LLM_DATADIST_LINK_SECRET``. Without one, links are
-not authenticated (CANN's behaviour): any process that reaches the listener may link.
+not authenticated (CANN's behaviour): any process that reaches the listener may link. A secret is
+a key (its proofs let anyone who reaches a listener test guesses offline): one shorter than
+``MIN_SECRET_BYTES`` is refused wherever it comes from (``secret_refusal``), and a secret file is
+read as OpenSSH reads a private key (``read_secret_file``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ import hashlib
 import hmac
 import json
 import os
-from typing import Any, Dict, Optional
+import stat
+from typing import Any, Dict, Optional, Union
+
+from llm_datadist.status import LLMException, LLMStatusCode
 
 SECRET_OPTION = "llm.LinkSecret"
 SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
@@ -43,14 +49,83 @@ _LABELS = {"client": b"llm_datadist link v5 client proof", "server": b"llm_datad
 UNSIGNED_FIELDS = ("proof", "self_proof", "mac")
 
 
+#: The shortest link secret taken, in bytes (of its UTF-8 text).
+MIN_SECRET_BYTES = 16
+#: What every refusal of a weak secret or secret file says.
+HOW_TO_MAKE = "make a good one with: (umask 077; openssl rand -hex 32 > FILE)"
+#: A secret file larger than this is refused (a secret is a line of text).
+MAX_SECRET_FILE_BYTES = 4096
+
+
+def secret_refusal(secret: Union[str, bytes], source: str) -> Optional[str]:
+    """Why the secret from ``source`` (an option, a variable, a file) is refused, or None. It only
+    counts bytes: whether they are random is the maker's business. Never quotes the secret."""
+    size = len(secret.encode() if isinstance(secret, str) else secret)
+    if size >= MIN_SECRET_BYTES:
+        return None
+    return (f"the link secret ({source}) has {size} byte(s), fewer than the {MIN_SECRET_BYTES} a secret "
+            f"needs; {HOW_TO_MAKE}")
+
+
 def resolve_secret(options: Dict[str, str]) -> Optional[bytes]:
-    """The link secret of a cluster (None: links are not authenticated)."""
-    value = options.get(SECRET_OPTION)
+    """The link secret of a cluster (None: links are not authenticated); ``LLM_PARAM_INVALID`` for
+    one shorter than ``MIN_SECRET_BYTES``."""
+    value, source = options.get(SECRET_OPTION), SECRET_OPTION
     if value is None:
-        value = os.environ.get(SECRET_ENV)
+        value, source = os.environ.get(SECRET_ENV), SECRET_ENV
     if not value:
         return None
-    return value.encode() if isinstance(value, str) else bytes(value)
+    secret = value.encode() if isinstance(value, str) else bytes(value)
+    why = secret_refusal(secret, source)
+    if why is not None:
+        raise LLMException(why, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return secret
+
+
+def read_secret_file(path: str) -> str:
+    """The link secret in the file ``path``: its text without the white space around it.
+
+    The file is treated as a key, as OpenSSH treats a private key. After following links, it must
+    be a regular file owned by this process's effective user, with no permission for group or
+    others, of at most ``MAX_SECRET_FILE_BYTES`` of UTF-8 text holding a secret of at least
+    ``MIN_SECRET_BYTES``. The owner and mode are those of the descriptor read (``fstat``), so the
+    file checked is the file read. Anything else is refused with ``LLM_PARAM_INVALID``; the
+    message never quotes the file's content."""
+    def refuse(why: str) -> LLMException:
+        return LLMException(f"the secret file {path} {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    try:
+        # O_NONBLOCK: a FIFO or device opens at once and is refused below as not a regular file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise LLMException(f"cannot read the secret file {path}: {exc.strerror}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse("is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise refuse(f"belongs to user {info.st_uid}, not to this one ({os.geteuid()}); {HOW_TO_MAKE}")
+        if info.st_mode & 0o077:
+            raise refuse(f"is open to group or others (mode {stat.S_IMODE(info.st_mode):04o}); make it "
+                         f"private: chmod 600 {path}")
+        if info.st_size > MAX_SECRET_FILE_BYTES:
+            raise refuse(f"has {info.st_size} bytes, more than the {MAX_SECRET_FILE_BYTES} a secret may have")
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise refuse(f"has more than the {MAX_SECRET_FILE_BYTES} bytes a secret may have")
+    try:
+        secret = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise refuse("is not UTF-8 text") from None
+    if not secret:
+        raise refuse(f"is empty; {HOW_TO_MAKE}")
+    why = secret_refusal(secret, f"the file {path}")
+    if why is not None:
+        raise LLMException(why, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return secret
 
 
 def new_nonce() -> str:

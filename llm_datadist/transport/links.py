@@ -85,12 +85,13 @@ class LinkManager:
         self.engine = engine
         #: ``auto`` or the plane ``llm.DataPlane`` forces.
         self.plane = resolve_plane(engine.options)
-        #: One instance of every registered plane, for this engine (a mapping by name).
-        self.planes = PlaneSet(engine)
-        self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        # (refused secrets and settings before any plane holds anything)
         self.secret = auth.resolve_secret(engine.options)
         #: This side's ``llm.LinkProtection`` (``protection``): what it asks for and insists on.
         self.protection = protection.resolve(engine.options, self.secret)
+        #: One instance of every registered plane, for this engine (a mapping by name).
+        self.planes = PlaneSet(engine)
+        self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         #: Proves this process's own self-links: a connection claiming this cluster's id without
         #: a proof made with it is refused (``refused_self``).
         self._self_key = auth.new_self_key()

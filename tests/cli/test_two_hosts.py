@@ -252,17 +252,19 @@ def test_demo_roles_refuse_a_malformed_hello(sides, secret_file, tmp_path):
     assert decode.stderr == "demo: the prefill's workload flags: field layers has a bad value True\n"
 
 
-def test_demo_roles_refuse_a_world_readable_secret_file(tmp_path):
+@pytest.mark.parametrize("mode", [0o640, 0o604])
+def test_demo_roles_refuse_a_secret_file_open_to_group_or_others(tmp_path, mode):
     secret = tmp_path / "secret"
     secret.write_text(SECRET)
-    secret.chmod(0o644)
+    secret.chmod(mode)
     out = run("demo", "--role", "decode", "--listen", "127.0.0.1:0", "--secret-file", str(secret))
-    assert_clean_failure(out, "readable by every user (mode 0644)", f"chmod 600 {secret}")
+    assert_clean_failure(out, f"open to group or others (mode {mode:04o})", f"chmod 600 {secret}")
     assert SECRET not in out.stderr
 
 
 def test_secret_files_are_refused_unless_private_and_not_empty(tmp_path):
-    from llm_datadist.cli.two_hosts import MAX_SECRET_FILE_BYTES, TwoHostError, read_secret_file
+    from llm_datadist.cli.two_hosts import TwoHostError, read_secret_file
+    from llm_datadist.transport.auth import MAX_SECRET_FILE_BYTES
     secret = tmp_path / "secret"
     with pytest.raises(TwoHostError, match="cannot read the secret file .*: No such file"):
         read_secret_file(str(secret))
@@ -280,8 +282,44 @@ def test_secret_files_are_refused_unless_private_and_not_empty(tmp_path):
     with pytest.raises(TwoHostError, match="not a regular file"):
         read_secret_file(str(fifo))
     secret.write_text(f"  {SECRET}\n")
-    secret.chmod(0o640)  # the group may read it; every user may not
+    secret.chmod(0o600)
     assert read_secret_file(str(secret)) == SECRET
+
+
+def test_secret_files_are_treated_as_keys(tmp_path):
+    """As OpenSSH treats a private key: no permission for group or others, owned by this user
+    (after following links), and a secret of at least 16 bytes (white space around it not counted);
+    each refusal says how to make a good one and never quotes the file."""
+    from llm_datadist.cli.two_hosts import TwoHostError, read_secret_file
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    for mode in (0o640, 0o604, 0o620, 0o602, 0o610):
+        secret.chmod(mode)
+        with pytest.raises(TwoHostError, match=f"open to group or others \\(mode {mode:04o}\\); make it private: "
+                                               f"chmod 600 {secret}$"):
+            read_secret_file(str(secret))
+    secret.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    assert read_secret_file(str(link)) == SECRET  # links are followed
+    theirs = tmp_path / "theirs"
+    theirs.write_text(SECRET)
+    theirs.chmod(0o600)
+    os.chown(theirs, 65534, 65534)  # nobody's (the tests run as root)
+    os.unlink(link)
+    link.symlink_to(theirs)
+    for path in (theirs, link):
+        with pytest.raises(TwoHostError, match=f"belongs to user 65534, not to this one \\({os.geteuid()}\\)") \
+                as refused:
+            read_secret_file(str(path))
+        assert "openssl rand -hex 32" in str(refused.value)
+    for text, size in (("Q", 1), ("QUIXOTIC-PROOF!", 15), ("  QUIXOTIC-PROOF!\n", 15)):
+        secret.write_text(text)
+        with pytest.raises(TwoHostError, match=f"has {size} byte\\(s\\), fewer than the 16") as refused:
+            read_secret_file(str(secret))
+        assert "openssl rand -hex 32" in str(refused.value) and "Q" not in str(refused.value)
+    secret.write_text("QUIXOTIC-PROOFS!\n")
+    assert read_secret_file(str(secret)) == "QUIXOTIC-PROOFS!"
 
 
 @pytest.mark.parametrize("args, refusal", [

@@ -218,7 +218,7 @@ def c_move(state, server_id: int, push, pull) -> str:
 def test_gpu_caches_move_between_processes(rt, monkeypatch, plane):
     monkeypatch.setenv("LLM_DATADIST_DEVICE", "cuda")
     # A secret: cuda_ipc hands GPU memory only to a peer on an authenticated link.
-    options = {"llm.MemPoolConfig": '{"memory_size": 268435456}', "llm.LinkSecret": "gpu-tests"}
+    options = {"llm.MemPoolConfig": '{"memory_size": 268435456}', "llm.LinkSecret": "gpu-tests-link-secret"}
     with Cluster(11, "PROMPT", listen=True, plane=plane, options=options, timeout=120) as server, \
             Cluster(12, "DECODER", plane=plane, options=options, timeout=120) as client:
         s = server.call(c_cache, 1)

@@ -744,6 +744,12 @@ def test_link_secret_reaches_the_engine_and_no_log(caplog, monkeypatch):
         for bad in (42, ""):
             with pytest.raises(ValueError, match="link_secret must be a non-empty string"):
                 _Options.parse({"link_secret": bad})
+        # a secret is a key: shorter than 16 bytes is refused at start-up, from either place
+        with pytest.raises(ValueError, match=r"\(link_secret\) has 15 byte\(s\), fewer than the 16 .*openssl rand"):
+            _Options.parse({"link_secret": "QUIXOTIC-PROOF!"})
+        monkeypatch.setenv("LLM_DATADIST_LINK_SECRET", "Q")
+        with pytest.raises(ValueError, match=r"\(LLM_DATADIST_LINK_SECRET\) has 1 byte\(s\)"):
+            _Options.parse({})
     assert "listen_prot" in caplog.text  # the log was captured
     assert secret not in caplog.text and from_env not in caplog.text
     assert secret not in repr(options)

@@ -14,12 +14,29 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
 
 from test_vllm import PRODUCER, Engine, needs_vllm, prompts_of, write_model
 
 LEASE_S = 120
 GRACE_S = 30
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: A prefill worker's connector (vLLM's factory's call) over loopback, its KV caches registered
+#: (6 blocks; lease tokens on, so its engine has a read guard to take down at shutdown).
+PREFILL_CONNECTOR = """
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from llm_datadist.integrations.vllm import LLMDataDistConnector
+transfer = SimpleNamespace(engine_id="engine", is_kv_producer=True, is_kv_consumer=False,
+                           kv_connector_extra_config={"listen_host": "127.0.0.1"})
+config = SimpleNamespace(kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=4),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+connector = LLMDataDistConnector(config, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=6, kv_cache_groups=[]))
+connector.register_kv_caches({f"layer{i}": torch.zeros(6, 2, 4, 16, dtype=torch.float16) for i in range(2)})
+"""
 
 
 def _when(log: str, text: str) -> datetime:
@@ -109,3 +126,48 @@ def test_the_stop_signal_is_noticed_and_passed_on_to_the_handler_vllm_set():
         bystander.close()
     finally:
         signal.signal(signal.SIGTERM, original)
+
+
+@needs_vllm
+def test_connector_shutdown_twice_is_quiet(caplog, capfd):
+    """vLLM may call ``shutdown`` again (at exit, from a finalizer): the second call does nothing,
+    says nothing and raises nothing, in both roles."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnector
+
+    scope = {}
+    exec(PREFILL_CONNECTOR, scope)  # the worker role
+    worker_side = scope["connector"]
+    scheduler_side = LLMDataDistConnector(scope["config"], KVConnectorRole.SCHEDULER)
+    engine = worker_side._worker.dd.engine
+    # (its first shutdown takes the read guard of the lease tokens down)
+    assert engine.initialized and worker_side._worker.cache is not None and worker_side.options.lease_tokens
+    capfd.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        for connector in (worker_side, scheduler_side):
+            connector.shutdown()
+            connector.shutdown()
+    assert not engine.initialized
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert capfd.readouterr() == ("", "")
+
+
+@needs_vllm
+def test_connector_shutdown_again_at_exit_prints_nothing():
+    """As vLLM's engine client does: ``shutdown`` by hand, then again from a ``weakref`` finalizer
+    when the interpreter exits. Nothing reaches stderr after the connector is up (it printed
+    ``LLMException: llm_datadist is not initialized`` and a traceback)."""
+    script = PREFILL_CONNECTOR + """
+import sys, weakref
+class EngineClient: pass
+client = EngineClient()
+weakref.finalize(client, connector.shutdown)
+print("ready", file=sys.stderr, flush=True)
+connector.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, ready, after = out.stderr.partition("ready\n")
+    assert ready and after == "", out.stderr

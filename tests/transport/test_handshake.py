@@ -20,7 +20,7 @@ from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import MutualLink, ProtocolError
 
 SERVER, CLIENT = 5, 9
-SECRET, OTHER_SECRET = b"the link secret", b"another secret"
+SECRET, OTHER_SECRET = b"the link secret of the tests", b"another link secret"
 
 
 @pytest.fixture

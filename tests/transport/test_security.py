@@ -153,7 +153,7 @@ def test_same_secret_links_and_transfers(plane):
 
 
 @pytest.mark.parametrize("server_secret, client_secret", [
-    (SECRET, None), (None, SECRET), (SECRET, "another secret"), ("another secret", SECRET)])
+    (SECRET, None), (None, SECRET), (SECRET, "another link secret"), ("another link secret", SECRET)])
 def test_secret_mismatch_fails_the_link(server_secret, client_secret):
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, listen=True, secret=server_secret)
@@ -173,7 +173,7 @@ def test_secret_from_the_environment(monkeypatch):
         client = start(stack, CLIENT_ID)
         assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         # The option wins over the environment.
-        other = start(stack, 3, secret="not the one")
+        other = start(stack, 3, secret="not the one, another secret")
         assert link(other, server, 3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
 
 
@@ -186,6 +186,48 @@ def test_cpp_style_option_authenticates():
         bad = stack.enter_context(Cluster(3, "DECODER", api="cpp"))
         assert link(good, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         assert link(bad, server, 3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+
+
+@pytest.mark.parametrize("api", ["python", "cpp"])
+@pytest.mark.parametrize("source", ["option", "environment"])
+def test_a_short_secret_is_refused_at_init(api, source, monkeypatch):
+    """A link secret is a key: one shorter than 16 bytes is refused at init (LLM_PARAM_INVALID,
+    saying how to make a good one, never quoting it) in both API styles, from the option or the
+    environment; the engine slot stays free, and 16 bytes are taken."""
+    from llm_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole, cpp
+
+    def init(secret: str):
+        if source == "environment":
+            monkeypatch.setenv(auth.SECRET_ENV, secret)
+        if api == "python":
+            config = LLMConfig()
+            config.device_id = 0
+            if source == "option":
+                config.link_secret = secret
+            dd = LLMDataDist(LLMRole.PROMPT, 1)
+            try:
+                dd.init(config.generate_options())
+            except LLMException as exc:
+                return exc.status_code, str(exc), dd.finalize
+            return S.LLM_SUCCESS, "", dd.finalize
+        options = {cpp.OPTION_DEVICE_ID: "0"}
+        if source == "option":
+            options[cpp.OPTION_LINK_SECRET] = secret
+        dd = cpp.LlmDataDist(1, cpp.LlmRole.kPrompt)
+        return dd.Initialize(options), "", dd.Finalize  # (the C++ style answers a status only)
+
+    for short in ("Q", "QUIXOTIC-PROOF!"):  # 1 and 15 bytes
+        status, message, finalize = init(short)
+        finalize()
+        assert status == S.LLM_PARAM_INVALID, short
+        if api == "python":
+            assert "fewer than the 16" in message and "openssl rand -hex 32" in message, message
+            assert short not in message
+    status, _, finalize = init("sixteen bytes!!!")
+    try:
+        assert status == S.LLM_SUCCESS
+    finally:
+        finalize()
 
 
 def _challenge(address, claim_auth: bool):

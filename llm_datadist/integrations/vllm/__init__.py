@@ -78,7 +78,8 @@ line, the ``vllm:llm_datadist_*`` series on ``/metrics``, and the loaded prompt 
     A decode worker unlinks a prefill worker after this long without pulls or waiting requests.
 ``link_secret`` (the environment variable ``LLM_DATADIST_LINK_SECRET``)
     Shared secret of the links between engines (the engine option ``llm.LinkSecret``); every
-    engine of a deployment needs the same one. ``vllm serve`` logs its ``--kv-transfer-config`` at
+    engine of a deployment needs the same one, of at least 16 bytes (shorter is refused at
+    start-up; make one with ``openssl rand -hex 32``). ``vllm serve`` logs its ``--kv-transfer-config`` at
     start-up, so prefer the environment variable there. The connector never logs it.
 ``lease_tokens`` (``true``)
     A prefill engine hands out ``remote_request_id`` as ``"<request id>.<lease token>"`` and frees a

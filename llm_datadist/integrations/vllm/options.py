@@ -9,13 +9,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from llm_datadist.transport import auth
 from llm_datadist.transport.planes import choices as plane_choices
 
 logger = logging.getLogger(__package__)
 
 #: Where the links' shared secret comes from when the extra config names none (the library reads
 #: it there too).
-LINK_SECRET_ENV = "LLM_DATADIST_LINK_SECRET"
+LINK_SECRET_ENV = auth.SECRET_ENV
 
 
 @dataclass
@@ -64,11 +65,15 @@ class Options:
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"LLMDataDistConnector: {name} must be a number of seconds > 0, got {value!r}")
+        source = "link_secret"
         if opts.link_secret is None:
-            opts.link_secret = os.environ.get(LINK_SECRET_ENV) or None
+            opts.link_secret, source = os.environ.get(LINK_SECRET_ENV) or None, LINK_SECRET_ENV
         elif not isinstance(opts.link_secret, str) or not opts.link_secret:
             # (the value itself stays out of the message)
             raise ValueError("LLMDataDistConnector: link_secret must be a non-empty string")
+        why = None if opts.link_secret is None else auth.secret_refusal(opts.link_secret, source)
+        if why is not None:  # (the engine refuses it too, later and in the workers only)
+            raise ValueError(f"LLMDataDistConnector: {why}")
         for name in ("listen_host", "advertise_host"):
             if not isinstance(getattr(opts, name), str):
                 raise ValueError(f"LLMDataDistConnector: {name} must be an address, got {getattr(opts, name)!r}")

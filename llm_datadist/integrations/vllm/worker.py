@@ -56,6 +56,7 @@ class Worker:
         self.num_kv_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self.engine_id = engine_id
         self.options = options
+        self._closed = False  # (``close`` ran)
         self.producer = bool(transfer.is_kv_producer)
         self.consumer = bool(transfer.is_kv_consumer)
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
@@ -614,6 +615,11 @@ class Worker:
         return bool(reply.get("released")), str(reply.get("why", ""))
 
     def close(self) -> None:
+        """Stop this worker and finalize its engine. Again does nothing: vLLM calls the connector's
+        ``shutdown`` a second time at exit (from a ``weakref`` finalizer), on an engine gone."""
+        if self._closed:
+            return
+        self._closed = True
         if self.pusher is not None:
             self.pusher.close()
         if self.receiver is not None:

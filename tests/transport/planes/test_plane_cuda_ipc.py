@@ -34,7 +34,7 @@ from llm_datadist.testing import ChildError, Cluster
 from llm_datadist.transport import auth, wire
 from llm_datadist.transport.planes import cuda_ipc
 
-SECRET = "cuda-ipc-tests"
+SECRET = "cuda-ipc-tests-link-secret"
 #: The stdlib peer that asks for a table (run as another user too).
 IPC_PEER = Path(__file__).with_name("ipc_peer.py")
 #: The system interpreter: one that a process of another user can run (this one may live in
