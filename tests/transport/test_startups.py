@@ -67,10 +67,10 @@ def test_a_stranger_holding_every_slot_does_not_keep_an_authenticated_peer_out(m
                 continue
             assert client.call(py_unlink, target, LINK_MS) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         counted = server.call(stats)
-        held_at_end = server.call(pending)
         print(f"modes {modes}: {ATTEMPTS - len(failures)}/{ATTEMPTS} linked; link times (s): "
               f"median {sorted(times)[len(times) // 2]:.3f}, max {max(times):.3f}; stranger connections opened: "
               f"{flood.opened}; server counters: {counted}")
         assert len(failures) <= 1, failures
         assert max(times) < LINK_MS / 1000 + 0.5, times
-        assert held_at_end >= 60  # the stranger was still holding the slots at the end
+        assert counted["preauth_evicted"] > 0
+        assert wait_for(lambda: server.call(pending) == 64, 5)  # the stranger still holds every slot
