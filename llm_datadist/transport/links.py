@@ -32,7 +32,8 @@ are already closed. The listeners survive transient ``accept()`` failures, and h
 links and threads are bounded, in all and per source -- one IP address over TCP, one uid over
 the Unix socket (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``, ``LLM_DATADIST_MAX_PENDING_PER_SOURCE``,
 ``LLM_DATADIST_MAX_LINKS``, ``LLM_DATADIST_MAX_LINKS_PER_SOURCE``,
-``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``).
+``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``); an unauthenticated connection gives its handshake slot
+to a newcomer once it has had ``LLM_DATADIST_PREAUTH_GRACE_MS`` (``listener``).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
 from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
                                              DEFAULT_MAX_LINKS_PER_SOURCE, DEFAULT_MAX_PENDING,
-                                             DEFAULT_MAX_PENDING_PER_SOURCE, HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV,
-                                             MAX_LINKS_PER_SOURCE_ENV, MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV,
-                                             Listener, close_socket, describe, env_int, is_loopback, source_of,
-                                             warn_once)
+                                             DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
+                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_LINKS_PER_SOURCE_ENV,
+                                             MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV, Listener,
+                                             close_socket, describe, env_int, is_loopback, source_of, warn_once)
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.server import Requests, Server
@@ -111,26 +112,31 @@ class LinkManager:
         self._closed = False
         self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
         #: Counters of refused or failed connections (``link_stats()``): ``refused_busy`` and
-        #: ``refused_source``, connections closed at once by the pending-handshake caps (global,
-        #: per source); ``refused_links`` and ``refused_source_links``, link requests refused by
-        #: the link caps (global, per source); ``refused_self``, link requests claiming this
-        #: cluster's id without proving that they come from this process. The byte budgets
+        #: ``refused_source``, connections closed by the handshake caps (global, per source) when
+        #: no slot came free within ``LLM_DATADIST_PREAUTH_GRACE_MS``; ``preauth_evicted``,
+        #: unauthenticated connections that gave their slot to a newcomer after that grace, and
+        #: ``preauth_waited``, newcomers held until a slot was free (``listener``); ``refused_links``
+        #: and ``refused_source_links``, link requests refused by the link caps (global, per
+        #: source); ``refused_self``, link requests claiming this cluster's id without proving that
+        #: they come from this process. The byte budgets
         #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
         #: ``refused_parsing``, control requests that found no room in the parsing budget;
         #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
         #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``refused_writes``, pushes
         #: the write guard refused; ``protection_failures``,
         #: records of a protected link that failed their check (``protection``; the link closed).
-        self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "refused_links": 0,
-                      "refused_source_links": 0, "refused_self": 0, "auth_failures": 0, "handshake_failures": 0,
-                      "links_lost": 0, "refused_oversized": 0, "refused_parsing": 0, "refused_tables": 0,
+        self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "preauth_evicted": 0,
+                      "preauth_waited": 0, "refused_links": 0, "refused_source_links": 0, "refused_self": 0,
+                      "auth_failures": 0, "handshake_failures": 0, "links_lost": 0, "refused_oversized": 0,
+                      "refused_parsing": 0, "refused_tables": 0,
                       "refused_reads": 0, "refused_writes": 0, "protection_failures": 0}
         #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
         self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
         self.listener = Listener(engine.cluster_id, self._serve_accepted,
                                  env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
-                                 env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE))
+                                 env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE),
+                                 env_int(PREAUTH_GRACE_ENV, DEFAULT_PREAUTH_GRACE_MS))
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
         #: Which registered memory a peer may pull through the server (none installed: all of it).
         self.read_guard = ReadGuard(engine.cluster_id, self._count)
@@ -938,8 +944,8 @@ class LinkManager:
 
         admission = handshake.accept_hello(conn, mine, self.secret, deadline, auth_failed)
         peer_id = admission.peer_id
-        if admission.refused is not None:
-            return False
+        if admission.refused is not None or not self.listener.authenticated(conn):
+            return False  # (not authenticated: it gave its slot up, or every authenticated slot is taken)
         purpose = admission.purpose
         if purpose == "link":
             proven_self = peer_id == mine and auth.verify_self(self._self_key, *admission.nonces,

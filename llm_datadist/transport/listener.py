@@ -3,13 +3,26 @@
 learn after authenticating), their accept loops, the threads it starts for accepted connections
 and the accounting of the connections still in their handshake.
 
-The accept loop survives transient ``accept()`` failures (backing off up to a second), closes a
-connection at once when ``LLM_DATADIST_MAX_PENDING_HANDSHAKES`` are already pending, or
-``LLM_DATADIST_MAX_PENDING_PER_SOURCE`` from its source (``source_of``: the peer's IP address
-over TCP, its uid over the Unix socket), and hands each accepted connection to the accept
-callback it was given, on a thread of its own; the callback says when the handshake is over
+The accept loop survives transient ``accept()`` failures (backing off up to a second) and hands
+each accepted connection to the accept callback it was given, on a thread of its own; the
+callback says when the peer has authenticated (``authenticated``) and when the handshake is over
 (``handshake_done``). The listener knows nothing of links: the link manager (``links``) gives it
 the callback and a counter of refused connections.
+
+Handshake slots: a connection starts in the *pre-authentication pool* (``admit``), which holds
+at most ``LLM_DATADIST_MAX_PENDING_HANDSHAKES`` connections, ``LLM_DATADIST_MAX_PENDING_PER_SOURCE``
+of them from one source (``source_of``: the peer's IP address over TCP, its uid over the Unix
+socket); once the peer has proved the secret (or, without one, sent its ``AUTH``) it moves to a
+pool of its own, bounded by the first cap again, that strangers without the secret cannot reach.
+When a newcomer finds the pool (or its source's share) full, the oldest connection that has had
+``LLM_DATADIST_PREAUTH_GRACE_MS`` without authenticating loses its slot to it -- of the newcomer's
+own source when that one is at its cap, else of the sources holding at least as many as the
+newcomer's, the one holding the most first; while none has had that long, the accept loop holds
+the newcomer (the kernel's backlog holds the rest) until one has or a slot frees. Closing the
+newcomer instead would lose to a stranger that reconnects at once: it, not the peer with the
+secret, would take every slot that frees. So a stranger holds a slot at most that long once
+another connection needs it, and an honest peer, which answers the challenge in a round trip,
+keeps its own (docs/design.md section 6).
 
 Also the socket helpers every part uses (``tune``, ``close_socket``, the listening sockets).
 """
@@ -43,6 +56,10 @@ MAX_PENDING_ENV = "LLM_DATADIST_MAX_PENDING_HANDSHAKES"
 #: that one stranger cannot hold every pending slot.
 DEFAULT_MAX_PENDING_PER_SOURCE = 32
 MAX_PENDING_PER_SOURCE_ENV = "LLM_DATADIST_MAX_PENDING_PER_SOURCE"
+#: Under pressure (a newcomer finds no slot), how long a connection may stay unauthenticated before
+#: it gives its slot up: well above a handshake's round trips, well below the handshake timeout.
+DEFAULT_PREAUTH_GRACE_MS = 250
+PREAUTH_GRACE_ENV = "LLM_DATADIST_PREAUTH_GRACE_MS"
 #: Links a cluster holds (each costs a thread per incoming connection, two by default).
 DEFAULT_MAX_LINKS = 256
 MAX_LINKS_ENV = "LLM_DATADIST_MAX_LINKS"
@@ -60,7 +77,9 @@ def env_int(name: str, default: int, lo: int = 1) -> int:
 
 
 #: ``on_accept(connection, name)``: run the handshake of an accepted connection (and whatever
-#: follows on it); called on a thread of the listener. ``name`` is the peer's address.
+#: follows on it); called on a thread of the listener. ``name`` is the peer's address. It calls
+#: ``Listener.authenticated`` once the peer has authenticated, and ``Listener.handshake_done``
+#: before it closes the connection (the listener may shut down one it still counts).
 AcceptCallback = Callable[[socket.socket, str], None]
 #: Where a connection comes from, for the per-source caps: ``("ip", address)`` over TCP (every
 #: peer on this host is a loopback address), ``("uid", uid)`` over a Unix socket (as the kernel
@@ -95,28 +114,36 @@ class Listener:
     """The listening sockets of one cluster and the connections accepted on them until their
     handshake is over.
 
-    ``on_accept`` gets each accepted connection; ``max_pending`` bounds the connections in their
-    handshake, ``max_pending_per_source`` those of one source; ``count`` is told of
-    ``accept_errors``, ``refused_busy`` (the global cap) and ``refused_source`` (the per-source
-    one)."""
+    ``on_accept`` gets each accepted connection; ``max_pending`` bounds the unauthenticated
+    connections in their handshake, and apart from them the authenticated ones;
+    ``max_pending_per_source`` bounds the unauthenticated ones of one source; ``grace_ms`` is how
+    long one may stay unauthenticated once a newcomer needs its slot (module docstring).
+    ``count`` is told of ``accept_errors``, ``preauth_evicted`` (a connection that gave its slot
+    up), ``preauth_waited`` (a newcomer held until a slot was free), ``refused_busy`` (no slot of
+    the pool within the grace, or the authenticated pool full, or the listener closed) and
+    ``refused_source`` (no slot of its source's share within the grace)."""
 
     def __init__(self, cluster_id: int, on_accept: AcceptCallback, max_pending: int, count: CountCallback,
-                 max_pending_per_source: Optional[int] = None) -> None:
+                 max_pending_per_source: Optional[int] = None, grace_ms: int = DEFAULT_PREAUTH_GRACE_MS) -> None:
         self.cluster_id = cluster_id
         self.max_pending = max_pending
         self.max_pending_per_source = max_pending if max_pending_per_source is None else max_pending_per_source
+        self.grace_s = grace_ms / 1000
         self._on_accept = on_accept
         self._count = count
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a slot freed, or the listener closed
         self._sockets: List[socket.socket] = []      # listen_ip_info's, and its Unix socket
         self._loops: List[threading.Thread] = []     # their accept loops
         self._unix_name: Optional[str] = None
         self._extra: Dict[Tuple[str, int], List[Any]] = {}  # (ip, port) -> [socket, users]
         self._extra_unix_name: Optional[str] = None  # the Unix socket of the extra listeners
         self._extra_loops = Threads("llm_datadist-listen")
-        self._incoming: Dict[socket.socket, Source] = {}  # accepted connections still in their handshake
+        # Accepted connections not yet authenticated: their source and when they were admitted.
+        self._preauth: Dict[socket.socket, Tuple[Source, float]] = {}
         self._by_source: Dict[Source, int] = {}  # how many of them from each source
-        self._on_rank_port: Set[socket.socket] = set()  # those of them accepted by an extra listener
+        self._authenticated: Set[socket.socket] = set()  # authenticated, still in their handshake
+        self._on_rank_port: Set[socket.socket] = set()  # those in their handshake accepted by an extra listener
         self._closed = False
         self._threads = Threads("llm_datadist-conn")
 
@@ -238,18 +265,20 @@ class Listener:
             failures = 0
             name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
             source = source_of(conn, addr)
-            why = self.admit(conn, source, extra)
+            why = self.admit(conn, source, extra, wait=True)
             if why is not None:
                 refused = self._count(why)  # counted before the peer can see the refusal
                 close_socket(conn)  # at once: the peer sees its connection closed, without a byte
                 if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
                     if why == "refused_busy":
                         logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                       "(%s)", self.cluster_id, refused, self.max_pending, MAX_PENDING_ENV)
+                                       "(%s), none unauthenticated for %d ms (%s)", self.cluster_id, refused,
+                                       self.max_pending, MAX_PENDING_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
                     else:
                         logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                       "from %s (%s)", self.cluster_id, refused, self.max_pending_per_source,
-                                       describe(source), MAX_PENDING_PER_SOURCE_ENV)
+                                       "from %s (%s), none unauthenticated for %d ms (%s)", self.cluster_id,
+                                       refused, self.max_pending_per_source, describe(source),
+                                       MAX_PENDING_PER_SOURCE_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
                 continue
             try:
                 tune(conn)
@@ -270,25 +299,107 @@ class Listener:
         with self._lock:
             return listener in self._sockets or any(entry[0] is listener for entry in self._extra.values())
 
-    def admit(self, conn: socket.socket, source: Optional[Source] = None, extra: bool = False) -> Optional[str]:
-        """Count ``conn`` (from ``source``, ``source_of(conn)`` if not given) as a connection in
-        its handshake; or, not counted, the counter of why not: ``refused_busy`` when
-        ``max_pending`` are already pending or the listener is closed, ``refused_source`` when
-        ``max_pending_per_source`` are pending from that source. ``extra``: it came through an
+    def admit(self, conn: socket.socket, source: Optional[Source] = None, extra: bool = False,
+              wait: bool = False) -> Optional[str]:
+        """Count ``conn`` (from ``source``, ``source_of(conn)`` if not given) as an unauthenticated
+        connection in its handshake, in the place of one that has had the grace when the pool or
+        its source's share is full (that one is shut down; module docstring); or, not counted,
+        the counter of why not: ``refused_busy`` when the pool is full or the listener closed,
+        ``refused_source`` when its source's share is. ``wait``: rather than refuse at once,
+        wait up to the grace for a slot (the accept loop does). ``extra``: it came through an
         extra listener (``on_rank_port``)."""
         if source is None:
             source = source_of(conn)
+        until = time.monotonic() + (self.grace_s if wait else 0.0)
+        waited = evicted_one = False
+        why: Optional[str] = "refused_busy"
+        with self._changed:
+            while not self._closed:
+                now = time.monotonic()
+                why, evict, ready_at = self._slot_for(source, now)
+                if evict is not None:
+                    self._evict(evict)
+                    why, evicted_one = None, True
+                if why is None or now >= until:
+                    break
+                waited = True
+                self._changed.wait(min(until, ready_at if ready_at is not None else until) - now)
+            if self._closed:
+                why = "refused_busy"
+            elif why is None:
+                self._preauth[conn] = (source, time.monotonic())
+                self._by_source[source] = self._by_source.get(source, 0) + 1
+                if extra:
+                    self._on_rank_port.add(conn)
+        if waited:
+            self._count("preauth_waited")
+        if evicted_one:
+            evicted = self._count("preauth_evicted")
+            if evicted in (1, 10, 100) or evicted % 1000 == 0:  # rate-limited
+                logger.warning("cluster %d: %d unauthenticated connections closed to make room for new ones: the "
+                               "handshake slots were full and they had not authenticated within %d ms (%s)",
+                               self.cluster_id, evicted, self.grace_s * 1000, PREAUTH_GRACE_ENV)
+        return why
+
+    def _slot_for(self, source: Source, now: float
+                  ) -> Tuple[Optional[str], Optional[socket.socket], Optional[float]]:
+        """Under the lock: whether a newcomer from ``source`` finds a slot: ``(None, None, None)``
+        if one is free; else ``(why not, the connection to evict for it or None, when the first
+        that could be evicted will have had the grace or None)``. The one evicted is the oldest
+        that has had the grace, of the newcomer's source when that one is at its cap, else of the
+        sources holding at least as many as the newcomer's (its own included), the source holding
+        the most first: no source loses a slot to one that holds more."""
+        held = self._by_source.get(source, 0)
+        if held >= self.max_pending_per_source:
+            why, rivals = "refused_source", [(c, t) for c, (s, t) in self._preauth.items() if s == source]
+        elif len(self._preauth) >= self.max_pending:
+            why, rivals = "refused_busy", [(c, t) for c, (s, t) in self._preauth.items()
+                                           if self._by_source[s] >= held]
+        else:
+            return None, None, None
+        graced = [(c, t) for c, t in rivals if now - t >= self.grace_s]
+        if graced:
+            evict = max(graced, key=lambda item: (self._by_source[self._preauth[item[0]][0]], -item[1]))[0]
+            return why, evict, None
+        return why, None, min((t + self.grace_s for _, t in rivals), default=None)
+
+    def _evict(self, conn: socket.socket) -> None:
+        """Under the lock: ``conn`` gives its slot up; shut down (its handshake thread ends it).
+        Only a connection still counted here is shut down: its thread calls ``handshake_done``
+        (which takes the lock) before it closes the socket, so the descriptor is still its own."""
+        self._forget(conn)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _forget(self, conn: socket.socket) -> bool:
+        """Under the lock: ``conn`` no longer counts as unauthenticated; whether it did."""
+        entry = self._preauth.pop(conn, None)
+        if entry is None:
+            return False
+        left = self._by_source[entry[0]] - 1
+        if left:
+            self._by_source[entry[0]] = left
+        else:
+            del self._by_source[entry[0]]
+        self._changed.notify_all()
+        return True
+
+    def authenticated(self, conn: socket.socket) -> bool:
+        """The peer of ``conn`` has proved the secret (without one: sent its ``AUTH``): it leaves
+        the pre-authentication pool for the authenticated one. False if it no longer held a slot
+        (it gave it up: the caller ends it) or the authenticated pool is full (``refused_busy``,
+        counted here)."""
         with self._lock:
-            if len(self._incoming) >= self.max_pending or self._closed:
-                return "refused_busy"
-            held = self._by_source.get(source, 0)
-            if held >= self.max_pending_per_source:
-                return "refused_source"
-            self._incoming[conn] = source
-            self._by_source[source] = held + 1
-            if extra:
-                self._on_rank_port.add(conn)
-            return None
+            if conn not in self._preauth:
+                return False
+            self._forget(conn)
+            if len(self._authenticated) < self.max_pending:
+                self._authenticated.add(conn)
+                return True
+        self._count("refused_busy")
+        return False
 
     def on_rank_port(self, conn: socket.socket) -> bool:
         """Whether ``conn``, still in its handshake, came through an extra listener (a two-sided
@@ -299,22 +410,17 @@ class Listener:
     def handshake_done(self, conn: socket.socket) -> None:
         """``conn`` is through its handshake (or gone): it no longer counts as pending."""
         with self._lock:
-            source = self._incoming.pop(conn, None)
+            self._forget(conn)
+            self._authenticated.discard(conn)
             self._on_rank_port.discard(conn)
-            if source is not None:
-                left = self._by_source[source] - 1
-                if left:
-                    self._by_source[source] = left
-                else:
-                    del self._by_source[source]
 
     def pending(self) -> Set[socket.socket]:
-        """The accepted connections still in their handshake."""
+        """The accepted connections still in their handshake, authenticated or not."""
         with self._lock:
-            return set(self._incoming)
+            return set(self._preauth) | self._authenticated
 
     def pending_from(self, source: Source) -> int:
-        """How many connections from ``source`` are in their handshake."""
+        """How many unauthenticated connections from ``source`` are in their handshake."""
         with self._lock:
             return self._by_source.get(source, 0)
 
@@ -323,6 +429,7 @@ class Listener:
         """Accept nothing more: stop every listening socket (new connections are refused)."""
         with self._lock:
             self._closed = True
+            self._changed.notify_all()
             extra = [entry[0] for entry in self._extra.values()]
             self._extra.clear()
             self._extra_unix_name = None
@@ -332,13 +439,20 @@ class Listener:
 
     def drain(self) -> None:
         """After ``close``: end the connections still in their handshake and join the threads."""
-        for sock in self.pending():
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._lock:  # (under the lock: each is still its thread's, see ``_evict``)
+            for sock in set(self._preauth) | self._authenticated:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self._threads.join()
         self._extra_loops.join()
+
+
+#: Connections the kernel queues for ``accept()`` (capped by ``net.core.somaxconn``): while the
+#: accept loop holds a newcomer (``Listener.admit``) the rest wait there, first come first served,
+#: rather than have their SYNs dropped (a second or more of retransmission for a peer among them).
+LISTEN_BACKLOG = 1024
 
 
 def tcp_listener(ip: str, port: int) -> socket.socket:
@@ -347,7 +461,7 @@ def tcp_listener(ip: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((ip, port))
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -363,7 +477,7 @@ def unix_listener() -> Tuple[Optional[socket.socket], Optional[str]]:
         return None, None
     try:
         sock.bind("\0" + name)
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         return None, None
