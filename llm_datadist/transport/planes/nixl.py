@@ -1062,7 +1062,8 @@ class NixlPlane(DataPlane):
     def _load(self, agent: Agent, state: NixlLink, name: str, blob: bytes, generation: int,
               vram: Optional[int]) -> Optional[str]:
         """Load the peer's metadata (its name reserved in ``_loaded``) and prepare its generation
-        word; None, or why not (the reservation then goes)."""
+        word; None, or why not (the reservation then goes, and what NIXL loaded of it)."""
+        loaded = None
         try:
             loaded = agent.load(blob)
             if loaded != name:
@@ -1072,6 +1073,8 @@ class NixlPlane(DataPlane):
             agent.remove(name)
             with self._lock:
                 self._loaded.pop(name, None)
+                if loaded not in (None, name, agent.name) and loaded not in self._loaded:
+                    agent.remove(loaded)  # loaded under a name no link holds: unload that too
             self._count("nixl_refused_metadata")
             return f"NIXL refused the peer's metadata: {type(exc).__name__}: {exc}"
         with state.cond:

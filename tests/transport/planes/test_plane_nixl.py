@@ -306,6 +306,60 @@ def test_metadata_of_an_agent_of_another_cluster_is_refused_however_well_formed(
         _plane(dict(SECRET))._read_facts(session, facts)
 
 
+class _FakeAgent:
+    """Stands in for NIXL's agent at accept: ``load`` reports the name ``loads_as``; what is
+    loaded, prepared and removed is recorded."""
+
+    errors = ()
+    name = "llmdd-1-0000000000000001"
+
+    def __init__(self, loads_as: str) -> None:
+        self.loads_as, self.loaded, self.prepared, self.removed = loads_as, [], [], []
+
+    def load(self, blob: bytes) -> str:
+        self.loaded.append(blob)
+        return self.loads_as
+
+    def prepare(self, peer: str, mem: int, rows) -> int:
+        self.prepared.append(peer)
+        return 7
+
+    def remove(self, name: str) -> None:
+        self.removed.append(name)
+
+    def release_list(self, handle: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loads_as, reserved", [("llmdd-2-ffeeddccbbaa9988", False),
+                                                ("llmdd-2-ffeeddccbbaa9988", True)],
+                         ids=["another name", "another link's name"])
+def test_metadata_nixl_loads_under_another_name_than_announced_is_refused_and_unloaded(monkeypatch, loads_as,
+                                                                                      reserved):
+    """Whatever the checks before it passed, metadata NIXL reports loading under another agent
+    name than the one announced is refused: the link gets no plane, the counter says so, the
+    announced name is free again, and the name NIXL used is unloaded unless another link holds it."""
+    plane = _plane(dict(SECRET))
+    session = _session()
+    agent = _FakeAgent(loads_as)
+    monkeypatch.setattr(plane, "_refusal", lambda session, accepting=True: None)
+    monkeypatch.setattr(plane, "_ensure_agent", lambda session: (agent, None))
+    other_link = nixl.NixlLink()
+    if reserved:
+        plane._loaded[loads_as] = other_link
+    session.plane_state["nixl"] = plane.link_state(session)
+    why = plane.accept(session, _facts(), time.monotonic() + 1)
+    assert why is not None and f"NIXL loaded it as '{loads_as}'" in why
+    assert len(agent.loaded) == 1 and agent.prepared == []
+    assert plane.counters()["nixl_refused_metadata"] == 1
+    assert "llmdd-2-00112233445566ff" not in plane._loaded
+    assert session.plane_state["nixl"].remote is None
+    if reserved:
+        assert agent.removed == ["llmdd-2-00112233445566ff"] and plane._loaded[loads_as] is other_link
+    else:
+        assert agent.removed == ["llmdd-2-00112233445566ff", loads_as]
+
+
 # -- live: clusters in processes ----------------------------------------------------------------
 def _content(seed: int, tensor: int, block: int, block_bytes: int) -> np.ndarray:
     return np.random.default_rng((seed, tensor, block)).integers(0, 256, block_bytes, dtype=np.uint8)
