@@ -124,12 +124,14 @@ class LinkManager:
         #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
         #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``refused_writes``, pushes
         #: the write guard refused; ``protection_failures``,
-        #: records of a protected link that failed their check (``protection``; the link closed).
+        #: records of a protected link that failed their check (``protection``; the link closed);
+        #: ``malformed_tables``, table replies whose table or plane entries were malformed (the
+        #: link failed).
         self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "preauth_evicted": 0,
                       "preauth_waited": 0, "refused_links": 0, "refused_source_links": 0, "refused_self": 0,
                       "auth_failures": 0, "handshake_failures": 0, "links_lost": 0, "refused_oversized": 0,
                       "refused_parsing": 0, "refused_tables": 0,
-                      "refused_reads": 0, "refused_writes": 0, "protection_failures": 0}
+                      "refused_reads": 0, "refused_writes": 0, "protection_failures": 0, "malformed_tables": 0}
         #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
         self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
@@ -573,21 +575,31 @@ class LinkManager:
 
     # -- transfers --------------------------------------------------------------------------------
     def _fetch_table(self, peer: Peer, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
-        """The peer's cache table, and the whole reply (what its planes told us, untrusted)."""
+        """The peer's cache table, and what its planes told us (``_plane_facts``); a reply that
+        is malformed in either fails with ``LLM_LINK_FAILED`` (counted ``malformed_tables``)."""
         status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
                                              limit=self.max_table_bytes,
                                              on_oversized=lambda: self._count("refused_tables"))
         try:
             return RemoteTable(body), self._plane_facts(body)
         except ProtocolError as exc:
+            self._count("malformed_tables")
             raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
                                status_code=S.LLM_LINK_FAILED) from None
 
-    def _plane_facts(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        """What of a table reply is kept beside the table: the entries the planes read
-        (``DataPlane.facts_keys``), nothing else the peer put in it."""
-        keys = {key for name in plane_registry.names() for key in plane_registry.get(name).facts_keys}
-        return {key: body[key] for key in keys if key in body}
+    @staticmethod
+    def _plane_facts(body: Dict[str, Any]) -> Dict[str, Any]:
+        """What of a table reply is kept beside the table: each entry a plane reads
+        (``DataPlane.facts_keys``) as that plane parsed it into bounded typed fields
+        (``DataPlane.parse_facts``), nothing else the peer put in the reply; ProtocolError for a
+        malformed entry."""
+        facts: Dict[str, Any] = {}
+        for name in plane_registry.names():
+            plane = plane_registry.get(name)
+            for key in plane.facts_keys:
+                if key in body and key not in facts:
+                    facts[key] = plane.parse_facts(key, body[key])
+        return facts
 
     def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
         table, facts = self._fetch_table(peer, timeout_ms)

@@ -256,7 +256,8 @@ class Peer:
     ready: bool = False
     plane: Any = None    # the DataPlane of this side's transfers, chosen with the first table
     table: Optional[RemoteTable] = None
-    # What the planes read of the peer's last table reply (``DataPlane.facts_keys``; untrusted).
+    # The entries of the peer's last table reply the planes read (``DataPlane.facts_keys``), by
+    # key, each as its plane parsed it (``DataPlane.parse_facts``: typed, bounded, checked).
     facts: Dict[str, Any] = field(default_factory=dict)
     # The device planes of this side's transfers with device memory on either side, by
     # (local side is device memory, remote side is device memory), chosen on first use; and the

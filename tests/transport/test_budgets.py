@@ -10,6 +10,8 @@ What is checked, against real processes on 127.0.0.1 and hand-made peers (``rawp
   of one that holds it) is answered ``LLM_LINK_BUSY`` and the link goes on (``refused_parsing``);
 - 256 links, each with the largest table reply and notification the budgets allow, keep the
   cluster's RSS growth under ``LINKS_RSS_BOUND``;
+- junk inside the plane entries of 1 MiB table replies is not kept: the RSS stays flat, link
+  after link (``JUNK_BOUND_PER_LINK``);
 - staged transfers beyond ``LLM_DATADIST_MAX_STAGING_BYTES`` wait, then fail with LLM_TIMEOUT.
 """
 
@@ -22,7 +24,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from llm_datadist.status import LLMStatusCode
+from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, budgets, wire
 from llm_datadist.transport.listener import MAX_LINKS_PER_SOURCE_ENV
@@ -301,6 +303,85 @@ def test_256_links_at_the_budgets_keep_the_server_rss_growth_bounded(monkeypatch
             f"RSS grew {grown / MiB:.0f} MiB (peak {peak / MiB:.0f} MiB) for {LINKS} links"
         counted = server.call(stats)
         assert counted["links_lost"] == 0 and not any(counted[name] for name in counted if name.startswith("refused_"))
+
+
+# -- what a link keeps of its peer's plane entries -------------------------------------------------
+
+#: Links of the junk test: the first ``JUNK_WARMUP`` settle the process's allocator, the rest are
+#: weighed. Each reply costs about 23 MB while it is parsed (within the parsing budget's doing);
+#: pymalloc keeps arenas that a long-lived object landed in among the freed lists, so the RSS
+#: grows by about one reply's parse over the first 20 to 30 links and then stays flat (measured
+#: here, with the fix: +19 to +25 MB by link 24, then +0.4 to +3 MB over the next 30 links).
+JUNK_WARMUP, JUNK_LINKS = 24, 36
+#: What a link may keep, at most, of a reply at the table budget: half the README's 2 MiB a link.
+JUNK_BOUND_PER_LINK = MiB
+
+
+def junk_reply(case: int, nbytes: int) -> bytes:
+    """A table reply of at most ``nbytes``: an empty table and one plane entry whose bulk is
+    nested empty lists (the JSON that costs the most memory per byte once parsed). Cases 0-2
+    put the lists in a field no plane reads (``same_host``, ``cuda_ipc``, ``nixl`` in turn), the
+    entry otherwise well formed; cases 3-5 put them in place of a field the plane reads."""
+    key = ("same_host", "cuda_ipc", "nixl")[case % 3]
+    entry = {"same_host": {"probe": [4096, 1], "generation_addr": 4096, "generation_fd": -1},
+             "cuda_ipc": {"generation_fd": 3, "exports": []},
+             "nixl": {"agent": "llmdd-1-0011223344556677", "md": "", "generation": 4096, "vram": None}}[key]
+    field = "pad" if case < 3 else {"same_host": "probe", "cuda_ipc": "exports", "nixl": "md"}[key]
+    reply = {"generation": 1, "caches": [], "blocks": [], "keys": [], key: dict(entry, **{field: []})}
+    room = nbytes - len(json.dumps(reply, separators=(",", ":")))
+    reply[key][field] = [[]] * ((room + 1) // 3)
+    body = json.dumps(reply, separators=(",", ":")).encode()
+    assert nbytes - 8 < len(body) <= nbytes
+    return body
+
+
+def link_outcome(state, remote_id: int):
+    """The link's plane once this cluster read its peer's table (right after the link), the
+    reason the link was lost, or None (neither yet)."""
+    links = state.dd.engine.links
+    lost = links.lost_links().get(remote_id)
+    if lost is not None:
+        return lost
+    try:
+        return links.peer(remote_id).plane_name
+    except LLMException:  # still being set up
+        return None
+
+
+def test_junk_in_plane_entries_is_not_kept():
+    """Raw peers link to one cluster, each answering its table request with a reply at the
+    table budget (1 MiB) whose bulk is nested empty lists inside a ``same_host``, ``cuda_ipc`` or
+    ``nixl`` entry: beside a well-formed entry the lists are dropped and the link is made (tcp);
+    in place of a field the planes read, the entry is malformed and the link fails (counted
+    ``malformed_tables``). Either way, once the allocator settled (``JUNK_WARMUP``), the
+    cluster's RSS grows by less than ``JUNK_BOUND_PER_LINK`` a link (it kept the lists, about
+    23 MB a link, when plane entries were kept as sent)."""
+    replies = [junk_reply(case, budgets.DEFAULT_MAX_TABLE_BYTES) for case in range(6)]
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        answerers = [rawpeer.ReverseAnswerer(reply) for reply in replies]
+        for answerer in answerers:
+            stack.callback(answerer.close)
+        outcomes = {}
+        before = 0
+        for i in range(JUNK_LINKS):
+            if i == JUNK_WARMUP:
+                before = server.call(rss)
+            remote_id = 3000 + i
+            peer = answerers[i % 6].add(rawpeer.RawLink(server.address, remote_id))
+            stack.callback(peer.close)
+            deadline = time.monotonic() + 30
+            while outcomes.get(remote_id) is None and time.monotonic() < deadline:
+                outcomes[remote_id] = server.call(link_outcome, remote_id)
+                time.sleep(0.01)
+        per_link = (server.call(rss) - before) / (JUNK_LINKS - JUNK_WARMUP)
+        counted = server.call(stats)
+    assert per_link < JUNK_BOUND_PER_LINK, f"RSS grew {per_link / MiB:.1f} MiB a link"
+    kept = [outcomes[3000 + i] for i in range(JUNK_LINKS) if i % 6 < 3]
+    failed = [outcomes[3000 + i] for i in range(JUNK_LINKS) if i % 6 >= 3]
+    assert kept == ["tcp"] * len(kept), kept
+    assert all("sent a bad cache table" in (why or "") for why in failed), failed
+    assert counted["malformed_tables"] == len(failed)
 
 
 # -- staging buffers -----------------------------------------------------------------------------

@@ -44,13 +44,21 @@ Calls, in the order a link meets them:
     from the agent metadata in ``peer_facts``) and the prepared descriptor list of the peer's
     generation word (reloaded by ``on_table`` when the peer's metadata changed, released with the
     agent by ``close``: ``nixl.NixlLink``).
+``parse_facts(key, value)`` (class method; planes with ``facts_keys``)
+    The peer's entry ``key`` of its table reply (untrusted JSON), read into a small frozen value
+    of typed fields with fixed limits (lengths, counts, integer ranges): what the link keeps of
+    it (``session.facts[key]``), the JSON dropped. Raises ``errors.ProtocolError`` for an entry
+    that is not as the plane's ``offer`` makes it (the link fails, ``LLM_LINK_FAILED``, counted
+    ``malformed_tables``); unknown fields inside the entry are ignored. Knows nothing of the
+    link: what needs it (the peer's cluster id, pid) is ``accept``'s to check.
 ``accept(session, peer_facts, deadline)``
     Whether this plane can carry this side's transfers on the link, judged from what the kernel
     proved about the peer (``session.unix``, ``session.pid``, ``session.uid``: ``SO_PEERCRED`` of
-    its Unix connections), the planes it named (``session.planes``) and ``peer_facts`` (the
-    peer's authenticated table reply, a dict of untrusted JSON: check every field). Returns
-    ``None`` once the plane is set up for the link (in its ``link_state``), or a sentence saying
-    why not. ``deadline`` is a ``transport.deadline`` instant. Must not raise for hostile facts.
+    its Unix connections), the planes it named (``session.planes``) and ``peer_facts`` (what
+    ``parse_facts`` made of the peer's authenticated table reply, by key; a key the peer did not
+    send is absent). Returns ``None`` once the plane is set up for the link (in its
+    ``link_state``), or a sentence saying why not. ``deadline`` is a ``transport.deadline``
+    instant. Must not raise for hostile facts.
 ``on_register(record)`` / ``on_unregister(record)``
     The engine's registry gained or lost a cache (``record``: the engine's cache record, with
     ``cache_id``, ``addrs``, ``tensor_bytes``, ``placement``). For planes that export memory
@@ -60,7 +68,7 @@ Calls, in the order a link meets them:
     this side must find out before planning (the manager refreshes the table and plans again).
     A plane whose peer checks the generation itself returns True.
 ``on_table(session, table)``
-    The link fetched a new table of the peer (``session.facts`` holds its reply): release what
+    The link fetched a new table of the peer (``session.facts`` holds its parsed entries): release what
     the old one named and the new one does not (cuda_ipc closes mappings of caches the peer
     unregistered). Planes the link accepted only.
 ``transfer(session, table, plan, write, deadline)``
@@ -127,7 +135,8 @@ class DataPlane:
     #: Other names the CLI accepts for it.
     aliases: ClassVar[Tuple[str, ...]] = ()
     #: The entries of the peer's table reply that ``accept`` and ``on_table`` read (what its
-    #: ``offer`` puts there): the link keeps these of the reply (``session.facts``), no others.
+    #: ``offer`` puts there): the link keeps what ``parse_facts`` makes of these (``session.facts``),
+    #: nothing else of the reply. A key belongs to one plane.
     facts_keys: ClassVar[Tuple[str, ...]] = ()
     #: Position in the order ``auto`` tries planes (lower first).
     auto_rank: ClassVar[int] = 50
@@ -201,6 +210,10 @@ class DataPlane:
     @classmethod
     def trust(cls) -> str:
         return ""
+
+    @classmethod
+    def parse_facts(cls, key: str, value: Any) -> Any:
+        raise NotImplementedError(f"data plane {cls.name} declares facts_keys but no parse_facts")
 
     def offer(self, session) -> Dict[str, Any]:
         return {}

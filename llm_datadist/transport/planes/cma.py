@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.transport import deadline as dl
-from llm_datadist.transport.errors import S, fail, is_int, status_of
+from llm_datadist.transport.errors import S, ProtocolError, fail, is_int, status_of
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.shm import PeerCounter
@@ -61,6 +61,10 @@ class CmaPlane(DataPlane):
         return {"same_host": {"probe": [self.cookie.addr, self.cookie.value], "generation_addr": word.addr,
                               "generation_fd": word.fd}}
 
+    @classmethod
+    def parse_facts(cls, key: str, value: Any) -> "SameHostFacts":
+        return SameHostFacts.parse(value)
+
     def link_state(self, session) -> "CmaLink":
         return CmaLink()
 
@@ -69,20 +73,17 @@ class CmaPlane(DataPlane):
         if refusal is not None:
             return refusal
         info = peer_facts.get("same_host") if isinstance(peer_facts, dict) else None
-        if not (isinstance(info, dict) and isinstance(info.get("probe"), list) and len(info["probe"]) == 2
-                and all(is_int(x) for x in info["probe"]) and is_int(info.get("generation_addr"))
-                and is_int(info.get("generation_fd"), -1, 2**31 - 1)):
-            return "the peer sent no usable same-host details"
-        addr, value = info["probe"]
-        st, err, data = _io.cma_read_bytes(session.pid, addr, 8)
-        if st != 0 or int.from_bytes(data, "little") != value:
+        if not isinstance(info, SameHostFacts):
+            return "the peer sent no same-host details"
+        st, err, data = _io.cma_read_bytes(session.pid, info.probe_addr, 8)
+        if st != 0 or int.from_bytes(data, "little") != info.probe_value:
             return f"a probe read of the peer failed ({os.strerror(err) if err else 'mismatch'})"
         state = self.state(session)
         if state is None:
             return "the link is closed"
         # Map the peer's generation counter and hold a pidfd of it.
-        state.generation_addr = info["generation_addr"]
-        state.generation = PeerCounter.open(session.pid, info["generation_fd"])
+        state.generation_addr = info.generation_addr
+        state.generation = PeerCounter.open(session.pid, info.generation_fd)
         try:
             state.pidfd = os.pidfd_open(session.pid)
         except (AttributeError, OSError):
@@ -164,6 +165,28 @@ class CmaPlane(DataPlane):
         state = self.state(session)
         if state is not None:
             state.release()
+
+
+@dataclass(frozen=True)
+class SameHostFacts:
+    """The peer's ``same_host`` entry (``CmaPlane.offer``), checked: where to read its probe
+    cookie and the value to find there, the address of its registry generation word and the
+    descriptor number of that word's shared page in the peer (-1: none)."""
+
+    probe_addr: int
+    probe_value: int
+    generation_addr: int
+    generation_fd: int
+
+    @classmethod
+    def parse(cls, value: Any) -> "SameHostFacts":
+        """ProtocolError unless ``value`` is ``{"probe": [addr, value], "generation_addr": addr,
+        "generation_fd": fd}`` of 64-bit numbers (an fd of -1 to 2**31-1)."""
+        probe = value.get("probe") if isinstance(value, dict) else None
+        if not (isinstance(probe, list) and len(probe) == 2 and all(is_int(x) for x in probe)
+                and is_int(value.get("generation_addr")) and is_int(value.get("generation_fd"), -1, 2**31 - 1)):
+            raise ProtocolError("malformed same_host entry")
+        return cls(probe[0], probe[1], value["generation_addr"], value["generation_fd"])
 
 
 @dataclass(eq=False)

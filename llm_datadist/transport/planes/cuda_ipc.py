@@ -31,14 +31,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from llm_datadist import _core, runtimes
 from llm_datadist._memory import Place
 from llm_datadist.status import LLMException
 from llm_datadist.transport import auth
-from llm_datadist.transport.errors import S, fail, is_int
+from llm_datadist.transport.errors import S, ProtocolError, brief, fail, is_int
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.shm import PeerCounter
@@ -48,6 +50,8 @@ _FACTS = "cuda_ipc"
 STAGING = "staging"
 #: At most this many exported tensors are read from a peer's table reply.
 MAX_EXPORTS = 1 << 16
+#: The bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``).
+HANDLE_BYTES = 64
 #: The option (``"1"`` / ``"true"``) that lets this side export its GPU memory on links without a
 #: secret (still only to a proven process of this user); the environment variable is read where
 #: the option is absent.
@@ -209,6 +213,10 @@ class CudaIpcPlane(DataPlane):
                        "with this cluster go through staging", session.cluster_id, session.pid, NO_SECRET)
 
     # -- the peer's side -----------------------------------------------------------------------
+    @classmethod
+    def parse_facts(cls, key: str, value: Any) -> "IpcFacts":
+        return IpcFacts.parse(value)
+
     def link_state(self, session) -> "IpcLink":
         return IpcLink()
 
@@ -219,15 +227,14 @@ class CudaIpcPlane(DataPlane):
         if self._runtime() is None:
             return "this process's device runtime cannot map other processes' memory"
         info = peer_facts.get(_FACTS) if isinstance(peer_facts, dict) else None
-        if not (isinstance(info, dict) and is_int(info.get("generation_fd"), 0, 2**31 - 1)
-                and isinstance(info.get("exports"), list)):
+        if not isinstance(info, IpcFacts):
             return ("the peer exports no GPU memory to this process (an owner exports only to a proven "
                     "process of its own user, on links with a secret unless it allows "
                     f"{WITHOUT_SECRET_OPTION})")
         state = self.state(session)
         if state is None:
             return "the link is closed"
-        counter = PeerCounter.open(session.pid, info["generation_fd"])
+        counter = PeerCounter.open(session.pid, info.generation_fd)
         if counter is None:
             return "the peer's registry generation cannot be mapped"
         with state.lock:
@@ -247,10 +254,7 @@ class CudaIpcPlane(DataPlane):
         state = self.state(session)
         if state is None:
             return
-        facts = getattr(session, "facts", None)
-        info = facts.get(_FACTS) if isinstance(facts, dict) else None
-        listed = {handle for tensors in _parse_exports(info, session.cluster_id).values()
-                  for handle, _ in tensors}
+        listed = _exports_of(getattr(session, "facts", None)).mappings()
         runtime = self._runtime()
         with state.lock:
             stale = [h for h in state.maps if h not in listed]
@@ -289,10 +293,8 @@ class CudaIpcPlane(DataPlane):
     @staticmethod
     def _unexported(session, table) -> bool:
         """Whether the peer's table has a device cache its exports do not cover."""
-        facts = getattr(session, "facts", None)
-        info = facts.get(_FACTS) if isinstance(facts, dict) else None
-        exports = _parse_exports(info, session.cluster_id)
-        return any(not cache.host_addressable and len(exports.get(cache.cache_id) or ()) != cache.num_tensors
+        exports = _exports_of(getattr(session, "facts", None))
+        return any(not cache.host_addressable and exports.tensor_count(cache.cache_id) != cache.num_tensors
                    for cache in table.caches.values())
 
     def _spans(self, session, table, runtime) -> List[Tuple[int, int, int]]:
@@ -306,13 +308,12 @@ class CudaIpcPlane(DataPlane):
             cached = state.spans
             if cached is not None and cached[0] is table and cached[1] is facts:
                 return cached[2]
-            info = facts.get(_FACTS) if isinstance(facts, dict) else None
-            exports = _parse_exports(info, session.cluster_id)
+            exports = _exports_of(facts)
             spans, used = [], set()
             for cache in table.caches.values():
                 if cache.host_addressable:
                     continue
-                tensors = exports.get(cache.cache_id)
+                tensors = exports.tensors(cache.cache_id)
                 if tensors is None or len(tensors) != cache.num_tensors:
                     continue  # not exported: a transfer touching it finds no span
                 for addr, (handle, offset) in zip(cache.addrs, tensors):
@@ -366,28 +367,111 @@ class IpcLink:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _parse_exports(info: Any, cluster_id: int) -> Dict[int, List[Tuple[Tuple[bytes, int], int]]]:
-    """The peer's exports, checked: cache id -> [((64-byte handle, export id), offset), ...]; the
-    pair names one mapping (one registration's view of one allocation)."""
-    if not isinstance(info, dict) or not isinstance(info.get("exports"), list):
-        return {}
-    out: Dict[int, List[Tuple[bytes, int]]] = {}
-    count = 0
-    try:
-        for cache_id, serial, tensors in info["exports"]:
-            if (not is_int(cache_id, 1, 2**63 - 1) or not is_int(serial, 0, 2**63 - 1)
-                    or not isinstance(tensors, list)):
-                raise ValueError(f"cache {cache_id!r}")
-            parsed = []
-            for handle, offset in tensors:
-                raw = bytes.fromhex(handle) if isinstance(handle, str) else b""
-                if len(raw) != 64 or not is_int(offset, 0, 2**63 - 1):
-                    raise ValueError(f"tensor export of cache {cache_id}")
-                parsed.append(((raw, serial), offset))
-                count += 1
+class Exports:
+    """The GPU memory a peer exported, checked and packed (72 bytes a tensor, 20 a cache): per
+    cache id (sorted), the export id of its registration, and per tensor the handle of the
+    allocation holding it and its offset there. One pair (handle, export id) names one mapping
+    (one registration's view of one allocation)."""
+
+    __slots__ = ("_cache_ids", "_serials", "_starts", "_handles", "_offsets")
+
+    def __init__(self, caches: List[Tuple[int, int, List[Tuple[bytes, int]]]] = ()) -> None:
+        """``caches``: ``(cache id, export id, [(handle, offset), ...])``, unique cache ids."""
+        caches = sorted(caches)
+        self._cache_ids = array("Q", (c[0] for c in caches))
+        self._serials = array("Q", (c[1] for c in caches))
+        self._starts = array("I", [0])
+        for _, _, tensors in caches:
+            self._starts.append(self._starts[-1] + len(tensors))
+        self._handles = b"".join(handle for c in caches for handle, _ in c[2])
+        self._offsets = array("Q", (offset for c in caches for _, offset in c[2]))
+
+    def _index(self, cache_id: int) -> int:
+        at = bisect_left(self._cache_ids, cache_id)
+        return at if at < len(self._cache_ids) and self._cache_ids[at] == cache_id else -1
+
+    def cache_ids(self) -> List[int]:
+        """The caches exported, in order."""
+        return list(self._cache_ids)
+
+    def tensor_count(self, cache_id: int) -> int:
+        """How many tensors of ``cache_id`` the peer exported (0: none)."""
+        at = self._index(cache_id)
+        return 0 if at < 0 else self._starts[at + 1] - self._starts[at]
+
+    def tensors(self, cache_id: int) -> Optional[List[Tuple[Tuple[bytes, int], int]]]:
+        """``[((handle, export id), offset), ...]`` of ``cache_id``'s tensors, or None."""
+        at = self._index(cache_id)
+        if at < 0:
+            return None
+        serial = self._serials[at]
+        return [((self._handle(j), serial), self._offsets[j]) for j in range(self._starts[at], self._starts[at + 1])]
+
+    def mappings(self) -> Set[Tuple[bytes, int]]:
+        """Every ``(handle, export id)`` listed."""
+        return {(self._handle(j), self._serials[at]) for at in range(len(self._cache_ids))
+                for j in range(self._starts[at], self._starts[at + 1])}
+
+    def _handle(self, j: int) -> bytes:
+        return self._handles[j * HANDLE_BYTES:(j + 1) * HANDLE_BYTES]
+
+
+@dataclass(frozen=True)
+class IpcFacts:
+    """The peer's ``cuda_ipc`` entry (``CudaIpcPlane.offer``), checked: the descriptor number of
+    its registry generation word's shared page in the peer, and its exports."""
+
+    generation_fd: int
+    exports: Exports
+
+    @classmethod
+    def parse(cls, value: Any) -> "IpcFacts":
+        """ProtocolError unless ``value`` is ``{"generation_fd": fd, "exports": [[cache id, export
+        id, [[handle hex, offset], ...]], ...]}``: an fd of 0 to 2**31-1, positive cache ids listed
+        once, each with at least one tensor, at most ``MAX_EXPORTS`` tensors in all, 64-byte
+        handles, 63-bit export ids and offsets."""
+        if not isinstance(value, dict) or not is_int(value.get("generation_fd"), 0, 2**31 - 1) \
+                or not isinstance(value.get("exports"), list):
+            raise ProtocolError("malformed cuda_ipc entry")
+        caches, seen, count = [], set(), 0
+        for entry in value["exports"]:
+            if not (isinstance(entry, list) and len(entry) == 3):
+                raise ProtocolError(f"cuda_ipc export {_what(entry)}")
+            cache_id, serial, tensors = entry
+            if (not is_int(cache_id, 1, 2**63 - 1) or cache_id in seen or not is_int(serial, 0, 2**63 - 1)
+                    or not isinstance(tensors, list) or not tensors):
+                raise ProtocolError(f"cuda_ipc export of cache {_what(cache_id)}")
+            count += len(tensors)
             if count > MAX_EXPORTS:
-                raise ValueError(f"more than {MAX_EXPORTS} tensors")
-            out[cache_id] = parsed
-    except (TypeError, ValueError) as exc:
-        raise fail(S.LLM_LINK_FAILED, f"cluster {cluster_id} sent malformed GPU exports: {exc}") from None
-    return out
+                raise ProtocolError(f"cuda_ipc exports of more than {MAX_EXPORTS} tensors")
+            seen.add(cache_id)
+            caches.append((cache_id, serial, [_tensor_export(cache_id, tensor) for tensor in tensors]))
+        return cls(value["generation_fd"], Exports(caches))
+
+
+def _tensor_export(cache_id: int, tensor: Any) -> Tuple[bytes, int]:
+    """``(handle, offset)`` of one ``[handle hex, offset]``; ProtocolError if it is not one."""
+    if isinstance(tensor, list) and len(tensor) == 2 and isinstance(tensor[0], str) \
+            and len(tensor[0]) == 2 * HANDLE_BYTES and is_int(tensor[1], 0, 2**63 - 1):
+        try:
+            handle = bytes.fromhex(tensor[0])
+        except ValueError:
+            handle = b""
+        if len(handle) == HANDLE_BYTES:
+            return handle, tensor[1]
+    raise ProtocolError(f"cuda_ipc tensor export of cache {cache_id}: {_what(tensor)}")
+
+
+def _what(value: Any) -> str:
+    """A peer's value for a message: a number as it is, anything else by its type (a peer's list
+    may nest as deep as the JSON decoder allows, too deep to ``repr``)."""
+    return brief(value) if isinstance(value, (int, float)) else f"a {type(value).__name__}"
+
+
+_NO_EXPORTS = Exports()
+
+
+def _exports_of(facts: Any) -> Exports:
+    """The exports in a link's facts (none where the peer sent no ``cuda_ipc`` entry)."""
+    info = facts.get(_FACTS) if isinstance(facts, dict) else None
+    return info.exports if isinstance(info, IpcFacts) else _NO_EXPORTS

@@ -26,13 +26,15 @@ NIXL's loader. Hence the secret, and the checks below.
 **Metadata.** Each side's table reply carries ``{"nixl": {"agent", "md", "generation", "vram"}}``:
 its agent's name (``llmdd-<cluster id>-<16 hex>``), the agent's metadata (base64), the address of
 its registry generation word (registered with NIXL) and whether it registers DEVICE caches as VRAM.
-Before NIXL sees a peer's blob it is read field by field as NIXL's loader reads it
-(``parse_metadata``): at most ``MAX_METADATA_BYTES``; naming the agent announced, which must be of
-the peer's authenticated cluster id, not this side's and not loaded by another link; one UCX
-connection; DRAM/VRAM sections only; the generation word among its regions; nothing after it. (A
-truncated blob that NIXL 1.5.1 loads part of leaves that agent name unloadable for good, a reason
-more to never hand it one.) The peer's agent is removed when the link ends, and reloaded when a
-refreshed table carries new metadata (the peer registered or unregistered memory).
+The link keeps the entry as ``NixlFacts`` (bounded fields, the metadata decoded; a malformed entry
+fails the link when the reply arrives). Before NIXL sees a peer's blob it is read field by field as
+NIXL's loader reads it (``parse_metadata``): at most ``MAX_METADATA_BYTES``; naming the agent
+announced, which must be of the peer's authenticated cluster id, not this side's and not loaded by
+another link; one UCX connection; DRAM/VRAM sections only; the generation word among its regions;
+nothing after it; and NIXL must load it under that name. (A truncated blob that NIXL 1.5.1 loads
+part of leaves that agent name unloadable for good, a reason more to never hand it one.) The peer's
+agent is removed when the link ends, and reloaded when a refreshed table carries new metadata (the
+peer registered or unregistered memory).
 
 **UCX's settings** are process-wide and fixed when the process makes its first agent (``fix_ucx``):
 TCP mode: ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` = the interface of the link's own address; RDMA
@@ -90,7 +92,7 @@ from llm_datadist._memory import Place
 from llm_datadist.transport import auth
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
-from llm_datadist.transport.errors import S, StaleTable, brief, fail, is_int
+from llm_datadist.transport.errors import S, ProtocolError, StaleTable, brief, fail, is_int
 from llm_datadist.transport.listener import is_loopback
 from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
@@ -230,6 +232,42 @@ def parse_metadata(blob: bytes, name: str) -> List[Region]:
     if fields.pos != len(blob):
         raise ValueError(f"{len(blob) - fields.pos} bytes after the last field")
     return regions
+
+
+@dataclass(frozen=True)
+class NixlFacts:
+    """The peer's ``nixl`` entry (``NixlPlane.offer``), read into bounded fields: its agent's name
+    and the cluster id that name carries, the agent's metadata (at most ``MAX_METADATA_BYTES``;
+    ``parse_metadata`` reads it at accept), the address of the peer's registry generation word,
+    and the device of its VRAM registrations (None: it registers none)."""
+
+    agent: str
+    cluster_id: int
+    blob: bytes
+    generation: int
+    vram: Optional[int]
+
+    @classmethod
+    def parse(cls, value: Any) -> "NixlFacts":
+        """ProtocolError unless ``value`` is ``{"agent": "llmdd-<cluster id>-<16 hex>", "md":
+        base64 of at most MAX_METADATA_BYTES, "generation": a non-zero 64-bit address, "vram":
+        None or a device number}``."""
+        if not isinstance(value, dict):
+            raise ProtocolError("malformed nixl entry")
+        name, encoded, generation, vram = (value.get(k) for k in ("agent", "md", "generation", "vram"))
+        if (not isinstance(name, str) or not isinstance(encoded, str) or not is_int(generation, 1)
+                or not (vram is None or is_int(vram, 0, 2**31 - 1))):
+            raise ProtocolError("malformed nixl entry")
+        match = _AGENT_NAME.fullmatch(name)
+        if match is None:
+            raise ProtocolError(f"nixl agent name {brief(name[:100])} is not llmdd-<cluster id>-<16 hex>")
+        if len(encoded) > (MAX_METADATA_BYTES + 2) // 3 * 4:
+            raise ProtocolError(f"NIXL metadata of more than {MAX_METADATA_BYTES} bytes")
+        try:
+            blob = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("NIXL metadata that is not base64") from None
+        return cls(name, int(match.group(1)), blob, generation, vram)
 
 
 def agent_name(cluster_id: int) -> str:
@@ -972,25 +1010,20 @@ class NixlPlane(DataPlane):
                            session.cluster_id, exc)
             return {}
 
+    @classmethod
+    def parse_facts(cls, key: str, value: Any) -> NixlFacts:
+        return NixlFacts.parse(value)
+
     def _read_facts(self, session, facts: Any) -> Tuple[str, bytes, int, Optional[int]]:
-        """``(agent name, metadata, generation address, VRAM device or None)`` of the peer's reply,
-        checked; ValueError saying what is wrong."""
+        """``(agent name, metadata, generation address, VRAM device or None)`` of the peer's
+        ``NixlFacts`` in ``facts``, checked against the link and read field by field
+        (``parse_metadata``); ValueError saying what is wrong."""
         info = facts.get(_FACTS) if isinstance(facts, dict) else None
-        if not isinstance(info, dict):
+        if not isinstance(info, NixlFacts):
             raise ValueError("the peer sent no NIXL metadata (it offers it only where it would use nixl)")
-        name, encoded, generation, vram = info.get("agent"), info.get("md"), info.get("generation"), info.get("vram")
-        if (not isinstance(name, str) or not isinstance(encoded, str) or not is_int(generation, 1)
-                or not (vram is None or is_int(vram, 0, 2**31 - 1))):
-            raise ValueError("malformed NIXL details")
-        match = _AGENT_NAME.fullmatch(name)
-        if match is None or int(match.group(1)) != session.cluster_id:
-            raise ValueError(f"agent name {brief(name)} is not one of cluster {session.cluster_id}")
-        if len(encoded) > (MAX_METADATA_BYTES + 2) // 3 * 4:
-            raise ValueError(f"NIXL metadata of more than {MAX_METADATA_BYTES} bytes")
-        try:
-            blob = base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("NIXL metadata that is not base64") from None
+        name, blob, generation, vram = info.agent, info.blob, info.generation, info.vram
+        if info.cluster_id != session.cluster_id:
+            raise ValueError(f"agent name {name} is not one of cluster {session.cluster_id}")
         regions = parse_metadata(blob, name)
         if not any(r.mem == DRAM and r.addr <= generation and generation + 8 <= r.addr + r.nbytes for r in regions):
             raise ValueError("the generation word is not among the registered regions")
@@ -1029,7 +1062,8 @@ class NixlPlane(DataPlane):
     def _load(self, agent: Agent, state: NixlLink, name: str, blob: bytes, generation: int,
               vram: Optional[int]) -> Optional[str]:
         """Load the peer's metadata (its name reserved in ``_loaded``) and prepare its generation
-        word; None, or why not (the reservation then goes)."""
+        word; None, or why not (the reservation then goes, and what NIXL loaded of it)."""
+        loaded = None
         try:
             loaded = agent.load(blob)
             if loaded != name:
@@ -1039,6 +1073,8 @@ class NixlPlane(DataPlane):
             agent.remove(name)
             with self._lock:
                 self._loaded.pop(name, None)
+                if loaded not in (None, name, agent.name) and loaded not in self._loaded:
+                    agent.remove(loaded)  # loaded under a name no link holds: unload that too
             self._count("nixl_refused_metadata")
             return f"NIXL refused the peer's metadata: {type(exc).__name__}: {exc}"
         with state.cond:

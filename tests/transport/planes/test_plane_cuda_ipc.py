@@ -78,8 +78,9 @@ def c_unlink(state, remote_id: int) -> None:
     state.dd.unlink_clusters([info], 5000, force=True)
 
 
-def c_facts(state, remote_id: int) -> dict:
-    """The cuda_ipc part of a fresh table reply of ``remote_id`` (None: no exports offered)."""
+def c_facts(state, remote_id: int):
+    """The cuda_ipc part of a fresh table reply of ``remote_id``, as the link keeps it
+    (``cuda_ipc.IpcFacts``; None: no exports offered)."""
     _, facts = state.dd.engine.links._fetch_table(state.dd.engine.links.peer(remote_id), 5000)
     return facts.get("cuda_ipc")
 
@@ -240,7 +241,7 @@ def test_the_opt_in_offers_handles_on_links_without_a_secret(cuda_env, monkeypat
         monkeypatch.setenv(cuda_ipc.WITHOUT_SECRET_ENV, "1")
     with _pair(secret=None, server_options=server_options) as (client, server, _):
         offered = client.call(c_facts, SERVER_ID)
-        assert offered is not None and len(offered["exports"]) == 1
+        assert offered is not None and len(offered.exports.cache_ids()) == 1
         assert (server.call(c_facts, CLIENT_ID) is None) == (how == "option")  # the client did not opt in
         assert client.call(c_plane_of, SERVER_ID, True, True) == "cuda_ipc"
 
@@ -248,7 +249,7 @@ def test_the_opt_in_offers_handles_on_links_without_a_secret(cuda_env, monkeypat
 def test_with_a_secret_a_proven_peer_of_this_user_gets_handles(cuda_env):
     with _pair() as (client, server, _):
         offered = client.call(c_facts, SERVER_ID)
-        assert offered is not None and [e[0] for e in offered["exports"]] == [server.call(c_cache_id, "blocks")]
+        assert offered is not None and offered.exports.cache_ids() == [server.call(c_cache_id, "blocks")]
         assert server.call(c_facts, CLIENT_ID) is not None
 
 

@@ -23,6 +23,7 @@ import pytest
 from llm_datadist import _core
 from llm_datadist._memory import Place
 from llm_datadist.status import LLMException, LLMStatusCode
+from llm_datadist.transport.errors import ProtocolError
 from llm_datadist.transport.planes import cuda_ipc
 from llm_datadist.transport.shm import SharedCounter
 from llm_datadist.transport.table import RemoteTable
@@ -70,10 +71,15 @@ def _plane(runtime, **options):
     return cuda_ipc.CudaIpcPlane(engine)
 
 
+def _facts(exports, generation_fd=3):
+    """A link's facts: the ``cuda_ipc`` entry of a table reply as the link keeps it (parsed)."""
+    return {"cuda_ipc": cuda_ipc.CudaIpcPlane.parse_facts("cuda_ipc", {"generation_fd": generation_fd,
+                                                                       "exports": exports})}
+
+
 def _session(exports):
     """A link whose cuda_ipc state was made at link time (the counter is left unmapped)."""
-    session = SimpleNamespace(cluster_id=7, facts={"cuda_ipc": {"generation_fd": 3, "exports": exports}},
-                              plane_state={})
+    session = SimpleNamespace(cluster_id=7, facts=_facts(exports), plane_state={})
     session.plane_state["cuda_ipc"] = cuda_ipc.IpcLink()
     return session
 
@@ -117,14 +123,37 @@ def test_a_tensor_beyond_the_mapped_allocation_fails_the_link_whatever_the_peer_
     [[5, -1, [[H1.hex(), 0]]]],           # negative export id
     ["garbage"],
     [[5, 1, [[H1.hex()]]]],                  # no offset
+    [[5, 1, []]],                            # a cache of no tensor
+    [[5, 1, [[H1.hex(), 0]]], [5, 2, [[H2.hex(), 0]]]],  # cache 5 twice
+    [[5, 1, [[H1.hex(), 0]], "x"]],          # four fields
+    [[5, 1, [[H1.hex(), 0, 0]]]],            # three fields
+    [[5, 1, [[" " + H1.hex()[1:], 0]]]],     # 128 characters, but not 64 bytes of hex
+    [[5, 1, [[[[]] * 64, 0]]]],              # a list for a handle
+    [[5, 1, [[H1.hex(), 0]] * (cuda_ipc.MAX_EXPORTS + 1)]],
 ])
-def test_malformed_exports_fail_the_link_and_map_nothing(exports):
-    runtime = FakeRuntime({H1: 1 << 20})
-    plane = _plane(runtime)
-    with pytest.raises(LLMException) as info:
-        plane._spans(_session(exports), _table([(5, [0x1000], 4, 1024)]), runtime)
-    assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
-    assert runtime.opened == []
+def test_malformed_exports_are_refused_when_the_reply_is_read(exports):
+    """``parse_facts`` runs as the table reply arrives (``LinkManager._fetch_table``): malformed
+    exports fail the link there, before anything could be mapped."""
+    with pytest.raises(ProtocolError):
+        _facts(exports)
+
+
+@pytest.mark.parametrize("entry", ["x", [], {"exports": []}, {"generation_fd": -1, "exports": []},
+                                   {"generation_fd": 2**31, "exports": []}, {"generation_fd": 3, "exports": {}},
+                                   {"generation_fd": True, "exports": []}])
+def test_a_malformed_cuda_ipc_entry_is_refused(entry):
+    with pytest.raises(ProtocolError, match="malformed cuda_ipc entry"):
+        cuda_ipc.CudaIpcPlane.parse_facts("cuda_ipc", entry)
+
+
+def test_exports_are_kept_packed_and_read_back_as_sent():
+    exports = [[9, 4, [[H2.hex(), 4096]]], [5, 1, [[H1.hex(), 0], [H2.hex(), 2**63 - 1]]]]
+    facts = cuda_ipc.CudaIpcPlane.parse_facts("cuda_ipc", {"generation_fd": 3, "exports": exports, "pad": [[]] * 99})
+    assert facts.generation_fd == 3
+    kept = facts.exports
+    assert kept.tensors(5) == [((H1, 1), 0), ((H2, 1), 2**63 - 1)] and kept.tensors(9) == [((H2, 4), 4096)]
+    assert kept.tensors(6) is None and kept.tensor_count(6) == 0 and kept.tensor_count(5) == 2
+    assert kept.mappings() == {(H1, 1), (H2, 1), (H2, 4)} and kept.cache_ids() == [5, 9]
 
 
 def test_a_cache_the_peer_did_not_export_gets_no_span_and_its_transfer_finds_none():
@@ -181,7 +210,7 @@ def test_mappings_the_peer_no_longer_lists_are_closed_and_close_releases_the_res
     plane._spans(session, _table([(5, [0x1000], 4, 1024), (6, [0x100000], 4, 1024)]), runtime)
     assert sorted(runtime.opened) == sorted([H1, H2])
     # The peer unregistered cache 6: its new table and exports no longer list it.
-    session.facts = {"cuda_ipc": {"generation_fd": 3, "exports": [[5, 1, [[H1.hex(), 0]]]]}}
+    session.facts = _facts([[5, 1, [[H1.hex(), 0]]]])
     plane._spans(session, _table([(5, [0x1000], 4, 1024)], generation=2), runtime)
     assert runtime.closed == [runtime.bases[H2]]
     assert list(_maps(session)) == [(H1, 1)]
@@ -199,7 +228,7 @@ def test_a_new_registration_is_mapped_afresh_even_with_the_same_handle_bytes():
     plane = _plane(runtime)
     session = _session([[5, 1, [[H1.hex(), 0]]]])
     plane._spans(session, _table([(5, [0x1000], 4, 1024)]), runtime)
-    session.facts = {"cuda_ipc": {"generation_fd": 3, "exports": [[5, 7, [[H1.hex(), 0]]]]}}
+    session.facts = _facts([[5, 7, [[H1.hex(), 0]]]])
     plane.on_table(session, None)
     assert runtime.closed == [runtime.bases[H1]] and _maps(session) == {}
     plane._spans(session, _table([(5, [0x1000], 4, 1024)], generation=2), runtime)
@@ -342,7 +371,7 @@ def test_the_peer_maps_nothing_of_a_process_the_kernel_did_not_prove_to_be_anoth
         other_process, case, why):
     """Every fact the owner sent is usable (its counter maps): only who the peer is refuses it."""
     pid, fd = other_process
-    facts = {"cuda_ipc": {"generation_fd": fd, "exports": []}}
+    facts = _facts([], generation_fd=fd)
     changes = dict(REFUSED_PEERS[case][0])
     if case != "itself":
         changes["pid"] = pid  # a pid whose counter maps: nothing but the refusal stops the accept

@@ -40,6 +40,7 @@ import pytest
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import Cluster, link
+from llm_datadist.transport.errors import ProtocolError
 from llm_datadist.transport.planes import nixl
 from proc_sockets import foreign_sockets
 
@@ -236,33 +237,127 @@ def test_a_protected_link_gets_no_nixl_offered_or_accepted(monkeypatch):
     assert forced._refusal(session) is None or nixl.INSTALL in forced._refusal(session)
 
 
+def _entry(name: str = "llmdd-2-00112233445566ff", generation: int = 0x5000, **changes) -> Dict:
+    """A ``nixl`` entry of a table reply as ``offer`` writes it, for agent ``name``."""
+    blob = metadata_blob(name, regions=[(0, 0x5000, 4096, 0)])
+    entry = {"agent": name, "md": base64.b64encode(blob).decode(), "generation": generation, "vram": None}
+    entry.update(changes)
+    return entry
+
+
+def _facts(**changes) -> Dict:
+    """A link's facts holding the parsed ``nixl`` entry."""
+    return {"nixl": nixl.NixlPlane.parse_facts("nixl", _entry(**changes))}
+
+
+@pytest.mark.parametrize("entry, said", [
+    ("not a dict", "malformed nixl entry"),
+    (_entry(agent="llmdd-2-XYZ"), "is not llmdd-<cluster id>-<16 hex>"),
+    (_entry(agent="llmdd-2-00112233445566ff" + "0" * 100_000), "is not llmdd-"),
+    (_entry(md="!!!"), "not base64"),
+    (_entry(md="A" * (nixl.MAX_METADATA_BYTES * 2)), "more than"),
+    (_entry(generation=True), "malformed"),
+    (_entry(generation=0), "malformed"),
+    (_entry(vram=-1), "malformed"),
+    (_entry(md=[[]] * 1000), "malformed"),
+], ids=["not a dict", "agent name", "long agent name", "not base64", "oversized", "bool generation",
+        "zero generation", "negative vram", "md a list"])
+def test_a_malformed_nixl_entry_is_refused_when_the_reply_is_read(entry, said):
+    """``parse_facts`` runs as the table reply arrives (``LinkManager._fetch_table``): a malformed
+    entry fails the link there, and nothing of it is kept."""
+    with pytest.raises(ProtocolError, match=re.escape(said)):
+        nixl.NixlPlane.parse_facts("nixl", entry)
+
+
+def test_the_kept_nixl_entry_is_typed_and_bounded():
+    facts = nixl.NixlPlane.parse_facts("nixl", _entry(vram=3, pad=[[]] * 10_000))  # unknown fields are dropped
+    assert facts == nixl.NixlFacts("llmdd-2-00112233445566ff", 2, metadata_blob(
+        "llmdd-2-00112233445566ff", regions=[(0, 0x5000, 4096, 0)]), 0x5000, 3)
+
+
 def test_hostile_facts_are_refused_before_any_agent_exists(monkeypatch):
     monkeypatch.setenv(nixl.TCP_ENV, "1")
     plane = _plane(dict(SECRET))
     session = _session()
-    good = metadata_blob("llmdd-2-00112233445566ff", regions=[(0, 0x5000, 4096, 0)])
-    facts = {"agent": "llmdd-2-00112233445566ff", "md": base64.b64encode(good).decode(), "generation": 0x5000,
-             "vram": None}
-    assert plane._read_facts(session, {"nixl": facts})[0] == facts["agent"]
-    for change, said in [({"agent": "llmdd-3-00112233445566ff"}, "not one of cluster 2"),
-                         ({"agent": "llmdd-2-XYZ"}, "not one of cluster 2"),
-                         ({"md": "!!!"}, "not base64"),
-                         ({"md": "A" * (nixl.MAX_METADATA_BYTES * 2)}, "more than"),
-                         ({"generation": 0x9000}, "generation word"),
-                         ({"generation": True}, "malformed"),
-                         ({"vram": 1}, None),
-                         ({"md": base64.b64encode(good[:-3]).decode()}, "cut short")]:
-        bad = dict(facts, **change)
-        if said is None:
-            assert plane._read_facts(session, {"nixl": bad})[3] == 1
-            continue
+    assert plane._read_facts(session, _facts())[0] == "llmdd-2-00112233445566ff"
+    assert plane._read_facts(session, _facts(vram=1))[3] == 1
+    for facts, said in [(_facts(generation=0x9000), "generation word"),
+                        (_facts(md=base64.b64encode(metadata_blob("llmdd-2-00112233445566ff")[:-3]).decode()),
+                         "cut short"),
+                        (_facts(md=_entry(name="llmdd-2-ffeeddccbbaa9988")["md"]), "names agent"),
+                        ({}, "sent no NIXL metadata")]:
         with pytest.raises(ValueError, match=said):
-            plane._read_facts(session, {"nixl": bad})
+            plane._read_facts(session, facts)
     assert plane._agent is None
     if nixl.installed():
-        refused = plane.accept(session, {"nixl": dict(facts, agent="llmdd-9-00112233445566ff")}, time.monotonic() + 1)
+        refused = plane.accept(session, _facts(name="llmdd-9-00112233445566ff"), time.monotonic() + 1)
         assert refused.startswith("refused the peer's NIXL metadata before loading it")
         assert plane.counters()["nixl_refused_metadata"] == 1 and plane._agent is None
+
+
+def test_metadata_of_an_agent_of_another_cluster_is_refused_however_well_formed():
+    """The agent's name, the name inside its metadata and the generation word agree: only the
+    cluster id in the name (3) is not the link's (2), and that alone refuses it."""
+    session = _session()
+    assert session.cluster_id == 2
+    facts = _facts(name="llmdd-3-00112233445566ff")
+    assert nixl.parse_metadata(facts["nixl"].blob, "llmdd-3-00112233445566ff")  # well formed for cluster 3
+    with pytest.raises(ValueError, match="llmdd-3-00112233445566ff is not one of cluster 2"):
+        _plane(dict(SECRET))._read_facts(session, facts)
+
+
+class _FakeAgent:
+    """Stands in for NIXL's agent at accept: ``load`` reports the name ``loads_as``; what is
+    loaded, prepared and removed is recorded."""
+
+    errors = ()
+    name = "llmdd-1-0000000000000001"
+
+    def __init__(self, loads_as: str) -> None:
+        self.loads_as, self.loaded, self.prepared, self.removed = loads_as, [], [], []
+
+    def load(self, blob: bytes) -> str:
+        self.loaded.append(blob)
+        return self.loads_as
+
+    def prepare(self, peer: str, mem: int, rows) -> int:
+        self.prepared.append(peer)
+        return 7
+
+    def remove(self, name: str) -> None:
+        self.removed.append(name)
+
+    def release_list(self, handle: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loads_as, reserved", [("llmdd-2-ffeeddccbbaa9988", False),
+                                                ("llmdd-2-ffeeddccbbaa9988", True)],
+                         ids=["another name", "another link's name"])
+def test_metadata_nixl_loads_under_another_name_than_announced_is_refused_and_unloaded(monkeypatch, loads_as,
+                                                                                      reserved):
+    """Whatever the checks before it passed, metadata NIXL reports loading under another agent
+    name than the one announced is refused: the link gets no plane, the counter says so, the
+    announced name is free again, and the name NIXL used is unloaded unless another link holds it."""
+    plane = _plane(dict(SECRET))
+    session = _session()
+    agent = _FakeAgent(loads_as)
+    monkeypatch.setattr(plane, "_refusal", lambda session, accepting=True: None)
+    monkeypatch.setattr(plane, "_ensure_agent", lambda session: (agent, None))
+    other_link = nixl.NixlLink()
+    if reserved:
+        plane._loaded[loads_as] = other_link
+    session.plane_state["nixl"] = plane.link_state(session)
+    why = plane.accept(session, _facts(), time.monotonic() + 1)
+    assert why is not None and f"NIXL loaded it as '{loads_as}'" in why
+    assert len(agent.loaded) == 1 and agent.prepared == []
+    assert plane.counters()["nixl_refused_metadata"] == 1
+    assert "llmdd-2-00112233445566ff" not in plane._loaded
+    assert session.plane_state["nixl"].remote is None
+    if reserved:
+        assert agent.removed == ["llmdd-2-00112233445566ff"] and plane._loaded[loads_as] is other_link
+    else:
+        assert agent.removed == ["llmdd-2-00112233445566ff", loads_as]
 
 
 # -- live: clusters in processes ----------------------------------------------------------------
@@ -506,23 +601,25 @@ def _tamper(state, how: str) -> None:
 
 def test_hostile_metadata_is_refused_before_nixl_sees_it_and_the_server_goes_on(loopback_env):
     """A peer with the secret offers metadata naming another agent, cut short or too large: the
-    server refuses it before loading (its counter says so), the link fails, and the server
-    serves on: the same peer, honest again, links and moves bytes -- which NIXL 1.5.1 would not
-    allow had it half-loaded the cut blob under that agent's name."""
+    server refuses it before loading (its counters say so: too large, as the table reply is
+    read, ``malformed_tables``; the rest at accept, ``nixl_refused_metadata``), the link fails,
+    and the server serves on: the same peer, honest again, links and moves bytes -- which NIXL
+    1.5.1 would not allow had it half-loaded the cut blob under that agent's name."""
     with contextlib.ExitStack() as stack:
         server = _cluster(stack, 1, listen=True)
         server.call(_register, "main", 10, 8, 4096)
         hostile = _cluster(stack, 2)
         hostile.call(_register, "c", 20, 8, 4096)
-        refused = 0
-        for how in ("other agent", "other cluster", "truncated", "oversized"):
+        refused = {"nixl_refused_metadata": 0, "malformed_tables": 0}
+        for how, counter in (("other agent", "nixl_refused_metadata"), ("other cluster", "nixl_refused_metadata"),
+                             ("truncated", "nixl_refused_metadata"), ("oversized", "malformed_tables")):
             hostile.call(_tamper, how)
             hostile.call(_link_status, 1, *server.address)
-            refused += 1
+            refused[counter] += 1
             deadline = time.monotonic() + 10
-            while server.call(_stats)["nixl_refused_metadata"] < refused and time.monotonic() < deadline:
+            while _refusals(server) != refused and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert server.call(_stats)["nixl_refused_metadata"] == refused, how
+            assert _refusals(server) == refused, how
             deadline = time.monotonic() + 10
             while 2 in server.call(_linked) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -533,6 +630,11 @@ def test_hostile_metadata_is_refused_before_nixl_sees_it_and_the_server_goes_on(
         hostile.call(_move, "push", 1, "c", [0, 1], [6, 7])
         assert server.call(_digests, "main", 4096)[0][6:] == hostile.call(_digests, "c", 4096)[0][:2]
         assert server.call(_plane_of, 2) == "nixl"
+
+
+def _refusals(cluster) -> Dict[str, int]:
+    stats = cluster.call(_stats)
+    return {name: stats[name] for name in ("nixl_refused_metadata", "malformed_tables")}
 
 
 def _linked(state) -> List[int]:
