@@ -57,6 +57,8 @@ MAX_HANDSHAKE_BYTES = budgets.MAX_HANDSHAKE_BYTES
 FIRST_CHALLENGE_VERSION = 3
 #: Largest rank a two-sided link request may claim.
 MAX_RANK = 1 << 31
+#: Longest plane name kept from a peer's link request or reply (every plane's name is shorter).
+MAX_PLANE_NAME = 32
 
 
 class AuthRefused(LLMException):
@@ -203,7 +205,7 @@ class LinkRequest:
 
 def read_link_request(message: Dict[str, Any]) -> LinkRequest:
     """The link request of an ``AUTH`` message whose purpose is ``link``; ProtocolError if it is
-    malformed. The role is cut to 64 characters and the planes to 8."""
+    malformed. The role is cut to 64 characters and the planes to 8 of ``MAX_PLANE_NAME``."""
     want = message.get("connections")
     planes = message.get("planes")
     if not (isinstance(want, list) and len(want) == 2 and all(is_int(n, 1, MAX_CONNECTIONS) for n in want)):
@@ -227,7 +229,7 @@ def read_link_request(message: Dict[str, Any]) -> LinkRequest:
     if not (isinstance(suites, list) and all(isinstance(x, str) for x in suites)):
         raise ProtocolError(f"link request: suites {brief(suites)}")
     pid, uid = stated_process(message, "link request")
-    return LinkRequest(message["role"][:64], list(planes)[:8], (want[0], want[1]), comm,
+    return LinkRequest(message["role"][:64], [p[:MAX_PLANE_NAME] for p in planes[:8]], (want[0], want[1]), comm,
                        bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]), pid, uid)
 
 
@@ -397,7 +399,8 @@ def request_link(sock: socket.socket, cluster_id: int, secret: Optional[bytes], 
         raise ProtocolError(f"link reply: suite {brief(suite)} for protection {granted}")
     host = reply.get("host") if isinstance(reply.get("host"), dict) else {}
     local = isinstance(unix_name, str) and local_sockets and same_host(host_identity(), host)
-    return LinkAgreement(token, their_role[:64], list(offered)[:8], unix_name if local else None, found[0],
+    return LinkAgreement(token, their_role[:64], [p[:MAX_PLANE_NAME] for p in offered[:8]],
+                         unix_name if local else None, found[0],
                          granted, suite if granted != protection.OFF else None, protection.link_digest(request, reply),
                          stated_process(reply, "link reply"))
 

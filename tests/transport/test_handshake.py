@@ -272,9 +272,9 @@ def test_a_malformed_link_request_is_a_protocol_error(change, what):
 
 
 def test_a_link_request_is_cut_to_size():
-    request = handshake.read_link_request({"role": "R" * 100, "planes": [f"p{i}" for i in range(20)], "host": {},
-                                           "connections": [1, 4], "pid": 7, "uid": 1000})
-    assert request == handshake.LinkRequest("R" * 64, [f"p{i}" for i in range(8)], (1, 4), None, False,
+    request = handshake.read_link_request({"role": "R" * 100, "planes": [f"p{i}" * 30 for i in range(20)],
+                                           "host": {}, "connections": [1, 4], "pid": 7, "uid": 1000})
+    assert request == handshake.LinkRequest("R" * 64, [(f"p{i}" * 30)[:32] for i in range(8)], (1, 4), None, False,
                                             pid=7, uid=1000)
 
 
