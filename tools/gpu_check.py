@@ -94,7 +94,7 @@ STUB_TESTS_ENV = "LLM_DATADIST_GPU_TESTS_STUB"  # tests/gpu/gpu_runtime.py
 DRIVER_ENV = "LLM_DATADIST_CUDA_DRIVER_LIBRARY"  # the package's override of libcuda.so.1
 DEFAULT_BUDGET_S = 420.0
 #: step -> (share of the budget, the least time it is started with, in seconds)
-SHARES = {"facts": (0.05, 5), "build": (0.25, 20), "gpu-tests": (0.20, 15), "device-suite": (0.15, 15),
+SHARES = {"facts": (0.08, 5), "build": (0.22, 20), "gpu-tests": (0.20, 15), "device-suite": (0.15, 15),
           "vllm-views": (0.15, 10), "bench": (0.20, 15)}
 STEPS = tuple(SHARES)
 #: The command of a step named by LLM_DATADIST_GPU_CHECK_STALL: it hangs, and so does a child of it.

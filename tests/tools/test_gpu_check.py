@@ -62,7 +62,7 @@ def test_without_a_gpu_and_without_stub_it_says_so_in_one_line_and_exits_2(tmp_p
 
 
 def test_a_hung_step_is_stopped_at_its_limit_and_a_step_without_time_is_skipped(tmp_path):
-    """Budget 12 s for facts and vllm-views: facts' share (3 s) is below its minimum, so it is
+    """Budget 12 s for facts and vllm-views: facts' share (4 s) is below its minimum, so it is
     skipped unrun; vllm-views hangs and is stopped at its 12 s, its process and that process's
     child killed; exit status 1, both reasons in both reports."""
     out = tmp_path / "out"
@@ -81,7 +81,7 @@ def test_a_hung_step_is_stopped_at_its_limit_and_a_step_without_time_is_skipped(
         assert report["state"] == "FAIL" and report["mode"] == "stub"
         facts, views = report["results"]
         assert (facts["step"], facts["status"], facts["ok"], facts["seconds"]) == ("facts", "skip", False, 0.0)
-        assert facts["reason"].startswith("would overrun the budget: 3 s of --budget-s 12 left for it, it needs "
+        assert facts["reason"].startswith("would overrun the budget: 4 s of --budget-s 12 left for it, it needs "
                                           "at least 5 s")
         assert (views["step"], views["status"], views["ok"], views["log"]) == ("vllm-views", "skip", False,
                                                                               "vllm-views.log")
@@ -90,7 +90,7 @@ def test_a_hung_step_is_stopped_at_its_limit_and_a_step_without_time_is_skipped(
         assert stopped and 12 <= int(stopped.group(1)) <= 12 + 2 * 5, views["reason"]  # + the kill's grace times
         markdown = (out / "report.md").read_text()
         assert markdown.startswith("# GPU check: FAIL\n")
-        assert "| facts | skip | 0.0 | 3 | would overrun the budget" in markdown
+        assert "| facts | skip | 0.0 | 4 | would overrun the budget" in markdown
         assert "| vllm-views | skip | 1" in markdown and "overran its limit of 12 s" in markdown
         assert "vllm-views: skip" in done.stdout and "gpu_check: FAIL" in done.stdout
         assert sorted(os.listdir(out)) == ["report.json", "report.md", "vllm-views.log"]
