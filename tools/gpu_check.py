@@ -14,22 +14,24 @@ Steps, in order, each a child process (its own process group) under its own time
 1. ``facts``: GPU name and memory (the driver API), driver version (``nvidia-smi``) and the CUDA
    version it supports, the cuda runtime library the package finds and how (``runtimes.load``,
    the package's own discovery), torch and its CUDA version, Python, Cython, numpy, pytest,
-   cores. One line each, in the report.
-2. ``build``: ``python setup.py build_ext --inplace -j <cores>`` (``make build``), or if that fails
-   ``pip install --no-build-isolation --no-deps --no-index -e .``, timed, log in ``build.log``.
-   Skipped where ``llm_datadist/_core`` and ``_io`` exist for this interpreter and are newer than
-   every source they are built from.
+   cores. One line each, printed and in the report.
+2. ``build``: ``python setup.py build_ext --inplace -j <cores>`` (``make build``; what ``pip install
+   -e .`` builds, without pip), or if that fails the same from a folder of links without
+   ``pyproject.toml`` (a setuptools older than 77 refuses its license field), timed, log in
+   ``build.log``. Skipped where ``llm_datadist/_core`` and ``_io`` exist for this interpreter and
+   are newer than every source they are built from.
 3. ``gpu-tests``: ``pytest tests/gpu`` (but ``test_vllm_views.py``): the copy kernel, batch copies,
    pinned memory, IPC between processes, cuda_ipc and staging through the public API, torch cuda
    tensors as a DEVICE cache. On a GPU any skip fails the step.
 4. ``device-suite``: with ``LLM_DATADIST_DEVICE=cuda``, the suite's tests of device memory the host
    cannot address (``DEVICE_SUITE``): core copies and swaps, pinned memory and IPC
-   (``tests/core/test_device_copies.py``), the cuda_ipc plane and the staging plane between real
-   processes. These tests choose the stub library themselves (they read its call log), so on the
-   GPU machine they prove the build and these paths on its compiler and Python, not the GPU. The
-   API contract and the engine tests are not in it: they read DEVICE caches through host views
-   and pin the cpu runtime (``tests/api_styles.py``); the API's device paths on the GPU are those
-   of step 3.
+   (``tests/core/test_device_copies.py``), the cuda_ipc plane between real processes (transfers,
+   unregistering, unlinking, allocations of their own: four tests of ``test_plane_cuda_ipc.py``)
+   and the staging plane (device caches both ways, byte ranges: ``test_staging.py``'s e2e). These
+   tests choose the stub library themselves (they read its call log), so on the GPU machine they
+   prove the build and these paths on its compiler and Python, not the GPU. The API contract and
+   the engine tests are not in it: they read DEVICE caches through host views and pin the cpu
+   runtime (``tests/api_styles.py``); the API's device paths on the GPU are those of step 3.
 5. ``vllm-views``: ``tests/gpu/test_vllm_views.py``: vLLM 0.32's per-layer KV views (``LBHNC``,
    kernel-block splits, MLA under ``LBNHC``; one torch buffer, ``as_strided``) on the GPU,
    registered by the connector's code, copied, pushed and pulled over cuda_ipc between two
@@ -231,8 +233,8 @@ class Result:
 
 
 def run_logged(cmd: Sequence[str], log: Path, env: Dict[str, str], limit_s: float,
-               capture: bool = False) -> tuple:
-    """Run ``cmd`` at the checkout's root in a process group of its own, its output appended to
+               capture: bool = False, cwd: Path = ROOT) -> tuple:
+    """Run ``cmd`` in ``cwd`` (the checkout's root) in a process group of its own, its output appended to
     ``log`` (or captured: stdout returned, stderr to ``log``); stopped at ``limit_s`` (SIGTERM to
     the group, SIGKILL after ``KILL_GRACE_S``). Returns ``(exit status or None if stopped,
     seconds, captured stdout)``."""
@@ -242,7 +244,7 @@ def run_logged(cmd: Sequence[str], log: Path, env: Dict[str, str], limit_s: floa
     with open(log, "ab") as out:
         out.write(f"$ {shlex.join(cmd)}\n".encode())
         out.flush()
-        child = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE if capture else out,
+        child = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE if capture else out,
                                  stderr=out, start_new_session=True)
         try:
             stdout, _ = child.communicate(timeout=max(0.1, limit_s))
@@ -375,6 +377,8 @@ class Check:
         if failed:
             return failed
         self.facts.update(facts)
+        for key, value in self.facts.items():
+            print(f"        {key}: {value}", flush=True)
         return Result("facts", "pass", True, f"{len(self.facts)} facts", seconds)
 
     def built_from_sources(self) -> Optional[str]:
@@ -389,6 +393,18 @@ class Check:
             return None
         return f"already built from the same sources ({', '.join(m.name for m in modules)} newer than every source)"
 
+    def without_pyproject(self) -> Path:
+        """A folder of links to what ``setup.py`` reads, without ``pyproject.toml``: a setuptools
+        older than 77 refuses the project's SPDX license there, and ``build_ext`` needs none of
+        it. The extensions land in the checkout (``llm_datadist`` is a link), the build folder in
+        the scratch folder."""
+        folder = self.scratch / "build-without-pyproject"
+        folder.mkdir(exist_ok=True)
+        for name in ("setup.py", "llm_datadist", "include", "tools"):
+            if not (folder / name).exists():
+                (folder / name).symlink_to(ROOT / name)
+        return folder
+
     def step_build(self, limit: float) -> Result:
         current = self.built_from_sources()
         if current:
@@ -397,17 +413,14 @@ class Check:
             log = self.out / "build.log"
             log.write_bytes(b"")
             started = time.monotonic()
-            cores = str(os.cpu_count() or 1)
-            attempts = ([sys.executable, "setup.py", "build_ext", "--inplace", "-j", cores],
-                        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
-                         "-e", "."])
-            for cmd in attempts:
-                rc, _, _ = run_logged(cmd, log, self.env, limit - (time.monotonic() - started))
+            cmd = [sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)]
+            for where, how in ((ROOT, "at the root"), (self.without_pyproject(), "without pyproject.toml")):
+                rc, _, _ = run_logged(cmd, log, self.env, limit - (time.monotonic() - started), cwd=where)
                 seconds = time.monotonic() - started
                 if rc is None:
                     return self.stopped("build", limit, seconds, log)
                 if rc == 0:
-                    result = Result("build", "pass", True, f"built in {seconds:.1f} s: {shlex.join(cmd[1:])}",
+                    result = Result("build", "pass", True, f"built in {seconds:.1f} s: {shlex.join(cmd[1:])} {how}",
                                     seconds, log=log.name)
                     break
             else:
@@ -417,6 +430,7 @@ class Check:
             facts, _, _ = self._facts("runtime", max(5.0, limit - result.seconds), "build-facts")
             if facts:
                 self.facts.update(facts)
+                print(f"        cuda runtime: {self.facts['cuda runtime']}", flush=True)
         return result
 
     def pytest_step(self, step: str, targets: Sequence[str], extra: Sequence[str], limit: float,
