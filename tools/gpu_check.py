@@ -234,10 +234,9 @@ class Result:
 
 def run_logged(cmd: Sequence[str], log: Path, env: Dict[str, str], limit_s: float,
                capture: bool = False, cwd: Path = ROOT) -> tuple:
-    """Run ``cmd`` in ``cwd`` (the checkout's root) in a process group of its own, its output appended to
-    ``log`` (or captured: stdout returned, stderr to ``log``); stopped at ``limit_s`` (SIGTERM to
-    the group, SIGKILL after ``KILL_GRACE_S``). Returns ``(exit status or None if stopped,
-    seconds, captured stdout)``."""
+    """Run ``cmd`` in ``cwd`` in a process group of its own, its output appended to ``log`` (or
+    captured: stdout returned, stderr to ``log``); stopped at ``limit_s`` (``stop_group``).
+    Returns ``(exit status or None if stopped, seconds, captured stdout)``."""
     if os.environ.get(STALL_ENV) == log.stem:
         cmd = [sys.executable, "-c", STALL_CODE]
     started = time.monotonic()
@@ -258,28 +257,31 @@ def run_logged(cmd: Sequence[str], log: Path, env: Dict[str, str], limit_s: floa
 
 
 def stop_group(child: subprocess.Popen) -> None:
-    """SIGTERM to ``child``'s process group, SIGKILL to what is left of it after ``KILL_GRACE_S``;
-    returns once the group is gone (or after the second grace time)."""
+    """SIGTERM to ``child``'s process group, SIGKILL to what is left of it after ``KILL_GRACE_S``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(child.pid, sig)
         except ProcessLookupError:
             break
-        deadline = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < deadline:
-            child.poll()  # reaps the leader: a group of zombies only would still answer
-            try:
-                os.killpg(child.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            continue
-        break
+        if group_gone(child, KILL_GRACE_S):
+            break
     try:
         child.communicate(timeout=KILL_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
+
+
+def group_gone(child: subprocess.Popen, wait_s: float) -> bool:
+    """Whether ``child``'s process group has no member left within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        child.poll()  # reaps the leader: a group whose members are all zombies still answers
+        try:
+            os.killpg(child.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def log_tail(log: Path, lines: int = 3) -> str:
