@@ -1,4 +1,4 @@
-.PHONY: build debug status kernel test test-quick wheels bench lint clean
+.PHONY: build debug status kernel test test-quick gpu-check wheels bench lint clean
 
 build:        ## compile the Cython core in place
 	python setup.py build_ext --inplace
@@ -17,6 +17,9 @@ test:         ## the test suite (same command as the README and CI)
 
 test-quick:   ## the quick tier: the core, API and engine tests (well under a minute on 2 cores)
 	python -m pytest -q tests/core tests/api tests/engine
+
+gpu-check:    ## on a GPU machine: facts, build, GPU tests, vLLM's GPU views, GPU bench -> gpu-check/report.md (GPU_CHECK_FLAGS=--stub: without a GPU)
+	python tools/gpu_check.py --out gpu-check $(GPU_CHECK_FLAGS)
 
 wheels:       ## manylinux_2_28 wheels for CPython 3.10-3.13 in wheelhouse/, each installed without a compiler and run through the quick tier
 	python tools/build_wheels.py

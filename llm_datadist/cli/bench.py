@@ -17,7 +17,8 @@ GPU rows (``--gpu``, ``device_workload.py``): where a runtime whose memory the h
 address is usable (cuda on a GPU machine), ``copy_blocks`` device-to-device, ``swap_blocks`` both
 ways, ``push_blocks`` / ``pull_blocks`` over ``cuda_ipc`` and over ``staging`` between processes
 on this host, each against a baseline of the same bytes in the same run (one runtime memcpy, one
-pinned memcpy, the tcp plane with HOST caches) and the issue's target ratio; elsewhere they are
+pinned memcpy, the tcp plane with HOST caches) and the issue's target ratio, and the latency of
+one 4 KiB push over ``cuda_ipc`` (median and p99, each call timed alone); elsewhere they are
 skipped with the reason.
 
 Each point moves ``total`` bytes a call (``total // block`` blocks, at least one). The baseline is
@@ -296,6 +297,9 @@ def gpu_sweep(config: SweepConfig, runtime: str, progress: Optional[Progress] = 
             table += device.rows(case, durations, rig)
             rig.clear_case()
             progress.step(f"GPU {case.label}: done")
+        table.append(device.measure_latency(rig, config.min_time,
+                                            lambda: progress.step("GPU latency: measuring", 0)))
+        rig.clear_case()
         return table, dict(rig.notes), dict(rig.facts)
 
 

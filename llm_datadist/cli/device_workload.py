@@ -31,6 +31,10 @@ Rows (``COMPARISONS``; ratio = baseline time / measured time, higher is faster):
   server's over the staging plane (TCP connections on loopback), against the tcp client's
   ``push_blocks`` / ``pull_blocks`` of the same bytes between HOST caches over the tcp plane.
 
+Latency (``measure_latency``): one ``push_blocks`` of one 4 KiB block over ``cuda_ipc``, against
+one 4 KiB device-to-device ``Runtime.memcpy``, each call timed alone (a batch of one call and its
+fence): the median and the 99th percentile of each, without a target.
+
 Timing: inside the process that makes the call. A device copy may return before the GPU is done
 (a device-to-device ``cudaMemcpy`` does), so every device measurement is a batch of back-to-back
 calls closed by a *fence* -- ``Runtime.synchronize`` and a one-byte device-to-host
@@ -43,6 +47,7 @@ back to the host through the library).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import statistics
 import time
@@ -103,6 +108,10 @@ COMPARISONS = (
 #: of it moved a call: 64 blocks of 2 MiB or 8192 of 16 KiB.
 DEFAULT_SIZES = (16 << 10, 2 << 20)
 DEFAULT_TOTAL = 128 << 20
+#: The latency row: one block of this size a push, and at least this many calls of each kind.
+LATENCY_BLOCK = 4 << 10
+LATENCY_CALLS = 200
+LATENCY_NAME = f"{IPC_PLANE} push latency"
 
 
 @dataclass(frozen=True)
@@ -495,6 +504,38 @@ def measure_case(rig: DeviceRig, case: DeviceCase, min_time: float, min_repetiti
     return durations
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def measure_latency(rig: DeviceRig, min_time: float, on_batch=lambda: None) -> dict:
+    """The latency row: ``push_blocks`` of one ``LATENCY_BLOCK`` block over cuda_ipc and one D2D
+    memcpy of its bytes (the baseline), each call timed alone with its fence, interleaved, until
+    each kind has ``LATENCY_CALLS`` calls and ``min_time`` seconds. Skipped without a cuda_ipc
+    client (``skipped``: why)."""
+    case = make_case(LATENCY_BLOCK, LATENCY_BLOCK)
+    row = dict(operation=LATENCY_NAME, block=case.label, block_bytes=case.block_bytes, blocks_per_call=1,
+               bytes_per_call=case.bytes_per_call, baseline="one memcpy D2D", target=None, latency=True)
+    if IPC_PLANE not in rig.clients:
+        row["skipped"] = rig.notes.get(IPC_PLANE, f"no {IPC_PLANE} client")
+        return row
+    rig.use(case)
+    kinds = ((IPC_PLANE, PUSH), (None, MEMCPY_D2D))
+    durations: Dict[tuple, List[float]] = {kind: [] for kind in kinds}
+    while not all(len(v) >= LATENCY_CALLS and sum(v) >= min_time * 1e9 for v in durations.values()):
+        for kind in kinds:
+            durations[kind] += rig.measure(kind, 50, 1)
+        on_batch()
+    values, base = durations[kinds[0]], durations[kinds[1]]
+    median, base_median = max(1.0, statistics.median(values)), max(1.0, statistics.median(base))
+    row.update(median_ns=median, p99_ns=percentile(values, 0.99), baseline_median_ns=base_median,
+               baseline_p99_ns=percentile(base, 0.99), ratio=base_median / median, repetitions=len(values),
+               met=None, durations_ns=values, baseline_durations_ns=base)
+    return row
+
+
 def rows(case: DeviceCase, durations: Dict[tuple, List[float]], rig: DeviceRig) -> List[dict]:
     """One row per comparison of ``case``: measured or skipped (``skipped``: why)."""
     out = []
@@ -526,6 +567,12 @@ def format_rows(table: List[dict]) -> List[str]:
     for row in table:
         if "skipped" in row:
             lines.append(f"{row['block']:>7} {row['operation']:16} skipped: {row['skipped']}")
+            continue
+        if row.get("latency"):
+            lines.append(f"{row['block']:>7} {row['operation']:16} median {row['median_ns'] / 1e3:.1f} us, "
+                         f"p99 {row['p99_ns'] / 1e3:.1f} us ({row['repetitions']} calls, each timed alone with "
+                         f"its fence); {row['baseline']}: median {row['baseline_median_ns'] / 1e3:.1f} us, "
+                         f"p99 {row['baseline_p99_ns'] / 1e3:.1f} us")
             continue
         baseline = row["baseline"]
         if row.get("baseline_pinned") is False:

@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seconds of calls per point and kind (default {DEFAULT_MIN_TIME:g})")
     bench.add_argument("--gpu", choices=GPU_MODES, default="auto",
                        help="GPU rows (copy_blocks D2D, swap_blocks D2H/H2D, push/pull over cuda_ipc and "
-                            "staging, each vs a baseline of the same bytes and the issue's target): auto = "
+                            "staging, each vs a baseline of the same bytes and the issue's target; one 4 KiB "
+                            "push's median and p99 over cuda_ipc): auto = "
                             "where a runtime whose memory the host cannot address (cuda) is usable, else "
                             "skipped with the reason; off; only = just these rows (default auto)")
     bench.add_argument("--gpu-sizes", type=_sizes, default=list(GPU_SIZES),

@@ -134,10 +134,18 @@ def test_bench_gpu_rows_run_on_the_stub(stub_path, tmp_path):
     gpu = json.loads(path.read_text())["gpu"]
     assert gpu["runtime"] == "cuda" and json.loads(path.read_text())["results"] == []
     rows = {(row["operation"], row["block"]): row for row in gpu["results"]}
-    assert set(rows) == {(c.name, size) for c in _device_workload.COMPARISONS for size in ("4KiB", "16KiB")}
+    latency = (_device_workload.LATENCY_NAME, "4KiB")
+    assert set(rows) == {(c.name, size) for c in _device_workload.COMPARISONS for size in ("4KiB", "16KiB")} | {latency}
     for (operation, block), row in rows.items():
         if "skipped" in row:
             assert row["skipped"] and operation.split()[0] in row["skipped"], row
+            continue
+        if row.get("latency"):
+            # each call timed alone: at least LATENCY_CALLS of each, p99 at or above the median
+            assert row["bytes_per_call"] == 4096 and row["target"] is None
+            assert len(row["durations_ns"]) >= _device_workload.LATENCY_CALLS <= len(row["baseline_durations_ns"])
+            assert row["p99_ns"] >= row["median_ns"] > 0 and row["baseline_p99_ns"] >= row["baseline_median_ns"] > 0
+            assert f"{operation:16} median " in out.stdout and " p99 " in out.stdout
             continue
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0 and row["ratio"] > 0
         assert row["bytes_per_call"] == 64 << 10
@@ -147,6 +155,7 @@ def test_bench_gpu_rows_run_on_the_stub(stub_path, tmp_path):
     for plane in (_device_workload.IPC_PLANE, _device_workload.STAGING_PLANE):
         measured = "skipped" not in rows[(f"{plane} push", "16KiB")]
         assert measured == (plane not in gpu["notes"]), gpu["notes"]
+    assert ("skipped" not in rows[latency]) == (_device_workload.IPC_PLANE not in gpu["notes"])
     # Targets as the issue states them: staging's only at 2 MiB blocks.
     assert rows[("copy_blocks D2D", "4KiB")]["target"] == 0.85
     assert rows[("staging push", "16KiB")]["target"] is None
@@ -207,3 +216,10 @@ def test_info_shows_capabilities_and_how_device_memory_moves(stub_path):
         assert "no data plane that moves device memory is registered" in facts["device_transfers"]
     text = run("info", env=_env(stub_path, "cpu")).stdout
     assert "device_transfers: cpu device memory is host memory: every data plane carries it" in text
+
+
+def test_percentile_is_the_nearest_rank():
+    values = list(range(1, 101))  # 1..100
+    assert _device_workload.percentile(values, 0.99) == 99 and _device_workload.percentile(values, 0.5) == 50
+    assert _device_workload.percentile([7.0], 0.99) == 7.0
+    assert _device_workload.percentile([5, 1, 3], 1.0) == 5 and _device_workload.percentile([5, 1, 3], 0.0) == 1

@@ -2,40 +2,30 @@
 between processes, the cuda_ipc and staging planes through the public API.
 
 These run only where the cuda runtime (``libcudart.so``, or ``LLM_DATADIST_CUDA_LIBRARY``) loads
-and reports a GPU; elsewhere every test skips, saying why. The same paths are covered on every
+and reports a GPU, or against the stub library where ``tools/gpu_check.py --stub`` asks for it
+(``gpu_runtime.py``); elsewhere every test skips, saying why. The same paths are covered on every
 machine against the stub runtime (tests/core/test_device_copies.py, tests/transport/); here they
 meet the real driver. Device memory is only ever read back through the runtime's copies.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from gpu_runtime import cuda_runtime
 
 import llm_datadist as ld
-from llm_datadist import _core, runtimes
+from llm_datadist import _core
 from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import Cluster
 
 H2D, D2H, D2D = _core.MEMCPY_HOST_TO_DEVICE, _core.MEMCPY_DEVICE_TO_HOST, _core.MEMCPY_DEVICE_TO_DEVICE
 
-
-def _real_cuda():
-    library = os.environ.get("LLM_DATADIST_CUDA_LIBRARY", "")
-    if "stub" in os.path.basename(library):
-        return None, f"LLM_DATADIST_CUDA_LIBRARY={library} is a stub, not a GPU runtime"
-    usable, why = runtimes.probe("cuda")
-    if not usable:
-        return None, f"no usable cuda runtime here: {why}"
-    return runtimes.load("cuda"), ""
-
-
-RUNTIME, WHY_NOT = _real_cuda()
+RUNTIME, WHY_NOT = cuda_runtime()
 pytestmark = pytest.mark.skipif(RUNTIME is None, reason=WHY_NOT or "no GPU")
 
 
