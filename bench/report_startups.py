@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "transport"))
 sys.path.insert(0, str(ROOT))
 
-SECRET = "bench-startups"
+SECRET = "bench-startups-link-secret"
 SERVER_ID, CLIENT_ID = 1, 2
 DEFAULT_SCENARIOS = ["32x2:idle", "32x2:partial+hello", "64x2:idle", "128x2:hello", "32x4:idle"]
 

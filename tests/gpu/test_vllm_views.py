@@ -38,7 +38,7 @@ import llm_datadist as ld
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE = 3, 8, 16
 PREFILL_ID, DECODE_ID, MODEL_ID = 61, 62, 0
-SECRET = "gpu-vllm-views"  # cuda_ipc hands GPU memory only to a peer on a link with a secret
+SECRET = "gpu-vllm-views-link-secret"  # cuda_ipc hands GPU memory only to a peer on a link with a secret
 #: (layout, kernel block size, MLA): registered and moved block for block.
 REGISTERED = [("LBHNC", None, False), ("LBHNC", 8, False), ("LBHNC", 4, False), ("LBNHC", None, True),
               ("LBNHC", 8, True)]
