@@ -118,6 +118,12 @@ def least_per_window(window_ms: int) -> int:
     return max(1, MIN_BYTES_PER_S * window_ms // 1000)
 
 
+def worth_logging(count: Optional[int]) -> bool:
+    """Whether the ``count``-th event of a kind a peer can repeat at will is logged: the 1st, 10th,
+    100th and every 1000th (every one when not counted)."""
+    return count is None or count in (1, 10, 100) or count % 1000 == 0
+
+
 def truncate_reason(why: str) -> str:
     """``why`` cut to ``MAX_REASON_CHARS`` (it may quote what a peer sent)."""
     why = str(why)
@@ -222,7 +228,7 @@ class ByteBudget:
         with self._cond:
             self.stalled += 1
             stalled = self.stalled
-        if stalled in (1, 10, 100) or stalled % 1000 == 0:
+        if worth_logging(stalled):
             logger.warning("dropped the link of %s: %s stalled (less than %d bytes in %d ms, %s); %d stalled "
                            "bodies so far", who, what, least_per_window(stall_ms()), stall_ms(), STALL_MS_ENV,
                            stalled)

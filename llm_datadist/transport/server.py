@@ -47,7 +47,7 @@ from llm_datadist.transport import budgets
 from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
-from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, status_of
+from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, Stalled, status_of
 from llm_datadist.transport.listener import close_socket
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.session import Peer, read_body, read_header
@@ -84,17 +84,17 @@ def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str, co
         raise ProtocolError(f"{what} of {length} bytes exceeds the protocol's {wire.MAX_CONTROL_BYTES}")
     limit = budgets.max_message_bytes()
     if length > limit:
-        count("refused_oversized")
+        refused = count("refused_oversized")
         return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_PARAM_INVALID,
                                      f"{what} of {length} bytes exceeds {limit} ({budgets.MAX_MESSAGE_BYTES_ENV})",
-                                     what, peer)
+                                     what, peer, refused)
     budget, share = budgets.parsing(), peer.shares.parsing
     blocked = budget.take(length, budgets.PARSING_WAIT_S, share)
     if blocked is not None:
-        count("refused_parsing")
+        refused = count("refused_parsing")
         return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_LINK_BUSY,
                                      f"too many control messages are being parsed (no room in the "
-                                     f"{_BOUND_NAMES[blocked]}); try again", what, peer)
+                                     f"{_BOUND_NAMES[blocked]}); try again", what, peer, refused)
     try:
         st, body = _session.read_body_steadily(fd, length, time.monotonic() + _session.FRAME_TIMEOUT_MS / 1000)
         if st != 0:
@@ -111,19 +111,23 @@ _BOUND_NAMES = {"process": f"process's budget, {budgets.MAX_PARSING_BYTES_ENV}",
 
 
 def _truncated(budget: budgets.ByteBudget, st: int, what: str, length: int, peer: Peer) -> None:
-    """Raise ProtocolError for a control body that did not arrive whole (status ``st``); one that
-    stalled (``LLM_TIMEOUT`` within the frame's time: ``receive_steadily``) is counted first."""
+    """Raise ProtocolError for a control body that did not arrive whole (status ``st``); Stalled,
+    counted first, for one that stalled (``LLM_TIMEOUT`` within the frame's time:
+    ``receive_steadily``)."""
     if st == S.LLM_TIMEOUT:
         budget.note_stall(f"a {what} of {length} bytes", f"cluster {peer.cluster_id}")
-        raise ProtocolError(f"{what} of {length} bytes stalled ({budgets.STALL_MS_ENV})")
+        raise Stalled(f"{what} of {length} bytes stalled ({budgets.STALL_MS_ENV})")
     raise ProtocolError(f"{what} truncated ({status_of(st).name})")
 
 
 def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str, what: str,
-                    peer: Peer) -> bool:
+                    peer: Peer, refused: Optional[int]) -> bool:
     """Read and drop a refused request's body (which must keep arriving, as one read would),
-    answer ``status`` with ``{"error": why}``."""
-    logger.warning("refused a control message from cluster %d: %s", peer.cluster_id, why)
+    answer ``status`` with ``{"error": why}``; logged when ``budgets.worth_logging(refused)``
+    (``refused``: how many such refusals so far, None if not counted)."""
+    if budgets.worth_logging(refused):
+        logger.warning("refused a control message from cluster %d: %s (%s such so far)", peer.cluster_id, why,
+                       "?" if refused is None else refused)
     st = _session.discard_steadily(fd, length, time.monotonic() + _session.FRAME_TIMEOUT_MS / 1000)
     if st != 0:
         _truncated(budgets.parsing(), st, f"refused {what}", length, peer)
@@ -209,7 +213,9 @@ class Server:
                     why = "unlinked, or a reply could not be sent"
                     break
         except ProtocolError as exc:
-            logger.warning("closing connection from %s (cluster %s): %s", name, peer_id, exc)
+            # (a stall was logged, rate-limited, where it was found: ``ByteBudget.note_stall``)
+            (logger.debug if isinstance(exc, Stalled) else logger.warning)(
+                "closing connection from %s (cluster %s): %s", name, peer_id, exc)
             self.engine.count_protocol_error()
             why = f"protocol error: {exc}"
         finally:
@@ -309,7 +315,7 @@ class Requests:
                     refusal, drained, st = S.LLM_FAILED, True, 0
                 if st == S.LLM_TIMEOUT:
                     budgets.staging().note_stall(f"a staged push of {plan.total_bytes} bytes", f"cluster {peer_id}")
-                    raise ProtocolError(f"staged push payload stalled ({budgets.STALL_MS_ENV})")
+                    raise Stalled(f"staged push payload stalled ({budgets.STALL_MS_ENV})")
             elif refusal == 0:
                 # Straight into memory, and the reply in the same call.
                 st, sent = _io.recv_plan_reply(fd, plan, wire.pack_header(wire.OP_PUSH_DONE, req_id, 0),
