@@ -291,6 +291,11 @@ def test_shares_bound_each_link_and_source_and_admit_an_oversized_request_alone(
     assert budget.in_use == 0 and budget.held_by(("ip", "b")) == 0
 
 
+def test_a_links_staging_share_is_a_staged_transfer_on_each_of_its_connections():
+    from llm_datadist.transport import session, staging
+    assert budgets.STAGING_PER_LINK_BYTES == session.MAX_CONNECTIONS * 2 * staging.STAGING_CHUNK_BYTES
+
+
 def parsing_held_by(state, ip: str) -> int:
     return budgets.parsing().held_by(("ip", ip))
 
