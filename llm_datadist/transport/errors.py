@@ -9,7 +9,8 @@ from llm_datadist.transport.wire import ProtocolError
 
 S = LLMStatusCode
 
-__all__ = ["S", "status_of", "fail", "brief", "is_int", "StaleTable", "MutualLink", "ProtocolError", "CopyFailed"]
+__all__ = ["S", "status_of", "fail", "brief", "is_int", "StaleTable", "MutualLink", "ProtocolError", "Stalled",
+           "CopyFailed"]
 
 
 def status_of(code: int) -> LLMStatusCode:
@@ -36,6 +37,12 @@ def is_int(value: Any, lo: int = 0, hi: int = 2**64 - 1) -> bool:
 
 class MutualLink(Exception):
     """The peer is linking to this cluster at the same time, and its link is the one kept."""
+
+
+class Stalled(ProtocolError):
+    """A body holding a budget stopped arriving (``session.receive_steadily``): its connection
+    goes like one that broke the protocol, and the stall was counted and logged (rate-limited,
+    ``ByteBudget.note_stall``) where it was found."""
 
 
 class StaleTable(Exception):

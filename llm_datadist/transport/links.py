@@ -120,7 +120,8 @@ class LinkManager:
         #: source); ``refused_self``, link requests claiming this cluster's id without proving that
         #: they come from this process. The byte budgets
         #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
-        #: ``refused_parsing``, control requests that found no room in the parsing budget;
+        #: ``refused_parsing``, control requests that found no room in the parsing budget (or their
+        #: link's or source's share of it);
         #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
         #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``refused_writes``, pushes
         #: the write guard refused; ``protection_failures``,
@@ -160,8 +161,10 @@ class LinkManager:
 
     def link_stats(self) -> Dict[str, int]:
         """A snapshot of ``stats``, and of the process's budgets (``budgets``): ``refused_staging``,
-        staged transfers that found no room in ``LLM_DATADIST_MAX_STAGING_BYTES`` in time, and the
-        bytes each process budget holds now and held at most (``parsing_bytes``,
+        staged transfers that found no room in ``LLM_DATADIST_MAX_STAGING_BYTES`` (or their link's
+        or source's share of it) in time; ``stalled_parsing`` and ``stalled_staging``, control
+        bodies and staged payloads that stalled while they held some of a budget (their links
+        dropped); and the bytes each process budget holds now and held at most (``parsing_bytes``,
         ``parsing_bytes_peak``, ``staging_bytes``, ``staging_bytes_peak``); and each plane's own
         counters (``DataPlane.counters``: cuda_ipc's ``partial_registrations``). The process
         budgets are shared by every engine of the process."""
@@ -170,7 +173,8 @@ class LinkManager:
         for plane in self.planes.all:
             snapshot.update(plane.counters())
         parsing, staging = budgets.parsing(), budgets.staging()
-        snapshot.update(refused_staging=staging.refused, parsing_bytes=parsing.in_use,
+        snapshot.update(refused_staging=staging.refused, stalled_parsing=parsing.stalled,
+                        stalled_staging=staging.stalled, parsing_bytes=parsing.in_use,
                         parsing_bytes_peak=parsing.peak, staging_bytes=staging.in_use,
                         staging_bytes_peak=staging.peak)
         return snapshot
@@ -881,7 +885,7 @@ class LinkManager:
     def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
         """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
         message, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification",
-                                               self._count)
+                                               self._count, peer)
         if message is None:
             return goes_on
         status, answer = self._answer_notification(peer.cluster_id, message)
@@ -905,7 +909,7 @@ class LinkManager:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
         peer_id = peer.cluster_id
         message, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count,
-                                               parse=False)
+                                               peer, parse=False)
         if message is None:
             return goes_on
         # Forget the link before answering, so that a relink right after the answer is not
@@ -1032,7 +1036,7 @@ class LinkManager:
                                              f"the linking side offered {', '.join(request.suites) or 'none'}; "
                                              f"{protection.CRYPTOGRAPHY_MISSING})")
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
-                    want=request.want, comm=comm, source=source,
+                    want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
                     authenticated=self.secret is not None, protection=protected, protection_suite=suite,
                     stated=(request.pid, request.uid))
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
@@ -1127,7 +1131,7 @@ class LinkManager:
             if purpose == "forward":
                 peer.incoming.append(sock)
             else:
-                peer.channels.append(Channel(sock, f"cluster {peer_id} ({peer.address[0]})"))
+                peer.channels.append(Channel(sock, f"cluster {peer_id} ({peer.address[0]})", peer.shares))
             if len(peer.incoming) == peer.want[0] and len(peer.channels) == peer.want[1]:
                 peer.ready = True
                 del self._pending[token]
@@ -1190,11 +1194,13 @@ class LinkManager:
 
         made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
                                           sockets, seal)
+        # (its shares of the budgets: under the address it was made to, or the uid it runs as)
+        shares = budgets.LinkShares(("uid", made.uid) if made.unix else source_of(first))
         peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
                     authenticated=self.secret is not None, protection=agreement.protection,
-                    protection_suite=agreement.suite, stated=agreement.process)
+                    protection_suite=agreement.suite, stated=agreement.process, shares=shares)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
-        peer.channels = [Channel(sock, name) for sock in made.forward]
+        peer.channels = [Channel(sock, name, shares) for sock in made.forward]
         peer.incoming = made.reverse
         peer.ready = True
         sockets.remove(first)

@@ -14,7 +14,8 @@ unwritten.
 A push or pull whose ranges lie wholly in registered host memory moves straight between the
 socket and that memory; one wholly in registered device memory that the host cannot address is
 staged through pinned bounce buffers (the ``device_payload`` a plane provides: the staging
-plane's, ``transport.staging``) on a thread bound to the engine's device; one with both kinds is
+plane's, ``transport.staging``) on a thread bound to the engine's device, within the link's share
+of the staging budget (a staged push's payload must keep arriving); one with both kinds is
 refused like unregistered memory. A device copy that fails is answered ``LLM_FAILED`` when the
 connection is still in step with the frame, else the link goes.
 
@@ -24,8 +25,10 @@ connection down (the transfer fails, the link ends) before the memory is release
 
 Control requests (table request, key release, and the manager's notification and unlink) are
 read within the byte budgets of ``budgets``: one larger than ``LLM_DATADIST_MAX_MESSAGE_BYTES``, or
-one finding no room in the process's parsing budget in time, is read and dropped unparsed and
-refused with a status (``read_control``); the link goes on.
+one finding no room in the process's parsing budget or its link's or source's share of it in
+time, is read and dropped unparsed and refused with a status (``read_control``); the link goes
+on. A body must keep arriving while it is read (``session.receive_steadily``): one that stalls
+gives its bytes back at once and its connection, so its link, is dropped.
 
 A handler is ``handler(fd, req_id, length, peer) -> bool``: it reads the ``length`` bytes of the
 request's body (``recv_exact``), answers (``reply``), and returns whether the connection goes on.
@@ -44,7 +47,7 @@ from llm_datadist.transport import budgets
 from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
-from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, status_of
+from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, Stalled, status_of
 from llm_datadist.transport.listener import close_socket
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.session import Peer, read_body, read_header
@@ -66,41 +69,68 @@ def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
     return body
 
 
-def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str,
-                 count: Callable[[str], Any], parse: bool = True) -> Tuple[Optional[Dict[str, Any]], bool]:
-    """Read a control request's body within the budgets (``budgets``) and, with ``parse``, decode
-    it: ``(message, True)`` (``{}`` without ``parse``), the body's bytes of the parsing budget held
-    only while it was read and decoded; ``(None, goes_on)`` when the request was refused: its body
-    read and dropped, the peer answered ``LLM_PARAM_INVALID`` (larger than
-    ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted ``refused_oversized``) or ``LLM_LINK_BUSY`` (no
-    room in the parsing budget in time, ``refused_parsing``), the link going on. ProtocolError
-    for a body longer than ``wire.MAX_CONTROL_BYTES``, cut short or not a JSON object."""
+def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str, count: Callable[[str], Any],
+                 peer: Peer, parse: bool = True) -> Tuple[Optional[Dict[str, Any]], bool]:
+    """Read a control request of ``peer``'s link within the budgets (``budgets``) and, with
+    ``parse``, decode it: ``(message, True)`` (``{}`` without ``parse``), the body's bytes of the
+    parsing budget (and of the link's share of it, ``Peer.shares``) held only while it was read
+    and decoded; ``(None, goes_on)`` when the request was refused: its body read and dropped, the
+    peer answered ``LLM_PARAM_INVALID`` (larger than ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted
+    ``refused_oversized``) or ``LLM_LINK_BUSY`` (no room in the parsing budget or the link's or
+    its source's share of it in time, ``refused_parsing``), the link going on. ProtocolError for
+    a body longer than ``wire.MAX_CONTROL_BYTES``, cut short, stalled (``stalled_parsing``: what
+    it held is given back first) or not a JSON object."""
     if length > wire.MAX_CONTROL_BYTES:  # no control message is that long: not drained, the connection goes
         raise ProtocolError(f"{what} of {length} bytes exceeds the protocol's {wire.MAX_CONTROL_BYTES}")
     limit = budgets.max_message_bytes()
     if length > limit:
-        count("refused_oversized")
+        refused = count("refused_oversized")
         return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_PARAM_INVALID,
-                                     f"{what} of {length} bytes exceeds {limit} ({budgets.MAX_MESSAGE_BYTES_ENV})")
-    budget = budgets.parsing()
-    if not budget.acquire(length, budgets.PARSING_WAIT_S):
-        count("refused_parsing")
+                                     f"{what} of {length} bytes exceeds {limit} ({budgets.MAX_MESSAGE_BYTES_ENV})",
+                                     what, peer, refused)
+    budget, share = budgets.parsing(), peer.shares.parsing
+    blocked = budget.take(length, budgets.PARSING_WAIT_S, share)
+    if blocked is not None:
+        refused = count("refused_parsing")
         return None, _refuse_control(fd, req_id, length, reply_op, S.LLM_LINK_BUSY,
-                                     f"too many control messages are being parsed "
-                                     f"({budgets.MAX_PARSING_BYTES_ENV}); try again")
+                                     f"too many control messages are being parsed (no room in the "
+                                     f"{_BOUND_NAMES[blocked]}); try again", what, peer, refused)
     try:
-        body = recv_exact(fd, length, limit, what)
+        st, body = _session.read_body_steadily(fd, length, time.monotonic() + _session.FRAME_TIMEOUT_MS / 1000)
+        if st != 0:
+            _truncated(budget, st, what, length, peer)
         return (wire.decode_json(body) if parse else {}), True
     finally:
-        budget.release(length)
+        budget.release(length, share)
 
 
-def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str) -> bool:
-    """Read and drop a refused request's body, answer ``status`` with ``{"error": why}``."""
-    logger.warning("refused a control message: %s", why)
-    st, _, _ = _io.recv_discard(fd, length, _session.FRAME_TIMEOUT_MS)
+#: The bounds of the parsing budget, as a refusal names them (``ByteBudget.blocker``).
+_BOUND_NAMES = {"process": f"process's budget, {budgets.MAX_PARSING_BYTES_ENV}",
+                "source": f"share of this link's source, {budgets.MAX_PARSING_PER_SOURCE_ENV}",
+                "link": "share of this link"}
+
+
+def _truncated(budget: budgets.ByteBudget, st: int, what: str, length: int, peer: Peer) -> None:
+    """Raise ProtocolError for a control body that did not arrive whole (status ``st``); Stalled,
+    counted first, for one that stalled (``LLM_TIMEOUT`` within the frame's time:
+    ``receive_steadily``)."""
+    if st == S.LLM_TIMEOUT:
+        budget.note_stall(f"a {what} of {length} bytes", f"cluster {peer.cluster_id}")
+        raise Stalled(f"{what} of {length} bytes stalled ({budgets.STALL_MS_ENV})")
+    raise ProtocolError(f"{what} truncated ({status_of(st).name})")
+
+
+def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str, what: str,
+                    peer: Peer, refused: Optional[int]) -> bool:
+    """Read and drop a refused request's body (which must keep arriving, as one read would),
+    answer ``status`` with ``{"error": why}``; logged when ``budgets.worth_logging(refused)``
+    (``refused``: how many such refusals so far, None if not counted)."""
+    if budgets.worth_logging(refused):
+        logger.warning("refused a control message from cluster %d: %s (%s such so far)", peer.cluster_id, why,
+                       "?" if refused is None else refused)
+    st = _session.discard_steadily(fd, length, time.monotonic() + _session.FRAME_TIMEOUT_MS / 1000)
     if st != 0:
-        raise ProtocolError(f"refused control message truncated ({status_of(st).name})")
+        _truncated(budgets.parsing(), st, f"refused {what}", length, peer)
     return reply(fd, reply_op, req_id, status, wire.encode_json({"error": why}))
 
 
@@ -183,7 +213,9 @@ class Server:
                     why = "unlinked, or a reply could not be sent"
                     break
         except ProtocolError as exc:
-            logger.warning("closing connection from %s (cluster %s): %s", name, peer_id, exc)
+            # (a stall was logged, rate-limited, where it was found: ``ByteBudget.note_stall``)
+            (logger.debug if isinstance(exc, Stalled) else logger.warning)(
+                "closing connection from %s (cluster %s): %s", name, peer_id, exc)
             self.engine.count_protocol_error()
             why = f"protocol error: {exc}"
         finally:
@@ -225,7 +257,7 @@ class Requests:
                 wire.OP_PULL: self.pull}
 
     def table(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        message, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count,
+        message, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count, peer,
                                         parse=False)
         if message is None:
             return goes_on
@@ -235,7 +267,7 @@ class Requests:
         return reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(table))
 
     def key_done(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        message, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count)
+        message, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count, peer)
         if message is None:
             return goes_on
         try:
@@ -257,10 +289,11 @@ class Requests:
         # (counted from before its check to its last byte: an owner that narrows the guard waits for
         # the pushes that passed it, ``WriteGuard.quiesce``)
         with self._write_guard.writing(peer_id, fd):
-            return self._push(fd, req_id, length, peer_id, *values)
+            return self._push(fd, req_id, length, peer, *values)
 
-    def _push(self, fd: int, req_id: int, length: int, peer_id: int, generation: int, desc_len: int, plan) -> bool:
+    def _push(self, fd: int, req_id: int, length: int, peer: Peer, generation: int, desc_len: int, plan) -> bool:
         engine = self.engine
+        peer_id = peer.cluster_id
         data_len = length - 16 - desc_len
         drained = False
         # (the write guard first: a refused push pins nothing, its payload is drained below)
@@ -274,11 +307,15 @@ class Requests:
             refusal, device = self._refusal(plan, True, generation, ranges, device_ranges, current, peer_id, "push")
             if refusal == 0 and device:
                 try:
-                    st, _, _ = self._device.recv(fd, plan, _session.FRAME_TIMEOUT_MS)
+                    # (staged: the payload must keep arriving while it holds the link's buffers)
+                    st, _, _ = self._device.recv(fd, plan, _session.FRAME_TIMEOUT_MS, peer.shares.staging, True)
                 except CopyFailed as exc:  # the payload was read whole: the link goes on
                     logger.error("cluster %d: a push from %d into device memory failed: %s",
                                  engine.cluster_id, peer_id, exc)
                     refusal, drained, st = S.LLM_FAILED, True, 0
+                if st == S.LLM_TIMEOUT:
+                    budgets.staging().note_stall(f"a staged push of {plan.total_bytes} bytes", f"cluster {peer_id}")
+                    raise Stalled(f"staged push payload stalled ({budgets.STALL_MS_ENV})")
             elif refusal == 0:
                 # Straight into memory, and the reply in the same call.
                 st, sent = _io.recv_plan_reply(fd, plan, wire.pack_header(wire.OP_PUSH_DONE, req_id, 0),
@@ -315,7 +352,7 @@ class Requests:
                     st, _ = _io.send_plan(fd, head, plan, False, _session.FRAME_TIMEOUT_MS)
                     return st == 0
                 try:
-                    st, _ = self._device.send(fd, head, plan, _session.FRAME_TIMEOUT_MS)
+                    st, _ = self._device.send(fd, head, plan, _session.FRAME_TIMEOUT_MS, peer.shares.staging)
                     return st == 0
                 except CopyFailed as exc:
                     logger.error("cluster %d: a pull by %d from device memory failed: %s", engine.cluster_id,

@@ -1,7 +1,8 @@
 """A link's state on this side: its connections (``Channel``, the peer's ``incoming`` ones), what
 the kernel proved about the peer, the data planes chosen and their per-link state objects
-(``Peer.plane_state``), the one frame reader every part of the transport uses, and the link's
-worker threads for striped transfers.
+(``Peer.plane_state``), its shares of the process's budgets (``Peer.shares``), the one frame
+reader every part of the transport uses (and ``receive_steadily`` for bodies that hold a
+budget), and the link's worker threads for striped transfers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,43 @@ def read_body(fd: int, length: int, timeout_ms: int) -> Tuple[int, bytearray]:
         if st != 0:
             return st, body
     return 0, body
+
+
+def receive_steadily(receive: Callable[[int, int], Tuple[int, int, int]], deadline: float) -> Tuple[int, int, int]:
+    """Receive a body that holds a budget and so must keep arriving (``budgets.stall_ms``):
+    ``receive(done, timeout_ms)`` receives the rest of it after its first ``done`` bytes and
+    returns ``(status, errno, got)`` as ``_io``'s receives do; it is called once per stall window
+    (never past ``deadline``). A window that brings neither the rest nor
+    ``budgets.least_per_window`` bytes ends the body with ``LLM_TIMEOUT``, as ``deadline`` does:
+    ``(status, errno, received)``."""
+    window_ms = budgets.stall_ms()
+    least = budgets.least_per_window(window_ms)
+    done = 0
+    while True:
+        st, err, got = receive(done, min(window_ms, dl.left_ms(deadline)))
+        done += got
+        if st != S.LLM_TIMEOUT or got < least or dl.expired(deadline):
+            return st, err, done
+
+
+def read_body_steadily(fd: int, length: int, deadline: float) -> Tuple[int, bytearray]:
+    """``read_body`` for a body that holds a budget (``receive_steadily``): ``(status, body)``,
+    ``LLM_TIMEOUT`` for one that stalled or ran past ``deadline``."""
+    body = bytearray(length)
+    if not length:
+        return 0, body
+    view = memoryview(body)
+    try:
+        st, _, _ = receive_steadily(lambda done, timeout_ms: _io.recv_into(fd, view[done:], timeout_ms), deadline)
+    finally:
+        view.release()
+    return st, body
+
+
+def discard_steadily(fd: int, length: int, deadline: float) -> int:
+    """Read and drop a body that must keep arriving as ``receive_steadily`` says (a refused
+    control request): the status."""
+    return receive_steadily(lambda done, timeout_ms: _io.recv_discard(fd, length - done, timeout_ms), deadline)[0]
 
 
 class Workers:
@@ -102,13 +140,16 @@ def _call(fn: Callable[[Any], Any], item: Any) -> Any:
 
 
 class Channel:
-    """One connection on which this side sends requests and reads replies, one at a time."""
+    """One connection on which this side sends requests and reads replies, one at a time;
+    ``shares``: its link's shares of the process's budgets (``Peer.shares``), which the replies
+    it reads and the staged payloads it moves count against."""
 
-    def __init__(self, sock: socket.socket, peer_name: str) -> None:
+    def __init__(self, sock: socket.socket, peer_name: str, shares: Optional[budgets.LinkShares] = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self.peer_name = peer_name
+        self.shares = shares if shares is not None else budgets.LinkShares()
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self._next_id = 1
@@ -171,24 +212,18 @@ class Channel:
             raise self.fault(S.LLM_LINK_FAILED, f"{what}: unexpected reply {wire.OP_NAMES[op]}")
         return status, length
 
-    def read_payload(self, length: int, deadline: float, what: str,
-                     limit: int = wire.MAX_CONTROL_BYTES) -> bytearray:
-        if length > limit:
-            raise self.fault(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes (at most {limit})")
-        st, body = read_body(self.fd, length, dl.left_ms(deadline))
-        if st != 0:
-            raise self.fault(st, what)
-        return body
-
     def control(self, op: int, reply_op: int, message: Dict[str, Any], timeout_ms: int, what: str,
                 limit: int = wire.MAX_CONTROL_BYTES,
                 on_oversized: Optional[Callable[[], Any]] = None) -> Tuple[int, Dict[str, Any]]:
         """Send a JSON request, return ``(status, reply JSON)``. A reply longer than ``limit``
         is not read: the connection is dropped (``on_oversized()`` is called first) and
         ``LLM_LINK_FAILED`` raised. The reply is read and parsed within the process's parsing
-        budget (``budgets.parsing``), waiting for room until the deadline."""
+        budget and the link's share of it (``budgets.parsing``, ``shares``), waiting for room
+        until the deadline; a reply that stalls (``receive_steadily``) gives its bytes back at
+        once, the connection is dropped and ``LLM_TIMEOUT`` raised."""
         payload = wire.encode_json(message)
         deadline = dl.after(timeout_ms)
+        share = self.shares.parsing
         with self.lock:
             req_id = self.next_request_id()
             st, _ = _io.send_bytes(self.fd, wire.pack_header(op, req_id, len(payload)) + payload,
@@ -201,13 +236,18 @@ class Channel:
                     on_oversized()
                 raise self.fault(S.LLM_LINK_FAILED, f"{what}: oversized reply of {length} bytes (at most {limit})")
             budget = budgets.parsing()
-            if not budget.acquire(length, max(0.0, dl.left_ms(deadline) / 1000)):
-                raise self.fault(S.LLM_TIMEOUT, f"{what}: no room to parse the reply "
-                                                f"({budgets.MAX_PARSING_BYTES_ENV})")
+            blocked = budget.take(length, max(0.0, dl.left_ms(deadline) / 1000), share)
+            if blocked is not None:
+                raise self.fault(S.LLM_TIMEOUT, f"{what}: no room to parse the reply in time (the {blocked}'s "
+                                                f"bound of the parsing budget, {budgets.MAX_PARSING_BYTES_ENV})")
             try:
-                body = self.read_payload(length, deadline, what, limit)
+                st, body = read_body_steadily(self.fd, length, deadline)
+                if st != 0:
+                    if st == S.LLM_TIMEOUT and not dl.expired(deadline):
+                        budget.note_stall(f"a reply of {length} bytes ({what})", self.peer_name)
+                    raise self.fault(st, what)
             except BaseException:
-                budget.release(length)
+                budget.release(length, share)
                 raise
         try:
             return status, wire.decode_json(body) if body else {}
@@ -215,7 +255,7 @@ class Channel:
             raise self.fault(S.LLM_LINK_FAILED, f"{what}: {exc}") from None
         finally:
             del body
-            budget.release(length)
+            budget.release(length, share)
 
     def refused(self, status: int, what: str, side: str) -> None:
         """Raise for the peer's refusal of a transfer (StaleTable for a stale table)."""
@@ -276,6 +316,9 @@ class Peer:
     unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
     comm: Optional[Tuple[str, str]] = None  # the two-sided link (name, digest) it was made for
     source: Any = None   # server side: where its link request came from (``listener.source_of``)
+    # Its shares of the process's parsing and staging budgets, under its source (server side) or
+    # the address it was made to (client side); set by the link manager as the link is made.
+    shares: budgets.LinkShares = field(default_factory=budgets.LinkShares)
     table_lock: threading.Lock = field(default_factory=threading.Lock)
     settle_lock: threading.Lock = field(default_factory=threading.Lock)
     workers: Workers = field(default_factory=Workers)

@@ -14,6 +14,10 @@ cache) and the server on the side that owns the memory (``transport.server``), b
 staging plane's ``StagedPayload`` and bounce pool (one per engine, freed at finalize). The caller
 binds its thread to the engine's device first (``EngineView.bind_thread``).
 
+The bounce buffers count against the process's staging budget and the link's share of it
+(``budgets``; ``BouncePool.acquire``); the server receives a peer's staged push ``steady``: a
+payload that stalls gives its buffers back at once (``session.receive_steadily``).
+
 A copy that fails raises ``CopyFailed``; ``in_step`` says whether the connection is still in step
 with the frame: a send that failed before its first byte went out, or a receive that read (and
 dropped) the rest of the frame. Otherwise the frame is cut short and the connection must go (as
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.status import LLMException
@@ -33,6 +37,7 @@ from llm_datadist.transport import budgets
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import S, fail
 from llm_datadist.transport.errors import CopyFailed
+from llm_datadist.transport.session import receive_steadily
 
 __all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "send_staged", "recv_staged",
            "HostPayload", "StagedPayload", "HOST_PAYLOAD", "CopyFailed"]
@@ -51,8 +56,9 @@ class BouncePool:
     transfer (at most ``keep`` idle ones), freed with the pool.
 
     The buffers a transfer holds count against the process's staging budget
-    (``budgets.staging()``, ``LLM_DATADIST_MAX_STAGING_BYTES``) from ``acquire`` to ``release``:
-    a transfer that would exceed it waits for room until its deadline, then fails
+    (``budgets.staging()``, ``LLM_DATADIST_MAX_STAGING_BYTES``) and its link's share of it (a
+    ``budgets.Share``: the link's and its source's bounds) from ``acquire`` to ``release``: a
+    transfer that would exceed one of them waits for room until its deadline, then fails
     (``LLM_TIMEOUT``) before it has moved a byte."""
 
     def __init__(self, runtime: Any, chunk_bytes: int = STAGING_CHUNK_BYTES, keep: int = POOL_KEEP) -> None:
@@ -63,17 +69,23 @@ class BouncePool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def acquire(self, count: int = 2, timeout_ms: int = 0) -> List[Any]:
+    def acquire(self, count: int = 2, timeout_ms: int = 0, share: Optional[budgets.Share] = None) -> List[Any]:
         nbytes = count * self.chunk_bytes
         budget = budgets.staging()
-        if not budget.acquire(nbytes, timeout_ms / 1000):
+        blocked = budget.take(nbytes, timeout_ms / 1000, share)
+        if blocked == "process":
             raise fail(S.LLM_TIMEOUT, f"no room for {nbytes} bytes of staging buffers in time: staged "
                                       f"transfers in flight hold {budget.in_use} of {budget.limit} "
                                       f"({budgets.MAX_STAGING_BYTES_ENV})")
+        if blocked is not None:
+            bound = (f"{budget.per_source} of its source ({budgets.MAX_STAGING_PER_SOURCE_ENV})" if blocked == "source"
+                     else f"{budget.per_link} of one link")
+            raise fail(S.LLM_TIMEOUT, f"no room for {nbytes} bytes of staging buffers in time: the link's "
+                                      f"transfers hold the most they may, {bound}")
         try:
             return self._take(count)
         except BaseException:
-            budget.release(nbytes)
+            budget.release(nbytes, share)
             raise
 
     def _take(self, count: int) -> List[Any]:
@@ -83,9 +95,10 @@ class BouncePool:
             taken.append(_core.Allocation(self.runtime, self.chunk_bytes, on_device=False, pinned=True))
         return taken
 
-    def release(self, buffers: List[Any]) -> None:
-        """Give buffers back (no copy may be queued on them any more)."""
-        budgets.staging().release(len(buffers) * self.chunk_bytes)
+    def release(self, buffers: List[Any], share: Optional[budgets.Share] = None) -> None:
+        """Give buffers back (no copy may be queued on them any more), to ``share`` too if they
+        were taken for one."""
+        budgets.staging().release(len(buffers) * self.chunk_bytes, share)
         with self._lock:
             if not self._closed:
                 self._free.extend(buffers[:max(0, self.keep - len(self._free))])
@@ -105,10 +118,10 @@ class BouncePool:
             self._free = []
 
 
-def _bounce_plan(buffer: Any, nbytes: int) -> Any:
-    """A one-descriptor plan of the first ``nbytes`` of a bounce buffer (as source and destination,
-    for ``send_plan`` and ``recv_plan``)."""
-    return _io.plan_from_wire(_DESC.pack(buffer.addr, buffer.addr, nbytes))
+def _bounce_plan(buffer: Any, nbytes: int, skip: int = 0) -> Any:
+    """A one-descriptor plan of the first ``nbytes`` of a bounce buffer, less their first ``skip``
+    (as source and destination, for ``send_plan`` and ``recv_plan``)."""
+    return _io.plan_from_wire(_DESC.pack(buffer.addr + skip, buffer.addr + skip, nbytes - skip))
 
 
 def _settle(runtime: Any) -> None:
@@ -120,17 +133,17 @@ def _settle(runtime: Any) -> None:
 
 
 def send_staged(fd: int, head: bytes, plan: Any, runtime: Any, pool: BouncePool,
-                timeout_ms: int) -> Tuple[int, int]:
+                timeout_ms: int, share: Optional[budgets.Share] = None) -> Tuple[int, int]:
     """Send ``head`` then the source bytes of ``plan`` (device memory of ``runtime``), staged
-    through two bounce buffers of ``pool``: ``(status, errno)`` of the socket; ``CopyFailed``
-    for a device copy that failed."""
+    through two bounce buffers of ``pool`` (taken for the link's ``share`` of the staging
+    budget): ``(status, errno)`` of the socket; ``CopyFailed`` for a device copy that failed."""
     deadline = dl.after(timeout_ms)
     total = plan.total_bytes
     if total == 0:
         return _io.send_bytes(fd, head, dl.left_ms(deadline)) if head else (0, 0)
     chunk = pool.chunk_bytes
     try:
-        buffers = pool.acquire(2, dl.left_ms(deadline))
+        buffers = pool.acquire(2, dl.left_ms(deadline), share)
     except LLMException as exc:  # no page-locked memory (or no room in the budget): nothing sent
         raise CopyFailed(exc, True) from exc
     pending = False  # copies queued and not yet waited for
@@ -172,21 +185,24 @@ def send_staged(fd: int, head: bytes, plan: Any, runtime: Any, pool: BouncePool,
     finally:
         if pending:
             _settle(runtime)
-        pool.release(buffers)
+        pool.release(buffers, share)
 
 
-def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: int) -> Tuple[int, int, int]:
+def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: int,
+                share: Optional[budgets.Share] = None, steady: bool = False) -> Tuple[int, int, int]:
     """Receive ``plan.total_bytes`` and copy them to the destinations of ``plan`` (device memory
-    of ``runtime``) through two bounce buffers of ``pool``: ``(status, errno, received)`` of the
-    socket. A device copy that fails stops the copies; the rest of the payload is read and
-    dropped, then ``CopyFailed`` (in step) is raised."""
+    of ``runtime``) through two bounce buffers of ``pool`` (taken for the link's ``share`` of the
+    staging budget): ``(status, errno, received)`` of the socket. With ``steady`` the payload must
+    keep arriving (``session.receive_steadily``): one that stalls ends with ``LLM_TIMEOUT`` and
+    its buffers are given back at once. A device copy that fails stops the copies; the rest of
+    the payload is read and dropped, then ``CopyFailed`` (in step) is raised."""
     deadline = dl.after(timeout_ms)
     total = plan.total_bytes
     if total == 0:
         return 0, 0, 0
     chunk = pool.chunk_bytes
     try:
-        buffers = pool.acquire(2, dl.left_ms(deadline))
+        buffers = pool.acquire(2, dl.left_ms(deadline), share)
     except LLMException as exc:  # no page-locked memory (or no room in the budget): read the payload, drop it
         return _drained(fd, total, deadline, exc)
     pending = False
@@ -196,7 +212,12 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
         while start < total:
             nbytes = min(chunk, total - start)
             buffer = buffers[k % 2]
-            st, err, got = _io.recv_plan(fd, _bounce_plan(buffer, nbytes), False, dl.left_ms(deadline))
+            if steady:
+                st, err, got = receive_steadily(
+                    lambda done, ms, _buffer=buffer, _nbytes=nbytes: _io.recv_plan(
+                        fd, _bounce_plan(_buffer, _nbytes, done), False, ms), deadline)
+            else:
+                st, err, got = _io.recv_plan(fd, _bounce_plan(buffer, nbytes), False, dl.left_ms(deadline))
             if st != 0:
                 return st, err, start + got
             try:
@@ -220,7 +241,7 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
     finally:
         if pending:
             _settle(runtime)
-        pool.release(buffers)
+        pool.release(buffers, share)
     if failure is not None:
         st, err, got = _drained(fd, total - start, deadline, failure)  # raises once in step
         return st, err, start + got
@@ -238,12 +259,16 @@ def _drained(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tu
 
 
 class HostPayload:
-    """A frame's payload straight from and into memory the host addresses (the tcp plane)."""
+    """A frame's payload straight from and into memory the host addresses (the tcp plane). The
+    ``share`` and ``steady`` of a staged payload's calls (``StagedPayload``) do not apply: no
+    budget is held."""
 
-    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
+             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
         return _io.send_plan(fd, head, plan, False, timeout_ms)
 
-    def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
+    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
+             steady: bool = False) -> Tuple[int, int, int]:
         return _io.recv_plan(fd, plan, False, timeout_ms)
 
 
@@ -259,16 +284,21 @@ class StagedPayload(HostPayload):
         self.engine = engine
         self.pool = pool
 
-    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int) -> Tuple[int, int]:
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
+             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
+        """``send_staged``, its buffers taken for the link's ``share`` of the staging budget."""
         try:
             self.engine.bind_thread()
         except LLMException as exc:  # nothing sent
             raise CopyFailed(exc, True) from exc
-        return send_staged(fd, head, plan, self.engine.runtime, self.pool(), timeout_ms)
+        return send_staged(fd, head, plan, self.engine.runtime, self.pool(), timeout_ms, share)
 
-    def recv(self, fd: int, plan: Any, timeout_ms: int) -> Tuple[int, int, int]:
+    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
+             steady: bool = False) -> Tuple[int, int, int]:
+        """``recv_staged``, its buffers taken for ``share``; with ``steady`` the payload must keep
+        arriving."""
         try:
             self.engine.bind_thread()
         except LLMException as exc:
             return _drained(fd, plan.total_bytes, dl.after(timeout_ms), exc)
-        return recv_staged(fd, plan, self.engine.runtime, self.pool(), timeout_ms)
+        return recv_staged(fd, plan, self.engine.runtime, self.pool(), timeout_ms, share, steady)

@@ -102,26 +102,33 @@ def link_request(**changes) -> Dict[str, Any]:
 
 
 class RawLink:
-    """A link made by hand: one forward connection (this side's requests) and one reverse
-    connection (never served: the server's own requests would wait on it)."""
+    """A link made by hand: ``forward`` connections (this side's requests; ``sock`` is the first,
+    ``forwards`` all of them) and one reverse connection (never served: the server's own requests
+    would wait on it)."""
 
     def __init__(self, address, cluster_id: int, secret: Optional[bytes] = None, unix: bool = False,
-                 source: Optional[str] = None, first_unix: Optional[str] = None, **changes) -> None:
+                 source: Optional[str] = None, first_unix: Optional[str] = None, forward: int = 1,
+                 **changes) -> None:
         """``source``: the local address of its TCP connections; ``first_unix``: send the link
         request over this abstract Unix socket rather than TCP."""
         self.cluster_id = cluster_id
         first = connect(address, first_unix, source)
+        self.sockets: List[socket.socket] = []
         try:
-            self.reply = handshake(first, cluster_id, link_request(**changes), secret)
+            self.reply = handshake(first, cluster_id, link_request(**dict({"connections": [forward, 1]}, **changes)),
+                                   secret)
             unix_name = self.reply.get("unix") if unix else None
-            self.sockets: List[socket.socket] = []
-            for purpose in ("forward", "reverse"):
+            for purpose in ["forward"] * forward + ["reverse"]:
                 sock = connect(address, unix_name, source)
                 self.sockets.append(sock)
                 handshake(sock, cluster_id, {"purpose": purpose, "token": self.reply["token"]}, secret)
+        except BaseException:
+            self.close()
+            raise
         finally:
             first.close()
-        self.sock, self.reverse = self.sockets
+        self.forwards, self.reverse = self.sockets[:-1], self.sockets[-1]
+        self.sock = self.forwards[0]
         self.next_id = 2
 
     def request(self, op: int, payload: bytes = b"", length: Optional[int] = None) -> int:

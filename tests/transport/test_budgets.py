@@ -8,6 +8,10 @@ What is checked, against real processes on 127.0.0.1 and hand-made peers (``rawp
 - concurrent control messages of the old wire maximum keep the server's peak RSS flat;
 - a request that finds no room in ``LLM_DATADIST_MAX_PARSING_BYTES`` (a peer stalls in the middle
   of one that holds it) is answered ``LLM_LINK_BUSY`` and the link goes on (``refused_parsing``);
+- the process budgets are shared out: one source holds at most its share (a peer sending slow
+  bodies on every connection of many links leaves another's notifications, new links and
+  staged pushes room), and a body that stalls gives its bytes back within the stall window and
+  loses its link (``stalled_parsing``, ``stalled_staging``);
 - 256 links, each with the largest table reply and notification the budgets allow, keep the
   cluster's RSS growth under ``LINKS_RSS_BOUND``;
 - junk inside the plane entries of 1 MiB table replies is not kept: the RSS stays flat, link
@@ -24,6 +28,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from llm_datadist import _core
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, budgets, wire
@@ -92,7 +97,8 @@ def start(stack: ExitStack, cluster_id: int, listen: bool = False) -> Cluster:
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for name in (auth.SECRET_ENV, "LLM_DATADIST_DATA_PLANE", budgets.MAX_TABLE_BYTES_ENV,
-                 budgets.MAX_MESSAGE_BYTES_ENV, budgets.MAX_PARSING_BYTES_ENV, budgets.MAX_STAGING_BYTES_ENV):
+                 budgets.MAX_MESSAGE_BYTES_ENV, budgets.MAX_PARSING_BYTES_ENV, budgets.MAX_STAGING_BYTES_ENV,
+                 budgets.MAX_PARSING_PER_SOURCE_ENV, budgets.MAX_STAGING_PER_SOURCE_ENV, budgets.STALL_MS_ENV):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -240,6 +246,7 @@ def test_a_request_without_room_in_the_parsing_budget_is_refused_busy(monkeypatc
     budget (64 KiB here); another's notification waits ``PARSING_WAIT_S`` and is answered
     LLM_LINK_BUSY, its link going on; once the first one ends, notifications are taken again."""
     monkeypatch.setenv(budgets.MAX_PARSING_BYTES_ENV, "64k")
+    monkeypatch.setenv(budgets.STALL_MS_ENV, "30000")  # the staller pauses on purpose
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, listen=True)
         server.call(set_handler)
@@ -256,6 +263,166 @@ def test_a_request_without_room_in_the_parsing_budget_is_refused_busy(monkeypatc
         assert rawpeer.read_frame(staller.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, 50)
         req_id = other.request(wire.OP_NOTIFY, body)
         assert rawpeer.read_frame(other.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, req_id)
+
+
+# -- shares of the parsing budget, stalled bodies ----------------------------------------------------
+
+#: Where the hostile peers of the share tests connect from: a source of its own (the honest
+#: clusters come from 127.0.0.1).
+HOSTILE_SOURCE = "127.0.0.2"
+#: A table a raw peer answers with (the server fetches it when the link is made).
+EMPTY_TABLE = json.dumps({"generation": 1, "caches": [], "blocks": [], "keys": []}).encode()
+
+
+def test_shares_bound_each_link_and_source_and_admit_an_oversized_request_alone():
+    budget = budgets.ByteBudget(100, per_source=40, per_link=30)
+    a1, a2, b1 = budgets.Share(("ip", "a")), budgets.Share(("ip", "a")), budgets.Share(("ip", "b"))
+    assert budget.acquire(30, 0, a1)
+    assert budget.take(1, 0, a1) == "link"        # the link holds its share
+    assert budget.take(20, 0, a2) == "source"     # another link of that source: the source's share
+    assert budget.acquire(10, 0, a2)
+    assert budget.held_by(("ip", "a")) == 40
+    assert budget.acquire(30, 0, b1) and budget.take(31, 0, budgets.Share(("ip", "c"))) == "process"
+    budget.release(30, a1)
+    budget.release(10, a2)
+    assert budget.held_by(("ip", "a")) == 0 and budget.in_use == 30
+    assert budget.acquire(60, 0, a1)              # larger than a share, admitted while its link and source hold none
+    assert budget.refused == 3
+    budget.release(60, a1)
+    budget.release(30, b1)
+    assert budget.in_use == 0 and budget.held_by(("ip", "b")) == 0
+
+
+def test_a_links_staging_share_is_a_staged_transfer_on_each_of_its_connections():
+    from llm_datadist.transport import session, staging
+    assert budgets.STAGING_PER_LINK_BYTES == session.MAX_CONNECTIONS * 2 * staging.STAGING_CHUNK_BYTES
+
+
+def parsing_held_by(state, ip: str) -> int:
+    return budgets.parsing().held_by(("ip", ip))
+
+
+def linked(state):
+    return state.dd.engine.links.linked_clusters()
+
+
+def test_slow_bodies_on_every_connection_of_one_source_leave_others_room(monkeypatch):
+    """A peer from one address makes 4 links of 4 connections each and starts, on every
+    connection, a table request or notification of the message budget's size, then sends one
+    byte of it and nothing more: the 16 bodies would hold the whole parsing budget (the attack of
+    issue 32). It holds its source's share at most, and meanwhile an honest cluster from another
+    address links and notifies within a few seconds. The stall window is set past the test here,
+    so that the shares alone must do it."""
+    monkeypatch.setenv(budgets.MAX_PARSING_BYTES_ENV, "256k")
+    monkeypatch.setenv(budgets.MAX_MESSAGE_BYTES_ENV, "16k")
+    monkeypatch.setenv(budgets.STALL_MS_ENV, "60000")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        answerer = rawpeer.ReverseAnswerer(EMPTY_TABLE)
+        stack.callback(answerer.close)
+        hostile = []
+        for i in range(4):
+            hostile.append(answerer.add(rawpeer.RawLink(server.address, 300 + i, source=HOSTILE_SOURCE, forward=4)))
+            stack.callback(hostile[-1].close)
+        for i, sock in enumerate(s for link in hostile for s in link.forwards):
+            op = wire.OP_TABLE_GET if i % 2 else wire.OP_NOTIFY
+            sock.sendall(rawpeer.frame(op, b"{", length=16 << 10, req_id=7))
+        client = start(stack, CLIENT_ID)
+        deadline = time.monotonic() + 10
+        while server.call(parsing_held_by, HOSTILE_SOURCE) < 64 << 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # (the bodies beyond the share wait for room, holding none)
+        started = time.monotonic()
+        assert client.call(link_to, SERVER_ID, *server.address) == S.LLM_SUCCESS
+        assert client.call(notify, SERVER_ID, {"hello": "x" * 1000}) == 0
+        assert time.monotonic() - started < 5
+        assert CLIENT_ID in server.call(linked)
+        assert server.call(parsing_held_by, HOSTILE_SOURCE) == 64 << 10  # its source's share: a quarter
+        deadline = time.monotonic() + 10  # the bodies beyond the share are refused after PARSING_WAIT_S
+        while server.call(stats)["refused_parsing"] < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.call(stats)["refused_parsing"] == 12
+
+
+def raw_stall_table_replies(link: rawpeer.RawLink, announced: int) -> threading.Thread:
+    """Answer the server's table request on ``link``'s reverse connection with a reply announcing
+    ``announced`` bytes, of which one is sent."""
+    def answer() -> None:
+        try:
+            _, _, req_id, _ = rawpeer.read_frame(link.reverse, timeout=10)
+            link.reverse.sendall(rawpeer.frame(wire.OP_TABLE, b"{", length=announced, req_id=req_id))
+        except (OSError, EOFError):
+            pass
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return thread
+
+
+def trickle(sock, every_s: float, for_s: float) -> threading.Thread:
+    """Send a space on ``sock`` every ``every_s`` for ``for_s`` (until the socket fails)."""
+    def run() -> None:
+        until = time.monotonic() + for_s
+        while time.monotonic() < until:
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                return
+            time.sleep(every_s)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def closed_by_server(sock, timeout: float) -> bool:
+    """Whether the server closes ``sock`` within ``timeout`` (what it sends meanwhile is read)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["silent request", "trickling request", "silent table reply"])
+def test_a_stalled_body_gives_its_bytes_back_at_once_and_loses_its_link(monkeypatch, how):
+    """A peer announces a body and sends a byte of it (then nothing, or a byte every 0.1 s for 4 s:
+    far under the least pace): within the stall window (0.5 s here) the bytes it held are given back,
+    the link is lost and the stall counted; before, they were held for the frame's 30 s (5 s for
+    the table reply the server fetches at link time). Another link's notification goes on."""
+    monkeypatch.setenv(budgets.STALL_MS_ENV, "500")
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True)
+        server.call(set_handler)
+        answerer = rawpeer.ReverseAnswerer(EMPTY_TABLE)
+        stack.callback(answerer.close)
+        honest = answerer.add(rawpeer.RawLink(server.address, 101))
+        stack.callback(honest.close)
+        staller = rawpeer.RawLink(server.address, 100)
+        stack.callback(staller.close)
+        if how == "silent table reply":
+            stack.callback(raw_stall_table_replies(staller, 60 << 10).join, 5)
+        else:
+            answerer.add(staller)
+            staller.sock.sendall(rawpeer.frame(wire.OP_NOTIFY, b"{", length=60 << 10, req_id=9))
+        deadline = time.monotonic() + 5
+        while server.call(stats)["parsing_bytes"] < 60 << 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held_at = time.monotonic()
+        assert server.call(stats)["parsing_bytes"] == 60 << 10
+        if how == "trickling request":  # (a byte every 0.1 s for 4 s, or until the server drops it)
+            stack.callback(trickle(staller.sock, 0.1, 4.0).join, 5)
+        while server.call(stats)["parsing_bytes"] and time.monotonic() < held_at + 5:
+            time.sleep(0.02)
+        freed_after = time.monotonic() - held_at
+        counted = server.call(stats)
+        assert counted["parsing_bytes"] == 0 and freed_after < 2.0, f"held {freed_after:.1f} s"
+        assert counted["stalled_parsing"] == 1
+        assert closed_by_server(staller.sock, 5)
+        assert 100 in server.call(lost_links)
+        req_id = honest.request(wire.OP_NOTIFY, b'{"after": 1}')
+        assert rawpeer.read_frame(honest.sock)[:3] == (wire.OP_NOTIFY_REPLY, 0, req_id)
 
 
 # -- many links at the budgets -------------------------------------------------------------------
@@ -407,6 +574,115 @@ def test_staging_buffers_beyond_the_budget_wait_then_fail(monkeypatch):
     pool.release(first)
     pool.release(pool.acquire(2, 0))
     assert budgets.staging().in_use == 0
+
+
+# -- shares of the staging budget, stalled staged pushes ----------------------------------------------
+
+needs_core = pytest.mark.skipif(not hasattr(_core, "stage_plan"), reason="the core's staging API is not in this build")
+#: The device cache a raw peer pushes into (more than a 4 MiB bounce buffer: staged in chunks).
+DEVICE_BYTES = 8 << 20
+
+
+@pytest.fixture
+def cuda_env(stub_libraries, monkeypatch) -> str:
+    """Cluster processes started meanwhile run the stub library as their cuda runtime: DEVICE
+    memory the host cannot address, so a peer's push into it is staged (as in
+    ``planes/test_staging.py``)."""
+    path = str(stub_libraries["full"])
+    monkeypatch.setenv("LLM_DATADIST_DEVICE", "cuda")
+    monkeypatch.setenv("LLM_DATADIST_CUDA_LIBRARY", path)
+    monkeypatch.setenv("LLM_DATADIST_CUDA_DRIVER_LIBRARY", path)
+    return path
+
+
+def allocate_device(state) -> int:
+    """A DEVICE cache of ``DEVICE_BYTES`` (staged: the host cannot address it); its address."""
+    import llm_datadist as ld
+    cache = state.cm.allocate_cache(ld.CacheDesc(1, [DEVICE_BYTES], ld.DataType.DT_UINT8, ld.Placement.DEVICE))
+    state.caches["device"] = cache
+    engine = state.dd.engine
+    assert engine.device_only(engine.lookup(cache.cache_id))
+    return cache.tensor_addrs[0]
+
+
+def start_device_server(stack: ExitStack) -> Cluster:
+    options = {"llm.MemPoolConfig": '{"memory_size": 67108864}'}
+    return stack.enter_context(Cluster(SERVER_ID, "PROMPT", listen=True, options=options, timeout=60.0))
+
+
+def push_head(generation: int, addr: int, nbytes: int, req_id: int) -> bytes:
+    """A PUSH frame up to its payload: ``nbytes`` into ``addr`` of the owner."""
+    descs = wire.U64.pack(0) + wire.U64.pack(addr) + wire.U64.pack(nbytes)
+    return rawpeer.frame(wire.OP_PUSH, wire.U64x2.pack(generation, len(descs)) + descs,
+                         length=16 + len(descs) + nbytes, req_id=req_id)
+
+
+def staging_held_by(state, ip: str) -> int:
+    return budgets.staging().held_by(("ip", ip))
+
+
+@needs_core
+def test_stalled_staged_pushes_of_one_source_leave_another_peer_room(cuda_env, monkeypatch):
+    """Four links from one address each start a staged push of 6 MiB into the owner's device
+    memory and stall after 1 KiB: they would hold the whole staging budget (32 MiB here, four
+    transfers' bounce buffers) for the frame's 30 s. They hold their source's share (one
+    transfer's 8 MiB), and another peer's 64-byte staged push is answered within 2 s. The stall
+    window is set past the test, so that the shares alone must do it."""
+    monkeypatch.setenv(budgets.MAX_STAGING_BYTES_ENV, "32m")
+    monkeypatch.setenv(budgets.STALL_MS_ENV, "60000")
+    with ExitStack() as stack:
+        server = start_device_server(stack)
+        addr = server.call(allocate_device)
+        answerer = rawpeer.ReverseAnswerer(EMPTY_TABLE)  # (links whose table is not sent in time are lost)
+        stack.callback(answerer.close)
+        hostile = []
+        for i in range(4):
+            hostile.append(answerer.add(rawpeer.RawLink(server.address, 300 + i, source=HOSTILE_SOURCE)))
+            stack.callback(hostile[-1].close)
+        honest = answerer.add(rawpeer.RawLink(server.address, 101))
+        stack.callback(honest.close)
+        generation = honest.table()["generation"]
+        for link in hostile:
+            link.sock.sendall(push_head(generation, addr, 6 << 20, 5) + b"\xAB" * 1024)
+        deadline = time.monotonic() + 10
+        while server.call(staging_held_by, HOSTILE_SOURCE) < 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # (the other three wait for room, holding none)
+        started = time.monotonic()
+        honest.sock.sendall(push_head(generation, addr + 4096, 64, 6) + b"\x5A" * 64)
+        assert rawpeer.read_frame(honest.sock, timeout=10)[:3] == (wire.OP_PUSH_DONE, 0, 6)
+        assert time.monotonic() - started < 2.0
+        assert server.call(staging_held_by, HOSTILE_SOURCE) == 8 << 20  # its source's share: a quarter
+
+
+@needs_core
+def test_a_stalled_staged_push_gives_its_buffers_back_at_once(cuda_env, monkeypatch):
+    """A staged push that stalls after 1 KiB of its 6 MiB gives its bounce buffers back within
+    the stall window (0.5 s here), not at the frame's deadline (30 s); its link is lost and the
+    stall counted."""
+    monkeypatch.setenv(budgets.STALL_MS_ENV, "500")
+    with ExitStack() as stack:
+        server = start_device_server(stack)
+        addr = server.call(allocate_device)
+        answerer = rawpeer.ReverseAnswerer(EMPTY_TABLE)
+        stack.callback(answerer.close)
+        staller = answerer.add(rawpeer.RawLink(server.address, 100))
+        stack.callback(staller.close)
+        generation = staller.table()["generation"]
+        staller.sock.sendall(push_head(generation, addr, 6 << 20, 5) + b"\xAB" * 1024)
+        deadline = time.monotonic() + 5
+        while not server.call(stats)["staging_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held_at = time.monotonic()
+        assert server.call(stats)["staging_bytes"] == 8 << 20
+        while server.call(stats)["staging_bytes"] and time.monotonic() < held_at + 5:
+            time.sleep(0.02)
+        freed_after = time.monotonic() - held_at
+        counted = server.call(stats)
+        assert counted["staging_bytes"] == 0 and freed_after < 2.0, f"held {freed_after:.1f} s"
+        assert counted["stalled_staging"] == 1
+        assert closed_by_server(staller.sock, 5)
+        assert 100 in server.call(lost_links)
 
 
 # -- lost-link records ---------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def c_slow_push(state, src: Sequence[int], dst: Sequence[int], pause_s: float) -
 
     tcp.TcpPlane.block_route = lambda self, *args, **kwargs: None  # (this child process only)
 
-    def send(fd, head, plan, timeout_ms):
+    def send(fd, head, plan, timeout_ms, share=None):
         st, err = _io.send_bytes(fd, head, timeout_ms)
         if st:
             return st, err

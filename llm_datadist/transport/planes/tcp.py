@@ -101,7 +101,7 @@ def push(channel: Channel, plan, generation: int, timeout_ms: int, payload: Host
         head = (wire.pack_header(wire.OP_PUSH, req_id, 16 + len(descs) + plan.total_bytes)
                 + wire.U64x2.pack(generation, len(descs)) + descs)
         try:
-            st, _ = payload.send(channel.fd, head, plan, dl.left_ms(deadline))
+            st, _ = payload.send(channel.fd, head, plan, dl.left_ms(deadline), channel.shares.staging)
         except CopyFailed as exc:
             if not exc.in_step:  # the frame went out cut short
                 raise channel.fault(S.LLM_LINK_FAILED, f"push: the source copy failed mid-frame ({exc})") from None
@@ -131,7 +131,7 @@ def pull(channel: Channel, plan, generation: int, timeout_ms: int, payload: Host
             raise channel.fault(S.LLM_LINK_FAILED, f"pull: {length} bytes announced, {plan.total_bytes} asked")
         if status == 0:
             try:
-                st, _, _ = payload.recv(channel.fd, plan, dl.left_ms(deadline))
+                st, _, _ = payload.recv(channel.fd, plan, dl.left_ms(deadline), channel.shares.staging)
             except CopyFailed as exc:  # in step: the payload was read whole
                 raise fail(S.LLM_FAILED, f"pull from {channel.peer_name}: the destination copy failed: {exc}") \
                     from None
