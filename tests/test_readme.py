@@ -309,3 +309,65 @@ def test_paths_the_readme_names_exist():
     missing = [path for path in sorted(candidates)
                if not (REPO_ROOT / path).exists()]
     assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+# -- the Security section's trust matrix --------------------------------------------------------------
+
+#: A test the Security section cites: ``file::function``, with a parameter id at most (the file is
+#: named by its name alone, which must be unique under tests/).
+CITATION = re.compile(r"`(test_\w+\.py)::(test_\w+)(?:\[[^\]`]*\])?`")
+MARKER = re.compile(r"\[(\d+)\]")
+FOOTNOTE = re.compile(r"^\[(\d+)\]\s", re.MULTILINE)
+
+
+def security_section(text: str) -> str:
+    start = text.index("\n### Security\n")
+    return text[start:text.index("\n## ", start)]
+
+
+def defined_tests(path: Path) -> set:
+    import ast
+    tree = ast.parse(path.read_text())
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_security_matrix_cites_existing_tests():
+    """Every test the Security section names exists (a function of that name in the one test file
+    of that name), so the citations cannot rot; every ``[n]`` it uses is a footnote naming tests,
+    and every claim cell of the trust matrix and the plane table carries one (or points at
+    another row: "as ...", "per plane")."""
+    section = security_section(README.read_text())
+    cited = CITATION.findall(section)
+    assert len(cited) >= 100, f"found only {len(cited)} citations: is the pattern still the README's?"
+    files: dict = {}
+    for path in (REPO_ROOT / "tests").rglob("test_*.py"):
+        files.setdefault(path.name, []).append(path)
+    wrong = []
+    for name, function in sorted(set(cited)):
+        paths = files.get(name, [])
+        if len(paths) != 1:
+            wrong.append(f"{name}::{function}: {len(paths)} test files are named {name}")
+        elif function not in defined_tests(paths[0]):
+            wrong.append(f"{name}::{function}: no such test in {paths[0].relative_to(REPO_ROOT)}")
+    assert not wrong, "README.md's Security section cites tests that do not exist:\n" + "\n".join(wrong)
+
+    footnotes = {int(n): body for n, body in re.findall(r"^\[(\d+)\]\s(.*?)(?=^\[\d+\]\s|\n\n)", section,
+                                                        re.MULTILINE | re.DOTALL)}
+    assert footnotes and sorted(footnotes) == list(range(1, len(footnotes) + 1)), sorted(footnotes)
+    assert all(CITATION.search(body) for body in footnotes.values()), "a footnote that names no test"
+    used = {int(n) for n in MARKER.findall(FOOTNOTE.sub("", section))}
+    assert used == set(footnotes), f"used but not defined: {used - set(footnotes)}; unused: {set(footnotes) - used}"
+
+    tables = {"| actor ": 2, "| plane ": 1}  # the claim cells start at these columns
+    checked = 0
+    lines = section.splitlines()
+    for header, first in tables.items():
+        start = next(i for i, line in enumerate(lines) if line.startswith(header))
+        for row in lines[start + 2:]:
+            if not row.startswith("|"):
+                break
+            cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+            for cell in cells[first:]:
+                checked += 1
+                assert MARKER.search(cell) or cell.startswith(("as ", "per plane")), f"no test for: {cell!r} in {row}"
+    assert checked >= 40, checked

@@ -208,3 +208,19 @@ def test_an_extra_listener_lives_as_long_as_its_users(listening):
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).recv(1)
     client.close()
+
+
+def test_an_accepted_tcp_connection_notices_a_vanished_peer_within_a_minute(listening):
+    """README "Security": TCP connections use keepalive, so a peer whose host vanished (no FIN,
+    no RST) is dropped within about a minute: idle + interval x probes <= 60 s."""
+    listener, accepting, _ = listening
+    client = connect(listener)
+    try:
+        assert accepting.arrived.acquire(timeout=5)
+        conn, _ = accepting.got[0]
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle, interval, probes = (conn.getsockopt(socket.IPPROTO_TCP, getattr(socket, name))
+                                  for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"))
+        assert idle + interval * probes <= 60, (idle, interval, probes)
+    finally:
+        client.close()

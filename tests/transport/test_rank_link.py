@@ -566,6 +566,43 @@ def test_two_links_claiming_one_rank_fail_the_comm_on_every_member():
             assert member.call(linked) == []
 
 
+@pytest.mark.parametrize("secret", [None, "the comm's link secret, 32 bytes"], ids=["no secret", "secret"])
+def test_an_impostor_that_claims_a_rank_first_takes_the_members_place_only_without_a_secret(secret):
+    """A two-member comm: member 1 (rank 0) waits for rank 1 (cluster 2). A raw peer that knows
+    the rank table claims rank 1 as cluster 2 first. Without a secret its claim completes the
+    join: member 1's comm is made with the impostor, and the real member 2, arriving later,
+    fails with LLM_LINK_FAILED. With a secret the impostor is refused at the handshake and the
+    real members make the comm."""
+    import rawpeer
+    table = mesh_table(2)
+    ranks = {1: 0, 2: 1}
+    options = {"llm.LinkTotalTime": "6"}
+    if secret is not None:
+        options["llm.LinkSecret"] = secret
+    with ExitStack() as stack:
+        members = {cid: start(stack, cid, options=options) for cid in ranks}
+        members[1].send(link, "pair", ranks, table)
+        impostor = claim(0, 2, **comm_request("pair", table, ranks, 1))
+        if isinstance(impostor, rawpeer.RawLink):
+            stack.callback(impostor.close)
+        if secret is not None:
+            assert isinstance(impostor, rawpeer.Refused) and impostor.status == S.LLM_LINK_FAILED, impostor
+            members[2].send(link, "pair", ranks, table)
+            comm_ids = {cid: member.result(LINK_TIMEOUT_S) for cid, member in members.items()}
+            for cid, member in members.items():
+                assert member.call(wait_ok, comm_ids[cid])[-1] == "OK"
+            return
+        assert isinstance(impostor, rawpeer.RawLink), impostor
+        comm_id = members[1].result(LINK_TIMEOUT_S)
+        assert members[1].call(wait_ok, comm_id)[-1] == "OK"
+        with pytest.raises(ChildError) as failed:
+            members[2].call(link, "pair", ranks, table, timeout=30)
+        assert failed.value.status_code == S.LLM_LINK_FAILED, failed.value
+        # Member 1's link to "cluster 2" is the impostor's: the real member 2 holds none.
+        assert members[2].call(linked) == [] and members[1].call(linked) == [2]
+        assert members[1].call(query, comm_id) == "OK"
+
+
 def test_unlink_ends_the_accepted_and_initiated_links_of_the_comm():
     """In a three-member mesh the member of rank 1 accepted the link of rank 2 and made the one
     to rank 0; its unlink ends both: nothing of the comm is linked on any member afterwards, the

@@ -213,3 +213,30 @@ def test_a_byte_range_of_each_block_passes_the_guard_and_lands_where_asked(trio)
         assert (got[t][5][:half] == want[t][1][half:]).all() and (got[t][5][half:] == FILL).all()
         assert (got[t][3][:half] == FILL).all() and (got[t][3][half:] == want[t][1][:half]).all()
         assert (got[t][4] == FILL).all()
+
+
+@pytest.mark.parametrize("plane", ["tcp", "cma"])
+def test_a_guard_sees_the_pulls_of_tcp_and_not_those_of_cma(plane):
+    """The limit of a read guard (README "Security"): it checks what this side's server answers.
+    A guard that allows nothing refuses a pull over ``tcp``; over ``cma`` the peer reads this
+    process's memory itself (``process_vm_readv``) and the pull passes unseen."""
+    with ExitStack() as stack:
+        server = stack.enter_context(Cluster(SERVER_ID, "PROMPT", listen=True, plane=plane, timeout=30.0))
+        client = stack.enter_context(Cluster(CLIENT_ID, "DECODER", plane=plane, timeout=30.0))
+        server.call(c_register, 7)
+        client.call(c_register, None)
+        link(client, server)
+        assert client.call(c_plane, SERVER_ID) == plane
+        server.call(c_guard, {})
+        if plane == "tcp":
+            assert client.call(c_pull, [3], [0], "any tag") == "LLM_KV_CACHE_NOT_EXIST"
+            _untouched(client)
+            return
+        assert client.call(c_pull, [3], [0], "any tag") == "ok"
+        assert server.call(c_guard_calls) == []
+        want, got = server.call(c_arrays), client.call(c_arrays)
+        assert all((got[t][0] == want[t][3]).all() for t in range(TENSORS))
+
+
+def c_plane(state, remote_id: int) -> str:
+    return state.dd.engine.links.data_plane(remote_id)

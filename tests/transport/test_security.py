@@ -289,6 +289,25 @@ def test_an_unauthenticated_peer_learns_nothing():
         assert server.call(untouched)
 
 
+def test_a_stranger_can_check_guesses_of_the_secret_against_the_servers_proof():
+    """The limit of a secret (README "Security"): the CHALLENGE carries the server's proof, an
+    HMAC of the secret over what the stranger sees (both nonces, both cluster ids), before the
+    stranger has proved anything. So whoever reaches the listener can test guesses of the secret
+    offline against one answer; only a random secret holds."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=SECRET)
+        sock, nonce, op, status, challenge = _challenge(server.address, True)  # claims a secret
+        sock.close()  # and goes, having proved nothing
+        assert (op, status) == (wire.OP_CHALLENGE, S.LLM_SUCCESS)
+
+        def guessed(guess: str) -> bool:
+            return auth.verify(guess.encode(), "server", nonce, challenge["nonce"], RAW_ID, SERVER_ID,
+                               challenge.get("proof"))
+
+        guesses = ["password", "correct horse battery", SECRET, "correct horse battery staples"]
+        assert [g for g in guesses if guessed(g)] == [SECRET]
+
+
 def test_server_proves_itself_to_the_client():
     """A listener that does not know the secret but answers with a made-up proof is refused by
     the client before it sends anything about itself."""
@@ -524,6 +543,36 @@ def test_a_second_hello_for_a_linked_cluster_cannot_hijack_it():
         peer = rawpeer.RawLink(server.address, CLIENT_ID)
         assert server.call(linked) == [CLIENT_ID]
         peer.close()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "secret"])
+def test_a_stranger_that_links_first_under_a_peers_id_keeps_it_out_only_without_a_secret(secret):
+    """Deny by name: a raw peer links under the real client's cluster id before the client does.
+    Without a secret it gets the link, and the real client's link fails with LLM_ALREADY_LINK for
+    as long as the impostor's link lives; with one the impostor is refused (LLM_LINK_FAILED) and
+    the real client links."""
+    with ExitStack() as stack:
+        server = start(stack, SERVER_ID, listen=True, secret=secret)
+        client = start(stack, CLIENT_ID, secret=secret)
+        if secret is not None:
+            with pytest.raises(rawpeer.Refused) as refused:
+                rawpeer.RawLink(server.address, CLIENT_ID)
+            assert refused.value.status == S.LLM_LINK_FAILED
+            assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            return
+        answerer = rawpeer.ReverseAnswerer(json.dumps({"generation": 1, "caches": [], "blocks": [],
+                                                       "keys": []}).encode())
+        stack.callback(answerer.close)
+        impostor = answerer.add(rawpeer.RawLink(server.address, CLIENT_ID, unix=True))
+        stack.callback(impostor.close)
+        assert server.call(linked) == [CLIENT_ID] and server.call(_peer_pid, CLIENT_ID) == os.getpid()
+        for _ in range(2):
+            assert link(client, server, 3000) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+        assert server.call(_peer_pid, CLIENT_ID) == os.getpid()  # still the impostor's link
+        impostor.close()
+        assert wait_for(lambda: CLIENT_ID not in server.call(linked))
+        assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert server.call(_peer_pid, CLIENT_ID) == client.pid
 
 
 # ==================================================================================================

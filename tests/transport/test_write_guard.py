@@ -242,3 +242,29 @@ def test_a_guards_tuple_answer_is_converted_once_and_a_list_every_time():
     assert guard.refusal(WRITER_ID, plan) == 0
     allowed.clear()  # narrowed in place
     assert guard.refusal(WRITER_ID, plan) != 0
+
+
+@pytest.mark.parametrize("plane", ["tcp", "cma"])
+def test_a_guard_sees_the_pushes_of_tcp_and_not_those_of_cma(plane):
+    """The limit of a write guard (README "Security"): it checks what this side's server
+    receives. A guard that grants nothing refuses a push over ``tcp``; over ``cma`` the peer
+    writes this process's memory itself (``process_vm_writev``) and the push lands unseen."""
+    with ExitStack() as stack:
+        owner = stack.enter_context(Cluster(OWNER_ID, "DECODER", plane=plane, timeout=30.0))
+        writer = stack.enter_context(Cluster(WRITER_ID, "PROMPT", listen=True, plane=plane, timeout=30.0))
+        owner.call(c_register, None)
+        writer.call(c_register, 7)
+        link(owner, writer)
+        assert writer.call(c_plane, OWNER_ID) == plane
+        owner.call(c_grant, {})
+        if plane == "tcp":
+            assert writer.call(c_push, [3], [5]) == "LLM_KV_CACHE_NOT_EXIST"
+            _only(owner, {})
+            return
+        assert writer.call(c_push, [3], [5]) == "ok"
+        src = writer.call(c_arrays)
+        _only(owner, {5: [src[t][3] for t in range(TENSORS)]})
+
+
+def c_plane(state, remote_id: int) -> str:
+    return state.dd.engine.links.data_plane(remote_id)
