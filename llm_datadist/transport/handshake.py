@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -201,6 +202,8 @@ class LinkRequest:
     suites: Tuple[str, ...] = ()
     pid: int = 0
     uid: int = -1
+    #: the host identity it states is this one's (``host.same_host``)
+    same_host: bool = False
 
 
 def read_link_request(message: Dict[str, Any]) -> LinkRequest:
@@ -230,7 +233,8 @@ def read_link_request(message: Dict[str, Any]) -> LinkRequest:
         raise ProtocolError(f"link request: suites {brief(suites)}")
     pid, uid = stated_process(message, "link request")
     return LinkRequest(message["role"][:64], [p[:MAX_PLANE_NAME] for p in planes[:8]], (want[0], want[1]), comm,
-                       bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]), pid, uid)
+                       bool(message.get("remote_cache_accessible")), rank, asked, tuple(suites[:8]), pid, uid,
+                       same_host(host_identity(), message["host"]))
 
 
 def this_process() -> Dict[str, int]:
@@ -423,24 +427,17 @@ def open_connections(ip: str, port: int, cluster_id: int, secret: Optional[bytes
                      seal: Optional[Callable[[socket.socket, Tuple[str, str]], socket.socket]] = None
                      ) -> LinkConnections:
     """Open and authenticate the data connections of the link ``agreement`` granted: to its Unix
-    socket if it names one (TCP to ``ip:port`` if the first cannot connect), else TCP. Every
+    socket if it names one (never TCP then: the server refuses those, and a Unix socket that does
+    not take a connection before the deadline fails the link), else TCP. Every
     socket opened goes to ``sockets`` too (the caller closes them if this raises). On a
     protected link each TCP connection is handed, once authenticated, to ``seal(sock, (this
     side's nonce, the server's))``, which returns the socket the link uses instead."""
     made = LinkConnections()
     unix = agreement.unix_name is not None
     for purpose in ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION:
-        sock = None
         if unix:
-            try:
-                sock = connect_unix(agreement.unix_name, deadline)
-            except OSError as exc:
-                if made.forward or made.reverse:
-                    raise
-                logger.info("link %d -> %d: its Unix socket is not reachable (%s); using TCP", cluster_id, remote_id,
-                            exc)
-                unix = False
-        if sock is None:
+            sock = connect_unix(agreement.unix_name, deadline)
+        else:
             sock = connect_tcp(ip, port, deadline)
         sockets.append(sock)
         nonces: List[Tuple[str, str]] = []
@@ -474,14 +471,25 @@ def connect_tcp(ip: str, port: int, deadline: float) -> socket.socket:
 
 
 def connect_unix(unix_name: str, deadline: float) -> socket.socket:
-    """A tuned, non-blocking connection to the abstract Unix socket ``unix_name``."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(max(0.001, dl.left_s(deadline)))
-        sock.connect("\0" + unix_name)
-        tune(sock)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    """A tuned, non-blocking connection to the abstract Unix socket ``unix_name``. A full
+    backlog (``EAGAIN``: a Unix socket does not wait for room, and anyone can fill it, its name
+    being in ``/proc/net/unix``) is tried again until ``deadline``; then LLM_LINK_FAILED."""
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, dl.left_s(deadline)))
+            sock.connect("\0" + unix_name)
+            tune(sock)
+            sock.setblocking(False)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if dl.left_s(deadline) <= pause:
+                raise fail(S.LLM_LINK_FAILED,
+                           f"the peer's Unix socket took no connection in time ({unix_name})") from None
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
+        except BaseException:
+            sock.close()
+            raise

@@ -1038,7 +1038,10 @@ class LinkManager:
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
                     authenticated=self.secret is not None, protection=protected, protection_suite=suite,
-                    stated=(request.pid, request.uid))
+                    stated=(request.pid, request.uid),
+                    expect_unix=self.listener.unix_name is not None and request.same_host and any(
+                        name in plane_registry.names() and plane_registry.get(name).local_sockets
+                        for name in request.planes))
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
@@ -1105,6 +1108,16 @@ class LinkManager:
                 return refused
             if unix and peer_id == self.engine.cluster_id and pid != os.getpid():
                 return refused  # a self-link's connections come from this process (the kernel says so)
+            if not unix and peer.expect_unix:
+                # The two processes share this host and a plane of the linking side wants Unix
+                # sockets, so its connections come over this side's Unix socket, never TCP: a TCP
+                # data connection here comes through something else (a relay) or a side that was
+                # made to fall back (its Unix connect refused under a flood): refused.
+                logger.warning("cluster %d refused a TCP connection of cluster %d's link: the link is between two "
+                               "processes of this host, whose connections are Unix sockets", self.engine.cluster_id,
+                               peer_id)
+                refusal = {"error": "a TCP connection for a link of two processes of one host"}
+                return S.LLM_LINK_FAILED, refusal, peer, None
             if unix and (pid, uid) != peer.stated:
                 # Not the process that asked for the link (a relay between it and this socket).
                 logger.warning("cluster %d refused a Unix connection of cluster %d's link from pid %d (uid %d): the "
@@ -1115,6 +1128,9 @@ class LinkManager:
             first = not peer.channels and not peer.incoming
             if first:
                 peer.unix, peer.pid, peer.uid = unix, pid, uid
+                if unix:  # its source is the uid the kernel proved, not the loopback address it linked from
+                    peer.source = ("uid", uid)
+                    peer.shares = budgets.LinkShares(peer.source)
             elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
                 # Every connection of a link comes from one process, over one kind of socket.
                 return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer, None

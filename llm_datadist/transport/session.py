@@ -282,6 +282,9 @@ class Peer:
     # The (pid, uid) the peer stated in its link request or reply (signed with a secret): its
     # Unix connections must come from exactly that process (``handshake.check_process``).
     stated: Tuple[int, int] = (0, -1)
+    # Server side: the linking process shares this host and wants Unix sockets (as its own
+    # ``handshake.request_link`` decides), so every data connection of the link must be one.
+    expect_unix: bool = False
     # The link was authenticated with a secret: this side has one (so the handshake of every
     # connection of the link required the peer's proof of it and verified it). Set at link time
     # from this side's own configuration, never from anything the peer sends.

@@ -87,7 +87,7 @@ def test_both_sides_agree_on_the_link_and_learn_each_others_planes(pair, secret)
     assert (admission.peer_id, admission.purpose, admission.refused) == (CLIENT, "link", None)
     me = (os.getpid(), os.getuid())
     assert request == handshake.LinkRequest("DECODER", ["cma", "tcp"], (2, 2), ("comm", "digest"), True, 3,
-                                            "off", tuple(protection.suites_here()), *me)
+                                            "off", tuple(protection.suites_here()), *me, same_host=True)
     # Over TCP-only planes (no local_sockets wanted) no Unix socket is named even if offered.
     assert dataclasses.replace(agreement, digest=b"") == handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None,
                                                                                   SERVER, process=me)

@@ -63,7 +63,8 @@ def test_records_open_in_order_and_hide_their_plaintext_when_encrypted(suite):
     records = [sealed(sealer, m) for m in messages]
     for message, record in zip(messages, records):
         assert len(record) == protection.RECORD_HEADER.size + len(message) + opener.tag_bytes
-        assert (message in record) == (suite != protection.GCM)
+        if len(message) >= 16:  # (a 1-byte message turns up in a random record one time in ten)
+            assert (message in record) == (suite != protection.GCM)
         assert opened(opener, record) == message
 
 
