@@ -1,6 +1,7 @@
 """The listening part of a cluster's links: ``Listener`` owns its listening sockets (the TCP one of
 ``listen_ip_info``, those of two-sided links, and an abstract Unix socket that same-host peers
-learn after authenticating), their accept loops, the threads it starts for accepted connections
+are named in the signed link reply -- though any local user can read its name in
+``/proc/net/unix``), their accept loops, the threads it starts for accepted connections
 and the accounting of the connections still in their handshake.
 
 The accept loop survives transient ``accept()`` failures (backing off up to a second) and hands
@@ -17,8 +18,11 @@ pool of its own, bounded by the first cap again, that strangers without the secr
 When a newcomer finds the pool (or its source's share) full, the oldest connection that has had
 ``LLM_DATADIST_PREAUTH_GRACE_MS`` without authenticating loses its slot to it -- of the newcomer's
 own source when that one is at its cap, else of the sources holding at least as many as the
-newcomer's, the one holding the most first; while none has had that long, the accept loop holds
-the newcomer (the kernel's backlog holds the rest) until one has or a slot frees. Closing the
+newcomer's, the one holding the most first; while none has had that long, the newcomer waits on
+a thread of its own until one has or a slot frees -- at most as many waiting as the pool holds,
+of one source as many as its share; a newcomer beyond that is closed at once, so the accept loop
+keeps draining the kernel's backlog and a source flooding it (the Unix socket's name is readable
+by every local user) keeps no other source's connections queued behind its own. Closing the
 newcomer instead would lose to a stranger that reconnects at once: it, not the peer with the
 secret, would take every slot that frees. So a stranger holds a slot at most that long once
 another connection needs it, and an honest peer, which answers the challenge in a round trip,
@@ -143,6 +147,9 @@ class Listener:
         self._preauth: Dict[socket.socket, Tuple[Source, float]] = {}
         self._by_source: Dict[Source, int] = {}  # how many of them from each source
         self._authenticated: Set[socket.socket] = set()  # authenticated, still in their handshake
+        # Newcomers that found no slot and wait for one on a thread of their own, by source.
+        self._waiting: Dict[Source, int] = {}
+        self._waiting_total = 0
         self._on_rank_port: Set[socket.socket] = set()  # those in their handshake accepted by an extra listener
         self._closed = False
         self._threads = Threads("llm_datadist-conn")
@@ -265,32 +272,84 @@ class Listener:
             failures = 0
             name = "local" if conn.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
             source = source_of(conn, addr)
+            why = self.admit(conn, source, extra)
+            if why is None:
+                self._start(self._run, conn, name)
+            elif self._may_wait(source):
+                # No slot now: it waits for one on a thread of its own (``_wait_then_run``), so that
+                # the accept loop goes on taking the backlog -- and refusing at once the newcomers
+                # of a source whose waiting room is full -- rather than leave every other source's
+                # connections queued behind one that waits.
+                self._start(self._wait_then_run, conn, name, source, extra)
+            else:
+                self._refuse(conn, why, source)
+
+    def _start(self, target: Callable[..., None], conn: socket.socket, *args: Any) -> None:
+        """``target(conn, *args)`` on a thread of its own; the connection dropped if none starts."""
+        try:
+            self._threads.spawn(target, conn, *args)
+        except (OSError, RuntimeError) as exc:  # no thread could be started
+            logger.warning("cluster %d: dropping a connection: %s", self.cluster_id, exc)
+            if target == self._wait_then_run:
+                self._stop_waiting(args[1])
+            self.handshake_done(conn)
+            close_socket(conn)
+
+    def _refuse(self, conn: socket.socket, why: str, source: Source) -> None:
+        """Close ``conn`` without a byte, counted (before the peer can see it) as ``why``."""
+        refused = self._count(why)
+        close_socket(conn)
+        if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
+            if why == "refused_busy":
+                logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
+                               "(%s), none unauthenticated for %d ms (%s)", self.cluster_id, refused,
+                               self.max_pending, MAX_PENDING_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
+            else:
+                logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
+                               "from %s (%s), none unauthenticated for %d ms (%s)", self.cluster_id,
+                               refused, self.max_pending_per_source, describe(source),
+                               MAX_PENDING_PER_SOURCE_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
+
+    def _may_wait(self, source: Source) -> bool:
+        """Whether a newcomer from ``source`` that found no slot may wait for one: at most as many
+        wait as the pool holds, and of one source as many as its share (taken here if so)."""
+        with self._lock:
+            if self._closed or self._waiting_total >= self.max_pending or \
+                    self._waiting.get(source, 0) >= self.max_pending_per_source:
+                return False
+            self._waiting[source] = self._waiting.get(source, 0) + 1
+            self._waiting_total += 1
+            return True
+
+    def _stop_waiting(self, source: Source) -> None:
+        with self._lock:
+            self._waiting_total -= 1
+            left = self._waiting[source] - 1
+            if left:
+                self._waiting[source] = left
+            else:
+                del self._waiting[source]
+
+    def _wait_then_run(self, conn: socket.socket, name: str, source: Source, extra: bool) -> None:
+        """A newcomer that found no slot: wait up to the grace for one (``admit``), then its
+        handshake, or close it counted."""
+        try:
             why = self.admit(conn, source, extra, wait=True)
-            if why is not None:
-                refused = self._count(why)  # counted before the peer can see the refusal
-                close_socket(conn)  # at once: the peer sees its connection closed, without a byte
-                if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
-                    if why == "refused_busy":
-                        logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                       "(%s), none unauthenticated for %d ms (%s)", self.cluster_id, refused,
-                                       self.max_pending, MAX_PENDING_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
-                    else:
-                        logger.warning("cluster %d: %d connections refused: %d handshakes already pending "
-                                       "from %s (%s), none unauthenticated for %d ms (%s)", self.cluster_id,
-                                       refused, self.max_pending_per_source, describe(source),
-                                       MAX_PENDING_PER_SOURCE_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
-                continue
-            try:
-                tune(conn)
-                conn.setblocking(False)
-                self._threads.spawn(self._run, conn, name)
-            except (OSError, RuntimeError) as exc:  # no thread could be started
-                logger.warning("cluster %d: dropping a connection from %s: %s", self.cluster_id, name, exc)
-                self.handshake_done(conn)
-                close_socket(conn)
+        finally:
+            self._stop_waiting(source)
+        if why is not None:
+            self._refuse(conn, why, source)
+            return
+        self._run(conn, name)
 
     def _run(self, conn: socket.socket, name: str) -> None:
         try:
+            try:
+                tune(conn)
+                conn.setblocking(False)
+            except OSError as exc:  # the peer went already
+                logger.info("cluster %d: dropping a connection from %s: %s", self.cluster_id, name, exc)
+                return
             self._on_accept(conn, name)
         finally:
             self.handshake_done(conn)
