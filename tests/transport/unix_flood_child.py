@@ -9,7 +9,6 @@ closes, until SECONDS have passed; it prints ``started`` after its first round, 
 ``connects N eagain M``: how many connections it made and how often the backlog was full.
 """
 
-import os
 import select
 import socket
 import sys
