@@ -28,6 +28,10 @@ from test_vllm import GEOMETRY, MAX_TOKENS, Engine, needs_vllm, prefill_for_remo
 pytestmark = needs_vllm
 
 MLA_BLOCK = 16  # vLLM's CPU MLA backend forces it
+#: vLLM's reference CPU MLA backend, which takes the checkpoint's float32 weights; on a CPU with AMX
+#: tiles vLLM 0.32 picks its AMX MLA backend instead, which refuses them ("expect weight to be
+#: bfloat16, float16, int8, fp8_e4m3 or uint8") before the connector does anything.
+MLA_ENGINE_ARGS = {"attention_config": {"backend": "CPU_MLA"}}
 LLAMA_BLOCK = 32
 #: blocks of a fresh engine a test reads back (a request's blocks are among the first ones)
 DUMPED = list(range(1, 24))
@@ -163,14 +167,14 @@ def mla(tmp_path_factory):
     write_deepseek(model)
     started = []
     try:
-        plain = Engine(model, "plain", work / "plain.log")
+        plain = Engine(model, "plain", work / "plain.log", engine_args=MLA_ENGINE_ARGS)
         started.append(plain)
         plain.wait_ready()
         baseline = single(plain, MLA_PROMPTS)
         plain.close()
-        prefill = Engine(model, "producer", work / "prefill.log")
+        prefill = Engine(model, "producer", work / "prefill.log", engine_args=MLA_ENGINE_ARGS)
         started.append(prefill)
-        decode = Engine(model, "consumer", work / "decode.log")
+        decode = Engine(model, "consumer", work / "decode.log", engine_args=MLA_ENGINE_ARGS)
         started.append(decode)
         prefill.wait_ready()
         decode.wait_ready()
