@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: A prefill worker's connector (vLLM's factory's call) over loopback, its KV caches registered
 #: (6 blocks; lease tokens on, so its engine has a read guard to take down at shutdown).
 PREFILL_CONNECTOR = """
+from types import SimpleNamespace
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from llm_datadist.integrations.vllm import LLMDataDistConnector
