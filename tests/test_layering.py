@@ -12,7 +12,8 @@ recursively (every import, lazy ones and ``cimport`` included). The rules, in ``
 * ``cli/`` and ``integrations/`` use the face, ``cpp``, ``testing``, the engine seam
   (``LLMDataDist.engine``, an attribute: no import) and the public names of the plane and runtime
   registries (``llm_datadist.transport.planes``, ``llm_datadist.runtimes``) and of the table of
-  byte budgets (``llm_datadist.transport.budgets``, which ``info`` lists); the CLI's baselines
+  byte budgets (``llm_datadist.transport.budgets``, which ``info`` lists) and of the secret rules
+  (``llm_datadist.transport.auth``); the CLI's baselines
   reach the core through ``cli/lowlevel.py`` alone;
 * nothing outside the API modules touches a private ``._engine``;
 * ``_reference`` (the tests' oracle) imports nothing of the package and nothing imports it.
@@ -73,9 +74,11 @@ RULES = {
     "integrations": {"face", "base"},
     "oracle": set(),
 }
-#: Registries (and the table of byte budgets, which ``info`` lists) the CLI and the integrations
-#: may use: their public names only.
-REGISTRIES = {"llm_datadist.transport.planes", "llm_datadist.runtimes", "llm_datadist.transport.budgets"}
+#: Registries (and the table of byte budgets, which ``info`` lists, and the rules a link secret
+#: must meet, ``auth.read_secret_file`` / ``secret_refusal``, which the two-host CLI and the vLLM
+#: options apply to theirs) the CLI and the integrations may use: their public names only.
+REGISTRIES = {"llm_datadist.transport.planes", "llm_datadist.runtimes", "llm_datadist.transport.budgets",
+              "llm_datadist.transport.auth"}
 #: The one CLI module through which the CLI's baselines and ``info`` reach the core.
 CLI_CORE_DOOR = "llm_datadist.cli.lowlevel"
 #: Named exceptions, each with its reason.
