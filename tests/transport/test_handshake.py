@@ -19,6 +19,8 @@ from llm_datadist.transport import auth, handshake, protection, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import MutualLink, ProtocolError
 
+from rawpeer import read_exact
+
 SERVER, CLIENT = 5, 9
 SECRET, OTHER_SECRET = b"the link secret of the tests", b"another link secret"
 
@@ -383,21 +385,12 @@ class Rewriter:
         for source, sink in ((self._near, self._far), (self._far, self._near)):
             threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
-    def _read(self, sock: socket.socket, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while True:
-                head = self._read(source, wire.HEADER_BYTES)
+                head = read_exact(source, wire.HEADER_BYTES)
                 magic, version, op, status, req_id, length = wire.HEADER.unpack(head)
-                body = self._read(source, length)
+                body = read_exact(source, length)
                 if op == self.op and not self.changed:
                     self.changed += 1
                     body = wire.encode_json(dict(wire.decode_json(body), **self.change))
