@@ -1035,13 +1035,17 @@ class LinkManager:
                                              f"{self.engine.cluster_id} runs {', '.join(protection.suites_here())}, "
                                              f"the linking side offered {', '.join(request.suites) or 'none'}; "
                                              f"{protection.CRYPTOGRAPHY_MISSING})")
+        expect_unix = self.listener.unix_name is not None and request.same_host and any(
+            name in plane_registry.names() and plane_registry.get(name).local_sockets for name in request.planes)
+        if expect_unix:
+            # Its connections will be Unix sockets from the uid it states (``_accept_data`` holds
+            # them to it): that uid, not the loopback address every local process shares, is its
+            # source for the link caps and the budgets' shares from the start.
+            source = ("uid", request.uid)
         peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
                     authenticated=self.secret is not None, protection=protected, protection_suite=suite,
-                    stated=(request.pid, request.uid),
-                    expect_unix=self.listener.unix_name is not None and request.same_host and any(
-                        name in plane_registry.names() and plane_registry.get(name).local_sockets
-                        for name in request.planes))
+                    stated=(request.pid, request.uid), expect_unix=expect_unix)
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
                 refused = self._count("refused_self")
@@ -1128,9 +1132,6 @@ class LinkManager:
             first = not peer.channels and not peer.incoming
             if first:
                 peer.unix, peer.pid, peer.uid = unix, pid, uid
-                if unix:  # its source is the uid the kernel proved, not the loopback address it linked from
-                    peer.source = ("uid", uid)
-                    peer.shares = budgets.LinkShares(peer.source)
             elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
                 # Every connection of a link comes from one process, over one kind of socket.
                 return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer, None

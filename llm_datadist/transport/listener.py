@@ -20,7 +20,9 @@ When a newcomer finds the pool (or its source's share) full, the oldest connecti
 own source when that one is at its cap, else of the sources holding at least as many as the
 newcomer's, the one holding the most first; while none has had that long, the newcomer waits on
 a thread of its own until one has or a slot frees -- at most as many waiting as the pool holds,
-of one source as many as its share; a newcomer beyond that is closed at once, so the accept loop
+of one source as many as its share; in a full waiting room a newcomer takes the place of the
+oldest waiter of the source with the most waiting, if that source has more than its own (so many
+addresses cannot keep a source with few out); a newcomer left without a place is closed at once, so the accept loop
 keeps draining the kernel's backlog and a source flooding it (the Unix socket's name is readable
 by every local user) keeps no other source's connections queued behind its own. Closing the
 newcomer instead would lose to a stranger that reconnects at once: it, not the peer with the
@@ -147,9 +149,11 @@ class Listener:
         self._preauth: Dict[socket.socket, Tuple[Source, float]] = {}
         self._by_source: Dict[Source, int] = {}  # how many of them from each source
         self._authenticated: Set[socket.socket] = set()  # authenticated, still in their handshake
-        # Newcomers that found no slot and wait for one on a thread of their own, by source.
-        self._waiting: Dict[Source, int] = {}
+        # Newcomers that found no slot and wait for one on a thread of their own, by source, oldest
+        # first; and those whose place a newcomer of a source with fewer waiting took (``_may_wait``).
+        self._waiters: Dict[Source, List[socket.socket]] = {}
         self._waiting_total = 0
+        self._bumped: Set[socket.socket] = set()
         self._on_rank_port: Set[socket.socket] = set()  # those in their handshake accepted by an extra listener
         self._closed = False
         self._threads = Threads("llm_datadist-conn")
@@ -275,7 +279,7 @@ class Listener:
             why = self.admit(conn, source, extra)
             if why is None:
                 self._start(self._run, conn, name)
-            elif self._may_wait(source):
+            elif self._may_wait(conn, source):
                 # No slot now: it waits for one on a thread of its own (``_wait_then_run``), so that
                 # the accept loop goes on taking the backlog -- and refusing at once the newcomers
                 # of a source whose waiting room is full -- rather than leave every other source's
@@ -291,7 +295,7 @@ class Listener:
         except (OSError, RuntimeError) as exc:  # no thread could be started
             logger.warning("cluster %d: dropping a connection: %s", self.cluster_id, exc)
             if target == self._wait_then_run:
-                self._stop_waiting(args[1])
+                self._stop_waiting(conn, args[1])
             self.handshake_done(conn)
             close_socket(conn)
 
@@ -310,25 +314,41 @@ class Listener:
                                refused, self.max_pending_per_source, describe(source),
                                MAX_PENDING_PER_SOURCE_ENV, self.grace_s * 1000, PREAUTH_GRACE_ENV)
 
-    def _may_wait(self, source: Source) -> bool:
-        """Whether a newcomer from ``source`` that found no slot may wait for one: at most as many
-        wait as the pool holds, and of one source as many as its share (taken here if so)."""
-        with self._lock:
-            if self._closed or self._waiting_total >= self.max_pending or \
-                    self._waiting.get(source, 0) >= self.max_pending_per_source:
+    def _may_wait(self, conn: socket.socket, source: Source) -> bool:
+        """Whether ``conn``, a newcomer from ``source`` that found no slot, may wait for one (its
+        place taken here if so): at most as many wait as the pool holds, and of one source as
+        many as its share. When the room is full, the newcomer takes the place of the oldest
+        waiter of the source with the most waiting, if that one has more waiting than its own
+        (that waiter is refused): sources with many addresses cannot keep a source with few out."""
+        with self._changed:
+            mine = self._waiters.get(source, [])
+            if self._closed or len(mine) >= self.max_pending_per_source:
                 return False
-            self._waiting[source] = self._waiting.get(source, 0) + 1
+            if self._waiting_total >= self.max_pending:
+                most = max(self._waiters, key=lambda s: len(self._waiters[s]))
+                if len(self._waiters[most]) <= len(mine):
+                    return False
+                self._bumped.add(self._drop_waiter(self._waiters[most][0], most))
+                self._changed.notify_all()
+            self._waiters.setdefault(source, []).append(conn)
             self._waiting_total += 1
             return True
 
-    def _stop_waiting(self, source: Source) -> None:
+    def _drop_waiter(self, conn: socket.socket, source: Source) -> socket.socket:
+        """Under the lock: ``conn`` waits no longer."""
+        waiters = self._waiters[source]
+        waiters.remove(conn)
+        if not waiters:
+            del self._waiters[source]
+        self._waiting_total -= 1
+        return conn
+
+    def _stop_waiting(self, conn: socket.socket, source: Source) -> None:
         with self._lock:
-            self._waiting_total -= 1
-            left = self._waiting[source] - 1
-            if left:
-                self._waiting[source] = left
+            if conn in self._bumped:  # (its place was taken, and counted off, then)
+                self._bumped.discard(conn)
             else:
-                del self._waiting[source]
+                self._drop_waiter(conn, source)
 
     def _wait_then_run(self, conn: socket.socket, name: str, source: Source, extra: bool) -> None:
         """A newcomer that found no slot: wait up to the grace for one (``admit``), then its
@@ -336,7 +356,7 @@ class Listener:
         try:
             why = self.admit(conn, source, extra, wait=True)
         finally:
-            self._stop_waiting(source)
+            self._stop_waiting(conn, source)
         if why is not None:
             self._refuse(conn, why, source)
             return
@@ -374,6 +394,9 @@ class Listener:
         why: Optional[str] = "refused_busy"
         with self._changed:
             while not self._closed:
+                if conn in self._bumped:  # its place in the waiting room went to another source's
+                    why = "refused_busy"
+                    break
                 now = time.monotonic()
                 why, evict, ready_at = self._slot_for(source, now)
                 if evict is not None:
