@@ -22,7 +22,8 @@ newcomer's, the one holding the most first; while none has had that long, the ne
 a thread of its own until one has or a slot frees -- at most as many waiting as the pool holds,
 of one source as many as its share; in a full waiting room a newcomer takes the place of the
 oldest waiter of the source with the most waiting, if that source has more than its own (so many
-addresses cannot keep a source with few out); a newcomer left without a place is closed at once, so the accept loop
+addresses cannot keep a source with few out), and a slot that comes free goes to a waiter of the
+source holding the fewest; a newcomer left without a place is closed at once, so the accept loop
 keeps draining the kernel's backlog and a source flooding it (the Unix socket's name is readable
 by every local user) keeps no other source's connections queued behind its own. Closing the
 newcomer instead would lose to a stranger that reconnects at once: it, not the peer with the
@@ -334,6 +335,11 @@ class Listener:
             self._waiting_total += 1
             return True
 
+    def _poorer_waits(self, source: Source) -> bool:
+        """Under the lock: whether a newcomer of a source holding fewer slots than ``source`` waits."""
+        held = self._by_source.get(source, 0)
+        return any(self._by_source.get(other, 0) < held for other in self._waiters if other != source)
+
     def _drop_waiter(self, conn: socket.socket, source: Source) -> socket.socket:
         """Under the lock: ``conn`` waits no longer."""
         waiters = self._waiters[source]
@@ -344,11 +350,12 @@ class Listener:
         return conn
 
     def _stop_waiting(self, conn: socket.socket, source: Source) -> None:
-        with self._lock:
+        with self._changed:
             if conn in self._bumped:  # (its place was taken, and counted off, then)
                 self._bumped.discard(conn)
             else:
                 self._drop_waiter(conn, source)
+            self._changed.notify_all()  # the waiters that let it go first look again (``_poorer_waits``)
 
     def _wait_then_run(self, conn: socket.socket, name: str, source: Source, extra: bool) -> None:
         """A newcomer that found no slot: wait up to the grace for one (``admit``), then its
@@ -399,6 +406,10 @@ class Listener:
                     break
                 now = time.monotonic()
                 why, evict, ready_at = self._slot_for(source, now)
+                if evict is not None and wait and self._poorer_waits(source):
+                    # Another waiter's source holds fewer slots: the slot that came free is its
+                    # (so a source with many waiting cannot win every slot by numbers).
+                    evict, ready_at = None, None
                 if evict is not None:
                     self._evict(evict)
                     why, evicted_one = None, True

@@ -601,8 +601,9 @@ def test_listener_survives_descriptor_exhaustion(monkeypatch):
 
 
 def test_idle_and_unauthenticated_connections_time_out_and_are_capped(monkeypatch):
-    """30 idle connections against 8 handshake slots: at most 8 are pending at once; the 22 oldest
-    give their slots up to the newer ones after the grace (250 ms), the last 8 are closed at the
+    """30 idle connections against 8 handshake slots: at most 8 are pending at once and 8 more wait
+    for a slot (the waiting room is as large as the pool); the waiters take the slots of the oldest
+    after the grace (250 ms), newcomers finding no room are closed at once, and the last 8 at the
     handshake deadline (600 ms), each without a byte; nothing is left behind."""
     monkeypatch.setenv("LLM_DATADIST_HANDSHAKE_TIMEOUT_MS", str(SHORT_HANDSHAKE_MS))
     monkeypatch.setenv("LLM_DATADIST_MAX_PENDING_HANDSHAKES", "8")
@@ -613,14 +614,17 @@ def test_idle_and_unauthenticated_connections_time_out_and_are_capped(monkeypatc
         idle = [socket.create_connection(server.address, timeout=2) for _ in range(30)]
         try:
             most = 0
-            while server.call(stats)["preauth_evicted"] < 22 and time.monotonic() - started < 10:
+            def given_up() -> int:
+                counted = server.call(stats)
+                return counted["preauth_evicted"] + counted["refused_busy"]
+            while given_up() < 22 and time.monotonic() - started < 10:
                 most = max(most, server.call(pending_count))
-            assert server.call(stats)["preauth_evicted"] == 22 and 0 < most <= 8
+            counted = server.call(stats)
+            assert given_up() == 22 and counted["preauth_evicted"] >= 8 and 0 < most <= 8, counted
             for sock in idle:
                 sock.settimeout(5)
                 assert sock.recv(1) == b""
             assert time.monotonic() - started < 6
-            assert server.call(stats)["refused_busy"] == 0
         finally:
             for sock in idle:
                 sock.close()
@@ -646,9 +650,10 @@ def test_link_cap(monkeypatch):
 
 def test_one_source_cannot_hold_every_pending_handshake(monkeypatch):
     """A stranger opening 70 connections from one address (127.0.0.2) that never say a word gets
-    LLM_DATADIST_MAX_PENDING_PER_SOURCE (32) of the 64 pending-handshake places: each newer one
-    takes the place of an older one that has had the grace, so the 38 oldest are closed, without
-    a byte, and counted; a client from another address (127.0.0.1) links meanwhile."""
+    LLM_DATADIST_MAX_PENDING_PER_SOURCE (32) of the 64 pending-handshake places and as many places
+    to wait for one: each waiter takes the place of an older one that has had the grace, the
+    newcomers beyond are closed at once, so 38 are closed, without a byte, and counted; a client
+    from another address (127.0.0.1) links meanwhile."""
     monkeypatch.setenv("LLM_DATADIST_HANDSHAKE_TIMEOUT_MS", "20000")  # the stranger's places stay held
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, listen=True)
@@ -656,11 +661,15 @@ def test_one_source_cannot_hold_every_pending_handshake(monkeypatch):
         idle = [rawpeer.connect(server.address, source="127.0.0.2") for _ in range(70)]
         try:
             assert link(client, server, 3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-            assert wait_for(lambda: server.call(stats)["preauth_evicted"] >= 70 - 32, 5), server.call(stats)
+            def given_up() -> int:
+                counted = server.call(stats)
+                return counted["preauth_evicted"] + counted["refused_source"]
+            assert wait_for(lambda: given_up() >= 70 - 32, 5), server.call(stats)
             readable, _, _ = select.select(idle, [], [], 0.5)  # the ones given up: closed, without a byte
-            assert readable == idle[:70 - 32] and all(sock.recv(1) == b"" for sock in readable)
+            assert len(readable) == 70 - 32 and all(sock.recv(1) == b"" for sock in readable)
+            assert idle[0] in readable  # the oldest gave its place up
             counted = server.call(stats)
-            assert counted["preauth_evicted"] == 70 - 32 and counted["refused_busy"] == counted["refused_source"] == 0
+            assert given_up() == 70 - 32 and counted["preauth_evicted"] >= 32 and counted["refused_busy"] == 0
         finally:
             for sock in idle:
                 sock.close()
