@@ -115,7 +115,7 @@ class LinkManager:
         #: ``refused_source``, connections closed by the handshake caps (global, per source) when
         #: no slot came free within ``LLM_DATADIST_PREAUTH_GRACE_MS``; ``preauth_evicted``,
         #: unauthenticated connections that gave their slot to a newcomer after that grace, and
-        #: ``preauth_waited``, newcomers held until a slot was free (``listener``); ``refused_links``
+        #: ``preauth_waited``, newcomers that waited for a slot (``listener``); ``refused_links``
         #: and ``refused_source_links``, link requests refused by the link caps (global, per
         #: source); ``refused_self``, link requests claiming this cluster's id without proving that
         #: they come from this process. The byte budgets

@@ -285,20 +285,22 @@ class Listener:
                 # the accept loop goes on taking the backlog -- and refusing at once the newcomers
                 # of a source whose waiting room is full -- rather than leave every other source's
                 # connections queued behind one that waits.
-                self._start(self._wait_then_run, conn, name, source, extra)
+                if not self._start(self._wait_then_run, conn, name, source, extra):
+                    self._stop_waiting(conn, source)
             else:
                 self._refuse(conn, why, source)
 
-    def _start(self, target: Callable[..., None], conn: socket.socket, *args: Any) -> None:
-        """``target(conn, *args)`` on a thread of its own; the connection dropped if none starts."""
+    def _start(self, target: Callable[..., None], conn: socket.socket, *args: Any) -> bool:
+        """``target(conn, *args)`` on a thread of its own; whether one started (if not, the
+        connection is dropped)."""
         try:
             self._threads.spawn(target, conn, *args)
+            return True
         except (OSError, RuntimeError) as exc:  # no thread could be started
             logger.warning("cluster %d: dropping a connection: %s", self.cluster_id, exc)
-            if target == self._wait_then_run:
-                self._stop_waiting(conn, args[1])
             self.handshake_done(conn)
             close_socket(conn)
+            return False
 
     def _refuse(self, conn: socket.socket, why: str, source: Source) -> None:
         """Close ``conn`` without a byte, counted (before the peer can see it) as ``why``."""
