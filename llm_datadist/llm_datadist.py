@@ -111,7 +111,7 @@ class LLMDataDist:
         (the device runtime and why it was chosen), ``data_plane(remote_id, local_device=,
         remote_device=)``, ``set_notify_handler``/``notify`` (messages over the links),
         ``device_only(record)``, ``link_stats()`` (the counters of what peers were refused:
-        README "Security"), ``links`` (the transport's ``LinkManager``, for tests and
+        docs/security.md), ``links`` (the transport's ``LinkManager``, for tests and
         diagnostics) and ``options``; everything else is internal and may change."""
         return self._engine
 

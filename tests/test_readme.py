@@ -311,18 +311,14 @@ def test_paths_the_readme_names_exist():
     assert not missing, f"README.md names paths that do not exist: {missing}"
 
 
-# -- the Security section's trust matrix --------------------------------------------------------------
+# -- docs/security.md's trust matrix -----------------------------------------------------------------
 
-#: A test the Security section cites: ``file::function``, with a parameter id at most (the file is
+SECURITY = REPO_ROOT / "docs" / "security.md"
+#: A test docs/security.md cites: ``file::function``, with a parameter id at most (the file is
 #: named by its name alone, which must be unique under tests/).
 CITATION = re.compile(r"`(test_\w+\.py)::(test_\w+)(?:\[[^\]`]*\])?`")
 MARKER = re.compile(r"\[(\d+)\]")
 FOOTNOTE = re.compile(r"^\[(\d+)\]\s", re.MULTILINE)
-
-
-def security_section(text: str) -> str:
-    start = text.index("\n### Security\n")
-    return text[start:text.index("\n## ", start)]
 
 
 def defined_tests(path: Path) -> set:
@@ -332,13 +328,13 @@ def defined_tests(path: Path) -> set:
 
 
 def test_security_matrix_cites_existing_tests():
-    """Every test the Security section names exists (a function of that name in the one test file
+    """Every test docs/security.md names exists (a function of that name in the one test file
     of that name), so the citations cannot rot; every ``[n]`` it uses is a footnote naming tests,
     and every claim cell of the trust matrix and the plane table carries one (or points at
     another row: "as ...", "per plane")."""
-    section = security_section(README.read_text())
+    section = SECURITY.read_text()
     cited = CITATION.findall(section)
-    assert len(cited) >= 100, f"found only {len(cited)} citations: is the pattern still the README's?"
+    assert len(cited) >= 100, f"found only {len(cited)} citations: is the pattern still docs/security.md's?"
     files: dict = {}
     for path in (REPO_ROOT / "tests").rglob("test_*.py"):
         files.setdefault(path.name, []).append(path)
@@ -349,7 +345,7 @@ def test_security_matrix_cites_existing_tests():
             wrong.append(f"{name}::{function}: {len(paths)} test files are named {name}")
         elif function not in defined_tests(paths[0]):
             wrong.append(f"{name}::{function}: no such test in {paths[0].relative_to(REPO_ROOT)}")
-    assert not wrong, "README.md's Security section cites tests that do not exist:\n" + "\n".join(wrong)
+    assert not wrong, "docs/security.md cites tests that do not exist:\n" + "\n".join(wrong)
 
     footnotes = {int(n): body for n, body in re.findall(r"^\[(\d+)\]\s(.*?)(?=^\[\d+\]\s|\n\n)", section,
                                                         re.MULTILINE | re.DOTALL)}

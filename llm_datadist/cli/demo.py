@@ -433,7 +433,7 @@ def run(geometry: Geometry, requests: int, tokens: int, pull: bool, plane: Optio
         f"DEVICE memory of the {runtime} runtime ({runtime_why})")
 
     # A secret of this run shared by its two processes: cuda_ipc hands GPU memory only to a peer
-    # on an authenticated link (README, Security).
+    # on an authenticated link (docs/security.md).
     secret = os.urandom(16).hex()
 
     def options(cache_blocks: int) -> dict:

@@ -365,7 +365,7 @@ class DeviceRig:
         self.facts: dict = {}
         self._next_model_id = 200
         # A secret of this run shared by its processes: cuda_ipc hands GPU memory only to a peer
-        # on an authenticated link (README, Security).
+        # on an authenticated link (docs/security.md).
         common = {"llm.SyncKvCacheWaitTime": str(TRANSFER_TIMEOUT_MS), "llm.LinkSecret": os.urandom(16).hex()}
         saved = os.environ.get("LLM_DATADIST_DEVICE")
         os.environ["LLM_DATADIST_DEVICE"] = runtime  # inherited by the (spawned) cluster processes

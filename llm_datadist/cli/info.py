@@ -5,7 +5,7 @@ Each fact about a runtime or a data plane is a string ``"available: why"`` or ``
 why"``; the data planes are tried for real, each by its own ``DataPlane.probe`` (``tcp``: a
 loopback connection; ``cma``: a ``process_vm_readv`` of this process made by a separate one, what
 a peer's link-time probe does). ``budgets`` lists the bounds on what peers can make this process
-hold, as the environment sets them (README "Security").
+hold, as the environment sets them (docs/security.md).
 """
 
 from __future__ import annotations

@@ -365,7 +365,7 @@ def test_info_text_names_every_section():
         assert heading in out.stdout
 
 
-#: The byte budgets README "Security" documents: (name in info, environment variable, default,
+#: The byte budgets docs/security.md documents: (name in info, environment variable, default,
 #: counter of ``LLMDataDist.engine.link_stats()``).
 DOCUMENTED_BUDGETS = [("table", "LLM_DATADIST_MAX_TABLE_BYTES", "1 MiB (1048576 bytes) per link", "refused_tables"),
                       ("message", "LLM_DATADIST_MAX_MESSAGE_BYTES", "64 KiB (65536 bytes) per message",

@@ -154,7 +154,7 @@ def test_ipc_export_is_mapped_by_another_process(rt):
 
 
 def test_an_allocation_of_the_library_is_exported_whole_at_its_own_size(rt):
-    """What README (Security) and cuda_ipc's warning rely on: a DEVICE tensor of allocate_cache is
+    """What docs/security.md and cuda_ipc's warning rely on: a DEVICE tensor of allocate_cache is
     one cudaMalloc, which ipc_export reports as starting at the tensor and as exactly its bytes
     (an odd size, to see whether the driver reports a rounded one)."""
     if not rt.ipc:

@@ -40,7 +40,7 @@ S = LLMStatusCode
 SERVER_ID, CLIENT_ID = 1, 2
 MiB = 1 << 20
 #: RSS growth of a cluster holding ``LINKS`` links, each of which sent the largest table reply and
-#: notification the default budgets allow (README "Security"): 2 MiB a link. Measured at 256 links:
+#: notification the default budgets allow (docs/security.md): 2 MiB a link. Measured at 256 links:
 #: 130 to 380 MiB by the tables' content (130 MiB with this test's); 1.46 GiB when tables were dicts.
 LINKS_RSS_BOUND = 512 * MiB
 
@@ -69,7 +69,7 @@ def _status(field: str) -> int:
 
 
 def stats(state):
-    """The counters as a user reads them: through the engine seam (README "Security")."""
+    """The counters as a user reads them: through the engine seam (docs/security.md)."""
     return state.dd.engine.link_stats()
 
 
@@ -439,8 +439,8 @@ def plane_of(state, remote_id: int) -> str:
 def test_256_links_at_the_budgets_keep_the_server_rss_growth_bounded(monkeypatch):
     """``LINKS`` raw peers link to one cluster, each answers its table request with the largest
     table reply the default budget allows (``keyed_table``, wide), and each sends it the largest
-    notification: the cluster's RSS grows (and peaks) by less than ``LINKS_RSS_BOUND`` (README
-    "Security"), nothing is refused. All the peers come from 127.0.0.1: the cap of links per
+    notification: the cluster's RSS grows (and peaks) by less than ``LINKS_RSS_BOUND``
+    (docs/security.md), nothing is refused. All the peers come from 127.0.0.1: the cap of links per
     source is raised in the cluster's process (the peers are this process's sockets). Each link
     is made once the previous one's table was read, so that the cluster parses one reply at a
     time (a storm of replies only waits in the parsing budget: ``test_concurrent_large_control_
@@ -480,7 +480,7 @@ def test_256_links_at_the_budgets_keep_the_server_rss_growth_bounded(monkeypatch
 #: grows by about one reply's parse over the first 20 to 30 links and then stays flat (measured
 #: here, with the fix: +19 to +25 MB by link 24, then +0.4 to +3 MB over the next 30 links).
 JUNK_WARMUP, JUNK_LINKS = 24, 36
-#: What a link may keep, at most, of a reply at the table budget: half the README's 2 MiB a link.
+#: What a link may keep, at most, of a reply at the table budget: half docs/security.md's 2 MiB a link.
 JUNK_BOUND_PER_LINK = MiB
 
 

@@ -446,7 +446,7 @@ def test_with_a_secret_a_request_changed_on_the_way_is_refused(change):
 
 
 def test_without_a_secret_nothing_is_signed_and_a_changed_reply_is_taken():
-    """What a secret buys: without one the handshake is not signed (documented in README Security)."""
+    """What a secret buys: without one the handshake is not signed (documented in docs/security.md)."""
     middle = Rewriter(wire.OP_HELLO_REPLY, {"unix": "llm_datadist.relay"})
     try:
         served = in_thread(lambda: grant(middle.server_end, None, planes=("cma", "tcp"), unix="llm_datadist.real"))

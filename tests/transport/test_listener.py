@@ -211,7 +211,7 @@ def test_an_extra_listener_lives_as_long_as_its_users(listening):
 
 
 def test_an_accepted_tcp_connection_notices_a_vanished_peer_within_a_minute(listening):
-    """README "Security": TCP connections use keepalive, so a peer whose host vanished (no FIN,
+    """docs/security.md: TCP connections use keepalive, so a peer whose host vanished (no FIN,
     no RST) is dropped within about a minute: idle + interval x probes <= 60 s."""
     listener, accepting, _ = listening
     client = connect(listener)

@@ -217,7 +217,7 @@ def test_a_byte_range_of_each_block_passes_the_guard_and_lands_where_asked(trio)
 
 @pytest.mark.parametrize("plane", ["tcp", "cma"])
 def test_a_guard_sees_the_pulls_of_tcp_and_not_those_of_cma(plane):
-    """The limit of a read guard (README "Security"): it checks what this side's server answers.
+    """The limit of a read guard (docs/security.md): it checks what this side's server answers.
     A guard that allows nothing refuses a pull over ``tcp``; over ``cma`` the peer reads this
     process's memory itself (``process_vm_readv``) and the pull passes unseen."""
     with ExitStack() as stack:

@@ -290,7 +290,7 @@ def test_an_unauthenticated_peer_learns_nothing():
 
 
 def test_a_stranger_can_check_guesses_of_the_secret_against_the_servers_proof():
-    """The limit of a secret (README "Security"): the CHALLENGE carries the server's proof, an
+    """The limit of a secret (docs/security.md): the CHALLENGE carries the server's proof, an
     HMAC of the secret over what the stranger sees (both nonces, both cluster ids), before the
     stranger has proved anything. So whoever reaches the listener can test guesses of the secret
     offline against one answer; only a random secret holds."""

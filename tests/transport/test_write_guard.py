@@ -246,7 +246,7 @@ def test_a_guards_tuple_answer_is_converted_once_and_a_list_every_time():
 
 @pytest.mark.parametrize("plane", ["tcp", "cma"])
 def test_a_guard_sees_the_pushes_of_tcp_and_not_those_of_cma(plane):
-    """The limit of a write guard (README "Security"): it checks what this side's server
+    """The limit of a write guard (docs/security.md): it checks what this side's server
     receives. A guard that grants nothing refuses a push over ``tcp``; over ``cma`` the peer
     writes this process's memory itself (``process_vm_writev``) and the push lands unseen."""
     with ExitStack() as stack:

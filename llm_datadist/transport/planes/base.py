@@ -22,7 +22,7 @@ Calls, in the order a link meets them:
     (it may start a process). Never called on the transfer path.
 ``trust()`` (class method, optional)
     One sentence for ``info``: which peers get what the plane exposes of this process (cuda_ipc:
-    who receives its IPC handles), or ``""`` (the default) where the README's rule for every
+    who receives its IPC handles), or ``""`` (the default) where docs/security.md's rule for every
     link says it all.
 ``offer(session)``
     Extra fields of this side's cache-table reply to the peer of ``session`` (a ``Peer``): what the

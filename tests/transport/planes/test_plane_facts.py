@@ -4,7 +4,7 @@ bounded typed fields (``DataPlane.parse_facts``), the JSON dropped (``LinkManage
 The peer is untrusted: a malformed entry is a ``ProtocolError`` (the link then fails with
 ``LLM_LINK_FAILED``, ``tests/transport/test_budgets.py`` checks that end to end), fields no plane
 reads are dropped, and the largest well-formed entry a reply at the table budget can carry is
-kept in well under the README's 2 MiB a link.
+kept in well under docs/security.md's 2 MiB a link.
 """
 
 from __future__ import annotations
