@@ -1,5 +1,5 @@
-"""What ``kv_connector_extra_config`` may say, checked once at start (the keys are listed in
-the package's docstring)."""
+"""What ``kv_connector_extra_config`` may say, checked once at start (each key is in the table of
+``docs/vllm.md``, "Configuration")."""
 
 from __future__ import annotations
 
