@@ -544,7 +544,7 @@ class CacheManager:
         """Layer by layer, wait for ``layer_synchronizer.synchronize_layer(L, None)`` and push
         layer ``L`` to every config that covers it, in a background thread. Returns a
         ``CacheTask``; results are per config (``None`` for a config whose last layer was never
-        reached). See the README for how this differs from CANN's shipped quirks.
+        reached). docs/cann.md says how this differs from CANN's shipped quirks.
 
         As in CANN, non-empty ``src_block_indices`` move blocks to the ``dst_block_indices``;
         without them the source is read as rows: of a blocks cache, whose one row is its block 0

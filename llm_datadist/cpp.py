@@ -18,7 +18,7 @@ An output ``int64_t&`` may be passed as a :class:`Ref` (or anything with a setta
 such as ``ctypes.c_int64``, or a list whose first element is set). ``std::pair`` layer ranges are
 tuples; ``std::vector`` arguments are lists.
 
-Differences from the V2 native library (documented in the README): ``AllocateCache``,
+Differences from the V2 native library (documented in docs/cann.md): ``AllocateCache``,
 ``DeallocateCache``, ``CopyKvCache`` and ``CopyKvBlocks`` are implemented (as in the V1 library)
 instead of returning ``LLM_FEATURE_NOT_ENABLED``; allocated caches are MIX caches usable as rows
 and as blocks.

@@ -12,7 +12,7 @@ Two kinds of helper serve CANN's native wrapper there, and mean here only what t
   ``transfer_cache_func(task_id, packed_config, block_config)``, which in CANN is its native
   ``transfer_cache_v2``. Here they run with whatever callable is given (it returns a status code)
   and move nothing by themselves; ``CacheManager.transfer_cache_async`` does this package's
-  layer-wise transfers through the engine instead (README, "Where we differ from CANN").
+  layer-wise transfers through the engine instead (docs/cann.md).
 
 ``calc_tensor_size`` counts bytes as CANN's native ``calc_tensor_size`` does, in Python.
 """
@@ -397,7 +397,7 @@ def parse_listen_ip_info(listen_ip_info: str) -> Tuple[str, int]:
     (``":5"`` gives ``("", 5)``), LLM_PARAM_INVALID for another number of ``:``, ``ValueError``
     for a port that is no number. ``LLMDataDist.init`` and ``switch_role`` here parse
     ``llm.listenIpInfo`` with a stricter parser of their own (it also takes ``"[ipv6]:port"`` and
-    refuses an empty or bad address; README, "Where we differ from CANN")."""
+    refuses an empty or bad address; docs/cann.md, "Types and checks")."""
     _validate.check_isinstance("listen_ip_info", listen_ip_info, [str])
     ip_and_port = listen_ip_info.split(":")
     _validate.raise_if_false(len(ip_and_port) == 2,
