@@ -1,10 +1,15 @@
-"""README.md cannot rot: every ```python block runs as written, every command of a ```bash block is
-checked against the code it names (the command line's parser, pytest's options, the extras in
-pyproject.toml, the Makefile's targets, the options of the scripts in tools/), the paths it
-mentions exist, and ``.ci/run`` runs the "Run it" and "Test it" commands verbatim.
+"""README.md and docs/*.md cannot rot: every ```python block runs as written, every command of a
+```bash block is checked against the code it names (the command line's parser, pytest's options,
+the extras in pyproject.toml, the Makefile's targets, the options of the scripts in tools/), the
+paths they mention exist, the README stays a door (at most ``README_MAX_LINES`` lines), and
+``.ci/run`` runs the README's "Run it" and "Test it" commands verbatim. Every test a document cites
+exists; docs/security.md's trust matrix cites one for every claim. (Links between the documents:
+``tests/test_doc_links.py``.)
 
-A shell command this file does not know how to check fails the test: teach ``check_command`` about
-it rather than leave it unchecked.
+A block that cannot run here (it needs vLLM, a GPU or two hosts) is written as a ```bash block of
+commands this file checks, or as a plain ``` block, which is shown and not run. A shell command
+this file does not know how to check fails the test: teach ``check_command`` about it rather than
+leave it unchecked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
+#: The documents whose blocks run or are checked: the README, then docs/ (design.md included).
+DOCUMENTS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+#: The README is the door: what the package is, install, the first commands, short examples, links.
+README_MAX_LINES = 300
 #: The README's run command, exactly as a user types it at the root of a clone (issue 11).
 RUN_COMMAND = "pip install -e . && python -m llm_datadist demo"
 TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
@@ -33,20 +42,23 @@ BLOCK_TIMEOUT_S = 120
 
 @dataclass(frozen=True)
 class Block:
+    document: str  # its path from the repository's root
     language: str
     line: int  # of the opening fence, 1-based
     section: str
     text: str
 
 
-def readme_blocks(text: str) -> List[Block]:
-    """The fenced code blocks of ``text`` with their language, line and section heading."""
+def document_blocks(path: Path) -> List[Block]:
+    """The fenced code blocks of the document at ``path`` with their language, line and section
+    heading (the last ``## `` heading above them)."""
+    name = path.relative_to(REPO_ROOT).as_posix()
     blocks, section, fence = [], "", None
     body: List[str] = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if fence is not None:
             if line.startswith("```"):
-                blocks.append(Block(fence[0], fence[1], section, "\n".join(body) + "\n"))
+                blocks.append(Block(name, fence[0], fence[1], section, "\n".join(body) + "\n"))
                 fence, body = None, []
             else:
                 body.append(line)
@@ -54,31 +66,44 @@ def readme_blocks(text: str) -> List[Block]:
             fence = (line[3:].strip(), number)
         elif line.startswith("## "):
             section = line[3:].strip()
-    assert fence is None, f"README.md: the block opened at line {fence[1]} is never closed"
+    assert fence is None, f"{name}: the block opened at line {fence[1]} is never closed"
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for path in DOCUMENTS for block in document_blocks(path)]
 PYTHON_BLOCKS = [b for b in BLOCKS if b.language == "python"]
 SHELL_BLOCKS = [b for b in BLOCKS if b.language == "bash"]
 
 
 def _block_id(block: Block) -> str:
-    return f"line{block.line}-{re.sub(r'[^a-z0-9]+', '-', block.section.lower()).strip('-')}"
+    where = re.sub(r"[^a-z0-9]+", "-", f"{Path(block.document).stem}-line{block.line}-{block.section}".lower())
+    return where.strip("-")
 
 
-def test_the_readme_has_the_blocks_this_file_checks():
+def test_the_documents_have_the_blocks_this_file_checks():
     """Guards the extraction itself: a parser that found nothing would pass every test below."""
-    assert {b.section for b in PYTHON_BLOCKS} >= {"Python API (CANN style)", "C++ API (as Python wrappers)",
-                                                  "Linking two clusters and moving blocks"}
-    assert {b.section for b in SHELL_BLOCKS} >= {"Run it", "Test it", "Benchmarks"}
-    assert all(b.language in ("python", "bash", "") for b in BLOCKS), [b.language for b in BLOCKS]
+    python = {(b.document, b.section) for b in PYTHON_BLOCKS}
+    shell = {(b.document, b.section) for b in SHELL_BLOCKS}
+    assert python >= {("README.md", "Python API (CANN style)"), ("README.md", "C++ API (as Python wrappers)"),
+                      ("docs/planes.md", "Linking two clusters and moving blocks")}, python
+    assert shell >= {("README.md", "Run it"), ("README.md", "Test it"), ("README.md", "Benchmarks"),
+                     ("docs/planes.md", "Two hosts"), ("docs/planes.md", "The nixl plane: across hosts over RDMA"),
+                     ("docs/vllm.md", "Install"), ("docs/vllm.md", "Start a prefill and a decode server"),
+                     ("docs/testing.md", "GPU check"), ("docs/testing.md", "Wheels")}, shell
+    assert all(b.language in ("python", "bash", "") for b in BLOCKS), [(b.document, b.language) for b in BLOCKS]
+
+
+def test_the_readme_is_a_door():
+    """The README says what the package is, how to install, run and test it, shows each API style
+    once and links the documents; the manuals live in docs/."""
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines, over {README_MAX_LINES}: move the rest to docs/"
 
 
 def test_run_and_test_commands_are_the_ones_ci_runs():
-    run_it = next(b for b in SHELL_BLOCKS if b.section == "Run it")
+    run_it = next(b for b in SHELL_BLOCKS if b.document == "README.md" and b.section == "Run it")
     assert run_it.text.splitlines()[0] == RUN_COMMAND
-    test_it = next(b for b in SHELL_BLOCKS if b.section == "Test it")
+    test_it = next(b for b in SHELL_BLOCKS if b.document == "README.md" and b.section == "Test it")
     assert test_it.text.splitlines()[0] == TEST_COMMAND
     ci_lines = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
     assert RUN_COMMAND in ci_lines, ".ci/run must run the README's run command verbatim"
@@ -100,16 +125,16 @@ def test_python_block_runs_as_written(block, tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail(f"README.md line {block.line}: the block did not finish within {BLOCK_TIMEOUT_S} s")
+        pytest.fail(f"{block.document} line {block.line}: the block did not finish within {BLOCK_TIMEOUT_S} s")
     assert proc.returncode == 0 and not stderr.strip(), (
-        f"README.md line {block.line} ({block.section}) fails as written:\n{stderr}")
+        f"{block.document} line {block.line} ({block.section}) fails as written:\n{stderr}")
     try:
         os.killpg(proc.pid, 0)
     except ProcessLookupError:
         pass
     else:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"README.md line {block.line}: the block left processes behind")
+        pytest.fail(f"{block.document} line {block.line}: the block left processes behind")
 
 
 # -- shell blocks -------------------------------------------------------------------------------------
@@ -238,7 +263,7 @@ def _environment(words: List[str]) -> List[str]:
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         name = words[0].split("=", 1)[0]
         assert any(name in path.read_text() for path in (REPO_ROOT / "llm_datadist").rglob("*.py")), \
-            f"README.md sets {name}, which the package never reads"
+            f"a document sets {name}, which the package never reads"
         words = words[1:]
     return words
 
@@ -260,13 +285,13 @@ def check_command(words: List[str]) -> None:
     elif words[0] == "ssh":
         _check_ssh(words[1:])
     else:
-        pytest.fail(f"README.md runs {words[0]!r}, which tests/test_readme.py does not know how to check")
+        pytest.fail(f"a document runs {words[0]!r}, which tests/test_readme.py does not know how to check")
 
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=_block_id)
 def test_shell_block_commands_exist(block):
     commands = shell_commands(block.text)
-    assert commands, f"README.md line {block.line}: no command found"
+    assert commands, f"{block.document} line {block.line}: no command found"
     for words in commands:
         check_command(words)
 
@@ -295,20 +320,28 @@ def test_the_checks_catch_what_they_are_for():
 
 # -- prose ---------------------------------------------------------------------------------------------
 
-def test_make_targets_the_readme_names_exist():
+def test_make_targets_the_documents_name_exist():
     targets = set(re.findall(r"^([\w-]+):", (REPO_ROOT / "Makefile").read_text(), re.M))
-    named = set(re.findall(r"`make ([\w-]+)", README.read_text()))
+    named = {target for path in DOCUMENTS for target in re.findall(r"`make ([\w-]+)", path.read_text())}
     assert named and named <= targets, named - targets
 
 
-def test_paths_the_readme_names_exist():
-    """Every repository path in backquotes or a link exists at the root of the repository."""
-    text = README.read_text()
-    candidates = set(re.findall(r"`([\w.][\w./-]*/[\w./-]*)`", text)) | set(re.findall(r"\]\(([^)#:]+)\)", text))
-    assert "docs/design.md" in candidates
-    missing = [path for path in sorted(candidates)
-               if not (REPO_ROOT / path).exists()]
-    assert not missing, f"README.md names paths that do not exist: {missing}"
+def test_paths_the_documents_name_exist():
+    """Every repository path in backquotes exists at the root of the repository, and so does every
+    link of the README (the links of docs/, relative to their folder: tests/test_doc_links.py).
+    docs/design.md is left out: it names the package's modules from inside ``llm_datadist/``, and
+    files that are not built yet."""
+    missing = []
+    for path in DOCUMENTS:
+        if path.name == "design.md":
+            continue
+        text = path.read_text()
+        candidates = set(re.findall(r"`([\w.][\w./-]*/[\w./-]*)`", text))
+        if path == README:
+            candidates |= set(re.findall(r"\]\(([^)#:]+)\)", text))
+            assert "docs/design.md" in candidates
+        missing += [f"{path.name}: {name}" for name in sorted(candidates) if not (REPO_ROOT / name).exists()]
+    assert not missing, f"the documents name paths that do not exist: {missing}"
 
 
 # -- docs/security.md's trust matrix -----------------------------------------------------------------
@@ -327,14 +360,9 @@ def defined_tests(path: Path) -> set:
     return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def test_security_matrix_cites_existing_tests():
-    """Every test docs/security.md names exists (a function of that name in the one test file
-    of that name), so the citations cannot rot; every ``[n]`` it uses is a footnote naming tests,
-    and every claim cell of the trust matrix and the plane table carries one (or points at
-    another row: "as ...", "per plane")."""
-    section = SECURITY.read_text()
-    cited = CITATION.findall(section)
-    assert len(cited) >= 100, f"found only {len(cited)} citations: is the pattern still docs/security.md's?"
+def missing_tests(cited) -> List[str]:
+    """What is wrong with each ``(file name, function)`` cited: no test file of that name, several,
+    or no such function in it."""
     files: dict = {}
     for path in (REPO_ROOT / "tests").rglob("test_*.py"):
         files.setdefault(path.name, []).append(path)
@@ -345,6 +373,25 @@ def test_security_matrix_cites_existing_tests():
             wrong.append(f"{name}::{function}: {len(paths)} test files are named {name}")
         elif function not in defined_tests(paths[0]):
             wrong.append(f"{name}::{function}: no such test in {paths[0].relative_to(REPO_ROOT)}")
+    return wrong
+
+
+def test_the_tests_the_documents_cite_exist():
+    """A ``file::test`` named anywhere in the README or docs/ is a test of that name in the one test
+    file of that name."""
+    wrong = [f"{path.name}: {why}" for path in DOCUMENTS for why in missing_tests(CITATION.findall(path.read_text()))]
+    assert not wrong, "the documents cite tests that do not exist:\n" + "\n".join(wrong)
+
+
+def test_security_matrix_cites_existing_tests():
+    """Every test docs/security.md names exists (a function of that name in the one test file
+    of that name), so the citations cannot rot; every ``[n]`` it uses is a footnote naming tests,
+    and every claim cell of the trust matrix and the plane table carries one (or points at
+    another row: "as ...", "per plane")."""
+    section = SECURITY.read_text()
+    cited = CITATION.findall(section)
+    assert len(cited) >= 100, f"found only {len(cited)} citations: is the pattern still docs/security.md's?"
+    wrong = missing_tests(cited)
     assert not wrong, "docs/security.md cites tests that do not exist:\n" + "\n".join(wrong)
 
     footnotes = {int(n): body for n, body in re.findall(r"^\[(\d+)\]\s(.*?)(?=^\[\d+\]\s|\n\n)", section,
