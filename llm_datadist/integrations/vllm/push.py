@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import llm_datadist as ld
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, check_lease, utf8_len
-from llm_datadist.integrations.vllm.meta import Recv, _peer
+from llm_datadist.integrations.vllm.meta import Recv, prefill_rank
 
 logger = logging.getLogger(__package__)
 
@@ -102,8 +102,8 @@ def push_spec(params: Any) -> Optional[PushReg]:
         remote_id = ""
     if not isinstance(remote_id, str):
         return None
-    peer = _peer(params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id"),
-                 remote_id or "-")
+    peer = prefill_rank(params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id"),
+                        remote_id or "-")
     if peer is None:
         return None
     tp_size = params.get("tp_size", 1)
