@@ -373,7 +373,7 @@ def test_only_a_drafter_that_keeps_kv_is_compared():
 
 @pytest.mark.parametrize("producer", [True, False])
 def test_push_mode_refuses_a_model_of_several_caches(producer):
-    """Push mode moves one cache's layers (``push.py``): layers of two shapes are refused when they
+    """Push mode moves one cache's layers (``push/``): layers of two shapes are refused when they
     register, on both sides, naming both caches, instead of leaving the drafter's KV behind."""
     from llm_datadist.integrations.vllm.options import Options
     from llm_datadist.integrations.vllm.worker import Worker

@@ -187,8 +187,8 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
         self.reqs_to_ask: Dict[str, Recv] = {}
         self.stopping = False
         #: push mode (``push``), decode side: blocks to register with prefill workers (request id
-        #: -> ``push.PushReg``), requests that ended before their push did; prefill side: each
-        #: push-mode request scheduled in this step (-> ``push.PushStep``), requests that ended
+        #: -> ``push.specs.PushReg``), requests that ended before their push did; prefill side: each
+        #: push-mode request scheduled in this step (-> ``push.specs.PushStep``), requests that ended
         #: without handing their KV out
         self.push_regs: Dict[str, Any] = {}
         self.push_cancel: Set[str] = set()

@@ -18,7 +18,7 @@ from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_re
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
 from llm_datadist.integrations.vllm.options import Options
-from llm_datadist.integrations.vllm.push import PushScheduling
+from llm_datadist.integrations.vllm.push.scheduling import PushScheduling
 
 logger = logging.getLogger(__package__)
 
