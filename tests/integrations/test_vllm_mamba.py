@@ -205,7 +205,7 @@ def test_only_the_running_state_block_of_a_state_space_group_moves(blocks, spec_
     assert [(g.kind, g.spec_blocks) for g in found] == [("mamba", spec_blocks), ("full", 0)]
     assert kv_groups.clip(found, (blocks, [1, 2, 3]), 2) == (expected, [1, 2, 3])
     assert kv_groups.expected_blocks(found, 100, BLOCK) == [(1, 1), (4, 4)]
-    assert kv_groups.prefill_backoff(found) == 1 and kv_groups.describe(found) == "mamba:1;full:1"
+    assert kv_groups.state_backoff(found) == 1 and kv_groups.describe(found) == "mamba:1;full:1"
 
 
 @needs_vllm
@@ -216,7 +216,7 @@ def test_state_space_groups_the_connector_cannot_move_are_refused_at_start():
         kv_groups.transfer_groups(_config(_mamba_spec("align"), _attention()))
     with pytest.raises(NotImplementedError, match="state-space layers only"):
         kv_groups.transfer_groups(_config(_mamba_spec(), _mamba_spec()))
-    assert kv_groups.prefill_backoff(kv_groups.transfer_groups(_config(_attention()))) == 0
+    assert kv_groups.state_backoff(kv_groups.transfer_groups(_config(_attention()))) == 0
 
 
 @needs_vllm

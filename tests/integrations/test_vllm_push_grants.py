@@ -1,4 +1,4 @@
-"""Push mode's grants and checks, without vLLM engines (``push.py``).
+"""Push mode's grants and checks, without vLLM engines (``push/``).
 
 The decode side's ``GrantBook`` as the engine's write guard, between real processes over ``tcp``:
 a writer pushes only into the blocks granted to it, while the grant lives; a push outside it, by
@@ -517,7 +517,7 @@ def test_push_cancel_answers_after_the_push_in_flight_ended(monkeypatch):
     ``ok: false``, and the decode side then ends the link before it reports the request."""
     import threading
 
-    from llm_datadist.integrations.vllm import push as push_mod
+    from llm_datadist.integrations.vllm.push import pusher as push_mod
     from llm_datadist.integrations.vllm.push import Grant, PushReg, Pusher, Receiver
 
     w = _worker(True, push_match_by_request_id=True)

@@ -294,12 +294,12 @@ def test_a_peer_that_registered_fewer_caches_than_it_says_fails_the_request(pref
 
 @pytest.mark.parametrize("lookahead, expected", [(0, 0), (1, 0), (3, 2)])
 def test_the_backoff_is_the_drafters_lookahead_less_one(lookahead, expected):
-    from llm_datadist.integrations.vllm.backoff import prefill_backoff
+    from llm_datadist.integrations.vllm.backoff import drafter_backoff
     from llm_datadist.integrations.vllm.options import Options
     from llm_datadist.integrations.vllm.scheduler import Scheduler
 
-    assert prefill_backoff(SimpleNamespace(num_prefill_lookahead_tokens=lookahead)) == expected
-    assert prefill_backoff(SimpleNamespace()) == 0
+    assert drafter_backoff(SimpleNamespace(num_prefill_lookahead_tokens=lookahead)) == expected
+    assert drafter_backoff(SimpleNamespace()) == 0
     assert Scheduler("d", Options.parse({}), BLOCK_SIZE, producer=False, backoff=expected).backoff == expected
 
 
@@ -373,7 +373,7 @@ def test_only_a_drafter_that_keeps_kv_is_compared():
 
 @pytest.mark.parametrize("producer", [True, False])
 def test_push_mode_refuses_a_model_of_several_caches(producer):
-    """Push mode moves one cache's layers (``push.py``): layers of two shapes are refused when they
+    """Push mode moves one cache's layers (``push/``): layers of two shapes are refused when they
     register, on both sides, naming both caches, instead of leaving the drafter's KV behind."""
     from llm_datadist.integrations.vllm.options import Options
     from llm_datadist.integrations.vllm.worker import Worker

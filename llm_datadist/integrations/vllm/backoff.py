@@ -11,14 +11,14 @@ methods without a drafter read none. Both engines must agree, which the links' c
 check makes sure of (``compat``: the speculative config of a method whose drafter keeps KV).
 
 The scheduler takes the larger of this and a state-space group's one token
-(``groups.prefill_backoff``) and cuts the request (``scheduler.truncate_for_prefill``)."""
+(``groups.state_backoff``) and cuts the request (``scheduler.truncate_for_prefill``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def prefill_backoff(vllm_config: Any) -> int:
+def drafter_backoff(vllm_config: Any) -> int:
     """Trailing prompt tokens this engine's prefill leaves to its decode engine for its drafter (0: none)."""
     try:
         lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)

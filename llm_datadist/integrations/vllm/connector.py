@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from llm_datadist.integrations.vllm import compat, layout
-from llm_datadist.integrations.vllm.backoff import prefill_backoff
+from llm_datadist.integrations.vllm.backoff import drafter_backoff
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata)
@@ -67,7 +67,7 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
                                          producer=bool(transfer.is_kv_producer),
                                          tp_size=parallel.tensor_parallel_size,
                                          kv_heads=_kv_heads(vllm_config), groups=self._groups,
-                                         num_groups=num_groups, backoff=prefill_backoff(vllm_config))
+                                         num_groups=num_groups, backoff=drafter_backoff(vllm_config))
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config, self._groups)
 

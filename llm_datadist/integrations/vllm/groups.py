@@ -105,7 +105,7 @@ def transfer_groups(kv_cache_config: Any) -> Tuple[Group, ...]:
     return tuple(out)
 
 
-def prefill_backoff(groups: Sequence[Group]) -> int:
+def state_backoff(groups: Sequence[Group]) -> int:
     """Trailing prompt tokens the prefill engine leaves to the decode engine: one with a
     state-space group (``state.PREFILL_BACKOFF``), else none."""
     return state.PREFILL_BACKOFF if any(g.is_state for g in groups) else 0

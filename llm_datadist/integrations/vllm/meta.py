@@ -26,9 +26,9 @@ MAX_KV_GROUPS = 64
 
 
 @dataclass(frozen=True)
-class Peer:
-    """One prefill worker (a tensor parallel rank): where it listens and the request id (lease
-    token included) its release must name."""
+class PrefillRank:
+    """One prefill worker (a tensor parallel rank) as a decode request's ``kv_transfer_params`` name
+    it: where it listens and the request id (lease token included) its release must name."""
 
     host: str
     port: int
@@ -55,7 +55,7 @@ class Recv:
     #: why this engine refuses the blocks (the worker then pulls nothing and only releases)
     refused: str = ""
     #: every prefill rank, by tensor parallel rank (the first is the one above)
-    ranks: Tuple[Peer, ...] = ()
+    ranks: Tuple[PrefillRank, ...] = ()
     #: whether the prefill engine frees a rank's blocks only after as many releases as it has
     #: readers (``readers`` in a release; ``kv_transfer_params`` ``readers_counted``)
     readers_counted: bool = False
@@ -112,7 +112,7 @@ class Recv:
         split evenly), every prefill rank holding some of this rank's heads, each with its head
         range and its count of readers. Else nothing is pulled (``awaiting`` stays only with the
         same TP size) and this rank releases the prefill ranks ``p % size == rank``."""
-        ranks = self.ranks or (Peer(self.host, self.port, self.cluster_id, self.remote_request_id),)
+        ranks = self.ranks or (PrefillRank(self.host, self.port, self.cluster_id, self.remote_request_id),)
         if len(ranks) != size and self.kv_heads and self.awaiting:
             return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
                             remote_request_id=peer.remote_request_id, src_head=src, dst_head=dst, heads=count,
@@ -187,8 +187,8 @@ class LLMDataDistConnectorMetadata(KVConnectorMetadata):
         self.reqs_to_ask: Dict[str, Recv] = {}
         self.stopping = False
         #: push mode (``push``), decode side: blocks to register with prefill workers (request id
-        #: -> ``push.PushReg``), requests that ended before their push did; prefill side: each
-        #: push-mode request scheduled in this step (-> ``push.PushStep``), requests that ended
+        #: -> ``push.specs.PushReg``), requests that ended before their push did; prefill side: each
+        #: push-mode request scheduled in this step (-> ``push.specs.PushStep``), requests that ended
         #: without handing their KV out
         self.push_regs: Dict[str, Any] = {}
         self.push_cancel: Set[str] = set()
@@ -230,14 +230,14 @@ def recv_spec(params: Any) -> Optional[Recv]:
                 blocks = [b for g in groups for b in g]
         if not _block_list(blocks):
             return None
-        first = _peer(params["remote_host"], params["remote_port"], params.get("remote_cluster_id"),
-                      params["remote_request_id"])
+        first = prefill_rank(params["remote_host"], params["remote_port"], params.get("remote_cluster_id"),
+                             params["remote_request_id"])
         if first is None:
             return None
         block_size = params.get("remote_block_size")
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
             return None
-        ranks: Tuple[Peer, ...] = ()
+        ranks: Tuple[PrefillRank, ...] = ()
         listed = params.get("remote_ranks")
         tp_size = params.get("tp_size", 1)
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE:
@@ -248,9 +248,9 @@ def recv_spec(params: Any) -> Optional[Recv]:
             if not isinstance(listed, (list, tuple)) or len(listed) != tp_size or \
                     not all(isinstance(r, dict) for r in listed):
                 return None
-            ranks = tuple(_peer(r.get("host"), r.get("port"), r.get("cluster_id"), r.get("request_id"))
+            ranks = tuple(prefill_rank(r.get("host"), r.get("port"), r.get("cluster_id"), r.get("request_id"))
                           for r in listed)
-            if any(peer is None for peer in ranks):
+            if any(rank is None for rank in ranks):
                 return None
             # rank 0 is where the NIXL-style fields say (a router may have rewritten them)
             ranks = (first,) + ranks[1:]
@@ -267,7 +267,7 @@ def _block_list(blocks: Any) -> bool:
         all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
 
 
-def _peer(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[Peer]:
+def prefill_rank(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[PrefillRank]:
     """One prefill rank named in ``kv_transfer_params``, or None if unusable (raises nothing)."""
     if not isinstance(host, str) or not host or not isinstance(remote_id, str) or \
             utf8_len(remote_id) > MAX_RELEASE_ID_BYTES:  # the prefill side would refuse its release
@@ -280,4 +280,4 @@ def _peer(host: Any, port: Any, cluster_id: Any, remote_id: Any) -> Optional[Pee
         return None
     if not 0 < port < 65536 or cluster_id is not None and not 0 <= cluster_id < 1 << 64:
         return None
-    return Peer(host, port, cluster_id, remote_id)
+    return PrefillRank(host, port, cluster_id, remote_id)

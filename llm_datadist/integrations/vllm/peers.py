@@ -63,8 +63,10 @@ class Parked:
 
 
 @dataclass
-class Peer:
-    """One prefill worker address and what this side keeps about it."""
+class PrefillLink:
+    """The decode worker's link to one prefill worker address (``remote_host:remote_port``) and
+    what this side keeps about it: the link (made on first use and again after it broke;
+    ``generation`` 0 while there is none), its queued work, its parked requests and renewals."""
 
     host: str
     port: int
@@ -102,8 +104,8 @@ class Peers:
         self.retry_s = max(1.0, options.link_timeout_ms / 1000)
         self.notify_timeout_ms = min(options.link_timeout_ms, 5000)
         self._lock = threading.Lock()
-        self._peers: Dict[Tuple[str, int], Peer] = {}
-        self._parked: Dict[str, List[Peer]] = {}  # our request id -> the peers holding its leases
+        self._peers: Dict[Tuple[str, int], PrefillLink] = {}
+        self._parked: Dict[str, List[PrefillLink]] = {}  # our request id -> the peers holding its leases
         self._threads: List[threading.Thread] = []
         self._closed = False
         self._generation = 0
@@ -111,12 +113,12 @@ class Peers:
         self._ticker: Optional[threading.Thread] = None
 
     # -- work on a peer's threads -------------------------------------------------------------------
-    def peer(self, spec: Recv) -> Peer:
+    def peer(self, spec: Recv) -> PrefillLink:
         key = (spec.host, spec.port)
         with self._lock:
             peer = self._peers.get(key)
             if peer is None:
-                peer = self._peers[key] = Peer(spec.host, spec.port)
+                peer = self._peers[key] = PrefillLink(spec.host, spec.port)
             return peer
 
     def submit(self, spec: Recv, task: Callable[[], None]) -> bool:
@@ -135,14 +137,14 @@ class Peers:
             self._start(self._drain, peer, f"llm_datadist-vllm-pull-{peer.name}")
         return True
 
-    def _start(self, target: Callable[..., None], peer: Peer, name: str) -> None:
+    def _start(self, target: Callable[..., None], peer: PrefillLink, name: str) -> None:
         """A thread for ``target(peer)`` (lock held)."""
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(target=target, args=(peer,), name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
-    def _drain(self, peer: Peer) -> None:
+    def _drain(self, peer: PrefillLink) -> None:
         while True:
             with self._lock:
                 if not peer.queue or self._closed:
@@ -177,7 +179,7 @@ class Peers:
                     raise Unreachable(f"the link failed: {exc.status_code.name}") from None
         raise AssertionError("unreachable")
 
-    def _link(self, peer: Peer) -> Tuple[int, int, bool]:
+    def _link(self, peer: PrefillLink) -> Tuple[int, int, bool]:
         """``(cluster id, generation of the link, whether it was made now)``; ``Unreachable`` if
         the prefill worker refuses or does not answer, or did so less than ``retry_s`` ago."""
         with peer.gate:
@@ -214,13 +216,13 @@ class Peers:
             self._count("links", 1)
             return cluster_id, peer.generation, True
 
-    def _mark_unreachable(self, peer: Peer, why: str) -> None:
+    def _mark_unreachable(self, peer: PrefillLink, why: str) -> None:
         self._link_failed()
         with self._lock:
             peer.unreachable_until = time.monotonic() + self.retry_s
             peer.why = why
 
-    def _forget_link(self, peer: Peer, generation: int) -> None:
+    def _forget_link(self, peer: PrefillLink, generation: int) -> None:
         """Drop the link that failed — not one another thread has made since."""
         with peer.gate:
             if peer.generation != generation:
@@ -285,7 +287,7 @@ class Peers:
 
     def tick(self, now: float) -> None:
         """Send the renewals that are due (one thread per peer at a time) and evict idle peers."""
-        idle: List[Peer] = []
+        idle: List[PrefillLink] = []
         with self._lock:
             for key, peer in list(self._peers.items()):
                 if peer.parked and not peer.renewing:
@@ -309,11 +311,11 @@ class Peers:
                     self._unlink(peer.cluster_id, force=False)
                     self._count("links_evicted", 1)
 
-    def _interval(self, peer: Peer) -> float:
+    def _interval(self, peer: PrefillLink) -> float:
         lease = peer.lease_s if peer.lease_s is not None else self.options.kv_lease_s
         return max(MIN_RENEW_S, lease / 3)
 
-    def _renew(self, peer: Peer, due: List[Tuple[str, Parked]]) -> None:
+    def _renew(self, peer: PrefillLink, due: List[Tuple[str, Parked]]) -> None:
         """Renew ``due`` leases at ``peer``, in notifications of at most ``RENEW_BATCH_BYTES``."""
         try:
             batch: List[Tuple[str, Parked]] = []
@@ -331,7 +333,7 @@ class Peers:
             with self._lock:
                 peer.renewing = False
 
-    def _renew_batch(self, peer: Peer, batch: List[Tuple[str, Parked]]) -> None:
+    def _renew_batch(self, peer: PrefillLink, batch: List[Tuple[str, Parked]]) -> None:
         ids = [parked.spec.remote_request_id for _, parked in batch]
         message = {"op": "renew", "request_ids": ids}
         try:

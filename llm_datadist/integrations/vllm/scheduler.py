@@ -18,7 +18,7 @@ from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_re
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
 from llm_datadist.integrations.vllm.options import Options
-from llm_datadist.integrations.vllm.push import PushScheduling
+from llm_datadist.integrations.vllm.push.scheduling import PushScheduling
 
 logger = logging.getLogger(__package__)
 
@@ -71,7 +71,7 @@ def truncate_for_prefill(request, backoff: int) -> None:
     """Prefill side of a model with state-space layers or a drafter with a lookahead: the request's
     last ``backoff`` prompt tokens are dropped and it stops after one token, so that the state (and
     the drafter's KV) it hands out is the one before them, from which the decode side computes them
-    (``state.PREFILL_BACKOFF``, ``backoff.prefill_backoff``). Once per
+    (``state.PREFILL_BACKOFF``, ``backoff.drafter_backoff``). Once per
     request (marked in its params, so a preempted request is not cut twice); not for a prompt of
     ``backoff`` tokens or fewer, nor one that skips reading cached prefixes (its decode side loads
     nothing)."""
@@ -110,8 +110,8 @@ class Scheduler:
         self.groups = groups
         self.num_groups = num_groups
         #: trailing prompt tokens a prefill leaves to the decode side: one with state-space groups, a
-        #: multi-module MTP drafter's lookahead less one (``backoff``: ``backoff.prefill_backoff``)
-        self.backoff = max(kv_groups.prefill_backoff(groups), backoff)
+        #: multi-module MTP drafter's lookahead less one (``backoff``: ``backoff.drafter_backoff``)
+        self.backoff = max(kv_groups.state_backoff(groups), backoff)
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
@@ -229,7 +229,7 @@ class Scheduler:
             count = prompt - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         why = "they are malformed" if spec is None else self._blocks_refusal(spec, prompt)
-        if not why and kv_groups.prefill_backoff(self.groups):
+        if not why and kv_groups.state_backoff(self.groups):
             why = state.computed_refusal(params, prompt)
         if why:
             logger.warning("request %s: kv_transfer_params do not fit a prompt of %d tokens here (%s); computing "

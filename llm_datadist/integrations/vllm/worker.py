@@ -24,7 +24,8 @@ from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, L
 from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.peers import LINK_BROKEN, Peers, Unreachable
-from llm_datadist.integrations.vllm.push import Pusher, Receiver
+from llm_datadist.integrations.vllm.push.grants import Receiver
+from llm_datadist.integrations.vllm.push.pusher import Pusher
 
 logger = logging.getLogger(__package__)
 
@@ -174,7 +175,7 @@ class Worker:
         classes = caches.plan(kv_caches, [g.layers for g in self.groups] if hybrid else [], self.num_blocks,
                               self.kv_cache_layout, states)
         if (self.pusher is not None or self.receiver is not None) and len(classes) > 1:
-            # (push.py pushes and grants the one cache's layers: a second cache would not move)
+            # (push mode pushes and grants the one cache's layers: a second cache would not move)
             raise NotImplementedError(
                 f"LLMDataDistConnector: push mode moves models whose KV is one cache; this one's layers are "
                 f"{len(classes)} caches ({'; '.join(f'{len(c.layers)} layer(s) of {tuple(c.shape)}' for c in classes)}"
