@@ -106,7 +106,7 @@ Calls, in the order a link meets them:
 Per engine rather than per link:
 
 ``device_payload`` (optional attribute)
-    The payload mover (``transport.staging.HostPayload``) with which this side's *server* moves
+    The payload mover (``planes.tcp.HostPayload``) with which this side's *server* moves
     a peer's frames into and out of its own device memory (the staging plane's bounce-buffer
     payload); ``None`` by default. The manager hands the first plane's to its server.
 ``sibling(name)``
