@@ -123,6 +123,7 @@ import os
 from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
 from llm_datadist.transport.engine_view import EngineView
+from llm_datadist.transport.planes.registry import PlaneSet
 
 
 class DataPlane:
@@ -180,7 +181,6 @@ class DataPlane:
     def sibling(self, name: str) -> Optional["DataPlane"]:
         """The same engine's instance of the plane ``name`` (None if none is registered)."""
         if self._set is None:  # made alone (a test): a set of its own, holding this plane
-            from llm_datadist.transport.planes import PlaneSet
             planes = PlaneSet(self.engine, eager=False)
             planes.adopt(self)
             self.join(planes)
