@@ -46,16 +46,12 @@ def execute(plan, runtime: Any, bind: Callable[[], None], src: CacheRecord, dst:
     _core.execute(plan, runtime, kind, ordered=ordered)
 
 
-def _check_tensors(src: CacheRecord, dst: CacheRecord) -> None:
-    if src.num_tensors != dst.num_tensors:
-        raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
-
-
 def copy_rows(runtime: Any, bind: Callable[[], None], dst: CacheRecord, src: CacheRecord, dst_row: int,
               src_row: int, offset: int, size: int) -> None:
     """Copy row ``src_row`` of every tensor of ``src`` into row ``dst_row`` of ``dst``, from
     ``offset`` on, ``size`` bytes (-1 = rest of the source row)."""
-    _check_tensors(src, dst)
+    if src.num_tensors != dst.num_tensors:
+        raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
     plan = _core.plan_rows(src.layout, dst.layout, None, None, src_row, dst_row, offset, offset, size)
     execute(plan, runtime, bind, src, dst)
 
@@ -63,7 +59,8 @@ def copy_rows(runtime: Any, bind: Callable[[], None], dst: CacheRecord, src: Cac
 def copy_blocks(runtime: Any, bind: Callable[[], None], src: CacheRecord, dst: CacheRecord, src_blocks,
                 dst_blocks, block_bytes: int = -1) -> None:
     """Copy blocks ``src_blocks[k]`` -> ``dst_blocks[k]`` of every tensor, in list order."""
-    _check_tensors(src, dst)
+    if src.num_tensors != dst.num_tensors:
+        raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
     plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
     execute(plan, runtime, bind, src, dst, (src_blocks, dst_blocks))
 
