@@ -4,11 +4,12 @@
 records, keys, pools, pins, shared ranges, generation), the links (``transport.links.LinkManager``),
 the same-host block routes (``routes.BlockRoutes``) and the layer-wise runner
 (``layerwise.LayerRunner``). It keeps the life cycle (initialize / finalize / switch_role), the
-device runtime and thread binding, the memory it allocates or registers, local copies (one core
-plan + one execution each) and transfers to linked clusters. It speaks in plain values (``values``: placements as
-``Place``, shapes as tuples, remote caches as ``RemoteRef`` values, block lists as ``BlockSpec``)
-and raises ``LLMException`` carrying a status; each API style converts its own types at its
-boundary and maps errors to its own surface. It imports nothing of either API style.
+device runtime and thread binding, the memory it allocates or registers, local copies (planned
+and run by ``copies``) and transfers to linked clusters. It speaks in plain values
+(``values``: placements as ``Place``, shapes as tuples, remote caches as ``RemoteRef`` values,
+block lists as ``BlockSpec``) and raises ``LLMException`` carrying a status; each API style
+converts its own types at its boundary and maps errors to its own surface. It imports nothing of
+either API style.
 """
 
 from __future__ import annotations
