@@ -15,8 +15,8 @@ kernel:       ## regenerate include/llm_datadist/dd_copy_kernel.h (the copy kern
 test:         ## the test suite (same command as the README and CI)
 	python -m pytest
 
-test-quick:   ## the quick tier: the core, API and engine tests and the documents' links (well under a minute on 2 cores)
-	python -m pytest -q tests/core tests/api tests/engine tests/test_doc_links.py
+test-quick:   ## the quick tier: the core, API and engine tests, the layering check and the documents' links (well under a minute on 2 cores)
+	python -m pytest -q tests/core tests/api tests/engine tests/test_layering.py tests/test_doc_links.py
 
 gpu-check:    ## on a GPU machine: facts, build, GPU tests, vLLM's GPU views, GPU bench -> gpu-check/report.md (GPU_CHECK_FLAGS=--stub: without a GPU)
 	python tools/gpu_check.py --out gpu-check $(GPU_CHECK_FLAGS)

@@ -59,9 +59,9 @@ class CacheManager:
         self._enabled_mem_pool = bool(options.get("llm.MemPoolConfig"))
         self._enable_host_mem_pool = bool(options.get("llm.HostMemPoolConfig"))
         self._enable_remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
-        # The engine's same-host block routes: push_blocks/pull_blocks calls shaped like one that
-        # went through every check before take them (``_io.BlockRoute``); anything else, and
-        # every error, takes the checked path below them.
+        # The engine's same-host block routes (``engine.routes.BlockRoutes``): push_blocks and
+        # pull_blocks calls shaped like one that went through every check before take them;
+        # anything else, and every error, takes the checked path below them.
         self._routes = engine.routes
 
     @staticmethod
@@ -439,7 +439,7 @@ class CacheManager:
         routes = self._routes  # the latency path: a call like one that went through before
         if routes is not None and type(src_cache_key) is BlocksCacheKey and type(dst_cache) is Cache \
                 and (not kwargs or kwargs.keys() <= _LAYER_KWARGS):
-            route = routes.get((src_cache_key._cluster_id, src_cache_key._model_id, dst_cache._cache_id, False))
+            route = routes.find(src_cache_key._cluster_id, src_cache_key._model_id, dst_cache._cache_id, False)
             if route is not None and dst_cache._is_blocks_cache and route.run(
                     src_blocks, dst_blocks, kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"),
                     kwargs.get("tensor_num_per_layer", 2)):
@@ -517,7 +517,7 @@ class CacheManager:
         Raises like ``pull_cache``."""
         routes = self._routes  # the latency path: a call like one that went through before
         if routes is not None and type(dst_cache_key) is BlocksCacheKey and type(src_cache) is Cache:
-            route = routes.get((dst_cache_key._cluster_id, dst_cache_key._model_id, src_cache._cache_id, True))
+            route = routes.find(dst_cache_key._cluster_id, dst_cache_key._model_id, src_cache._cache_id, True)
             if route is not None and src_cache._is_blocks_cache and route.run(
                     src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
                 return

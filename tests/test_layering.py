@@ -20,14 +20,19 @@ recursively (every import, lazy ones and ``cimport`` included). The rules, in ``
 
 A module in no layer fails. The checker is a function of (module -> source); the tests at the
 end feed it one forbidden import per rule and expect it to say so.
+
+No two modules of the package import each other, directly or round a longer loop (``import_cycles``;
+a package's ``__init__`` counts as a module, lazy imports inside functions count too; an import
+under ``if TYPE_CHECKING:`` never runs and does not).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import pytest
 
@@ -107,6 +112,7 @@ def module_name(path: Path) -> str:
     return ".".join([ROOT, *parts])
 
 
+@functools.lru_cache(maxsize=None)
 def package_sources() -> Dict[str, Tuple[Path, str]]:
     """Every source file of the package, by module name (a ``.pyx`` and its ``.pxd``/``.pyi``
     count as one module: all their imports are the module's)."""
@@ -129,12 +135,32 @@ def _resolve_relative(module: str, is_package: bool, level: int, target: Optiona
     return ".".join(base + ([target] if target else []))
 
 
-def imports_of(module: str, source: str, suffix: str = ".py", is_package: bool = False) -> Set[str]:
+def _type_checking_only(tree: ast.AST) -> Set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:`` (imports for type checkers only)."""
+    skipped: Set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            for statement in node.body:
+                skipped.update(id(inner) for inner in ast.walk(statement))
+    return skipped
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(module: str, source: str, suffix: str = ".py", is_package: bool = False,
+               run_time_only: bool = False) -> FrozenSet[str]:
     """Every ``llm_datadist`` name ``source`` imports (``from llm_datadist import x`` counts as
-    importing ``llm_datadist.x``), at any depth; Cython ``cimport`` and ``include`` too."""
+    importing ``llm_datadist.x``), at any depth; Cython ``cimport`` and ``include`` too.
+    ``run_time_only``: leave out the imports under ``if TYPE_CHECKING:``. Cached: the checks
+    below read the same sources once per case."""
     names: Set[str] = set()
     if suffix == ".py":
-        for node in ast.walk(ast.parse(source)):
+        tree = ast.parse(source)
+        skipped = _type_checking_only(tree) if run_time_only else set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -150,7 +176,7 @@ def imports_of(module: str, source: str, suffix: str = ".py", is_package: bool =
                 names.update(t.split()[0] for t in match.group(3).split(",") if t.split())
         for match in _INCLUDE.finditer(source):
             names.add(f"{ROOT}." + match.group(1).rsplit(".", 1)[0].replace("/", "."))
-    return {n for n in names if n == ROOT or n.startswith(ROOT + ".")}
+    return frozenset(n for n in names if n == ROOT or n.startswith(ROOT + "."))
 
 
 def layer_of(module: str) -> Optional[str]:
@@ -213,6 +239,76 @@ def violations(sources: Dict[str, Tuple[str, str]]) -> List[str]:
     return found
 
 
+def import_graph(sources: Dict[str, Tuple[str, str]]) -> Dict[str, Set[str]]:
+    """Module -> the other modules of the package it imports when it runs (lazy imports included,
+    ``if TYPE_CHECKING:`` ones not)."""
+    modules = set(sources)
+    graph: Dict[str, Set[str]] = {}
+    for module, (suffix, source) in sources.items():
+        kind = ".py" if suffix in (".py", "package") else suffix
+        names = imports_of(module, source, kind, suffix == "package", run_time_only=True)
+        graph[module] = {target_module(name, modules) for name in names} - {module}
+    return graph
+
+
+def import_cycles(sources: Dict[str, Tuple[str, str]]) -> List[str]:
+    """One line per group of modules that import each other (a strongly connected component of
+    ``import_graph``), naming one loop through it: ``a -> b -> a``; [] if none."""
+    graph = import_graph(sources)
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    groups: List[List[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    found = []
+    for group in groups:
+        members = set(group)
+        start = group[0]
+        # The shortest way back to ``start`` inside the group, breadth first.
+        previous: Dict[str, str] = {}
+        queue, end = [start], None
+        while queue and end is None:
+            current = queue.pop(0)
+            for target in sorted(graph[current] & members):
+                if target == start:
+                    end = current
+                    break
+                if target not in previous:
+                    previous[target] = current
+                    queue.append(target)
+        loop = [start]
+        while end != start:
+            loop.insert(1, end)
+            end = previous[end]
+        found.append("import cycle: " + " -> ".join(loop + [start]))
+    return found
+
+
 def real_sources() -> Dict[str, Tuple[str, str]]:
     out = {}
     for name, (path, text) in package_sources().items():
@@ -226,6 +322,28 @@ def test_every_module_is_in_a_layer_and_every_layer_imports_only_downward():
     assert {"llm_datadist.engine.engine", "llm_datadist.cli.main", "llm_datadist.transport.planes.cma",
             "llm_datadist._core", "llm_datadist._io", "llm_datadist.runtimes.cuda"} <= set(sources)
     assert violations(sources) == []
+
+
+def test_no_two_modules_of_the_package_import_each_other():
+    assert import_cycles(real_sources()) == []
+
+
+@pytest.mark.parametrize("module, source", [
+    # demo imports console; a lazy import back inside a function closes the loop
+    ("llm_datadist.cli.console", "def f():\n    from llm_datadist.cli import demo\n"),
+    # a package's __init__ is a module: planes imports base, so base may not import planes
+    ("llm_datadist.transport.planes.base", "from llm_datadist.transport.planes import PlaneSet\n"),
+    # a longer loop: routes imports registry, which imports _memory
+    ("llm_datadist._memory", "def f():\n    from llm_datadist.engine.routes import BlockRoutes\n"),
+])
+def test_an_import_cycle_is_reported(module, source):
+    found = import_cycles(with_module(module, source))
+    assert len(found) == 1 and module in found[0], found
+
+
+def test_an_import_for_type_checkers_only_is_no_cycle():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llm_datadist.cli import demo\n"
+    assert import_cycles(with_module("llm_datadist.cli.console", source)) == []
 
 
 def test_the_import_reader_sees_lazy_relative_and_cython_imports():

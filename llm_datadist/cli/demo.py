@@ -43,7 +43,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
@@ -546,36 +545,3 @@ def print_report(report: dict, out) -> None:
     hidden = failed - len(failures[:REPORTED_FAILURES]) + written - len(untouched[:REPORTED_FAILURES])
     if hidden:
         out(f"  ... and {hidden} more")
-
-
-def main(args) -> int:
-    """The ``demo`` command (``args`` from ``__main__``'s parser): 0 verified, 1 verification
-    failed, 2 could not run (130 on Ctrl-C: ``__main__`` turns the interrupt into it)."""
-    from llm_datadist.cli import demo_roles
-    problem = demo_roles.check_args(args)
-    if problem is not None:
-        print(f"demo: {problem}", file=sys.stderr)
-        return 2
-    geometry = Geometry(args.layers, args.block_size, args.kv_heads, args.head_dim)
-    out = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
-    # Lines a user needs even with --json (where the decode side listens): on stderr then.
-    note = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else out
-    started = time.perf_counter()
-    try:
-        if args.role is not None:
-            report = demo_roles.run(args, out, note)
-        else:
-            report = run(geometry, args.requests, args.tokens, args.pull, args.plane, args.device, args.seed,
-                         args.corrupt_block, out)
-    except DemoError as exc:
-        print(f"demo: {exc}", file=sys.stderr)
-        return 2
-    except MemoryError:  # the budget is an estimate; never a traceback and exit 1 ("failed")
-        print(f"demo: out of memory; {SIZE_FLAGS}", file=sys.stderr)
-        return 2
-    report["wall_seconds"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_report(report, out)
-    return 0 if report["verified"] else 1

@@ -6,6 +6,8 @@ seam for the CLI and the integrations.
 
 * ``values``: references, block specs, records, pools, option parsers (pure data, no threads);
 * ``registry.Registry``: records, keys, pools, pins, shared ranges and the generation word;
+* ``routes.BlockRoutes``: the same-host block routes by ``RouteKey`` (the latency path);
+* ``copies``: local copies and swaps (plain functions: one plan, one execution);
 * ``layerwise.LayerRunner``: layer-wise jobs and their threads, handed a transfer function;
 * the links (``transport.links.LinkManager``), which see the engine only as an ``EngineView``.
 """

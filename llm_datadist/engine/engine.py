@@ -1,14 +1,15 @@
 """The engine: one per process, shared by the Python-style and the C++-style API.
 
 ``Engine`` is a facade over parts that own their state: the cache registry (``registry.Registry``:
-records, keys, pools, pins, shared ranges, generation), the links (``transport.links.LinkManager``)
-and the layer-wise runner (``layerwise.LayerRunner``). It keeps the life cycle (initialize /
-finalize / switch_role), the device runtime and thread binding, the memory it allocates or
-registers, local copies (one core plan + one execution each) and transfers to linked clusters
-with their same-host block routes. It speaks in plain values (``values``: placements as
-``Place``, shapes as tuples, remote caches as ``RemoteRef`` values, block lists as ``BlockSpec``)
-and raises ``LLMException`` carrying a status; each API style converts its own types at its
-boundary and maps errors to its own surface. It imports nothing of either API style.
+records, keys, pools, pins, shared ranges, generation), the links (``transport.links.LinkManager``),
+the same-host block routes (``routes.BlockRoutes``) and the layer-wise runner
+(``layerwise.LayerRunner``). It keeps the life cycle (initialize / finalize / switch_role), the
+device runtime and thread binding, the memory it allocates or registers, local copies (planned
+and run by ``copies``) and transfers to linked clusters. It speaks in plain values
+(``values``: placements as ``Place``, shapes as tuples, remote caches as ``RemoteRef`` values,
+block lists as ``BlockSpec``) and raises ``LLMException`` carrying a status; each API style
+converts its own types at its boundary and maps errors to its own surface. It imports nothing of
+either API style.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from llm_datadist.runtimes import select_runtime
 from llm_datadist._memory import Place, host_view, resolve_addresses
 from llm_datadist._validate import param_invalid
 from llm_datadist.data_type import DataType
+from llm_datadist.engine import copies
 from llm_datadist.engine.layerwise import FINALIZE_JOIN_S, LayerRunner
 from llm_datadist.engine.registry import Registry
+from llm_datadist.engine.routes import BlockRoutes
 from llm_datadist.engine.values import (
-    DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, RemoteRef,
-    block_array, cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, swap_geometry,
-    whole_caches,
+    DEFAULT_SYNC_KV_TIMEOUT_MS, BlockSpec, BlocksRef, CacheRecord, LayerTarget, PlannedTransfer, RemoteRef,
+    block_array, cache_geometry, check_row_in_range, new_record, parse_pool, resolve_remote, whole_caches,
 )
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import comms
@@ -36,24 +38,6 @@ from llm_datadist.transport.links import LinkManager
 from llm_datadist.transport.read_guard import check_tag, tagged
 
 logger = logging.getLogger("llm_datadist")
-
-_KIND_BY_PLACEMENT = {
-    (Place.HOST, Place.HOST): _core.MEMCPY_HOST_TO_HOST,
-    (Place.HOST, Place.DEVICE): _core.MEMCPY_HOST_TO_DEVICE,
-    (Place.DEVICE, Place.HOST): _core.MEMCPY_DEVICE_TO_HOST,
-    (Place.DEVICE, Place.DEVICE): _core.MEMCPY_DEVICE_TO_DEVICE,
-}
-
-
-def _needs_order(src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> bool:
-    """Device copies of one list run in parallel: a list whose result depends on its order --
-    one that writes a block twice, or (in one cache) writes blocks it also reads -- runs one copy
-    after another in list order instead, as the host path does."""
-    written = [int(b) for b in dst_blocks]
-    if len(set(written)) != len(written):
-        return True
-    return src is dst and not set(written).isdisjoint(int(b) for b in src_blocks)
-
 
 _active_lock = threading.Lock()
 _active_engine: Optional["Engine"] = None
@@ -78,12 +62,9 @@ class Engine:
         self.links: Optional[LinkManager] = None
         self.registry = Registry(cluster_id, self._registered, self._unregistered)
         self.layers = LayerRunner(cluster_id, self._transfer)
-        # Same-host block routes, the latency path of repeated block pushes/pulls:
-        # (remote cluster id, model_id, local cache_id, push?) -> _io.BlockRoute. Built after a
-        # checked transfer went through (``_learn_route``), dropped with the local cache and at
-        # finalize; a route notices a closed link or a changed peer registry by itself. Guarded
-        # by the registry's lock, so that a route never outlives its local cache.
-        self.routes: Dict[tuple, Any] = {}
+        #: Same-host block routes, the latency path of repeated block pushes and pulls: learnt
+        #: after checked block transfers, dropped with their local cache and at finalize.
+        self.routes = BlockRoutes(self.registry)
 
     # -- life cycle ----------------------------------------------------------------------------
     def initialize(self, options: Dict[str, str], device_id: int, sync_kv_timeout_ms: int,
@@ -113,6 +94,7 @@ class Engine:
             if listen is not None:
                 links.start_listener(*listen)
             self.links = links
+            self.routes.open(links, sync_kv_timeout_ms)
             self.initialized = True
             _active_engine = self
         logger.info("llm_datadist cluster %d (%s) initialized on %s device %d", self.cluster_id,
@@ -127,8 +109,7 @@ class Engine:
             if not self.initialized:
                 return
             self.layers.stop(FINALIZE_JOIN_S)
-            with self.registry.lock:
-                self.routes.clear()
+            self.routes.close()
             # Memory is leaving: peers on the same-host plane see the generation move and stop
             # writing through their copy of our table.
             self.registry.bump_generation()
@@ -380,8 +361,7 @@ class Engine:
     def _unregistered(self, record: CacheRecord) -> None:
         """``record`` left the registry (its lock held): its routes go, the data planes hear of
         it, and host memory page-locked for it is unlocked."""
-        for key in [k for k in self.routes if k[2] == record.cache_id]:
-            del self.routes[key]
+        self.routes.drop_cache(record.cache_id)
         if self.links is not None:
             self.links.unregistered(record)
         self._unpin_host(record)
@@ -467,53 +447,24 @@ class Engine:
         self.runtime.set_device(self.device_id)
         self._thread_state.device_bound = True
 
-    def _run(self, plan, src: CacheRecord, dst: CacheRecord, blocks: Optional[tuple] = None) -> None:
-        """Run ``plan``; ``blocks`` = ``(src_blocks, dst_blocks)`` of a block copy, whose order is
-        kept (``_needs_order``) where the runtime would run the list in parallel."""
-        self._bind_thread()
-        kind = _KIND_BY_PLACEMENT[(src.placement, dst.placement)]
-        # Host copies and synchronous runtimes run in list order anyway: no need to look.
-        ordered = (blocks is not None and kind != _core.MEMCPY_HOST_TO_HOST and self.runtime.async_copy
-                   and _needs_order(src, dst, *blocks))
-        _core.execute(plan, self.runtime, kind, ordered=ordered)
-
     def copy_rows(self, dst: CacheRecord, src: CacheRecord, dst_row: int, src_row: int,
                   offset: int, size: int) -> None:
         """Copy row ``src_row`` of every tensor of ``src`` into row ``dst_row`` of ``dst``, from
         ``offset`` on, ``size`` bytes (-1 = rest of the source row)."""
         self.check_initialized()
-        if src.num_tensors != dst.num_tensors:
-            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
-        plan = _core.plan_rows(src.layout, dst.layout, None, None, src_row, dst_row, offset, offset, size)
-        self._run(plan, src, dst)
+        copies.copy_rows(self.runtime, self._bind_thread, dst, src, dst_row, src_row, offset, size)
 
     def copy_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks,
                     block_bytes: int = -1) -> None:
         """Copy blocks ``src_blocks[k]`` -> ``dst_blocks[k]`` of every tensor, in list order."""
         self.check_initialized()
-        if src.num_tensors != dst.num_tensors:
-            raise param_invalid(f"source has {src.num_tensors} tensors, destination {dst.num_tensors}")
-        plan = _core.plan_blocks(src.layout, dst.layout, None, None, src_blocks, dst_blocks, block_bytes)
-        self._run(plan, src, dst, (src_blocks, dst_blocks))
+        copies.copy_blocks(self.runtime, self._bind_thread, src, dst, src_blocks, dst_blocks, block_bytes)
 
     def swap_blocks(self, src: CacheRecord, dst: CacheRecord, src_blocks, dst_blocks) -> None:
         """Copy blocks between a host and a device cache, block ``src_blocks[k]`` to
         ``dst_blocks[k]`` of every tensor, with the geometry recorded for each cache."""
         self.check_initialized()
-        (src_count, src_block), (dst_count, dst_block) = swap_geometry(src), swap_geometry(dst)
-        if src_block != dst_block:
-            raise param_invalid(f"src block size {src_block} and dst block size {dst_block} must be equal")
-        if src.num_tensors != dst.num_tensors:
-            raise param_invalid(f"src num_tensors {src.num_tensors} and dst num_tensors "
-                                f"{dst.num_tensors} must be equal")
-        if (src.placement, dst.placement) not in ((Place.HOST, Place.DEVICE), (Place.DEVICE, Place.HOST)):
-            raise param_invalid(f"swap from placement {src.placement} to {dst.placement} is not "
-                                f"supported: one side must be HOST and the other DEVICE")
-        src_layout = _core.CacheLayout(src.addrs, src_count, src_block)
-        dst_layout = _core.CacheLayout(dst.addrs, dst_count, dst_block)
-        plan = _core.plan_blocks(src_layout, dst_layout, None, None, src_blocks, dst_blocks, src_block)
-        self._run(plan, src, dst, (src_blocks, dst_blocks))
-
+        copies.swap_blocks(self.runtime, self._bind_thread, src, dst, src_blocks, dst_blocks)
 
     # -- transfers between clusters ----------------------------------------------------------------
     def _transfer(self, remote_id: int, local: CacheRecord, write: bool, make_plan):
@@ -526,42 +477,43 @@ class Engine:
         return self.links.transfer(remote_id, make_plan, write, self.sync_kv_timeout_ms,
                                    local_device=self.device_only(local))
 
-    def _transfer_planned(self, remote_id: int, local: CacheRecord, write: bool, planner) -> tuple:
-        """``_transfer`` with ``planner(table) -> (plan, table, remote cache, row, src_tensors,
-        dst_tensors)``: returns that tuple for the plan that ran (the links may plan twice,
-        against a refreshed table), so the caller learns what the plan resolved. A plain tuple:
-        this is the per-call path of every checked block transfer."""
+    def _transfer_planned(self, remote_id: int, local: CacheRecord, write: bool, planner) -> PlannedTransfer:
+        """``_transfer`` with ``planner(table) -> PlannedTransfer``: returns the one of the plan
+        that ran (the links may plan twice, against a refreshed table), so that the caller learns
+        what the plan resolved."""
         planned = None
 
         def make(table):
             nonlocal planned
             planned = planner(table)
-            return planned[0]
+            return planned.plan
         self._transfer(remote_id, local, write, make)
         return planned
 
     def push_blocks(self, remote_id: int, ref: RemoteRef, src: CacheRecord, blocks: BlockSpec,
-                    tensors, route_key: Optional[tuple] = None) -> None:
+                    tensors, layer_args: Optional[tuple] = None) -> None:
         """Local blocks ``blocks.src_blocks[k]`` -> remote blocks ``blocks.dst_blocks[k]`` (block
         = the source block size; it must fit the remote block). ``tensors(src_n, dst_n)`` gives
         the tensor index lists (None = all). The one entry of both API styles for block pushes.
-        ``route_key``: the caller's layer arguments ``(src_layer_range, dst_layer_range,
-        tensor_num_per_layer)`` when it takes the route path (``routes``) for later calls."""
+        ``layer_args``: the caller's layer arguments ``(src_layer_range, dst_layer_range,
+        tensor_num_per_layer)`` when it tries the block routes (``routes.find``) first: the
+        route of this transfer learns the tensors they select (``BlockRoutes.learn``)."""
         src_blocks, dst_blocks = blocks.src_blocks, blocks.dst_blocks
 
         def planner(table):
             cache, _ = resolve_remote(table, remote_id, ref)
             st, dt = tensors(src.num_tensors, cache.num_tensors)
-            return _core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
+            return PlannedTransfer(_core.plan_blocks(src.layout, cache.layout, st, dt, src_blocks, dst_blocks),
+                                   table, cache, 0, st, dt)
         planned = self._transfer_planned(remote_id, src, True, planner)
-        if route_key is not None and type(ref) is BlocksRef:
-            self._learn_route((remote_id, ref.model_id, src.cache_id, True), src, route_key, planned)
+        if layer_args is not None and type(ref) is BlocksRef and not self.device_only(src):
+            self.routes.learn(remote_id, ref.model_id, src, True, layer_args, planned)
 
     def pull_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, blocks: BlockSpec,
-                    tensors, route_key: Optional[tuple] = None) -> None:
+                    tensors, layer_args: Optional[tuple] = None) -> None:
         """Remote blocks -> local blocks; the puller's block size is used on both sides. A
         ``blocks.row_to_blocks`` spec pulls a remote contiguous row cut into local blocks.
-        ``route_key`` as in ``push_blocks``."""
+        ``layer_args`` as in ``push_blocks``."""
         if blocks.row_to_blocks:
             self.pull_row_to_blocks(remote_id, ref, dst, blocks.dst_blocks, tensors)
             return
@@ -575,12 +527,14 @@ class Engine:
                                     f"{cache.row_bytes}-byte blocks, the local cache {dst.row_bytes}")
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
             if ranged:  # a byte range of each block (the planner checks it fits both block sizes)
-                return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks, blocks.block_bytes,
-                                         blocks.src_offset, blocks.dst_offset), table, cache, 0, st, dt
-            return _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks), table, cache, 0, st, dt
+                plan = _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks, blocks.block_bytes,
+                                         blocks.src_offset, blocks.dst_offset)
+            else:
+                plan = _core.plan_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks)
+            return PlannedTransfer(plan, table, cache, 0, st, dt)
         planned = self._transfer_planned(remote_id, dst, False, planner)
-        if route_key is not None and type(ref) is BlocksRef:
-            self._learn_route((remote_id, ref.model_id, dst.cache_id, False), dst, route_key, planned)
+        if layer_args is not None and type(ref) is BlocksRef and not self.device_only(dst):
+            self.routes.learn(remote_id, ref.model_id, dst, False, layer_args, planned)
 
     def pull_block_range(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
                          src_offset: int, dst_offset: int, nbytes: int) -> None:
@@ -596,29 +550,6 @@ class Engine:
             raise param_invalid(f"src_blocks has {len(spec.src_blocks)} entries, dst_blocks {len(spec.dst_blocks)}")
         self.pull_blocks(remote_id, BlocksRef(model_id), self.lookup(cache_id), spec, whole_caches(2))
 
-    def _learn_route(self, key: tuple, local: CacheRecord, selection: tuple, planned: tuple) -> None:
-        """After a checked block transfer (``planned`` as ``_transfer_planned`` returns it): keep
-        (or build) the route of ``key`` and teach it the tensor selection the layer arguments
-        ``selection`` resolved to. A plane without routes, a transient (``create_cpu_cache``)
-        cache or one that left the registry meanwhile: none."""
-        _, table, cache, _, st, dt = planned
-        if local.cache_id <= 0 or self.device_only(local) or not cache.host_addressable:
-            return  # routes copy host memory (device memory moves through its device plane)
-        registry = self.registry
-        with registry.lock:
-            if not self.initialized or self.layers.stopping or not registry.holds(local):
-                return
-            route = self.routes.get(key)
-            if (route is None or not route.current or route.generation != table.generation
-                    or route.remote is not cache.layout or route.local is not local.layout):
-                route = self.links.block_route(key[0], table, cache.layout, local.layout, key[3],
-                                               self.sync_kv_timeout_ms)
-                if route is None:
-                    self.routes.pop(key, None)
-                    return
-                self.routes[key] = route
-            route.learn(selection, st, dt)
-
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
         the owner if the row was bound to a key it may release."""
@@ -626,7 +557,7 @@ class Engine:
             cache, row = resolve_remote(table, remote_id, ref)
             check_row_in_range(cache, row, remote_id)
             st, dt = tensors(cache.num_tensors, dst.num_tensors)
-            return plan_row(cache, row, st, dt), table, cache, row, st, dt
+            return PlannedTransfer(plan_row(cache, row, st, dt), table, cache, row, st, dt)
         self._release_pulled_key(remote_id, self._transfer_planned(remote_id, dst, False, planner))
 
     def pull_row_to_blocks(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, dst_blocks,
@@ -654,12 +585,12 @@ class Engine:
             return _core.plan_rows(src.layout, cache.layout, st, dt, src_row, row, 0, 0, -1)
         self._transfer(remote_id, src, True, make)
 
-    def _release_pulled_key(self, remote_id: int, planned: tuple) -> None:
+    def _release_pulled_key(self, remote_id: int, planned: PlannedTransfer) -> None:
         """A pulled row bound to a key of an allocated cache: tell the owner which tensors it got."""
         if self.links.remote_accessible:
             return  # one-sided reads: the owner takes no part, its keys stay bound
-        _, table, cache, row, src_tensors, _ = planned
-        key = table.consumable_key(cache.cache_id, row)
+        table, cache, src_tensors = planned.table, planned.cache, planned.src_tensors
+        key = table.consumable_key(cache.cache_id, planned.row)
         if key is None:
             return
         pulled = list(range(cache.num_tensors)) if src_tensors is None else [int(t) for t in src_tensors]

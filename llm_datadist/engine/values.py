@@ -3,15 +3,16 @@
 What the API styles hand the engine (remote references ``CacheRowRef`` / ``KeyRef`` /
 ``BlocksRef``, block lists as ``BlockSpec``, layer-wise destinations as ``LayerTarget``, tensor
 selections from ``layer_tensors`` / ``whole_caches``), what the registry keeps (``CacheRecord``,
-``MemoryPool``), remote references resolved in a peer's table, and the parsers and checks of
-the engine's options and geometry. Every other engine module builds on this one.
+``MemoryPool``), remote references resolved in a peer's table and what a transfer planned
+there (``PlannedTransfer``), and the parsers and checks of the engine's options and geometry.
+Every other engine module builds on this one.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from llm_datadist import _core
 from llm_datadist._memory import ADDRESS_SPACE, Place, check_address_range, tensor_bytes
@@ -238,6 +239,23 @@ def check_row_in_range(cache, row: int, remote_id: int) -> None:
     if row >= cache.num_rows:
         raise not_exist(f"batch index {row} is out of range: cache {cache.cache_id} of "
                         f"cluster {remote_id} has {cache.num_rows} rows")
+
+
+class PlannedTransfer(NamedTuple):
+    """What a transfer to a linked cluster planned against the peer's table: the ``plan`` that
+    ran, the ``table`` (``transport.table.RemoteTable``) it was made against, the remote
+    ``cache`` (``RemoteCache``) and ``row`` the reference resolved to, and the tensor indices
+    of both sides (``src_tensors`` / ``dst_tensors``, None = all). Made by a transfer's planner
+    for every plan it makes (the links may plan twice, against a refreshed table); the engine
+    reads it after the transfer to learn a block route or release a pulled key. A NamedTuple:
+    it is made on the per-call path of every checked transfer."""
+
+    plan: Any
+    table: Any
+    cache: Any
+    row: int
+    src_tensors: Optional[Sequence[int]]
+    dst_tensors: Optional[Sequence[int]]
 
 
 # -- options and geometry ---------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The device runtime registry: which runtimes exist, what they can do, and which one
 ``Placement.DEVICE`` memory uses in this process.
 
-A runtime is one :class:`RuntimeSpec`, registered by its own module in this package (``host``,
-``cpu``, ``acl``, ``cuda``): its name and aliases, the core binding that fills its function table,
-its default shared library and the environment variable that overrides it, how it is probed, and
-its capabilities. Nothing outside this package compares runtime names; callers ask a spec or a
-loaded runtime (``runtime.host_addressable``) instead.
+A runtime is one :class:`RuntimeSpec` (``spec.py``), declared by its own module in this package
+(``host``, ``cpu``, ``acl``, ``cuda``) and registered here: its name and aliases, the core
+binding that fills its function table, its default shared library and the environment variable
+that overrides it, how it is probed, and its capabilities. Nothing outside this package compares
+runtime names; callers ask a spec or a loaded runtime (``runtime.host_addressable``) instead.
 
 ``LLM_DATADIST_DEVICE`` picks the runtime: ``auto`` (default) or any registered name or alias
 (``cpu``, ``acl``/``ascend``/``npu``, ``cuda``/``gpu``). ``auto`` tries the runtimes with an
@@ -18,73 +18,16 @@ import ctypes
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 from llm_datadist import _core
 from llm_datadist._validate import param_invalid
+from llm_datadist.runtimes.spec import CAPABILITY_NAMES, RuntimeSpec
 from llm_datadist.status import LLMException, LLMStatusCode
 
 logger = logging.getLogger("llm_datadist")
 
-#: What a runtime can do; the same names as ``_core.CAPABILITIES`` (the table's bits).
-CAPABILITY_NAMES: Tuple[str, ...] = tuple(_core.CAPABILITIES)
 DEVICE_ENV = "LLM_DATADIST_DEVICE"
-
-
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """One device runtime as the registry knows it.
-
-    ``binding`` names the core binding that fills the runtime's table (``_core.bindings()``);
-    ``library``/``library_env`` are the default shared library and the variable overriding it,
-    for bindings that open one. ``capabilities`` must equal what that binding reports once loaded
-    (tests/core/test_runtimes.py checks every registered runtime). ``auto_priority`` orders
-    ``auto`` selection, lowest first; None keeps the runtime out of it. ``selectable`` False keeps
-    it out of ``LLM_DATADIST_DEVICE`` (the ``host`` runtime of host memory). ``usable`` is an
-    extra check after loading: it returns why the loaded runtime cannot be used, or None.
-    ``tensor_devices`` are the torch device types whose tensors hold this runtime's memory.
-    ``search`` lists where to look for the library when ``library_env`` is unset: ``(name or
-    path, where it comes from)`` pairs, tried in order until one loads.
-    """
-
-    name: str
-    binding: str
-    description: str
-    aliases: Tuple[str, ...] = ()
-    library: Optional[str] = None
-    library_env: Optional[str] = None
-    capabilities: FrozenSet[str] = frozenset()
-    auto_priority: Optional[int] = None
-    selectable: bool = True
-    usable: Optional[Callable[[_core.Runtime], Optional[str]]] = field(default=None, compare=False)
-    tensor_devices: Tuple[str, ...] = ()
-    search: Optional[Callable[[], Sequence[Tuple[str, str]]]] = field(default=None, compare=False)
-
-    @property
-    def host_addressable(self) -> bool:
-        return "host_addressable" in self.capabilities
-
-    def capability_flags(self) -> Dict[str, bool]:
-        """Every capability name with whether this runtime has it."""
-        return {name: name in self.capabilities for name in CAPABILITY_NAMES}
-
-    def library_path(self) -> Optional[str]:
-        """The shared library to open: ``library_env``'s value if set, else ``library``."""
-        if self.library_env and os.environ.get(self.library_env):
-            return os.environ[self.library_env]
-        return self.library
-
-    def library_candidates(self) -> Tuple[Tuple[str, str], ...]:
-        """``(library to open, where it comes from)`` pairs, to try in order: ``library_env``'s
-        value alone if set, else what ``search`` finds, else ``library``."""
-        if self.library_env and os.environ.get(self.library_env):
-            return ((os.environ[self.library_env], f"{self.library_env}"),)
-        found = tuple(self.search()) if self.search is not None else ()
-        if found:
-            return found
-        return ((self.library, "the default name"),) if self.library else ()
-
 
 _registry: Dict[str, RuntimeSpec] = {}
 _aliases: Dict[str, str] = {}
@@ -280,5 +223,10 @@ def tensor_devices(name: str) -> Tuple[str, ...]:
     return get(name).tensor_devices
 
 
-# The built-in runtimes register themselves; a new runtime is one more module here.
-from llm_datadist.runtimes import host, cpu, acl, cuda  # noqa: E402,F401  (registration order)
+# The built-in runtimes, each declared by its module (``SPEC``), in registration order; a new
+# runtime is one more module here.
+from llm_datadist.runtimes import host, cpu, acl, cuda  # noqa: E402
+
+for _module in (host, cpu, acl, cuda):
+    register(_module.SPEC)
+del _module

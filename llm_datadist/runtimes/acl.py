@@ -4,9 +4,9 @@ dlopen (``LLM_DATADIST_ACL_LIBRARY`` overrides the path); the first ``auto`` cho
 Copies are synchronous ``aclrtMemcpy`` calls, one per descriptor; device memory is not host
 memory and cannot move between processes yet (no IPC)."""
 
-from llm_datadist.runtimes import RuntimeSpec, register
+from llm_datadist.runtimes.spec import RuntimeSpec
 
-SPEC = register(RuntimeSpec(
+SPEC = RuntimeSpec(
     name="acl",
     binding="acl",
     description="Ascend NPU through libascendcl.so",
@@ -15,4 +15,4 @@ SPEC = register(RuntimeSpec(
     library_env="LLM_DATADIST_ACL_LIBRARY",
     capabilities=frozenset({"async_copy"}),
     auto_priority=10,
-))
+)

@@ -1,11 +1,11 @@
 """``cpu``: device memory emulated in host RAM, always available; the last ``auto`` choice."""
 
-from llm_datadist.runtimes import RuntimeSpec, register
+from llm_datadist.runtimes.spec import RuntimeSpec
 
-SPEC = register(RuntimeSpec(
+SPEC = RuntimeSpec(
     name="cpu",
     binding="host",
     description="device memory emulated in host RAM",
     capabilities=frozenset({"host_addressable"}),
     auto_priority=100,
-))
+)

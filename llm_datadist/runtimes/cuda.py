@@ -24,7 +24,7 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
-from llm_datadist.runtimes import RuntimeSpec, register
+from llm_datadist.runtimes.spec import RuntimeSpec
 
 #: Where NVIDIA's pip wheels put the runtime library, under a ``sys.path`` entry (newest CUDA first).
 WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib")
@@ -69,7 +69,7 @@ def _has_a_gpu(runtime) -> Optional[str]:
     return None if runtime.device_count() > 0 else f"{runtime.library} loaded but reports no GPU"
 
 
-SPEC = register(RuntimeSpec(
+SPEC = RuntimeSpec(
     name="cuda",
     binding="cuda",
     description="NVIDIA GPU through libcudart",
@@ -81,4 +81,4 @@ SPEC = register(RuntimeSpec(
     usable=_has_a_gpu,
     tensor_devices=("cuda",),
     search=find_libraries,
-))
+)

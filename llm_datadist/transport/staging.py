@@ -10,9 +10,10 @@ copied outside the plan; the plan was checked against the owner's registry befor
 server) or made by this side from its own cache (the client).
 
 Used by both ends of a staged transfer: the ``staging`` plane on the side that asks (its local
-cache) and the server on the side that owns the memory (``transport.server``), both with the
-staging plane's ``StagedPayload`` and bounce pool (one per engine, freed at finalize). The caller
-binds its thread to the engine's device first (``EngineView.bind_thread``).
+cache) and the server on the side that owns the memory (``transport.server``), both through the
+staging plane's payload mover (``planes.staging.StagedPayload``) and bounce pool (one per engine,
+freed at finalize). The caller binds its thread to the engine's device first
+(``EngineView.bind_thread``).
 
 The bounce buffers count against the process's staging budget and the link's share of it
 (``budgets``; ``BouncePool.acquire``); the server receives a peer's staged push ``steady``: a
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from llm_datadist import _core, _io
 from llm_datadist.status import LLMException
@@ -39,8 +40,8 @@ from llm_datadist.transport.errors import S, fail
 from llm_datadist.transport.errors import CopyFailed
 from llm_datadist.transport.session import receive_steadily
 
-__all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "send_staged", "recv_staged",
-           "HostPayload", "StagedPayload", "HOST_PAYLOAD", "CopyFailed"]
+__all__ = ["STAGING_CHUNK_BYTES", "POOL_KEEP", "BouncePool", "send_staged", "recv_staged", "drain_after_failure",
+           "CopyFailed"]
 
 #: Bytes per bounce buffer: the unit of one device copy and one socket send or receive.
 STAGING_CHUNK_BYTES = 4 << 20
@@ -204,7 +205,7 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
     try:
         buffers = pool.acquire(2, dl.left_ms(deadline), share)
     except LLMException as exc:  # no page-locked memory (or no room in the budget): read the payload, drop it
-        return _drained(fd, total, deadline, exc)
+        return drain_after_failure(fd, total, deadline, exc)
     pending = False
     failure = None
     start, k = 0, 0
@@ -243,12 +244,12 @@ def recv_staged(fd: int, plan: Any, runtime: Any, pool: BouncePool, timeout_ms: 
             _settle(runtime)
         pool.release(buffers, share)
     if failure is not None:
-        st, err, got = _drained(fd, total - start, deadline, failure)  # raises once in step
+        st, err, got = drain_after_failure(fd, total - start, deadline, failure)  # raises once in step
         return st, err, start + got
     return 0, 0, total
 
 
-def _drained(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tuple[int, int, int]:
+def drain_after_failure(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tuple[int, int, int]:
     """After a failure, keep the connection in step: read the rest of the frame (``nbytes``) and
     drop it, then raise ``CopyFailed`` (in step); the socket status if that read fails."""
     if nbytes:
@@ -256,49 +257,3 @@ def _drained(fd: int, nbytes: int, deadline: float, failure: LLMException) -> Tu
         if st != 0:
             return st, err, got
     raise CopyFailed(failure, True) from failure
-
-
-class HostPayload:
-    """A frame's payload straight from and into memory the host addresses (the tcp plane). The
-    ``share`` and ``steady`` of a staged payload's calls (``StagedPayload``) do not apply: no
-    budget is held."""
-
-    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
-             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
-        return _io.send_plan(fd, head, plan, False, timeout_ms)
-
-    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
-             steady: bool = False) -> Tuple[int, int, int]:
-        return _io.recv_plan(fd, plan, False, timeout_ms)
-
-
-HOST_PAYLOAD = HostPayload()
-
-
-class StagedPayload(HostPayload):
-    """A frame's payload from and into device memory of an engine's runtime, staged through the
-    bounce pool that ``pool()`` returns (``send_staged`` / ``recv_staged``: the staging plane's,
-    for the engine's current runtime) on a thread bound to its device."""
-
-    def __init__(self, engine: Any, pool: Callable[[], BouncePool]) -> None:
-        self.engine = engine
-        self.pool = pool
-
-    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
-             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
-        """``send_staged``, its buffers taken for the link's ``share`` of the staging budget."""
-        try:
-            self.engine.bind_thread()
-        except LLMException as exc:  # nothing sent
-            raise CopyFailed(exc, True) from exc
-        return send_staged(fd, head, plan, self.engine.runtime, self.pool(), timeout_ms, share)
-
-    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
-             steady: bool = False) -> Tuple[int, int, int]:
-        """``recv_staged``, its buffers taken for ``share``; with ``steady`` the payload must keep
-        arriving."""
-        try:
-            self.engine.bind_thread()
-        except LLMException as exc:
-            return _drained(fd, plan.total_bytes, dl.after(timeout_ms), exc)
-        return recv_staged(fd, plan, self.engine.runtime, self.pool(), timeout_ms, share, steady)

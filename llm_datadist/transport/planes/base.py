@@ -106,7 +106,7 @@ Calls, in the order a link meets them:
 Per engine rather than per link:
 
 ``device_payload`` (optional attribute)
-    The payload mover (``transport.staging.HostPayload``) with which this side's *server* moves
+    The payload mover (``planes.tcp.HostPayload``) with which this side's *server* moves
     a peer's frames into and out of its own device memory (the staging plane's bounce-buffer
     payload); ``None`` by default. The manager hands the first plane's to its server.
 ``sibling(name)``
@@ -123,6 +123,7 @@ import os
 from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
 from llm_datadist.transport.engine_view import EngineView
+from llm_datadist.transport.planes.registry import PlaneSet
 
 
 class DataPlane:
@@ -180,7 +181,6 @@ class DataPlane:
     def sibling(self, name: str) -> Optional["DataPlane"]:
         """The same engine's instance of the plane ``name`` (None if none is registered)."""
         if self._set is None:  # made alone (a test): a set of its own, holding this plane
-            from llm_datadist.transport.planes import PlaneSet
             planes = PlaneSet(self.engine, eager=False)
             planes.adopt(self)
             self.join(planes)

@@ -17,11 +17,46 @@ the engine's server uses too (``device_payload``) for peers' frames into its dev
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
+from llm_datadist.status import LLMException
+from llm_datadist.transport import budgets
+from llm_datadist.transport import deadline as dl
+from llm_datadist.transport.errors import CopyFailed
 from llm_datadist.transport.planes import register
-from llm_datadist.transport.planes.tcp import TcpPlane, probe_loopback
-from llm_datadist.transport.staging import HOST_PAYLOAD, STAGING_CHUNK_BYTES, BouncePool, StagedPayload
+from llm_datadist.transport.planes.tcp import HOST_PAYLOAD, HostPayload, TcpPlane, probe_loopback
+from llm_datadist.transport.staging import (
+    STAGING_CHUNK_BYTES, BouncePool, drain_after_failure, recv_staged, send_staged,
+)
+
+
+class StagedPayload(HostPayload):
+    """A frame's payload from and into device memory of an engine's runtime, staged through the
+    bounce pool that ``pool()`` returns (``transport.staging.send_staged`` / ``recv_staged``: the
+    staging plane's, for the engine's current runtime) on a thread bound to its device."""
+
+    def __init__(self, engine: Any, pool: Callable[[], BouncePool]) -> None:
+        self.engine = engine
+        self.pool = pool
+
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
+             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
+        """``send_staged``, its buffers taken for the link's ``share`` of the staging budget."""
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:  # nothing sent
+            raise CopyFailed(exc, True) from exc
+        return send_staged(fd, head, plan, self.engine.runtime, self.pool(), timeout_ms, share)
+
+    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
+             steady: bool = False) -> Tuple[int, int, int]:
+        """``recv_staged``, its buffers taken for ``share``; with ``steady`` the payload must keep
+        arriving."""
+        try:
+            self.engine.bind_thread()
+        except LLMException as exc:
+            return drain_after_failure(fd, plan.total_bytes, dl.after(timeout_ms), exc)
+        return recv_staged(fd, plan, self.engine.runtime, self.pool(), timeout_ms, share, steady)
 
 
 @register

@@ -8,8 +8,9 @@ A push is ``PUSH(generation, descriptors, bytes) -> PUSH_DONE(status)``; a pull 
 thread set (``read_guard.tagged``) for the owner's read guard. Transfers of ``PARALLEL_TCP_BYTES``
 or more are split over the link's data connections, the extra shares on the link's workers.
 
-``push`` and ``pull`` take the payload's mover (``transport.staging``): straight from and into
-memory here, or staged through bounce buffers for device memory (the ``staging`` plane).
+``push`` and ``pull`` take the payload's mover: straight from and into memory the host addresses
+(``HostPayload``, this plane's), or staged through bounce buffers for device memory (the
+``staging`` plane's ``StagedPayload``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 from llm_datadist import _core, _io
+from llm_datadist.transport import budgets
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import wire
 from llm_datadist.transport.errors import S, CopyFailed, StaleTable, fail
@@ -26,10 +28,26 @@ from llm_datadist.transport.planes import register
 from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.read_guard import current_tag
 from llm_datadist.transport.session import Channel
-from llm_datadist.transport.staging import HOST_PAYLOAD, HostPayload
 
 #: TCP transfers of at least this many bytes are split over the link's data connections.
 PARALLEL_TCP_BYTES = 8 << 20
+
+
+class HostPayload:
+    """A frame's payload straight from and into memory the host addresses (this plane's). The
+    ``share`` and ``steady`` of a staged payload's calls (``planes.staging.StagedPayload``) do
+    not apply: no budget is held."""
+
+    def send(self, fd: int, head: bytes, plan: Any, timeout_ms: int,
+             share: Optional[budgets.Share] = None) -> Tuple[int, int]:
+        return _io.send_plan(fd, head, plan, False, timeout_ms)
+
+    def recv(self, fd: int, plan: Any, timeout_ms: int, share: Optional[budgets.Share] = None,
+             steady: bool = False) -> Tuple[int, int, int]:
+        return _io.recv_plan(fd, plan, False, timeout_ms)
+
+
+HOST_PAYLOAD = HostPayload()
 
 
 @register
