@@ -1,12 +1,6 @@
 """The UCX environment of the nixl plane: this host's interfaces and active RDMA ports, and UCX's
-settings, which are process-wide and fixed when the process makes its first agent (``fix_ucx``).
-
-TCP mode (``LLM_DATADIST_NIXL_TCP=1``): ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` = the interface of
-the link's own address; RDMA mode: ``UCX_TLS=^tcp`` and ``UCX_NET_DEVICES`` = the probed ports or
-those pinned with ``llm.NixlDevices`` / ``LLM_DATADIST_NIXL_DEVICES``; ``UCX_MODULES=^efa`` unless
-an EFA device is used (with the system's rdma-core installed, the wheel's EFA module makes every
-process SIGSEGV at exit). Variables the user set are left as they are.
-"""
+settings, which are process-wide and fixed when the process makes its first agent (``fix_ucx``;
+which settings each mode takes: the package's docstring, "UCX's settings")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """This side's memory registered with NIXL (``LocalMemory``): the engine's caches, its registry
 generation word and the generation slots (``GenerationSlots``) into which requests read the
-peers' generation words; and the local fences a transfer checks against them.
-
-HOST caches and DEVICE caches of a runtime whose device memory is host memory (cpu) are
-registered as DRAM, cuda DEVICE caches as VRAM (device id = the engine's device); acl memory is
-not registered (it stays on ``staging``): ``memory_type``.
-"""
+peers' generation words; and the local fences a transfer checks against them. Which memory type
+a cache is registered as: ``memory_type`` (the package's docstring, "Memory")."""
 
 from __future__ import annotations
 
