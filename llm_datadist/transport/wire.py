@@ -30,7 +30,7 @@ the owner refuses a different one with ``STATUS_STALE_TABLE``. All integers are 
 The TABLE reply is the owner's cache table (``transport.table``) plus what each data plane tells
 the peer (``DataPlane.offer``). Version 6 added the ``nixl`` entry there: the owner's NIXL agent
 name and metadata (base64), the address of its registry generation word and the GPU of its VRAM
-registrations (``planes/nixl.py``), sent only on links authenticated with a secret; a version 5
+registrations (``planes/nixl/``), sent only on links authenticated with a secret; a version 5
 peer, which would take a table without it for one of its own, is refused at the handshake.
 
 Version 7 added link protection (``protection``): the link request and its reply carry

@@ -147,8 +147,8 @@ def test_ucx_settings_hold_ucx_to_one_interface_or_to_the_rdma_ports():
 
 
 def test_ucx_settings_are_fixed_at_the_first_agent_and_a_link_needing_others_is_told(monkeypatch):
-    monkeypatch.setattr(nixl, "_ucx_fixed", None)
-    monkeypatch.setattr(nixl, "_ucx_mode", None)
+    monkeypatch.setattr(nixl.environment, "_ucx_fixed", None)
+    monkeypatch.setattr(nixl.environment, "_ucx_mode", None)
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("UCX_MODULES", "^efa,^ib")  # set by the user: left alone, never compared
@@ -214,7 +214,7 @@ def test_auto_keeps_nixl_off_links_to_this_host_and_forcing_it_allows_them(monke
 
 def test_without_rdma_and_without_tcp_mode_nixl_says_how_to_run_it(monkeypatch):
     monkeypatch.delenv(nixl.TCP_ENV, raising=False)
-    monkeypatch.setattr(nixl, "rdma_ports", lambda root="": [])
+    monkeypatch.setattr(nixl.environment, "rdma_ports", lambda root="": [])
     why = _plane(dict(SECRET, **{"llm.DataPlane": "nixl"}))._refusal(_session())
     if nixl.installed():
         assert "no active RDMA port" in why and f"{nixl.TCP_ENV}=1" in why
