@@ -53,12 +53,13 @@ from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.comms import Comm, Join
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
-from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
-                                             DEFAULT_MAX_LINKS_PER_SOURCE, DEFAULT_MAX_PENDING,
-                                             DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
-                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_LINKS_PER_SOURCE_ENV,
-                                             MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV, Listener,
-                                             close_socket, describe, env_int, is_loopback, source_of, warn_once)
+from llm_datadist.transport.listener import Listener
+from llm_datadist.transport.settings import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
+                                             DEFAULT_MAX_LINKS_PER_SOURCE, HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV,
+                                             MAX_LINKS_PER_SOURCE_ENV)
+from llm_datadist.transport.slots import (DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
+                                          MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV)
+from llm_datadist.transport.sockets import close_socket, describe, env_int, is_loopback, source_of, warn_once
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.server import Requests, Server

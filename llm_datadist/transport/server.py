@@ -48,7 +48,7 @@ from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, Stalled, status_of
-from llm_datadist.transport.listener import close_socket
+from llm_datadist.transport.sockets import close_socket
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.session import Peer, read_body, read_header
 from llm_datadist.transport.threads import Threads

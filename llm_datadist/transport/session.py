@@ -318,7 +318,7 @@ class Peer:
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
     unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
     comm: Optional[Tuple[str, str]] = None  # the two-sided link (name, digest) it was made for
-    source: Any = None   # server side: where its link request came from (``listener.source_of``)
+    source: Any = None   # server side: where its link request came from (``sockets.source_of``)
     # Its shares of the process's parsing and staging budgets, under its source (server side) or
     # the address it was made to (client side); set by the link manager as the link is made.
     shares: budgets.LinkShares = field(default_factory=budgets.LinkShares)

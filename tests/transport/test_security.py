@@ -389,9 +389,9 @@ def test_warning_for_a_non_loopback_listener_without_secret(caplog):
     """Listening beyond loopback without a secret is logged (once); on loopback, or with a
     secret, it is not."""
     from llm_datadist import LLMConfig, LLMDataDist, LLMRole
-    from llm_datadist.transport import listener
+    from llm_datadist.transport import sockets
     caplog.set_level("WARNING", logger="llm_datadist")
-    listener._warned.clear()
+    sockets._warned.clear()
     for ip, secret, warned in [("127.0.0.1", None, False), ("0.0.0.0", SECRET, False), ("0.0.0.0", None, True)]:
         caplog.clear()
         config = LLMConfig()

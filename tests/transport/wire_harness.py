@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from llm_datadist.transport import listener, session
+from llm_datadist.transport import session, sockets
 from llm_datadist.transport import wire
 from llm_datadist.transport.host import host_identity
 from llm_datadist.transport.session import Peer
@@ -235,7 +235,7 @@ class FuzzServer:
         staged: Optional[Peer] = None
         try:
             conn.setblocking(False)  # as the listener leaves an accepted connection
-            listener.tune(conn)
+            sockets.tune(conn)
             if case.mode == "direct":
                 # A link made by the handshake: this connection is its forward one (_accept_data).
                 peer = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1))
