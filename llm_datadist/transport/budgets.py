@@ -141,7 +141,7 @@ class Share:
 
 @dataclass(eq=False)
 class LinkShares:
-    """A link's accounts in the process's parsing and staging budgets (``Peer.shares``)."""
+    """A link's accounts in the process's parsing and staging budgets (``Link.shares``)."""
 
     source: Any = None
     parsing: Share = field(init=False)

@@ -7,7 +7,7 @@ decision to the manager; a ``server.Server`` (its connection threads), handed th
 (``server.Requests`` for what the engine answers, the manager's own handlers for notifications and
 unlinks) and the ``EngineView``; and the engine's ``planes.PlaneSet``. The manager keeps the link
 table (links made, pending, lost) and the choice of each link's planes; each plane's per-link
-state lives in the link (``Peer.plane_state``, made by ``DataPlane.link_state`` before the plane's
+state lives in the link (``Link.plane_state``, made by ``DataPlane.link_state`` before the plane's
 ``accept`` and dropped when it refuses or the link ends).
 
 A link between a client (the side calling ``link_clusters``) and a server (the side with
@@ -15,7 +15,7 @@ A link between a client (the side calling ``link_clusters``) and a server (the s
 connection for the handshake, then *forward* connections (the client's requests, served by
 server threads, ``server``) and *reverse* ones (the server's requests), Unix sockets on this host
 when a plane wants them, TCP otherwise. The listeners are ``listener``'s; a link's state on this
-side is a ``session.Peer``.
+side is a ``session.Link``.
 
 Nothing the peer claims about itself is trusted: each side fetches the other's cache table over
 its own connections of the link and picks the data plane of its own transfers (``planes``): the
@@ -63,11 +63,11 @@ from llm_datadist.transport.sockets import close_socket, describe, env_int, is_l
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.server import Requests, Server
-from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Peer, peer_credentials
+from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Link, peer_credentials
 from llm_datadist.transport.table import RemoteTable
 from llm_datadist.transport.threads import Threads
 
-__all__ = ["LinkManager", "Peer", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
+__all__ = ["LinkManager", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
 logger = logging.getLogger("llm_datadist")
 
@@ -101,12 +101,12 @@ class LinkManager:
         self.max_links_per_source = env_int(MAX_LINKS_PER_SOURCE_ENV, DEFAULT_MAX_LINKS_PER_SOURCE)
         self.handshake_ms = env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
         self._lock = threading.RLock()
-        self._peers: Dict[int, Peer] = {}
-        self._pending: Dict[str, Peer] = {}   # server side: token -> a link waiting for its connections
+        self._peers: Dict[int, Link] = {}
+        self._pending: Dict[str, Link] = {}   # server side: token -> a link waiting for its connections
         self._linking: set = set()            # client side: cluster ids being linked now
         self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
         self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
-        self._self_peers: List[Peer] = []     # server side of links this cluster made to its own listener
+        self._self_peers: List[Link] = []     # server side of links this cluster made to its own listener
         self._joining: Dict[Tuple[str, str], Join] = {}  # two-sided links being made, listening side
         self.comms: Dict[int, Comm] = {}
         self._next_comm_id = 1
@@ -337,7 +337,7 @@ class LinkManager:
         return S.LLM_LINK_FAILED
 
     # -- choosing the data plane ------------------------------------------------------------------
-    def _settle(self, peer: Peer, deadline: float) -> None:
+    def _settle(self, peer: Link, deadline: float) -> None:
         """Fetch the peer's table and choose the plane of this side's transfers (once)."""
         if peer.plane is not None:
             return
@@ -366,7 +366,7 @@ class LinkManager:
         return self.planes.instance(name)  # made now if registered after this manager was
 
     @staticmethod
-    def _accept_plane(peer: Peer, plane: DataPlane, facts: Any, deadline: float) -> Optional[str]:
+    def _accept_plane(peer: Link, plane: DataPlane, facts: Any, deadline: float) -> Optional[str]:
         """Give ``plane`` its state for the link (``DataPlane.link_state``, kept in
         ``peer.plane_state``) and ask it to accept the link; a plane that refuses is closed and
         its state dropped. None, or why it refused."""
@@ -378,7 +378,7 @@ class LinkManager:
             peer.release_plane(plane)
         return reason
 
-    def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
+    def _choose_plane(self, peer: Link, facts: Any, deadline: Optional[float] = None) -> DataPlane:
         """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
         ``device_memory`` (or with ``auto_host_memory``) whose ``accept`` takes the link (the
         fallback plane always does). A
@@ -410,10 +410,10 @@ class LinkManager:
         raise fail(S.LLM_LINK_FAILED, f"no data plane of {', '.join(names)} accepts the link to cluster "
                                       f"{peer.cluster_id}")
 
-    def _device_plane(self, peer: Peer, local_device: bool, remote_device: bool, deadline: float) -> DataPlane:
+    def _device_plane(self, peer: Link, local_device: bool, remote_device: bool, deadline: float) -> DataPlane:
         """The plane of the link's transfers whose local side (``local_device``) or remote side
         (``remote_device``) is device memory the host cannot address: chosen on the first such
-        transfer and kept for the link (``Peer.device_planes``)."""
+        transfer and kept for the link (``Link.device_planes``)."""
         combination = (local_device, remote_device)
         plane = peer.device_planes.get(combination)
         if plane is not None:
@@ -427,7 +427,7 @@ class LinkManager:
             peer.release_plane(plane)
         return plane
 
-    def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,
+    def _choose_device_plane(self, peer: Link, local_device: bool, remote_device: bool,
                              deadline: float) -> DataPlane:
         """The forced plane if it has ``device_memory`` and carries this combination, else the
         first plane of the ``auto``
@@ -505,7 +505,7 @@ class LinkManager:
             peer.close()
         return status
 
-    def _drop_peer(self, remote_cluster_id: int, expected: Optional[Peer] = None) -> None:
+    def _drop_peer(self, remote_cluster_id: int, expected: Optional[Link] = None) -> None:
         """Forget the link to a cluster (only if it is still ``expected``, when given)."""
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
@@ -515,7 +515,7 @@ class LinkManager:
             self._pending.pop(peer.token, None)
         peer.close()
 
-    def _forget(self, peer: Peer, why: str) -> bool:
+    def _forget(self, peer: Link, why: str) -> bool:
         """The table part of losing a link (lock held or not): whether ``peer`` was the current
         link to its cluster."""
         with self._lock:
@@ -536,7 +536,7 @@ class LinkManager:
                 self.stats["links_lost"] += 1
             return True
 
-    def _lose(self, peer: Peer, why: str, quiet: bool = False) -> None:
+    def _lose(self, peer: Link, why: str, quiet: bool = False) -> None:
         """A connection of the link ended without an unlink: forget the link, close the rest of
         its connections, and remember why (``lost_links``). Not called with the lock held."""
         current = self._forget(peer, why)
@@ -563,7 +563,7 @@ class LinkManager:
         with self._lock:
             return sorted(cid for cid, peer in self._peers.items() if peer.ready)
 
-    def peer(self, remote_cluster_id: int) -> Peer:
+    def peer(self, remote_cluster_id: int) -> Link:
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
             lost = self._lost.get(remote_cluster_id)
@@ -579,7 +579,7 @@ class LinkManager:
         return peer
 
     # -- transfers --------------------------------------------------------------------------------
-    def _fetch_table(self, peer: Peer, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
+    def _fetch_table(self, peer: Link, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
         """The peer's cache table, and what its planes told us (``_plane_facts``); a reply that
         is malformed in either fails with ``LLM_LINK_FAILED`` (counted ``malformed_tables``)."""
         status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
@@ -606,7 +606,7 @@ class LinkManager:
                     facts[key] = plane.parse_facts(key, body[key])
         return facts
 
-    def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
+    def refresh_table(self, peer: Link, timeout_ms: int) -> RemoteTable:
         table, facts = self._fetch_table(peer, timeout_ms)
         peer.table, peer.facts = table, facts
         for plane in [peer.plane, *peer.extra_planes]:
@@ -647,7 +647,7 @@ class LinkManager:
         return peer.plane.block_route(peer, table, remote_layout, local_layout, write, timeout_ms,
                                       lambda why: self._lose(peer, why))
 
-    def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float, local_device: bool = False):
+    def _transfer(self, peer: Link, make_plan, write: bool, deadline: float, local_device: bool = False):
         plane = peer.plane
         if plane is None:
             self._settle(peer, deadline)
@@ -788,7 +788,7 @@ class LinkManager:
             return join.failed
         return None
 
-    def _comm_link_ended(self, peer: Peer, why: str) -> None:
+    def _comm_link_ended(self, peer: Link, why: str) -> None:
         """A link made for a two-sided link ended, not by this side (lock held). One that was not
         complete yet frees its rank; a complete one fails the join, or the comm's status."""
         if peer.comm is None:
@@ -883,7 +883,7 @@ class LinkManager:
                                 f"{status_of(status).name} ({reply.get('error', '')})")
         return reply
 
-    def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def _on_notify(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
         message, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification",
                                                self._count, peer)
@@ -906,7 +906,7 @@ class LinkManager:
                              self.engine.cluster_id, peer_id)
             return S.LLM_FAILED, {"error": "the handler failed"}
 
-    def _on_unlink(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def _on_unlink(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
         peer_id = peer.cluster_id
         message, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count,
@@ -1013,7 +1013,7 @@ class LinkManager:
         """Decide on an authenticated link request from ``source`` (``listener.source_of``;
         ``proven_self``: it carries this process's self-link proof; ``rank_port``: it came through
         a two-sided link's listener, where only members of a comm being made may link, see
-        ``comms``): ``(status, reply, pending Peer or None)``."""
+        ``comms``): ``(status, reply, pending Link or None)``."""
         mine = self.engine.cluster_id
         reply: Dict[str, Any] = {"cluster_id": mine}
 
@@ -1043,7 +1043,7 @@ class LinkManager:
             # them to it): that uid, not the loopback address every local process shares, is its
             # source for the link caps and the budgets' shares from the start.
             source = ("uid", request.uid)
-        peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
+        peer = Link(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
                     authenticated=self.secret is not None, protection=protected, protection_suite=suite,
                     stated=(request.pid, request.uid), expect_unix=expect_unix)
@@ -1095,13 +1095,13 @@ class LinkManager:
             old.close()
         return S.LLM_SUCCESS, self._link_reply(peer), peer
 
-    def _link_reply(self, peer: Peer) -> Dict[str, Any]:
+    def _link_reply(self, peer: Link) -> Dict[str, Any]:
         return handshake.link_reply(self.engine.cluster_id, self.engine.role, self._offered_planes(),
                                     self.remote_accessible, peer.token, self.listener.unix_name, peer.protection,
                                     peer.protection_suite)
 
     def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket, nonces: Tuple[str, str]):
-        """A data connection of a link being made: ``(status, reply, Peer or None, Relay or None)``;
+        """A data connection of a link being made: ``(status, reply, Link or None, Relay or None)``;
         on a protected link a TCP connection gets a ``protection.Relay`` (not started), whose
         inner socket the link holds in its place."""
         refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None, None
@@ -1171,7 +1171,7 @@ class LinkManager:
 
         return protection.Relay(sock, suite, keys, is_client, name, self._relays, failed)
 
-    def _holds(self, peer: Peer) -> bool:
+    def _holds(self, peer: Link) -> bool:
         return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
 
     def _offered_planes(self) -> List[str]:
@@ -1214,7 +1214,7 @@ class LinkManager:
                                           sockets, seal)
         # (its shares of the budgets: under the address it was made to, or the uid it runs as)
         shares = budgets.LinkShares(("uid", made.uid) if made.unix else source_of(first))
-        peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
+        peer = Link(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
                     authenticated=self.secret is not None, protection=agreement.protection,
                     protection_suite=agreement.suite, stated=agreement.process, shares=shares)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid

@@ -1,7 +1,7 @@
-"""A link's state on this side: its connections (``Channel``, the peer's ``incoming`` ones), what
-the kernel proved about the peer, the data planes chosen and their per-link state objects
-(``Peer.plane_state``), its shares of the process's budgets (``Peer.shares``), the one frame
-reader every part of the transport uses (and ``receive_steadily`` for bodies that hold a
+"""A link's state on this side (``Link``): its connections (``Channel``, the peer's ``incoming``
+ones), what the kernel proved about the peer, the data planes chosen and their per-link state
+objects (``Link.plane_state``), its shares of the process's budgets (``Link.shares``), the one
+frame reader every part of the transport uses (and ``receive_steadily`` for bodies that hold a
 budget), and the link's worker threads for striped transfers.
 """
 
@@ -141,7 +141,7 @@ def _call(fn: Callable[[Any], Any], item: Any) -> Any:
 
 class Channel:
     """One connection on which this side sends requests and reads replies, one at a time;
-    ``shares``: its link's shares of the process's budgets (``Peer.shares``), which the replies
+    ``shares``: its link's shares of the process's budgets (``Link.shares``), which the replies
     it reads and the staged payloads it moves count against."""
 
     def __init__(self, sock: socket.socket, peer_name: str, shares: Optional[budgets.LinkShares] = None) -> None:
@@ -268,8 +268,9 @@ class Channel:
 
 
 @dataclass(eq=False)
-class Peer:
-    """This side's state for one linked cluster (or one being linked)."""
+class Link:
+    """A link as this side holds it: the state of this cluster's link to one other cluster (or one
+    being made), whichever side asked for it."""
 
     cluster_id: int
     role: str
