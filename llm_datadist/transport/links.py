@@ -54,13 +54,12 @@ from llm_datadist.transport.comms import Comm, Join
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
 from llm_datadist.transport.listener import Listener
-from llm_datadist.transport.settings import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
-                                             DEFAULT_MAX_LINKS_PER_SOURCE, HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV,
-                                             MAX_LINKS_PER_SOURCE_ENV)
+from llm_datadist.transport.settings import MAX_LINKS_ENV, MAX_LINKS_PER_SOURCE_ENV, LinkSettings
 from llm_datadist.transport.slots import (DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
                                           MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV)
-from llm_datadist.transport.sockets import close_socket, describe, env_int, is_loopback, source_of, warn_once
-from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
+from llm_datadist.transport.sockets import close_socket, describe, env_int, source_of
+from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, PlaneSet
+from llm_datadist.transport.planes.choice import PlaneChoice, plane_facts
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.server import Requests, Server
 from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Link, peer_credentials
@@ -85,21 +84,12 @@ class LinkManager:
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
-        #: ``auto`` or the plane ``llm.DataPlane`` forces.
-        self.plane = resolve_plane(engine.options)
-        # (refused secrets and settings before any plane holds anything)
-        self.secret = auth.resolve_secret(engine.options)
-        #: This side's ``llm.LinkProtection`` (``protection``): what it asks for and insists on.
-        self.protection = protection.resolve(engine.options, self.secret)
+        #: What the links are held to (the plane, the secret, the protection, the caps).
+        self.settings = LinkSettings.resolve(engine.cluster_id, engine.options)
         #: One instance of every registered plane, for this engine (a mapping by name).
         self.planes = PlaneSet(engine)
-        self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
-        #: Proves this process's own self-links: a connection claiming this cluster's id without
-        #: a proof made with it is refused (``refused_self``).
-        self._self_key = auth.new_self_key()
-        self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
-        self.max_links_per_source = env_int(MAX_LINKS_PER_SOURCE_ENV, DEFAULT_MAX_LINKS_PER_SOURCE)
-        self.handshake_ms = env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
+        #: Which planes carry this side's transfers on each link.
+        self.plane_choice = PlaneChoice(engine.cluster_id, self.settings, self.planes, self._fetch_table)
         self._lock = threading.RLock()
         self._peers: Dict[int, Link] = {}
         self._pending: Dict[str, Link] = {}   # server side: token -> a link waiting for its connections
@@ -134,8 +124,6 @@ class LinkManager:
                       "auth_failures": 0, "handshake_failures": 0, "links_lost": 0, "refused_oversized": 0,
                       "refused_parsing": 0, "refused_tables": 0,
                       "refused_reads": 0, "refused_writes": 0, "protection_failures": 0, "malformed_tables": 0}
-        #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
-        self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
         self.listener = Listener(engine.cluster_id, self._serve_accepted,
                                  env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
@@ -159,6 +147,29 @@ class LinkManager:
         with self._lock:
             self.stats[counter] += 1
             return self.stats[counter]
+
+    @property
+    def secret(self) -> Optional[bytes]:
+        """The link secret (``settings.secret``; None: links are not authenticated)."""
+        return self.settings.secret
+
+    @secret.setter
+    def secret(self, value: Optional[bytes]) -> None:
+        self.settings.secret = value
+
+    @property
+    def handshake_ms(self) -> int:
+        """How long a handshake may take (``settings.handshake_ms``)."""
+        return self.settings.handshake_ms
+
+    @handshake_ms.setter
+    def handshake_ms(self, value: int) -> None:
+        self.settings.handshake_ms = value
+
+    @property
+    def remote_accessible(self) -> bool:
+        """``llm.EnableRemoteCacheAccessible`` (``settings.remote_accessible``)."""
+        return self.settings.remote_accessible
 
     def link_stats(self) -> Dict[str, int]:
         """A snapshot of ``stats``, and of the process's budgets (``budgets``): ``refused_staging``,
@@ -196,16 +207,10 @@ class LinkManager:
         self.listener.start(ip, port)
         host, bound = self.listen_address
         logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, host, bound)
-        self._warn_open(ip, bound)
+        self.settings.warn_if_open(ip, bound)
 
     def stop_listener(self) -> None:
         self.listener.stop()
-
-    def _warn_open(self, ip: str, port: int) -> None:
-        if self.secret is None and not is_loopback(ip):
-            warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{port} without a link secret: "
-                      f"any process that reaches this address can link, read and write the registered "
-                      f"caches (set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
 
     # -- client side ------------------------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int,
@@ -298,10 +303,10 @@ class LinkManager:
         try:
             first = handshake.connect_tcp(ip, port, deadline)
             sockets.append(first)
-            agreement = handshake.request_link(first, mine, self.secret, None, self.engine.role,
-                                               self._offered_planes(), self.remote_accessible,
-                                               self._wants_local_sockets(), deadline, on_peer=reserve,
-                                               protect=self.protection)
+            agreement = handshake.request_link(first, mine, self.settings.secret, None, self.engine.role,
+                                               self.plane_choice.offered(), self.settings.remote_accessible,
+                                               self.plane_choice.wants_local_sockets(), deadline, on_peer=reserve,
+                                               protect=self.settings.protection)
             status = self._finish_link(agreement.cluster_id, ip, port, deadline, sockets, first, agreement)
         except _Known as known:
             status = known.status if known.status is not None else self._await_mutual(found[0], deadline)
@@ -336,125 +341,12 @@ class LinkManager:
                      self.engine.cluster_id, remote_cluster_id)
         return S.LLM_LINK_FAILED
 
-    # -- choosing the data plane ------------------------------------------------------------------
-    def _settle(self, peer: Link, deadline: float) -> None:
-        """Fetch the peer's table and choose the plane of this side's transfers (once)."""
-        if peer.plane is not None:
-            return
-        with peer.settle_lock:
-            if peer.plane is not None:
-                return
-            table, facts = self._fetch_table(peer, dl.left_ms(deadline))
-            plane = self._choose_plane(peer, facts, deadline)
-            peer.table, peer.facts = table, facts
-            peer.plane = plane
-            if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-                peer.release_plane(plane)
-
+    # -- the planes ---------------------------------------------------------------------------------
     def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000, local_device: bool = False,
                    remote_device: bool = False) -> str:
         """The plane of this side's transfers to a linked cluster (chosen now if not yet): the
         link's plane, or with device memory on either side the device plane of that combination."""
-        peer = self.peer(remote_cluster_id)
-        deadline = dl.after(timeout_ms)
-        self._settle(peer, deadline)
-        if local_device or remote_device:
-            return self._device_plane(peer, local_device, remote_device, deadline).name
-        return peer.plane.name
-
-    def _plane(self, name: str) -> DataPlane:
-        return self.planes.instance(name)  # made now if registered after this manager was
-
-    @staticmethod
-    def _accept_plane(peer: Link, plane: DataPlane, facts: Any, deadline: float) -> Optional[str]:
-        """Give ``plane`` its state for the link (``DataPlane.link_state``, kept in
-        ``peer.plane_state``) and ask it to accept the link; a plane that refuses is closed and
-        its state dropped. None, or why it refused."""
-        state = plane.link_state(peer)
-        if state is not None:
-            peer.plane_state[plane.name] = state
-        reason = plane.accept(peer, facts, deadline)
-        if reason is not None:
-            peer.release_plane(plane)
-        return reason
-
-    def _choose_plane(self, peer: Link, facts: Any, deadline: Optional[float] = None) -> DataPlane:
-        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
-        ``device_memory`` (or with ``auto_host_memory``) whose ``accept`` takes the link (the
-        fallback plane always does). A
-        link to this very process uses the fallback: frames, checked by the owner (ourselves). A
-        forced plane that refuses fails the link (``LLM_LINK_FAILED``)."""
-        if deadline is None:
-            deadline = dl.after(self.handshake_ms)
-        if not isinstance(facts, dict):
-            facts = {}
-        if peer.unix and peer.pid == os.getpid():
-            names = plane_registry.fallbacks()
-        elif self.plane == plane_registry.AUTO or not plane_registry.get(self.plane).host_memory:
-            # Device planes are chosen per transfer (_device_plane), unless they say they are host
-            # planes under auto too (auto_host_memory); a forced plane that moves no host memory
-            # applies to device transfers only.
-            names = tuple(n for n in plane_registry.auto_order()
-                          if not plane_registry.get(n).device_memory or plane_registry.get(n).auto_host_memory)
-        else:
-            names = (self.plane,)
-        for name in names:
-            plane = self._plane(name)
-            reason = self._accept_plane(peer, plane, facts, deadline)
-            if reason is None:
-                return plane
-            if name == self.plane:
-                raise fail(S.LLM_LINK_FAILED, f"{DATA_PLANE_OPTION}={name} but {reason}")
-            logger.warning("cluster %d -> %d: data plane %s not usable (%s); trying the next one",
-                           self.engine.cluster_id, peer.cluster_id, name, reason)
-        raise fail(S.LLM_LINK_FAILED, f"no data plane of {', '.join(names)} accepts the link to cluster "
-                                      f"{peer.cluster_id}")
-
-    def _device_plane(self, peer: Link, local_device: bool, remote_device: bool, deadline: float) -> DataPlane:
-        """The plane of the link's transfers whose local side (``local_device``) or remote side
-        (``remote_device``) is device memory the host cannot address: chosen on the first such
-        transfer and kept for the link (``Link.device_planes``)."""
-        combination = (local_device, remote_device)
-        plane = peer.device_planes.get(combination)
-        if plane is not None:
-            return plane
-        with peer.settle_lock:
-            plane = peer.device_planes.get(combination)
-            if plane is None:
-                plane = self._choose_device_plane(peer, local_device, remote_device, deadline)
-                peer.device_planes[combination] = plane
-        if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-            peer.release_plane(plane)
-        return plane
-
-    def _choose_device_plane(self, peer: Link, local_device: bool, remote_device: bool,
-                             deadline: float) -> DataPlane:
-        """The forced plane if it has ``device_memory`` and carries this combination, else the
-        first plane of the ``auto``
-        order with ``device_memory`` that accepts the link and carries this combination (a
-        plane accepted here is closed with the link). ``LLM_FEATURE_NOT_ENABLED`` if none does:
-        the transfer fails, the link stays."""
-        forced = None if self.plane == plane_registry.AUTO else self._plane(self.plane)
-        if forced is not None and forced.device_memory and forced.carries(peer, local_device, remote_device):
-            candidates = [forced]
-        else:
-            candidates = [self._plane(name) for name in plane_registry.auto_order()
-                          if plane_registry.get(name).device_memory]
-        reasons = []
-        for plane in candidates:
-            if plane is not peer.plane and not any(p is plane for p in peer.extra_planes):
-                reason = self._accept_plane(peer, plane, peer.facts, deadline)
-                if reason is not None:
-                    reasons.append(f"{plane.name}: {reason}")
-                    continue
-                peer.extra_planes.append(plane)
-            if plane.carries(peer, local_device, remote_device):
-                return plane
-            reasons.append(f"{plane.name} does not carry it")
-        sides = " and ".join(side for side, device in (("local", local_device), ("remote", remote_device)) if device)
-        why = "; ".join(reasons) or "none has device_memory"
-        raise fail(S.LLM_FEATURE_NOT_ENABLED, f"no data plane moves device memory ({sides} side) on the link to "
-                                              f"cluster {peer.cluster_id}: {why}")
+        return self.plane_choice.data_plane(self.peer(remote_cluster_id), timeout_ms, local_device, remote_device)
 
     # -- registry changes ---------------------------------------------------------------------------
     def registered(self, record: Any) -> None:
@@ -583,28 +475,14 @@ class LinkManager:
         """The peer's cache table, and what its planes told us (``_plane_facts``); a reply that
         is malformed in either fails with ``LLM_LINK_FAILED`` (counted ``malformed_tables``)."""
         status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
-                                             limit=self.max_table_bytes,
+                                             limit=self.settings.max_table_bytes,
                                              on_oversized=lambda: self._count("refused_tables"))
         try:
-            return RemoteTable(body), self._plane_facts(body)
+            return RemoteTable(body), plane_facts(body)
         except ProtocolError as exc:
             self._count("malformed_tables")
             raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
                                status_code=S.LLM_LINK_FAILED) from None
-
-    @staticmethod
-    def _plane_facts(body: Dict[str, Any]) -> Dict[str, Any]:
-        """What of a table reply is kept beside the table: each entry a plane reads
-        (``DataPlane.facts_keys``) as that plane parsed it into bounded typed fields
-        (``DataPlane.parse_facts``), nothing else the peer put in the reply; ProtocolError for a
-        malformed entry."""
-        facts: Dict[str, Any] = {}
-        for name in plane_registry.names():
-            plane = plane_registry.get(name)
-            for key in plane.facts_keys:
-                if key in body and key not in facts:
-                    facts[key] = plane.parse_facts(key, body[key])
-        return facts
 
     def refresh_table(self, peer: Link, timeout_ms: int) -> RemoteTable:
         table, facts = self._fetch_table(peer, timeout_ms)
@@ -650,7 +528,7 @@ class LinkManager:
     def _transfer(self, peer: Link, make_plan, write: bool, deadline: float, local_device: bool = False):
         plane = peer.plane
         if plane is None:
-            self._settle(peer, deadline)
+            self.plane_choice.settle(peer, deadline)
             plane = peer.plane
         refreshed = False
         while True:
@@ -661,7 +539,7 @@ class LinkManager:
                 plan = make_plan(table)
                 remote_device = table.device_side(plan, write)
                 if local_device or remote_device:
-                    device_plane = self._device_plane(peer, local_device, remote_device, deadline)
+                    device_plane = self.plane_choice.device_plane(peer, local_device, remote_device, deadline)
                     if device_plane is not plane and not device_plane.table_is_current(peer, table):
                         raise StaleTable()
                     device_plane.transfer_device(peer, table, plan, write, deadline, local_device, remote_device)
@@ -722,7 +600,7 @@ class LinkManager:
         try:
             if listen_at is not None:
                 self.listener.open_extra(*listen_at)
-                self._warn_open(*listen_at)
+                self.settings.warn_if_open(*listen_at)
         except BaseException:
             with self._lock:
                 self._joining.pop(comm.key, None)
@@ -808,10 +686,10 @@ class LinkManager:
                 comm.status = "FAILED"
 
     def _prepare_comm(self, comm: Comm) -> None:
-        deadline = dl.after(self.handshake_ms)
+        deadline = dl.after(self.settings.handshake_ms)
         try:
             for member in comm.others:
-                self._settle(self.peer(member.cluster_id), deadline)
+                self.plane_choice.settle(self.peer(member.cluster_id), deadline)
             with self._lock:
                 if comm.status == "PREPARING":  # FAILED is sticky
                     comm.status = "OK"
@@ -952,24 +830,24 @@ class LinkManager:
         """hello -> challenge -> auth -> reply; then what the connection is for. True if the
         socket now belongs to a link."""
         fd = conn.fileno()
-        deadline = dl.after(self.handshake_ms)
+        deadline = dl.after(self.settings.handshake_ms)
         mine = self.engine.cluster_id
         def auth_failed(peer_id: int, why: str) -> None:  # counted before the peer is told
             self._count("auth_failures")
             logger.warning("cluster %d refused a connection from %s claiming cluster %d: %s", mine, name,
                            peer_id, why)
 
-        admission = handshake.accept_hello(conn, mine, self.secret, deadline, auth_failed)
+        admission = handshake.accept_hello(conn, mine, self.settings.secret, deadline, auth_failed)
         peer_id = admission.peer_id
         if admission.refused is not None or not self.listener.authenticated(conn):
             return False  # (not authenticated: it gave its slot up, or every authenticated slot is taken)
         purpose = admission.purpose
         if purpose == "link":
-            proven_self = peer_id == mine and auth.verify_self(self._self_key, *admission.nonces,
+            proven_self = peer_id == mine and auth.verify_self(self.settings.self_key, *admission.nonces,
                                                                admission.request.get("self_proof"))
             status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
                                                     source_of(conn), proven_self, self.listener.on_rank_port(conn))
-            reply = handshake.signed_reply(self.secret, admission, reply)
+            reply = handshake.signed_reply(self.settings.secret, admission, reply)
             if peer is not None:  # (set before the reply goes: the data connections come after it)
                 peer.link_digest = protection.link_digest(admission.request, reply)
             sent = handshake.send_reply(conn, reply, status, deadline)
@@ -986,14 +864,14 @@ class LinkManager:
                 self._lose(peer, "its connections did not arrive", quiet=True)
                 return False
             try:  # choose this side's plane now rather than on the first transfer
-                self._settle(peer, dl.after(self.handshake_ms))
+                self.plane_choice.settle(peer, dl.after(self.settings.handshake_ms))
             except LLMException as exc:
                 self._lose(peer, f"no data plane: {exc}")
             return False
         if purpose in ("forward", "reverse"):
             status, reply, peer, relay = self._accept_data(peer_id, purpose, admission.request.get("token"), conn,
                                                            admission.nonces)
-            reply = handshake.signed_reply(self.secret, admission, reply)
+            reply = handshake.signed_reply(self.settings.secret, admission, reply)
             if not handshake.send_reply(conn, reply, status, deadline) or status != 0:
                 if peer is not None:
                     self._lose(peer, f"its {purpose} connection failed", quiet=True)
@@ -1025,10 +903,10 @@ class LinkManager:
         if comm is None and rank_port:
             return refuse(S.LLM_LINK_FAILED, "a link on a rank-table port must name its comm, the digest of its rank "
                                              "table and rank map, and its rank")
-        if comm is None and request.remote_accessible != self.remote_accessible:
+        if comm is None and request.remote_accessible != self.settings.remote_accessible:
             return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
-        protected = protection.stronger(request.protection, self.protection)
-        if protected != protection.OFF and self.secret is None:
+        protected = protection.stronger(request.protection, self.settings.protection)
+        if protected != protection.OFF and self.settings.secret is None:
             return refuse(S.LLM_LINK_FAILED, f"protection {protected} needs a link secret on both sides")
         suite = None if protected == protection.OFF else protection.choose(protected, request.suites)
         if protected != protection.OFF and suite is None:
@@ -1045,7 +923,7 @@ class LinkManager:
             source = ("uid", request.uid)
         peer = Link(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
                     want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
-                    authenticated=self.secret is not None, protection=protected, protection_suite=suite,
+                    authenticated=self.settings.secret is not None, protection=protected, protection_suite=suite,
                     stated=(request.pid, request.uid), expect_unix=expect_unix)
         if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
             if not proven_self:  # only this very process may link to its own listener under its own id
@@ -1077,13 +955,14 @@ class LinkManager:
             if old is not None and (not old.ready or not old.hung_up()):
                 # A live link is never replaced; one whose connections are gone is (force_link).
                 return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
-            if len(self._peers) - (old is not None) >= self.max_links:
+            if len(self._peers) - (old is not None) >= self.settings.max_links:
                 self.stats["refused_links"] += 1
-                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links} links ({MAX_LINKS_ENV})")
+                return refuse(S.LLM_LINK_FAILED,
+                              f"this cluster holds {self.settings.max_links} links ({MAX_LINKS_ENV})")
             if source is not None and sum(p.source == source and p is not old for p in self._peers.values()) \
-                    >= self.max_links_per_source:
+                    >= self.settings.max_links_per_source:
                 self.stats["refused_source_links"] += 1
-                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links_per_source} links from "
+                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.settings.max_links_per_source} links from "
                                                  f"{describe(source)} ({MAX_LINKS_PER_SOURCE_ENV})")
             if old is not None:
                 self._forget(old, "replaced by a new link: its connections were closed")
@@ -1096,9 +975,9 @@ class LinkManager:
         return S.LLM_SUCCESS, self._link_reply(peer), peer
 
     def _link_reply(self, peer: Link) -> Dict[str, Any]:
-        return handshake.link_reply(self.engine.cluster_id, self.engine.role, self._offered_planes(),
-                                    self.remote_accessible, peer.token, self.listener.unix_name, peer.protection,
-                                    peer.protection_suite)
+        return handshake.link_reply(self.engine.cluster_id, self.engine.role, self.plane_choice.offered(),
+                                    self.settings.remote_accessible, peer.token, self.listener.unix_name,
+                                    peer.protection, peer.protection_suite)
 
     def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket, nonces: Tuple[str, str]):
         """A data connection of a link being made: ``(status, reply, Link or None, Relay or None)``;
@@ -1163,8 +1042,8 @@ class LinkManager:
                is_client: bool, name: str, digest: bytes) -> protection.Relay:
         """The relay sealing one TCP connection of a protected link in ``suite`` (keys of the
         connection's own handshake and the link's ``digest``)."""
-        assert self.secret is not None  # a protected link is an authenticated one
-        keys = protection.derive_keys(self.secret, suite, nonces[0], nonces[1], client_id, server_id, digest)
+        assert self.settings.secret is not None  # a protected link is an authenticated one
+        keys = protection.derive_keys(self.settings.secret, suite, nonces[0], nonces[1], client_id, server_id, digest)
 
         def failed(why: str) -> None:
             self._count("protection_failures")
@@ -1173,14 +1052,6 @@ class LinkManager:
 
     def _holds(self, peer: Link) -> bool:
         return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
-
-    def _offered_planes(self) -> List[str]:
-        """The planes this side names in its link request or reply."""
-        return list(plane_registry.offered(self.plane))
-
-    def _wants_local_sockets(self) -> bool:
-        """Whether a plane this side may use wants the link's connections on Unix sockets."""
-        return any(plane_registry.get(name).local_sockets for name in plane_registry.offered(self.plane))
 
     # -- the client's side of a link ----------------------------------------------------------------
     def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
@@ -1191,11 +1062,11 @@ class LinkManager:
         mine = self.engine.cluster_id
         first = handshake.connect_tcp(ip, port, deadline)
         sockets.append(first)
-        agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
-                                           self._offered_planes(), self.remote_accessible,
-                                           self._wants_local_sockets(), deadline, comm,
-                                           self._self_key if remote_cluster_id == mine else None, rank,
-                                           protect=self.protection)
+        agreement = handshake.request_link(first, mine, self.settings.secret, remote_cluster_id, self.engine.role,
+                                           self.plane_choice.offered(), self.settings.remote_accessible,
+                                           self.plane_choice.wants_local_sockets(), deadline, comm,
+                                           self.settings.self_key if remote_cluster_id == mine else None, rank,
+                                           protect=self.settings.protection)
         return self._finish_link(remote_cluster_id, ip, port, deadline, sockets, first, agreement, comm)
 
     def _finish_link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
@@ -1210,12 +1081,12 @@ class LinkManager:
             relay.start()
             return relay.inner
 
-        made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
+        made = handshake.open_connections(ip, port, mine, self.settings.secret, remote_cluster_id, agreement, deadline,
                                           sockets, seal)
         # (its shares of the budgets: under the address it was made to, or the uid it runs as)
         shares = budgets.LinkShares(("uid", made.uid) if made.unix else source_of(first))
         peer = Link(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
-                    authenticated=self.secret is not None, protection=agreement.protection,
+                    authenticated=self.settings.secret is not None, protection=agreement.protection,
                     protection_suite=agreement.suite, stated=agreement.process, shares=shares)
         peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
         peer.channels = [Channel(sock, name, shares) for sock in made.forward]
@@ -1223,7 +1094,7 @@ class LinkManager:
         peer.ready = True
         sockets.remove(first)
         close_socket(first)  # the server now holds the link as made
-        self._settle(peer, deadline)
+        self.plane_choice.settle(peer, deadline)
         with self._lock:
             if self._closed:
                 raise fail(S.LLM_LINK_FAILED, "finalized while linking")

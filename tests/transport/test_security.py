@@ -917,7 +917,7 @@ def _plane_if_same_user(state, remote_id: int) -> str:
     peer = links.peer(remote_id)
     _, info = links._fetch_table(peer, 3000)
     peer.uid = os.geteuid()
-    return links._choose_plane(peer, info).name
+    return links.plane_choice.choose(peer, info).name
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "secret"])

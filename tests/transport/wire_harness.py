@@ -194,7 +194,7 @@ class FuzzServer:
             cluster_id=SERVER_ID, generation=engine.generation_word.value, ranges=Ranges(self.tensors),
             shadow=Shadow([(a.ctypes.data, a) for a in self.buffers]), table=engine.export_table(),
             same_host=same_host, server_nonce=SERVER_NONCE, remote_accessible=links.remote_accessible,
-            role=engine.role, planes=links._offered_planes(), host=host_identity(), unix_name=links.unix_name,
+            role=engine.role, planes=links.plane_choice.offered(), host=host_identity(), unix_name=links.unix_name,
             guard=self._model_guard)
 
     @staticmethod

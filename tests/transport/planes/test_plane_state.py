@@ -18,7 +18,7 @@ from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes
-from llm_datadist.transport.links import LinkManager
+from llm_datadist.transport.planes.choice import accept_plane
 from llm_datadist.transport.planes.cuda_ipc import CudaIpcPlane
 from llm_datadist.transport.planes.tcp import TcpPlane
 from llm_datadist.transport.session import Link
@@ -150,7 +150,7 @@ def _lone_peer() -> Link:
 def test_a_plane_that_refuses_the_link_has_its_state_released_and_dropped():
     plane = RefusingStatefulPlane(SimpleNamespace(cluster_id=1))
     peer = _lone_peer()
-    reason = LinkManager._accept_plane(peer, plane, {}, dl.after(1000))
+    reason = accept_plane(peer, plane, {}, dl.after(1000))
     assert reason == "it refuses (test)"
     (note,) = plane.made
     assert note.accepted and note.closed == 1 and peer.plane_state == {}
@@ -160,7 +160,7 @@ def test_a_plane_without_state_leaves_the_link_untouched():
     plane = TcpPlane(SimpleNamespace(cluster_id=1))
     peer = _lone_peer()
     assert plane.link_state(peer) is None
-    assert LinkManager._accept_plane(peer, plane, {}, dl.after(1000)) is None
+    assert accept_plane(peer, plane, {}, dl.after(1000)) is None
     assert peer.plane_state == {} and plane.state(peer) is None
 
 
