@@ -50,9 +50,9 @@ from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.transport import auth, budgets, handshake, protection, server, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
-from llm_datadist.transport.comms import Comm, Join
+from llm_datadist.transport.comms import Comm
 from llm_datadist.transport.engine_view import EngineView
-from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
+from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail
 from llm_datadist.transport.listener import Listener
 from llm_datadist.transport.settings import MAX_LINKS_ENV, MAX_LINKS_PER_SOURCE_ENV, LinkSettings
 from llm_datadist.transport.slots import (DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
@@ -60,11 +60,12 @@ from llm_datadist.transport.slots import (DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDI
 from llm_datadist.transport.sockets import close_socket, describe, env_int, source_of
 from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, PlaneSet
 from llm_datadist.transport.planes.choice import PlaneChoice, plane_facts
-from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
+from llm_datadist.transport.hooks import Hooks, NotifyHandler
 from llm_datadist.transport.server import Requests, Server
 from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Link, peer_credentials
 from llm_datadist.transport.table import RemoteTable
 from llm_datadist.transport.threads import Threads
+from llm_datadist.transport.two_sided import TwoSidedLinks
 
 __all__ = ["LinkManager", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
@@ -97,11 +98,7 @@ class LinkManager:
         self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
         self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
         self._self_peers: List[Link] = []     # server side of links this cluster made to its own listener
-        self._joining: Dict[Tuple[str, str], Join] = {}  # two-sided links being made, listening side
-        self.comms: Dict[int, Comm] = {}
-        self._next_comm_id = 1
         self._closed = False
-        self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
         #: Counters of refused or failed connections (``link_stats()``): ``refused_busy`` and
         #: ``refused_source``, connections closed by the handshake caps (global, per source) when
         #: no slot came free within ``LLM_DATADIST_PREAUTH_GRACE_MS``; ``preauth_evicted``,
@@ -130,17 +127,18 @@ class LinkManager:
                                  env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE),
                                  env_int(PREAUTH_GRACE_ENV, DEFAULT_PREAUTH_GRACE_MS))
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
-        #: Which registered memory a peer may pull through the server (none installed: all of it).
-        self.read_guard = ReadGuard(engine.cluster_id, self._count)
-        #: Which registered memory a peer may push into through the server (none installed: all of it).
-        self.write_guard = WriteGuard(engine.cluster_id, self._count)
+        #: The notification handler and the read and write guards.
+        self.hooks = Hooks(engine.cluster_id, self._count, self._lose)
+        self.read_guard, self.write_guard = self.hooks.read_guard, self.hooks.write_guard
         handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count, self.read_guard,
                             self.write_guard).handlers()
-        handlers[wire.OP_NOTIFY] = self._on_notify
+        handlers[wire.OP_NOTIFY] = self.hooks.on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.
         self.server = Server(engine, handlers, self._lose)
-        self._threads = Threads("llm_datadist-conn")  # the manager's background work (_prepare_comm)
+        #: The two-sided links (``LLMDataDist.link``), under the table's lock.
+        self.two_sided = TwoSidedLinks(engine.cluster_id, self._lock, self.settings, self.listener, self.link,
+                                       self._current, self._drop_comm_link, self._settle_link)
         self._relays = Threads("llm_datadist-seal")   # the relays of protected connections
 
     def _count(self, counter: str) -> int:
@@ -420,7 +418,7 @@ class LinkManager:
                 return False
             del self._peers[peer.cluster_id]
             if not peer.unlinking:
-                self._comm_link_ended(peer, why)
+                self.two_sided.link_ended(peer, why)
             if peer.ready and not peer.unlinking:
                 self._lost[peer.cluster_id] = budgets.truncate_reason(why)
                 while len(self._lost) > budgets.MAX_LOST_RECORDS:
@@ -568,150 +566,34 @@ class LinkManager:
                                          limit=budgets.max_message_bytes())
         return bool(reply.get("released"))
 
-    # -- two-sided links ---------------------------------------------------------------------------
+    # -- two-sided links (``two_sided``) ----------------------------------------------------------
+    @property
+    def comms(self) -> Dict[int, Comm]:
+        """The two-sided links made, by comm id (``TwoSidedLinks.comms``)."""
+        return self.two_sided.comms
+
     def new_comm(self, name: str, key: Tuple[str, str], members, me) -> Comm:
-        with self._lock:
-            comm = Comm(self._next_comm_id, name, key, list(members), me)
-            self._next_comm_id += 1
-        return comm
+        return self.two_sided.new_comm(name, key, members, me)
 
     def join_comm(self, comm: Comm, timeout_ms: int) -> None:
-        """Make the links of a two-sided link: listen for the members of higher rank, link to those
-        of lower rank (retrying while they are not listening yet), and wait for every link; then
-        fetch the tables in the background (``comm.status`` PREPARING -> OK or FAILED).
-        ``LLMException(LLM_LINK_FAILED)`` if not every link is made within ``timeout_ms``, or if
-        the join fails (``comms.Join.failed``: two links claimed one rank, or a link of the comm
-        ended meanwhile); the comm's links made so far are unlinked then, so that the other
-        members see theirs end and fail too."""
-        deadline = dl.after(timeout_ms)
-        higher = [m for m in comm.others if m.rank > comm.me.rank]
-        lower = [m for m in comm.others if m.rank < comm.me.rank]
-        listen_at = (comm.me.device_ip, comm.me.port) if higher else None
-        join = Join({m.cluster_id: m.rank for m in higher})
-        with self._lock:
-            if comm.key in self._joining:
-                raise fail(S.LLM_LINK_FAILED, f"this cluster is making the link {comm.name!r} already")
-            taken = [m.cluster_id for m in comm.others
-                     if self._peers.get(m.cluster_id) is not None and not self._peers[m.cluster_id].hung_up()]
-            if taken:  # a link belongs to one comm (or to none): it proves no membership of this one
-                raise fail(S.LLM_LINK_FAILED, f"cluster(s) {taken} of {comm.name!r} are linked already (by "
-                                               f"link_clusters or another link()); unlink them first")
-            self._joining[comm.key] = join
-        try:
-            if listen_at is not None:
-                self.listener.open_extra(*listen_at)
-                self.settings.warn_if_open(*listen_at)
-        except BaseException:
-            with self._lock:
-                self._joining.pop(comm.key, None)
-            raise
-        try:
-            for member in lower:
-                status = S.LLM_LINK_FAILED
-                while not dl.expired(deadline) and join.failed is None:
-                    status = self.link(member.cluster_id, member.device_ip, member.port, max(1, dl.left_ms(deadline)),
-                                       comm=comm.key, quiet=True, rank=comm.me.rank)
-                    if status not in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_ALREADY_LINK):
-                        break
-                    time.sleep(0.05)
-                self._check_join(join)
-                if status != S.LLM_SUCCESS:
-                    raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) at "
-                                                   f"{member.device_ip}:{member.port} was not linked in time "
-                                                   f"({status_of(status).name})")
-            for member in higher:
-                while not self._claimed(join, member.cluster_id):
-                    self._check_join(join)
-                    if dl.expired(deadline):
-                        raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) did not "
-                                                       f"link to {comm.me.device_ip}:{comm.me.port} in time")
-                    time.sleep(0.01)
-            with self._lock:  # from here a link of the comm that ends fails comm.status instead
-                self._check_join(join)
-                del self._joining[comm.key]
-                self.comms[comm.comm_id] = comm
-        except BaseException:
-            with self._lock:
-                self._joining.pop(comm.key, None)
-            for member in comm.others:  # links made for this comm go with it
-                self._drop_comm_link(member.cluster_id, comm.key)
-            raise
-        finally:
-            if listen_at is not None:
-                self.listener.close_extra(listen_at)
-        self._threads.spawn(self._prepare_comm, comm)
-
-    @staticmethod
-    def _check_join(join: Join) -> None:
-        if join.failed is not None:
-            raise fail(S.LLM_LINK_FAILED, join.failed)
-
-    def _claimed(self, join: Join, cluster_id: int) -> bool:
-        """Whether the member ``cluster_id`` has linked here for the join, with a request that
-        claimed its rank (a link made for anything else does not count)."""
-        with self._lock:
-            peer = join.claimed.get(cluster_id)
-            return peer is not None and peer.ready and self._peers.get(cluster_id) is peer
-
-    def _admit_member(self, join: Join, peer_id: int, rank: Optional[int]) -> Optional[str]:
-        """Why a link request for a join, from ``peer_id`` claiming ``rank``, is refused (lock
-        held); None if it may go on. A second request claiming a rank fails the join."""
-        if join.failed is not None:
-            return f"that link failed: {join.failed}"
-        if peer_id not in join.expected or join.expected[peer_id] != rank:
-            return f"cluster {peer_id} claims rank {rank}, not one of the higher ranks this cluster expects"
-        if peer_id in join.claimed:
-            join.failed = f"two links claimed rank {rank} (cluster {peer_id})"
-            logger.error("cluster %d: %s; the link fails", self.engine.cluster_id, join.failed)
-            return join.failed
-        return None
-
-    def _comm_link_ended(self, peer: Link, why: str) -> None:
-        """A link made for a two-sided link ended, not by this side (lock held). One that was not
-        complete yet frees its rank; a complete one fails the join, or the comm's status."""
-        if peer.comm is None:
-            return
-        join = self._joining.get(peer.comm)
-        if join is not None and join.claimed.get(peer.cluster_id) is peer and not peer.ready:
-            del join.claimed[peer.cluster_id]
-            return
-        if not peer.ready:
-            return
-        text = f"the link to cluster {peer.cluster_id} ended ({budgets.truncate_reason(why)})"  # a peer's words
-        if join is not None and join.failed is None:
-            join.failed = text
-        for comm in self.comms.values():
-            if comm.key == peer.comm and comm.status != "FAILED":
-                logger.error("cluster %d: link %r failed: %s", self.engine.cluster_id, comm.name, text)
-                comm.status = "FAILED"
-
-    def _prepare_comm(self, comm: Comm) -> None:
-        deadline = dl.after(self.settings.handshake_ms)
-        try:
-            for member in comm.others:
-                self.plane_choice.settle(self.peer(member.cluster_id), deadline)
-            with self._lock:
-                if comm.status == "PREPARING":  # FAILED is sticky
-                    comm.status = "OK"
-        except LLMException as exc:
-            logger.error("cluster %d: link %r failed while exchanging cache tables: %s", self.engine.cluster_id,
-                         comm.name, exc)
-            comm.status = "FAILED"
+        """Make the links of a two-sided link (``TwoSidedLinks.join``)."""
+        self.two_sided.join(comm, timeout_ms)
 
     def comm(self, comm_id: int) -> Comm:
-        with self._lock:
-            comm = self.comms.get(comm_id)
-        if comm is None:
-            raise LLMException(f"comm_id {comm_id} is not a link of this cluster", status_code=S.LLM_NOT_YET_LINK)
-        return comm
+        return self.two_sided.comm(comm_id)
 
     def leave_comm(self, comm_id: int, timeout_ms: int) -> None:
         """Drop a two-sided link: its links (made for it, accepted or initiated) are unlinked."""
-        comm = self.comm(comm_id)
+        self.two_sided.leave(comm_id, timeout_ms)
+
+    def _current(self, cluster_id: int) -> Optional[Link]:
+        """The link to ``cluster_id`` in the table, or None."""
         with self._lock:
-            self.comms.pop(comm_id, None)
-        for member in comm.others:
-            self._drop_comm_link(member.cluster_id, comm.key, timeout_ms)
+            return self._peers.get(cluster_id)
+
+    def _settle_link(self, cluster_id: int, deadline: float) -> None:
+        """Fetch the table of a linked peer and choose this side's plane on its link."""
+        self.plane_choice.settle(self.peer(cluster_id), deadline)
 
     def _drop_comm_link(self, cluster_id: int, key: Tuple[str, str], timeout_ms: int = 1000) -> None:
         """Unlink the link to ``cluster_id`` if it was made for the comm ``key`` (a link belongs to
@@ -724,65 +606,27 @@ class LinkManager:
             self._unlinked_by_peer.discard(cluster_id)
             self._lost.pop(cluster_id, None)
 
-    # -- notifications --------------------------------------------------------------------------
-    def set_notify_handler(self, handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]]) -> None:
-        """Answer the linked peers' notifications with ``handler(peer_cluster_id, message) -> reply``
-        (JSON objects; it runs on the connection's thread, so it must be quick). None: refuse them
-        with ``LLM_FEATURE_NOT_ENABLED``."""
-        self._notify_handler = handler
+    # -- the application's hooks (``hooks``) -------------------------------------------------------
+    def set_notify_handler(self, handler: Optional[NotifyHandler]) -> None:
+        """``Hooks.set_notify_handler``: answer the peers' notifications with ``handler``."""
+        self.hooks.set_notify_handler(handler)
 
     def set_read_guard(self, guard: Optional[Callable[[int, bytes], Any]]) -> None:
-        """Check every peer's pull through the server with ``guard(peer_cluster_id, tag) ->
-        allowed ranges or None`` (``read_guard``); None: no guard."""
-        self.read_guard.set(guard)
+        """``Hooks.set_read_guard``: check every peer's pull through the server with ``guard``."""
+        self.hooks.set_read_guard(guard)
 
     def set_write_guard(self, guard: Optional[Callable[[int], Any]]) -> None:
-        """Check every peer's push through the server with ``guard(peer_cluster_id) -> allowed
-        ranges or None`` (``read_guard.WriteGuard``); None: no guard."""
-        self.write_guard.set(guard)
+        """``Hooks.set_write_guard``: check every peer's push through the server with ``guard``."""
+        self.hooks.set_write_guard(guard)
 
     def quiesce_writes(self, peer_cluster_id: int, timeout_s: float) -> bool:
-        """Wait for the peer's pushes that passed the write guard to end (``WriteGuard.quiesce``)."""
-        return self.write_guard.quiesce(peer_cluster_id, timeout_s)
+        """``Hooks.quiesce_writes``: wait for the peer's pushes that passed the write guard to end."""
+        return self.hooks.quiesce_writes(peer_cluster_id, timeout_s)
 
     def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
-        """Send a JSON object to a linked peer over the link (authenticated like it) and return
-        its handler's reply; ``LLMException`` with the peer's status if it refused or failed."""
-        peer = self.peer(remote_cluster_id)
-        try:
-            status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
-                                                  "notification", limit=budgets.max_message_bytes())
-        finally:
-            why = peer.broken()
-            if why is not None:
-                self._lose(peer, why)
-        if status != 0:
-            raise fail(status, f"cluster {remote_cluster_id} did not take the notification: "
-                                f"{status_of(status).name} ({reply.get('error', '')})")
-        return reply
-
-    def _on_notify(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
-        """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
-        message, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification",
-                                               self._count, peer)
-        if message is None:
-            return goes_on
-        status, answer = self._answer_notification(peer.cluster_id, message)
-        return server.reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
-
-    def _answer_notification(self, peer_id: int, message: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
-        handler = self._notify_handler
-        if handler is None:
-            return S.LLM_FEATURE_NOT_ENABLED, {"error": "this cluster takes no notifications"}
-        try:
-            answer = handler(peer_id, message)
-            if not isinstance(answer, dict):
-                raise TypeError(f"the notification handler returned {type(answer).__name__}, not a dict")
-            return S.LLM_SUCCESS, answer
-        except Exception:  # the application's handler: its failure is the peer's answer, not ours
-            logger.exception("cluster %d: the handler of a notification from cluster %d failed",
-                             self.engine.cluster_id, peer_id)
-            return S.LLM_FAILED, {"error": "the handler failed"}
+        """Send a JSON object to a linked peer over the link and return its handler's reply
+        (``Hooks.notify``); ``LLMException`` with the peer's status if it refused or failed."""
+        return self.hooks.notify(self.peer(remote_cluster_id), message, timeout_ms)
 
     def _on_unlink(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
@@ -798,7 +642,7 @@ class LinkManager:
             if self._peers.get(peer_id) is peer:
                 del self._peers[peer_id]
                 if not peer.unlinking:
-                    self._comm_link_ended(peer, "the peer unlinked")
+                    self.two_sided.link_ended(peer, "the peer unlinked")
                     self._unlinked_by_peer.add(peer_id)
                     while len(self._unlinked_by_peer) > budgets.MAX_LOST_RECORDS:
                         self._unlinked_by_peer.pop()
@@ -939,10 +783,10 @@ class LinkManager:
                 self._pending[peer.token] = peer
             return S.LLM_SUCCESS, self._link_reply(peer), peer
         with self._lock:
-            join = None if comm is None else self._joining.get(comm)
+            join = None if comm is None else self.two_sided.joining(comm)
             if comm is not None and join is None:
                 return S.LLM_NOT_YET_LINK, dict(reply, error="this cluster is not making that link now"), None
-            why = None if join is None else self._admit_member(join, peer_id, request.rank)
+            why = None if join is None else self.two_sided.admit_member(join, peer_id, request.rank)
             if why is not None:
                 return refuse(S.LLM_LINK_FAILED, why)
             old = self._peers.get(peer_id)
@@ -1128,7 +972,7 @@ class LinkManager:
             peer.close()
         self.listener.drain()  # connections still in their handshake, and its threads
         self.server.join()
-        self._threads.join()
+        self.two_sided.join_threads()
         self._relays.join()
         for plane in self.planes.all:
             plane.shutdown()
