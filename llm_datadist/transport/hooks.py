@@ -13,7 +13,7 @@ from llm_datadist.transport import budgets, server, wire
 from llm_datadist.transport.errors import S, fail, status_of
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
 from llm_datadist.transport.session import Link
-from llm_datadist.transport.slots import CountCallback
+from llm_datadist.transport.stats import CountCallback
 
 logger = logging.getLogger("llm_datadist")
 

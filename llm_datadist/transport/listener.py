@@ -23,8 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from llm_datadist.status import LLMException
 from llm_datadist.transport.errors import S, fail
-from llm_datadist.transport.slots import DEFAULT_PREAUTH_GRACE_MS, CountCallback, HandshakeSlots
-from llm_datadist.transport.sockets import Source, close_socket, source_of, tcp_listener, tune, unix_listener
+from llm_datadist.transport.slots import (DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
+                                          MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV,
+                                          HandshakeSlots)
+from llm_datadist.transport.sockets import Source, close_socket, env_int, source_of, tcp_listener, tune, unix_listener
+from llm_datadist.transport.stats import CountCallback
 from llm_datadist.transport.threads import Threads
 # (re-exported: the planes import it from here)
 from llm_datadist.transport.sockets import is_loopback  # noqa: F401
@@ -61,6 +64,15 @@ class Listener:
         self._extra_unix_name: Optional[str] = None  # the Unix socket of the extra listeners
         self._extra_loops = Threads("llm_datadist-listen")
         self._threads = Threads("llm_datadist-conn")
+
+    @classmethod
+    def from_env(cls, cluster_id: int, on_accept: AcceptCallback, count: CountCallback) -> "Listener":
+        """A listener whose handshake slots have the caps the environment sets
+        (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``, ``LLM_DATADIST_MAX_PENDING_PER_SOURCE``,
+        ``LLM_DATADIST_PREAUTH_GRACE_MS``)."""
+        return cls(cluster_id, on_accept, env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), count,
+                   env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE),
+                   env_int(PREAUTH_GRACE_ENV, DEFAULT_PREAUTH_GRACE_MS))
 
     # -- what it listens on ---------------------------------------------------------------------
     @property

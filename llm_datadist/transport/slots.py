@@ -29,9 +29,10 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from llm_datadist.transport.sockets import Source, close_socket, describe, source_of
+from llm_datadist.transport.stats import CountCallback
 
 logger = logging.getLogger("llm_datadist")
 
@@ -46,10 +47,6 @@ MAX_PENDING_PER_SOURCE_ENV = "LLM_DATADIST_MAX_PENDING_PER_SOURCE"
 #: it gives its slot up: well above a handshake's round trips, well below the handshake timeout.
 DEFAULT_PREAUTH_GRACE_MS = 250
 PREAUTH_GRACE_ENV = "LLM_DATADIST_PREAUTH_GRACE_MS"
-
-#: ``count(counter)``: add one to a counter of the link statistics, return its new value.
-CountCallback = Callable[[str], int]
-
 
 class HandshakeSlots:
     """The accepted connections of one cluster still in their handshake, and the newcomers waiting

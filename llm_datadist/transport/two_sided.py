@@ -33,22 +33,24 @@ LinkFunction = Callable[..., LLMStatusCode]
 
 
 class TwoSidedLinks:
-    """The comms of one engine, under ``lock`` (the link table's). It is handed ``link`` to make
-    a link, ``current(cluster_id)`` (the table's link to a cluster, or None),
-    ``drop(cluster_id, key, timeout_ms)`` (unlink the link to a cluster if it was made for the
-    comm ``key``), ``settle(cluster_id, deadline)`` (fetch a linked peer's table and choose its
-    plane), and the ``listener`` that listens on a member's rank-table address while it joins."""
+    """The comms of one engine, under ``lock`` (the link table's). It is handed ``link`` and
+    ``unlink`` (``LinkManager``'s), the link table's ``current(cluster_id)`` (its link to a
+    cluster, or None) and ``forget_ended(cluster_id)`` (forget why a link ended),
+    ``settle(cluster_id, deadline)`` (fetch a linked peer's table and choose its plane), and the
+    ``listener`` that listens on a member's rank-table address while it joins."""
 
     def __init__(self, cluster_id: int, lock: threading.RLock, settings: LinkSettings, listener: Listener,
-                 link: LinkFunction, current: Callable[[int], Optional[Link]],
-                 drop: Callable[[int, Tuple[str, str], int], None], settle: Callable[[int, float], None]) -> None:
+                 link: LinkFunction, unlink: Callable[[int, int, bool], LLMStatusCode],
+                 current: Callable[[int], Optional[Link]], forget_ended: Callable[[int], None],
+                 settle: Callable[[int, float], None]) -> None:
         self.cluster_id = cluster_id
         self._lock = lock
         self._settings = settings
         self._listener = listener
         self._link = link
+        self._unlink = unlink
         self._current = current
-        self._drop = drop
+        self._forget_ended = forget_ended
         self._settle = settle
         self._joining: Dict[Tuple[str, str], Join] = {}  # two-sided links being made, listening side
         #: The comms made, by comm id.
@@ -121,7 +123,7 @@ class TwoSidedLinks:
             with self._lock:
                 self._joining.pop(comm.key, None)
             for member in comm.others:  # links made for this comm go with it
-                self._drop(member.cluster_id, comm.key, 1000)
+                self._drop(member.cluster_id, comm.key)
             raise
         finally:
             if listen_at is not None:
@@ -203,6 +205,14 @@ class TwoSidedLinks:
             self.comms.pop(comm_id, None)
         for member in comm.others:
             self._drop(member.cluster_id, comm.key, timeout_ms)
+
+    def _drop(self, cluster_id: int, key: Tuple[str, str], timeout_ms: int = 1000) -> None:
+        """Unlink the link to ``cluster_id`` if it was made for the comm ``key`` (a link belongs to
+        the one comm it was made for: ``link`` does not let another comm use it)."""
+        peer = self._current(cluster_id)
+        if peer is not None and peer.comm == key:
+            self._unlink(cluster_id, timeout_ms, False)
+        self._forget_ended(cluster_id)
 
     def join_threads(self) -> None:
         """Join the threads exchanging the tables of comms just made."""

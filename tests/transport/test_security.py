@@ -915,7 +915,7 @@ def _peer_uid(state, remote_id: int) -> int:
 def _plane_if_same_user(state, remote_id: int) -> str:
     links = state.dd.engine.links
     peer = links.peer(remote_id)
-    _, info = links._fetch_table(peer, 3000)
+    _, info = links.plane_choice.fetch_table(peer, 3000)
     peer.uid = os.geteuid()
     return links.plane_choice.choose(peer, info).name
 

@@ -1,5 +1,6 @@
-"""Which data planes carry this side's transfers on each link (``PlaneChoice``), and what of the
-peer's table reply the planes read (``plane_facts``).
+"""Which data planes carry this side's transfers on each link (``PlaneChoice``), chosen by the
+peer's cache table (``PlaneChoice.fetch_table``) and what of its table reply the planes read
+(``plane_facts``).
 
 Nothing the peer claims about itself is trusted: each side fetches the other's cache table over
 its own connections of the link and picks the data plane of its own transfers: the one the
@@ -17,22 +18,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+from llm_datadist.status import LLMException
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
-from llm_datadist.transport.errors import S, fail
+from llm_datadist.transport import wire
+from llm_datadist.transport.errors import S, ProtocolError, fail
 from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.session import Link
 from llm_datadist.transport.settings import LinkSettings
+from llm_datadist.transport.stats import CountCallback
 from llm_datadist.transport.table import RemoteTable
 
 logger = logging.getLogger("llm_datadist")
-
-#: ``fetch_table(link, timeout_ms)``: the peer's cache table and what its planes told us
-#: (``plane_facts``), fetched over the link.
-FetchTable = Callable[[Link, int], Tuple[RemoteTable, Dict[str, Any]]]
-
 
 def plane_facts(body: Dict[str, Any]) -> Dict[str, Any]:
     """What of a table reply is kept beside the table: each entry a plane reads
@@ -62,17 +61,18 @@ def accept_plane(peer: Link, plane: DataPlane, facts: Any, deadline: float) -> O
 
 
 class PlaneChoice:
-    """The choice of each link's planes for one engine, among the instances of ``planes`` (its
-    ``PlaneSet``) under ``settings.plane`` (``auto`` or the forced plane); the table and facts
-    it chooses by come from ``fetch_table``. What it chooses is kept in the link (``Link.plane``,
-    ``Link.device_planes``, ``Link.extra_planes``), under the link's ``settle_lock``."""
+    """The peer's table on each link of one engine, and the choice of the link's planes by it,
+    among the instances of ``planes`` (its ``PlaneSet``) under ``settings.plane`` (``auto`` or the
+    forced plane). What it fetches and chooses is kept in the link (``Link.table``,
+    ``Link.facts``, ``Link.plane``, ``Link.device_planes``, ``Link.extra_planes``). ``count`` is
+    told of ``refused_tables`` and ``malformed_tables``."""
 
     def __init__(self, cluster_id: int, settings: LinkSettings, planes: plane_registry.PlaneSet,
-                 fetch_table: FetchTable) -> None:
+                 count: CountCallback) -> None:
         self.cluster_id = cluster_id
         self._settings = settings
         self._planes = planes
-        self._fetch_table = fetch_table
+        self._count = count
 
     def offered(self) -> List[str]:
         """The planes this side names in its link request or reply."""
@@ -82,6 +82,28 @@ class PlaneChoice:
         """Whether a plane this side may use wants the link's connections on Unix sockets."""
         return any(plane_registry.get(name).local_sockets for name in plane_registry.offered(self._settings.plane))
 
+    def fetch_table(self, peer: Link, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
+        """The peer's cache table, and what its planes told us (``plane_facts``); a reply that is
+        malformed in either fails with ``LLM_LINK_FAILED`` (counted ``malformed_tables``)."""
+        status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
+                                             limit=self._settings.max_table_bytes,
+                                             on_oversized=lambda: self._count("refused_tables"))
+        try:
+            return RemoteTable(body), plane_facts(body)
+        except ProtocolError as exc:
+            self._count("malformed_tables")
+            raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
+                               status_code=S.LLM_LINK_FAILED) from None
+
+    def refresh_table(self, peer: Link, timeout_ms: int) -> RemoteTable:
+        """Fetch the peer's table again (its registry changed), and tell the link's planes."""
+        table, facts = self.fetch_table(peer, timeout_ms)
+        peer.table, peer.facts = table, facts
+        for plane in [peer.plane, *peer.extra_planes]:
+            if plane is not None:
+                plane.on_table(peer, table)
+        return table
+
     def settle(self, peer: Link, deadline: float) -> None:
         """Fetch the peer's table and choose the plane of this side's transfers (once)."""
         if peer.plane is not None:
@@ -89,7 +111,7 @@ class PlaneChoice:
         with peer.settle_lock:
             if peer.plane is not None:
                 return
-            table, facts = self._fetch_table(peer, dl.left_ms(deadline))
+            table, facts = self.fetch_table(peer, dl.left_ms(deadline))
             plane = self.choose(peer, facts, deadline)
             peer.table, peer.facts = table, facts
             peer.plane = plane
