@@ -106,7 +106,7 @@ class LinkManager:
         self.two_sided = TwoSidedLinks(engine.cluster_id, self._lock, self.settings, self.listener, self.link,
                                        self.unlink, self._current, self._forget_ended, self._settle_link)
 
-    # (the settings tests and callers read and change here)
+    # (settings that callers read, and tests change, here)
     @property
     def secret(self) -> Optional[bytes]:
         return self.settings.secret
@@ -171,11 +171,9 @@ class LinkManager:
 
     def _reserve(self, cluster_id: int, comm: Optional[Tuple[str, str]] = None,
                  look: bool = False) -> Tuple[Optional[Known], Optional[Link]]:
-        """Reserve ``cluster_id`` for a link this side makes now (``look``: only look whether it
-        could be): ``(None, its old link or None)``, the old link (whose connections are gone)
-        forgotten, for the caller to close; or ``(Known, None)`` if the cluster is being linked or
-        linked -- the status a link for the comm ``comm`` (or for none) answers, None for the
-        peer's own link being made (to be waited for)."""
+        """Reserve ``cluster_id`` for a link this side makes (``look``: only look): ``(None, the old
+        link, forgotten for the caller to close, or None)``, or ``(Known, None)`` if the cluster is
+        linked or being linked (``Connector``)."""
         with self._lock:
             old = self._peers.get(cluster_id)
             if cluster_id in self._linking:
