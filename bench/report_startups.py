@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How long a cluster with the link secret takes to link while a stranger without it holds the
-listener's handshake slots (``transport.listener``: the pre-authentication pool).
+listener's handshake slots (``transport.slots``: the pre-authentication pool).
 
     python bench/report_startups.py                       # the default scenarios, 20 links each
     python bench/report_startups.py 32x2:idle 128x2:hello --attempts 40

@@ -13,7 +13,7 @@ process, and the pace at which a body holding them must arrive.
 - ``LLM_DATADIST_MAX_PARSING_BYTES`` (default 16 MiB): the bytes of control messages (requests
   and table replies) read and parsed at once in this process. It is shared out: one link holds
   at most a table reply and a message of it (``parsing_per_link``), the links of one source
-  (``listener.source_of``: an IP address over TCP, a uid over a Unix socket; for a link this side
+  (``sockets.source_of``: an IP address over TCP, a uid over a Unix socket; for a link this side
   made, the address it linked to) at most ``LLM_DATADIST_MAX_PARSING_PER_SOURCE`` (default a
   quarter). A request that would exceed any of the three waits up to ``PARSING_WAIT_S`` and is
   then read, dropped and refused with ``LLM_LINK_BUSY``.
@@ -132,7 +132,7 @@ def truncate_reason(why: str) -> str:
 
 @dataclass(eq=False)
 class Share:
-    """One link's account in one ``ByteBudget``: the link's source (``listener.source_of``; None:
+    """One link's account in one ``ByteBudget``: the link's source (``sockets.source_of``; None:
     not known) and the bytes the link holds of the budget now (changed under the budget's lock)."""
 
     source: Any = None
@@ -141,7 +141,7 @@ class Share:
 
 @dataclass(eq=False)
 class LinkShares:
-    """A link's accounts in the process's parsing and staging budgets (``Peer.shares``)."""
+    """A link's accounts in the process's parsing and staging budgets (``Link.shares``)."""
 
     source: Any = None
     parsing: Share = field(init=False)

@@ -142,7 +142,7 @@ class Comm:
 @dataclass
 class Join:
     """A two-sided link being made, as its listening member holds it: the higher members that
-    link here (cluster id -> rank), the link accepted for each (a ``session.Peer``), and why the
+    link here (cluster id -> rank), the link accepted for each (a ``session.Link``), and why the
     join failed (two links claimed one rank, or a link of it ended), if it did."""
 
     expected: Dict[int, int]

@@ -46,7 +46,7 @@ from llm_datadist.transport import auth, budgets, protection, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport.errors import S, MutualLink, ProtocolError, brief, fail, is_int, status_of
 from llm_datadist.transport.host import host_identity, same_host
-from llm_datadist.transport.listener import close_socket, tune
+from llm_datadist.transport.sockets import close_socket, tune
 from llm_datadist.transport.session import (CONNECTIONS_PER_DIRECTION, MAX_CONNECTIONS, peer_credentials, read_body,
                                             read_header)
 

@@ -1,77 +1,57 @@
-"""Links between clusters: ``LinkManager``, the facade the engine uses, and the link table.
-
-``LinkManager`` is composed of parts that own their state: a ``listener.Listener`` (its sockets,
-accept loops, pending-handshake accounting), handed ``_serve_accepted`` as its accept callback; the
-handshake's plain functions (``handshake``), which say what a connection agreed and leave the
-decision to the manager; a ``server.Server`` (its connection threads), handed the dispatch table
-(``server.Requests`` for what the engine answers, the manager's own handlers for notifications and
-unlinks) and the ``EngineView``; and the engine's ``planes.PlaneSet``. The manager keeps the link
-table (links made, pending, lost) and the choice of each link's planes; each plane's per-link
-state lives in the link (``Peer.plane_state``, made by ``DataPlane.link_state`` before the plane's
-``accept`` and dropped when it refuses or the link ends).
-
-A link between a client (the side calling ``link_clusters``) and a server (the side with
-``listen_ip_info``) is made of connections that the client opens (``handshake``): a *link*
-connection for the handshake, then *forward* connections (the client's requests, served by
-server threads, ``server``) and *reverse* ones (the server's requests), Unix sockets on this host
-when a plane wants them, TCP otherwise. The listeners are ``listener``'s; a link's state on this
-side is a ``session.Peer``.
-
-Nothing the peer claims about itself is trusted: each side fetches the other's cache table over
-its own connections of the link and picks the data plane of its own transfers (``planes``): the
-one the option ``llm.DataPlane`` (or the environment variable ``LLM_DATADIST_DATA_PLANE``)
-forces, or under ``auto`` the first of ``planes.auto_order()`` that accepts the link -- the
-same-host plane towards a process the kernel proved, frames otherwise. A transfer with device
-memory that the host cannot address on either side (the engine says so of its own cache, the
-peer's table of the peer's) goes to a plane with ``device_memory`` instead, chosen per link and
-per combination on first use (``DataPlane`` in ``planes.base``).
+"""Links between clusters: ``LinkManager``, the facade the engine uses. It holds the link table
+(links made, pending, being made, ended) and moves the bytes of transfers over the links; the
+rest is done by parts that own their state, each handed what it needs as arguments or callbacks
+(design.md section 10): ``settings``, ``listener`` (with its handshake ``slots``), ``acceptor``
+(``accept``: the accepting side of the handshake), ``connector`` (``connect``: the linking side),
+``server``, ``plane_choice`` (``planes.choice``) over the engine's ``planes``, ``two_sided``
+(the comms, under the table's lock), ``hooks`` (notifications, read and write guards),
+``relays`` (of protected connections) and ``counters`` (``stats``). What a part asks of the
+table, the table answers under its lock (``_take_accepted``, ``_attach``, ``_reserve``, ...).
 
 A connection that closes or breaks ends its whole link on both sides (``lost_links`` says why);
-a new link from a cluster that is still linked is refused unless the old link's connections
-are already closed. The listeners survive transient ``accept()`` failures, and handshakes,
-links and threads are bounded, in all and per source -- one IP address over TCP, one uid over
-the Unix socket (``LLM_DATADIST_MAX_PENDING_HANDSHAKES``, ``LLM_DATADIST_MAX_PENDING_PER_SOURCE``,
-``LLM_DATADIST_MAX_LINKS``, ``LLM_DATADIST_MAX_LINKS_PER_SOURCE``,
-``LLM_DATADIST_HANDSHAKE_TIMEOUT_MS``); an unauthenticated connection gives its handshake slot
-to a newcomer once it has had ``LLM_DATADIST_PREAUTH_GRACE_MS`` (``listener``).
+a new link from a cluster that is still linked is refused unless the old link's connections are
+already closed. Links are bounded, in all and per source (``LLM_DATADIST_MAX_LINKS``,
+``LLM_DATADIST_MAX_LINKS_PER_SOURCE``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from llm_datadist import _io
 from llm_datadist.status import LLMException, LLMStatusCode
-from llm_datadist.transport import auth, budgets, handshake, protection, server, wire
+from llm_datadist.transport import budgets, wire
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes as plane_registry
-from llm_datadist.transport.comms import Comm, Join
+from llm_datadist.transport import server
+from llm_datadist.transport.accept import Acceptor, Refusal, over_link_caps
+from llm_datadist.transport.comms import Comm
+from llm_datadist.transport.connect import Connector, Known
 from llm_datadist.transport.engine_view import EngineView
-from llm_datadist.transport.errors import S, MutualLink, ProtocolError, StaleTable, brief, fail, status_of
-from llm_datadist.transport.listener import (DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_LINKS,
-                                             DEFAULT_MAX_LINKS_PER_SOURCE, DEFAULT_MAX_PENDING,
-                                             DEFAULT_MAX_PENDING_PER_SOURCE, DEFAULT_PREAUTH_GRACE_MS,
-                                             HANDSHAKE_TIMEOUT_ENV, MAX_LINKS_ENV, MAX_LINKS_PER_SOURCE_ENV,
-                                             MAX_PENDING_ENV, MAX_PENDING_PER_SOURCE_ENV, PREAUTH_GRACE_ENV, Listener,
-                                             close_socket, describe, env_int, is_loopback, source_of, warn_once)
-from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, DataPlane, PlaneSet
-from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
+from llm_datadist.transport.errors import S, StaleTable, fail
+from llm_datadist.transport.hooks import Hooks, NotifyHandler
+from llm_datadist.transport.listener import Listener
+from llm_datadist.transport.planes import DATA_PLANE_ENV, DATA_PLANE_OPTION, PlaneSet
+from llm_datadist.transport.planes.choice import PlaneChoice
+from llm_datadist.transport.relays import Relays
 from llm_datadist.transport.server import Requests, Server
-from llm_datadist.transport.session import MAX_CONNECTIONS, Channel, Peer, peer_credentials
+from llm_datadist.transport.session import MAX_CONNECTIONS, Link
+from llm_datadist.transport.settings import LinkSettings
+from llm_datadist.transport.stats import LinkStats
 from llm_datadist.transport.table import RemoteTable
-from llm_datadist.transport.threads import Threads
+from llm_datadist.transport.two_sided import TwoSidedLinks
 
-__all__ = ["LinkManager", "Peer", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
+__all__ = ["LinkManager", "resolve_plane", "DATA_PLANE_OPTION", "DATA_PLANE_ENV"]
 
 logger = logging.getLogger("llm_datadist")
 
 #: How long ``close`` (finalize) waits for each peer to acknowledge its unlink.
 FINALIZE_UNLINK_MS = 500
+#: The answer to a link request from a cluster this one is linking to at the same moment.
+_MUTUAL = Refusal(S.LLM_ALREADY_LINK, "this cluster is linking to you at the same time; one link serves both",
+                  logged=False, mutual=True)
 
 
 def resolve_plane(options: Dict[str, str]) -> str:
@@ -80,104 +60,77 @@ def resolve_plane(options: Dict[str, str]) -> str:
 
 
 class LinkManager:
-    """The link table of one engine, and the facade over its listener, server and planes."""
+    """The link table of one engine, and the facade over the parts of its links (module docstring)."""
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
-        #: ``auto`` or the plane ``llm.DataPlane`` forces.
-        self.plane = resolve_plane(engine.options)
-        # (refused secrets and settings before any plane holds anything)
-        self.secret = auth.resolve_secret(engine.options)
-        #: This side's ``llm.LinkProtection`` (``protection``): what it asks for and insists on.
-        self.protection = protection.resolve(engine.options, self.secret)
+        #: What the links are held to (the plane, the secret, the protection, the caps).
+        self.settings = LinkSettings.resolve(engine.cluster_id, engine.options)
         #: One instance of every registered plane, for this engine (a mapping by name).
         self.planes = PlaneSet(engine)
-        self.remote_accessible = engine.options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
-        #: Proves this process's own self-links: a connection claiming this cluster's id without
-        #: a proof made with it is refused (``refused_self``).
-        self._self_key = auth.new_self_key()
-        self.max_links = env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS)
-        self.max_links_per_source = env_int(MAX_LINKS_PER_SOURCE_ENV, DEFAULT_MAX_LINKS_PER_SOURCE)
-        self.handshake_ms = env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS)
-        self._lock = threading.RLock()
-        self._peers: Dict[int, Peer] = {}
-        self._pending: Dict[str, Peer] = {}   # server side: token -> a link waiting for its connections
+        #: The counters of refused or failed connections (``stats.COUNTERS``; ``link_stats``).
+        self.counters = LinkStats()
+        self.stats = self.counters.values
+        count = self.counters.count
+        #: The peer's table on each link, and the planes chosen by it.
+        self.plane_choice = PlaneChoice(engine.cluster_id, self.settings, self.planes, count)
+        self._lock = threading.RLock()  # the link table's
+        self._peers: Dict[int, Link] = {}
+        self._pending: Dict[str, Link] = {}   # server side: token -> a link waiting for its connections
         self._linking: set = set()            # client side: cluster ids being linked now
         self._lost: Dict[int, str] = {}       # cluster id -> why its link ended without an unlink
         self._unlinked_by_peer: set = set()   # cluster ids whose link the peer ended with an unlink
-        self._self_peers: List[Peer] = []     # server side of links this cluster made to its own listener
-        self._joining: Dict[Tuple[str, str], Join] = {}  # two-sided links being made, listening side
-        self.comms: Dict[int, Comm] = {}
-        self._next_comm_id = 1
+        self._self_peers: List[Link] = []     # server side of links this cluster made to its own listener
         self._closed = False
-        self._notify_handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
-        #: Counters of refused or failed connections (``link_stats()``): ``refused_busy`` and
-        #: ``refused_source``, connections closed by the handshake caps (global, per source) when
-        #: no slot came free within ``LLM_DATADIST_PREAUTH_GRACE_MS``; ``preauth_evicted``,
-        #: unauthenticated connections that gave their slot to a newcomer after that grace, and
-        #: ``preauth_waited``, newcomers that waited for a slot (``listener``); ``refused_links``
-        #: and ``refused_source_links``, link requests refused by the link caps (global, per
-        #: source); ``refused_self``, link requests claiming this cluster's id without proving that
-        #: they come from this process. The byte budgets
-        #: (``budgets``): ``refused_oversized``, control requests over ``LLM_DATADIST_MAX_MESSAGE_BYTES``;
-        #: ``refused_parsing``, control requests that found no room in the parsing budget (or their
-        #: link's or source's share of it);
-        #: ``refused_tables``, table replies over ``LLM_DATADIST_MAX_TABLE_BYTES`` (the link failed);
-        #: ``refused_reads``, pulls the read guard refused (``read_guard``); ``refused_writes``, pushes
-        #: the write guard refused; ``protection_failures``,
-        #: records of a protected link that failed their check (``protection``; the link closed);
-        #: ``malformed_tables``, table replies whose table or plane entries were malformed (the
-        #: link failed).
-        self.stats = {"accept_errors": 0, "refused_busy": 0, "refused_source": 0, "preauth_evicted": 0,
-                      "preauth_waited": 0, "refused_links": 0, "refused_source_links": 0, "refused_self": 0,
-                      "auth_failures": 0, "handshake_failures": 0, "links_lost": 0, "refused_oversized": 0,
-                      "refused_parsing": 0, "refused_tables": 0,
-                      "refused_reads": 0, "refused_writes": 0, "protection_failures": 0, "malformed_tables": 0}
-        #: The largest table reply taken from a peer (``LLM_DATADIST_MAX_TABLE_BYTES``).
-        self.max_table_bytes = budgets.max_table_bytes()
         #: The listening sockets; each accepted connection comes to ``_serve_accepted``.
-        self.listener = Listener(engine.cluster_id, self._serve_accepted,
-                                 env_int(MAX_PENDING_ENV, DEFAULT_MAX_PENDING), self._count,
-                                 env_int(MAX_PENDING_PER_SOURCE_ENV, DEFAULT_MAX_PENDING_PER_SOURCE),
-                                 env_int(PREAUTH_GRACE_ENV, DEFAULT_PREAUTH_GRACE_MS))
+        self.listener = Listener.from_env(engine.cluster_id, self._serve_accepted, count)
         device_payload = next((p.device_payload for p in self.planes.all if p.device_payload is not None), None)
-        #: Which registered memory a peer may pull through the server (none installed: all of it).
-        self.read_guard = ReadGuard(engine.cluster_id, self._count)
-        #: Which registered memory a peer may push into through the server (none installed: all of it).
-        self.write_guard = WriteGuard(engine.cluster_id, self._count)
-        handlers = Requests(engine, lambda: self.planes.all, device_payload, self._count, self.read_guard,
+        #: The notification handler and the read and write guards.
+        self.hooks = Hooks(engine.cluster_id, count, self._lose)
+        self.read_guard, self.write_guard = self.hooks.read_guard, self.hooks.write_guard
+        handlers = Requests(engine, lambda: self.planes.all, device_payload, count, self.read_guard,
                             self.write_guard).handlers()
-        handlers[wire.OP_NOTIFY] = self._on_notify
+        handlers[wire.OP_NOTIFY] = self.hooks.on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.
         self.server = Server(engine, handlers, self._lose)
-        self._threads = Threads("llm_datadist-conn")  # the manager's background work (_prepare_comm)
-        self._relays = Threads("llm_datadist-seal")   # the relays of protected connections
+        #: The relays of protected connections.
+        self.relays = Relays(self.settings, count)
+        #: The accepting side: the handshake of each accepted connection.
+        self.acceptor = Acceptor(engine, self.settings, self.listener, self.server, self.plane_choice, self.relays,
+                                 count, self._take_accepted, self._attach, self._arrived, self._lose)
+        #: The linking side: the links this cluster makes.
+        self.connector = Connector(engine, self.settings, self.plane_choice, self.relays, self.server, count,
+                                   self._reserve, self._release, self._install, self._peer_linked_here)
+        #: The two-sided links (``LLMDataDist.link``), under the table's lock.
+        self.two_sided = TwoSidedLinks(engine.cluster_id, self._lock, self.settings, self.listener, self.link,
+                                       self.unlink, self._current, self._forget_ended, self._settle_link)
 
-    def _count(self, counter: str) -> int:
-        with self._lock:
-            self.stats[counter] += 1
-            return self.stats[counter]
+    # (settings that callers read, and tests change, here)
+    @property
+    def secret(self) -> Optional[bytes]:
+        return self.settings.secret
+
+    @secret.setter
+    def secret(self, value: Optional[bytes]) -> None:
+        self.settings.secret = value
+
+    @property
+    def handshake_ms(self) -> int:
+        return self.settings.handshake_ms
+
+    @handshake_ms.setter
+    def handshake_ms(self, value: int) -> None:
+        self.settings.handshake_ms = value
+
+    @property
+    def remote_accessible(self) -> bool:
+        return self.settings.remote_accessible
 
     def link_stats(self) -> Dict[str, int]:
-        """A snapshot of ``stats``, and of the process's budgets (``budgets``): ``refused_staging``,
-        staged transfers that found no room in ``LLM_DATADIST_MAX_STAGING_BYTES`` (or their link's
-        or source's share of it) in time; ``stalled_parsing`` and ``stalled_staging``, control
-        bodies and staged payloads that stalled while they held some of a budget (their links
-        dropped); and the bytes each process budget holds now and held at most (``parsing_bytes``,
-        ``parsing_bytes_peak``, ``staging_bytes``, ``staging_bytes_peak``); and each plane's own
-        counters (``DataPlane.counters``: cuda_ipc's ``partial_registrations``). The process
-        budgets are shared by every engine of the process."""
-        with self._lock:
-            snapshot = dict(self.stats)
-        for plane in self.planes.all:
-            snapshot.update(plane.counters())
-        parsing, staging = budgets.parsing(), budgets.staging()
-        snapshot.update(refused_staging=staging.refused, stalled_parsing=parsing.stalled,
-                        stalled_staging=staging.stalled, parsing_bytes=parsing.in_use,
-                        parsing_bytes_peak=parsing.peak, staging_bytes=staging.in_use,
-                        staging_bytes_peak=staging.peak)
-        return snapshot
+        """A snapshot of ``stats``, of the process's budgets and of each plane's own counters
+        (``LinkStats.snapshot``)."""
+        return self.counters.snapshot(self.planes.all)
 
     # -- listening --------------------------------------------------------------------------------
     @property
@@ -195,265 +148,73 @@ class LinkManager:
         self.listener.start(ip, port)
         host, bound = self.listen_address
         logger.info("cluster %d listening on %s:%d", self.engine.cluster_id, host, bound)
-        self._warn_open(ip, bound)
+        self.settings.warn_if_open(ip, bound)
 
     def stop_listener(self) -> None:
         self.listener.stop()
 
-    def _warn_open(self, ip: str, port: int) -> None:
-        if self.secret is None and not is_loopback(ip):
-            warn_once(f"cluster {self.engine.cluster_id} listens on {ip}:{port} without a link secret: "
-                      f"any process that reaches this address can link, read and write the registered "
-                      f"caches (set {auth.SECRET_OPTION} / {auth.SECRET_ENV} on every cluster)")
-
-    # -- client side ------------------------------------------------------------------------------
+    # -- making links (``connect``) ---------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, timeout_ms: int,
              comm: Optional[Tuple[str, str]] = None, quiet: bool = False, rank: Optional[int] = None) -> LLMStatusCode:
-        """Link to the cluster listening on ``ip:port``; returns a status, never raises.
-
-        A cluster that has linked to this one already is linked (``LLM_SUCCESS``: that link
-        serves both); so is one that links to this one at the same moment (the link made by the
-        lower cluster id is kept). ``comm`` names the two-sided link this one is part of, in
-        which this cluster has ``rank``; a link made for another purpose does not serve it
-        (``LLM_ALREADY_LINK``).
-        """
-        deadline = dl.after(timeout_ms)
-        with self._lock:
-            old = self._peers.get(remote_cluster_id)
-            if remote_cluster_id in self._linking:
-                return S.LLM_ALREADY_LINK
-            live = old is not None and not old.hung_up()
-            if live and comm is not None:
-                return S.LLM_SUCCESS if old.is_client and old.comm == comm else S.LLM_ALREADY_LINK
-            if live and old.is_client:
-                return S.LLM_ALREADY_LINK
-            if live and old.ready:
-                return S.LLM_SUCCESS  # the peer linked to this cluster: that link serves both
-        if live:  # the peer's link to this cluster is being made right now: it will serve both
-            return self._await_mutual(remote_cluster_id, deadline)
-        with self._lock:
-            old = self._peers.get(remote_cluster_id)
-            if remote_cluster_id in self._linking or (old is not None and not old.hung_up()):
-                return S.LLM_ALREADY_LINK
-            if old is not None:
-                self._forget(old, "its connections were closed")
-            self._linking.add(remote_cluster_id)
-            self._unlinked_by_peer.discard(remote_cluster_id)
-        if old is not None:
-            old.close()
-        sockets: List[socket.socket] = []
-        log = logger.debug if quiet else logger.error
-        try:
-            return self._link(remote_cluster_id, ip, port, deadline, sockets, comm, rank)
-        except MutualLink:
-            status = self._await_mutual(remote_cluster_id, deadline)
-        except LLMException as exc:
-            if isinstance(exc, handshake.AuthRefused):
-                self._count("auth_failures")
-            log("link %d -> %d (%s:%d) failed: %s", self.engine.cluster_id, remote_cluster_id, ip, port, exc)
-            status = exc.status_code
-        except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
-            log("link %d -> %d (%s:%d) failed: %s: %s", self.engine.cluster_id, remote_cluster_id,
-                ip, port, type(exc).__name__, exc)
-            status = S.LLM_LINK_FAILED
-        finally:
-            with self._lock:
-                self._linking.discard(remote_cluster_id)
-        for sock in sockets:
-            close_socket(sock)
-        return status
+        """Link to the cluster listening on ``ip:port``; returns a status, never raises
+        (``Connector.link``)."""
+        return self.connector.link(remote_cluster_id, ip, port, timeout_ms, comm, quiet, rank)
 
     def link_address(self, ip: str, port: int, timeout_ms: int) -> Tuple[LLMStatusCode, Optional[int]]:
-        """Link to whichever cluster listens on ``ip:port``: ``(status, its cluster id)``, the id
-        None when no handshake got that far; never raises. The id is the one the peer's challenge
-        names (with a link secret, proven by it like a given one: ``handshake.client_handshake``)
-        and the link is made to that id, as ``link`` would. A cluster already linked answers
-        ``LLM_ALREADY_LINK`` (this side's link) or ``LLM_SUCCESS`` (the peer's, which serves both);
-        this cluster's own listener is refused (``LLM_LINK_FAILED``)."""
-        deadline = dl.after(timeout_ms)
-        mine = self.engine.cluster_id
-        found: List[int] = []
-        reserved: List[int] = []
+        """Link to whichever cluster listens on ``ip:port``: ``(status, its cluster id)``; never
+        raises (``Connector.link_address``)."""
+        return self.connector.link_address(ip, port, timeout_ms)
 
-        def reserve(peer_id: int) -> None:  # as ``link`` does before it connects
-            found.append(peer_id)
-            if peer_id == mine:
-                raise fail(S.LLM_LINK_FAILED, "that address is this cluster's own listener")
-            with self._lock:
-                old = self._peers.get(peer_id)
-                if peer_id in self._linking:
-                    raise _Known(S.LLM_ALREADY_LINK)
-                if old is not None and not old.hung_up():
-                    raise _Known(S.LLM_ALREADY_LINK if old.is_client else S.LLM_SUCCESS if old.ready else None)
-                if old is not None:
-                    self._forget(old, "its connections were closed")
-                self._linking.add(peer_id)
-                self._unlinked_by_peer.discard(peer_id)
-                reserved.append(peer_id)
+    def link_many(self, targets: List[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
+        """Link to every ``(cluster_id, ip, port)`` in parallel (at most 16 at a time)."""
+        return _parallel(lambda t: self.link(t[0], t[1], t[2], timeout_ms), targets)
+
+    def _reserve(self, cluster_id: int, comm: Optional[Tuple[str, str]] = None,
+                 look: bool = False) -> Tuple[Optional[Known], Optional[Link]]:
+        """Reserve ``cluster_id`` for a link this side makes (``look``: only look): ``(None, the old
+        link, forgotten for the caller to close, or None)``, or ``(Known, None)`` if the cluster is
+        linked or being linked (``Connector``)."""
+        with self._lock:
+            old = self._peers.get(cluster_id)
+            if cluster_id in self._linking:
+                return Known(S.LLM_ALREADY_LINK), None
+            if old is not None and not old.hung_up():
+                if comm is not None:
+                    return Known(S.LLM_SUCCESS if old.is_client and old.comm == comm else S.LLM_ALREADY_LINK), None
+                # (the peer's link to this cluster, made or being made, serves both)
+                return Known(S.LLM_ALREADY_LINK if old.is_client else S.LLM_SUCCESS if old.ready else None), None
+            if look:
+                return None, None
             if old is not None:
-                old.close()
+                self._forget(old, "its connections were closed")
+            self._linking.add(cluster_id)
+            self._unlinked_by_peer.discard(cluster_id)
+        return None, old
 
-        sockets: List[socket.socket] = []
-        try:
-            first = handshake.connect_tcp(ip, port, deadline)
-            sockets.append(first)
-            agreement = handshake.request_link(first, mine, self.secret, None, self.engine.role,
-                                               self._offered_planes(), self.remote_accessible,
-                                               self._wants_local_sockets(), deadline, on_peer=reserve,
-                                               protect=self.protection)
-            status = self._finish_link(agreement.cluster_id, ip, port, deadline, sockets, first, agreement)
-        except _Known as known:
-            status = known.status if known.status is not None else self._await_mutual(found[0], deadline)
-        except MutualLink:
-            status = self._await_mutual(found[0], deadline)
-        except LLMException as exc:
-            if isinstance(exc, handshake.AuthRefused):
-                self._count("auth_failures")
-            logger.error("link %d -> %s:%d failed: %s", mine, ip, port, exc)
-            status = exc.status_code
-        except Exception as exc:  # a refused connection, a malformed reply: the link fails, never raises
-            logger.error("link %d -> %s:%d failed: %s: %s", mine, ip, port, type(exc).__name__, exc)
-            status = S.LLM_LINK_FAILED
-        finally:
-            with self._lock:
-                for peer_id in reserved:
-                    self._linking.discard(peer_id)
-        for sock in sockets:
-            close_socket(sock)
-        return status, (found[0] if found else None)
+    def _release(self, cluster_id: int) -> None:
+        with self._lock:
+            self._linking.discard(cluster_id)
 
-    def _await_mutual(self, remote_cluster_id: int, deadline: float) -> LLMStatusCode:
-        """The peer is linking to this cluster at the same time and its link is the one kept:
-        wait for it to arrive."""
-        while not dl.expired(deadline):
-            with self._lock:
-                peer = self._peers.get(remote_cluster_id)
-                if peer is not None and peer.ready and not peer.is_client:
-                    return S.LLM_SUCCESS
-            time.sleep(0.005)
-        logger.error("link %d -> %d: the peer's own link to this cluster did not arrive in time",
-                     self.engine.cluster_id, remote_cluster_id)
-        return S.LLM_LINK_FAILED
+    def _install(self, peer: Link) -> None:
+        """A link this side made joins the table (``LLM_LINK_FAILED`` once finalized)."""
+        with self._lock:
+            if self._closed:
+                raise fail(S.LLM_LINK_FAILED, "finalized while linking")
+            self._peers[peer.cluster_id] = peer
+            self._lost.pop(peer.cluster_id, None)
 
-    # -- choosing the data plane ------------------------------------------------------------------
-    def _settle(self, peer: Peer, deadline: float) -> None:
-        """Fetch the peer's table and choose the plane of this side's transfers (once)."""
-        if peer.plane is not None:
-            return
-        with peer.settle_lock:
-            if peer.plane is not None:
-                return
-            table, facts = self._fetch_table(peer, dl.left_ms(deadline))
-            plane = self._choose_plane(peer, facts, deadline)
-            peer.table, peer.facts = table, facts
-            peer.plane = plane
-            if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-                peer.release_plane(plane)
+    def _peer_linked_here(self, cluster_id: int) -> bool:
+        """Whether the peer's own link to this cluster is in the table, ready."""
+        with self._lock:
+            peer = self._peers.get(cluster_id)
+            return peer is not None and peer.ready and not peer.is_client
 
+    # -- the planes ---------------------------------------------------------------------------------
     def data_plane(self, remote_cluster_id: int, timeout_ms: int = 5000, local_device: bool = False,
                    remote_device: bool = False) -> str:
         """The plane of this side's transfers to a linked cluster (chosen now if not yet): the
         link's plane, or with device memory on either side the device plane of that combination."""
-        peer = self.peer(remote_cluster_id)
-        deadline = dl.after(timeout_ms)
-        self._settle(peer, deadline)
-        if local_device or remote_device:
-            return self._device_plane(peer, local_device, remote_device, deadline).name
-        return peer.plane.name
-
-    def _plane(self, name: str) -> DataPlane:
-        return self.planes.instance(name)  # made now if registered after this manager was
-
-    @staticmethod
-    def _accept_plane(peer: Peer, plane: DataPlane, facts: Any, deadline: float) -> Optional[str]:
-        """Give ``plane`` its state for the link (``DataPlane.link_state``, kept in
-        ``peer.plane_state``) and ask it to accept the link; a plane that refuses is closed and
-        its state dropped. None, or why it refused."""
-        state = plane.link_state(peer)
-        if state is not None:
-            peer.plane_state[plane.name] = state
-        reason = plane.accept(peer, facts, deadline)
-        if reason is not None:
-            peer.release_plane(plane)
-        return reason
-
-    def _choose_plane(self, peer: Peer, facts: Any, deadline: Optional[float] = None) -> DataPlane:
-        """The forced plane, or under ``auto`` the first of ``planes.auto_order()`` without
-        ``device_memory`` (or with ``auto_host_memory``) whose ``accept`` takes the link (the
-        fallback plane always does). A
-        link to this very process uses the fallback: frames, checked by the owner (ourselves). A
-        forced plane that refuses fails the link (``LLM_LINK_FAILED``)."""
-        if deadline is None:
-            deadline = dl.after(self.handshake_ms)
-        if not isinstance(facts, dict):
-            facts = {}
-        if peer.unix and peer.pid == os.getpid():
-            names = plane_registry.fallbacks()
-        elif self.plane == plane_registry.AUTO or not plane_registry.get(self.plane).host_memory:
-            # Device planes are chosen per transfer (_device_plane), unless they say they are host
-            # planes under auto too (auto_host_memory); a forced plane that moves no host memory
-            # applies to device transfers only.
-            names = tuple(n for n in plane_registry.auto_order()
-                          if not plane_registry.get(n).device_memory or plane_registry.get(n).auto_host_memory)
-        else:
-            names = (self.plane,)
-        for name in names:
-            plane = self._plane(name)
-            reason = self._accept_plane(peer, plane, facts, deadline)
-            if reason is None:
-                return plane
-            if name == self.plane:
-                raise fail(S.LLM_LINK_FAILED, f"{DATA_PLANE_OPTION}={name} but {reason}")
-            logger.warning("cluster %d -> %d: data plane %s not usable (%s); trying the next one",
-                           self.engine.cluster_id, peer.cluster_id, name, reason)
-        raise fail(S.LLM_LINK_FAILED, f"no data plane of {', '.join(names)} accepts the link to cluster "
-                                      f"{peer.cluster_id}")
-
-    def _device_plane(self, peer: Peer, local_device: bool, remote_device: bool, deadline: float) -> DataPlane:
-        """The plane of the link's transfers whose local side (``local_device``) or remote side
-        (``remote_device``) is device memory the host cannot address: chosen on the first such
-        transfer and kept for the link (``Peer.device_planes``)."""
-        combination = (local_device, remote_device)
-        plane = peer.device_planes.get(combination)
-        if plane is not None:
-            return plane
-        with peer.settle_lock:
-            plane = peer.device_planes.get(combination)
-            if plane is None:
-                plane = self._choose_device_plane(peer, local_device, remote_device, deadline)
-                peer.device_planes[combination] = plane
-        if peer.closed:  # unlinked or lost meanwhile: close() may have run before the accept
-            peer.release_plane(plane)
-        return plane
-
-    def _choose_device_plane(self, peer: Peer, local_device: bool, remote_device: bool,
-                             deadline: float) -> DataPlane:
-        """The forced plane if it has ``device_memory`` and carries this combination, else the
-        first plane of the ``auto``
-        order with ``device_memory`` that accepts the link and carries this combination (a
-        plane accepted here is closed with the link). ``LLM_FEATURE_NOT_ENABLED`` if none does:
-        the transfer fails, the link stays."""
-        forced = None if self.plane == plane_registry.AUTO else self._plane(self.plane)
-        if forced is not None and forced.device_memory and forced.carries(peer, local_device, remote_device):
-            candidates = [forced]
-        else:
-            candidates = [self._plane(name) for name in plane_registry.auto_order()
-                          if plane_registry.get(name).device_memory]
-        reasons = []
-        for plane in candidates:
-            if plane is not peer.plane and not any(p is plane for p in peer.extra_planes):
-                reason = self._accept_plane(peer, plane, peer.facts, deadline)
-                if reason is not None:
-                    reasons.append(f"{plane.name}: {reason}")
-                    continue
-                peer.extra_planes.append(plane)
-            if plane.carries(peer, local_device, remote_device):
-                return plane
-            reasons.append(f"{plane.name} does not carry it")
-        sides = " and ".join(side for side, device in (("local", local_device), ("remote", remote_device)) if device)
-        why = "; ".join(reasons) or "none has device_memory"
-        raise fail(S.LLM_FEATURE_NOT_ENABLED, f"no data plane moves device memory ({sides} side) on the link to "
-                                              f"cluster {peer.cluster_id}: {why}")
+        return self.plane_choice.data_plane(self.peer(remote_cluster_id), timeout_ms, local_device, remote_device)
 
     # -- registry changes ---------------------------------------------------------------------------
     def registered(self, record: Any) -> None:
@@ -467,10 +228,6 @@ class LinkManager:
             plane.on_unregister(record)
 
     # -- unlink, loss ------------------------------------------------------------------------------
-    def link_many(self, targets: List[Tuple[int, str, int]], timeout_ms: int) -> List[LLMStatusCode]:
-        """Link to every ``(cluster_id, ip, port)`` in parallel (at most 16 at a time)."""
-        return _parallel(lambda t: self.link(t[0], t[1], t[2], timeout_ms), targets)
-
     def unlink_many(self, cluster_ids: List[int], timeout_ms: int, force: bool) -> List[LLMStatusCode]:
         return _parallel(lambda cid: self.unlink(cid, timeout_ms, force), cluster_ids)
 
@@ -504,7 +261,7 @@ class LinkManager:
             peer.close()
         return status
 
-    def _drop_peer(self, remote_cluster_id: int, expected: Optional[Peer] = None) -> None:
+    def _drop_peer(self, remote_cluster_id: int, expected: Optional[Link] = None) -> None:
         """Forget the link to a cluster (only if it is still ``expected``, when given)."""
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
@@ -514,7 +271,7 @@ class LinkManager:
             self._pending.pop(peer.token, None)
         peer.close()
 
-    def _forget(self, peer: Peer, why: str) -> bool:
+    def _forget(self, peer: Link, why: str) -> bool:
         """The table part of losing a link (lock held or not): whether ``peer`` was the current
         link to its cluster."""
         with self._lock:
@@ -527,15 +284,15 @@ class LinkManager:
                 return False
             del self._peers[peer.cluster_id]
             if not peer.unlinking:
-                self._comm_link_ended(peer, why)
+                self.two_sided.link_ended(peer, why)
             if peer.ready and not peer.unlinking:
                 self._lost[peer.cluster_id] = budgets.truncate_reason(why)
                 while len(self._lost) > budgets.MAX_LOST_RECORDS:
                     self._lost.pop(next(iter(self._lost)))
-                self.stats["links_lost"] += 1
+                self.counters.count("links_lost")
             return True
 
-    def _lose(self, peer: Peer, why: str, quiet: bool = False) -> None:
+    def _lose(self, peer: Link, why: str, quiet: bool = False) -> None:
         """A connection of the link ended without an unlink: forget the link, close the rest of
         its connections, and remember why (``lost_links``). Not called with the lock held."""
         current = self._forget(peer, why)
@@ -562,7 +319,7 @@ class LinkManager:
         with self._lock:
             return sorted(cid for cid, peer in self._peers.items() if peer.ready)
 
-    def peer(self, remote_cluster_id: int) -> Peer:
+    def peer(self, remote_cluster_id: int) -> Link:
         with self._lock:
             peer = self._peers.get(remote_cluster_id)
             lost = self._lost.get(remote_cluster_id)
@@ -578,41 +335,6 @@ class LinkManager:
         return peer
 
     # -- transfers --------------------------------------------------------------------------------
-    def _fetch_table(self, peer: Peer, timeout_ms: int) -> Tuple[RemoteTable, Dict[str, Any]]:
-        """The peer's cache table, and what its planes told us (``_plane_facts``); a reply that
-        is malformed in either fails with ``LLM_LINK_FAILED`` (counted ``malformed_tables``)."""
-        status, body = peer.outgoing.control(wire.OP_TABLE_GET, wire.OP_TABLE, {}, timeout_ms, "cache table",
-                                             limit=self.max_table_bytes,
-                                             on_oversized=lambda: self._count("refused_tables"))
-        try:
-            return RemoteTable(body), self._plane_facts(body)
-        except ProtocolError as exc:
-            self._count("malformed_tables")
-            raise LLMException(f"cluster {peer.cluster_id} sent a bad cache table: {exc}",
-                               status_code=S.LLM_LINK_FAILED) from None
-
-    @staticmethod
-    def _plane_facts(body: Dict[str, Any]) -> Dict[str, Any]:
-        """What of a table reply is kept beside the table: each entry a plane reads
-        (``DataPlane.facts_keys``) as that plane parsed it into bounded typed fields
-        (``DataPlane.parse_facts``), nothing else the peer put in the reply; ProtocolError for a
-        malformed entry."""
-        facts: Dict[str, Any] = {}
-        for name in plane_registry.names():
-            plane = plane_registry.get(name)
-            for key in plane.facts_keys:
-                if key in body and key not in facts:
-                    facts[key] = plane.parse_facts(key, body[key])
-        return facts
-
-    def refresh_table(self, peer: Peer, timeout_ms: int) -> RemoteTable:
-        table, facts = self._fetch_table(peer, timeout_ms)
-        peer.table, peer.facts = table, facts
-        for plane in [peer.plane, *peer.extra_planes]:
-            if plane is not None:
-                plane.on_table(peer, table)
-        return table
-
     def transfer(self, remote_cluster_id: int, make_plan: Callable[[RemoteTable], Any], write: bool,
                  timeout_ms: int, local_device: bool = False) -> Any:
         """Plan against the peer's table and move the bytes (``write``: local -> peer).
@@ -646,10 +368,10 @@ class LinkManager:
         return peer.plane.block_route(peer, table, remote_layout, local_layout, write, timeout_ms,
                                       lambda why: self._lose(peer, why))
 
-    def _transfer(self, peer: Peer, make_plan, write: bool, deadline: float, local_device: bool = False):
+    def _transfer(self, peer: Link, make_plan, write: bool, deadline: float, local_device: bool = False):
         plane = peer.plane
         if plane is None:
-            self._settle(peer, deadline)
+            self.plane_choice.settle(peer, deadline)
             plane = peer.plane
         refreshed = False
         while True:
@@ -660,7 +382,7 @@ class LinkManager:
                 plan = make_plan(table)
                 remote_device = table.device_side(plan, write)
                 if local_device or remote_device:
-                    device_plane = self._device_plane(peer, local_device, remote_device, deadline)
+                    device_plane = self.plane_choice.device_plane(peer, local_device, remote_device, deadline)
                     if device_plane is not plane and not device_plane.table_is_current(peer, table):
                         raise StaleTable()
                     device_plane.transfer_device(peer, table, plan, write, deadline, local_device, remote_device)
@@ -679,7 +401,7 @@ class LinkManager:
                                    status_code=S.LLM_KV_CACHE_NOT_EXIST)
             refreshed = True
             with peer.table_lock:
-                self.refresh_table(peer, dl.left_ms(deadline))
+                self.plane_choice.refresh_table(peer, dl.left_ms(deadline))
 
     def release_key(self, remote_cluster_id: int, owner_key: tuple, tensors: List[int], timeout_ms: int) -> bool:
         """Tell the owner which tensors of a keyed row were pulled; True if it released the key."""
@@ -689,226 +411,61 @@ class LinkManager:
                                          limit=budgets.max_message_bytes())
         return bool(reply.get("released"))
 
-    # -- two-sided links ---------------------------------------------------------------------------
+    # -- two-sided links (``two_sided.TwoSidedLinks``, where they are documented) ------------------
+    @property
+    def comms(self) -> Dict[int, Comm]:
+        """The two-sided links made, by comm id."""
+        return self.two_sided.comms
+
     def new_comm(self, name: str, key: Tuple[str, str], members, me) -> Comm:
-        with self._lock:
-            comm = Comm(self._next_comm_id, name, key, list(members), me)
-            self._next_comm_id += 1
-        return comm
+        return self.two_sided.new_comm(name, key, members, me)
 
     def join_comm(self, comm: Comm, timeout_ms: int) -> None:
-        """Make the links of a two-sided link: listen for the members of higher rank, link to those
-        of lower rank (retrying while they are not listening yet), and wait for every link; then
-        fetch the tables in the background (``comm.status`` PREPARING -> OK or FAILED).
-        ``LLMException(LLM_LINK_FAILED)`` if not every link is made within ``timeout_ms``, or if
-        the join fails (``comms.Join.failed``: two links claimed one rank, or a link of the comm
-        ended meanwhile); the comm's links made so far are unlinked then, so that the other
-        members see theirs end and fail too."""
-        deadline = dl.after(timeout_ms)
-        higher = [m for m in comm.others if m.rank > comm.me.rank]
-        lower = [m for m in comm.others if m.rank < comm.me.rank]
-        listen_at = (comm.me.device_ip, comm.me.port) if higher else None
-        join = Join({m.cluster_id: m.rank for m in higher})
-        with self._lock:
-            if comm.key in self._joining:
-                raise fail(S.LLM_LINK_FAILED, f"this cluster is making the link {comm.name!r} already")
-            taken = [m.cluster_id for m in comm.others
-                     if self._peers.get(m.cluster_id) is not None and not self._peers[m.cluster_id].hung_up()]
-            if taken:  # a link belongs to one comm (or to none): it proves no membership of this one
-                raise fail(S.LLM_LINK_FAILED, f"cluster(s) {taken} of {comm.name!r} are linked already (by "
-                                               f"link_clusters or another link()); unlink them first")
-            self._joining[comm.key] = join
-        try:
-            if listen_at is not None:
-                self.listener.open_extra(*listen_at)
-                self._warn_open(*listen_at)
-        except BaseException:
-            with self._lock:
-                self._joining.pop(comm.key, None)
-            raise
-        try:
-            for member in lower:
-                status = S.LLM_LINK_FAILED
-                while not dl.expired(deadline) and join.failed is None:
-                    status = self.link(member.cluster_id, member.device_ip, member.port, max(1, dl.left_ms(deadline)),
-                                       comm=comm.key, quiet=True, rank=comm.me.rank)
-                    if status not in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_ALREADY_LINK):
-                        break
-                    time.sleep(0.05)
-                self._check_join(join)
-                if status != S.LLM_SUCCESS:
-                    raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) at "
-                                                   f"{member.device_ip}:{member.port} was not linked in time "
-                                                   f"({status_of(status).name})")
-            for member in higher:
-                while not self._claimed(join, member.cluster_id):
-                    self._check_join(join)
-                    if dl.expired(deadline):
-                        raise fail(S.LLM_LINK_FAILED, f"cluster {member.cluster_id} (rank {member.rank}) did not "
-                                                       f"link to {comm.me.device_ip}:{comm.me.port} in time")
-                    time.sleep(0.01)
-            with self._lock:  # from here a link of the comm that ends fails comm.status instead
-                self._check_join(join)
-                del self._joining[comm.key]
-                self.comms[comm.comm_id] = comm
-        except BaseException:
-            with self._lock:
-                self._joining.pop(comm.key, None)
-            for member in comm.others:  # links made for this comm go with it
-                self._drop_comm_link(member.cluster_id, comm.key)
-            raise
-        finally:
-            if listen_at is not None:
-                self.listener.close_extra(listen_at)
-        self._threads.spawn(self._prepare_comm, comm)
-
-    @staticmethod
-    def _check_join(join: Join) -> None:
-        if join.failed is not None:
-            raise fail(S.LLM_LINK_FAILED, join.failed)
-
-    def _claimed(self, join: Join, cluster_id: int) -> bool:
-        """Whether the member ``cluster_id`` has linked here for the join, with a request that
-        claimed its rank (a link made for anything else does not count)."""
-        with self._lock:
-            peer = join.claimed.get(cluster_id)
-            return peer is not None and peer.ready and self._peers.get(cluster_id) is peer
-
-    def _admit_member(self, join: Join, peer_id: int, rank: Optional[int]) -> Optional[str]:
-        """Why a link request for a join, from ``peer_id`` claiming ``rank``, is refused (lock
-        held); None if it may go on. A second request claiming a rank fails the join."""
-        if join.failed is not None:
-            return f"that link failed: {join.failed}"
-        if peer_id not in join.expected or join.expected[peer_id] != rank:
-            return f"cluster {peer_id} claims rank {rank}, not one of the higher ranks this cluster expects"
-        if peer_id in join.claimed:
-            join.failed = f"two links claimed rank {rank} (cluster {peer_id})"
-            logger.error("cluster %d: %s; the link fails", self.engine.cluster_id, join.failed)
-            return join.failed
-        return None
-
-    def _comm_link_ended(self, peer: Peer, why: str) -> None:
-        """A link made for a two-sided link ended, not by this side (lock held). One that was not
-        complete yet frees its rank; a complete one fails the join, or the comm's status."""
-        if peer.comm is None:
-            return
-        join = self._joining.get(peer.comm)
-        if join is not None and join.claimed.get(peer.cluster_id) is peer and not peer.ready:
-            del join.claimed[peer.cluster_id]
-            return
-        if not peer.ready:
-            return
-        text = f"the link to cluster {peer.cluster_id} ended ({budgets.truncate_reason(why)})"  # a peer's words
-        if join is not None and join.failed is None:
-            join.failed = text
-        for comm in self.comms.values():
-            if comm.key == peer.comm and comm.status != "FAILED":
-                logger.error("cluster %d: link %r failed: %s", self.engine.cluster_id, comm.name, text)
-                comm.status = "FAILED"
-
-    def _prepare_comm(self, comm: Comm) -> None:
-        deadline = dl.after(self.handshake_ms)
-        try:
-            for member in comm.others:
-                self._settle(self.peer(member.cluster_id), deadline)
-            with self._lock:
-                if comm.status == "PREPARING":  # FAILED is sticky
-                    comm.status = "OK"
-        except LLMException as exc:
-            logger.error("cluster %d: link %r failed while exchanging cache tables: %s", self.engine.cluster_id,
-                         comm.name, exc)
-            comm.status = "FAILED"
+        self.two_sided.join(comm, timeout_ms)
 
     def comm(self, comm_id: int) -> Comm:
-        with self._lock:
-            comm = self.comms.get(comm_id)
-        if comm is None:
-            raise LLMException(f"comm_id {comm_id} is not a link of this cluster", status_code=S.LLM_NOT_YET_LINK)
-        return comm
+        return self.two_sided.comm(comm_id)
 
     def leave_comm(self, comm_id: int, timeout_ms: int) -> None:
-        """Drop a two-sided link: its links (made for it, accepted or initiated) are unlinked."""
-        comm = self.comm(comm_id)
-        with self._lock:
-            self.comms.pop(comm_id, None)
-        for member in comm.others:
-            self._drop_comm_link(member.cluster_id, comm.key, timeout_ms)
+        self.two_sided.leave(comm_id, timeout_ms)
 
-    def _drop_comm_link(self, cluster_id: int, key: Tuple[str, str], timeout_ms: int = 1000) -> None:
-        """Unlink the link to ``cluster_id`` if it was made for the comm ``key`` (a link belongs to
-        the one comm it was made for: ``link`` does not let another comm use it)."""
+    def _current(self, cluster_id: int) -> Optional[Link]:
+        """The link to ``cluster_id`` in the table, or None."""
         with self._lock:
-            peer = self._peers.get(cluster_id)
-        if peer is not None and peer.comm == key:
-            self.unlink(cluster_id, timeout_ms, force=False)
+            return self._peers.get(cluster_id)
+
+    def _settle_link(self, cluster_id: int, deadline: float) -> None:
+        """Fetch the table of a linked peer and choose this side's plane on its link."""
+        self.plane_choice.settle(self.peer(cluster_id), deadline)
+
+    def _forget_ended(self, cluster_id: int) -> None:
+        """Forget why the link to ``cluster_id`` ended, if it did (``lost_links``)."""
         with self._lock:
             self._unlinked_by_peer.discard(cluster_id)
             self._lost.pop(cluster_id, None)
 
-    # -- notifications --------------------------------------------------------------------------
-    def set_notify_handler(self, handler: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]]) -> None:
-        """Answer the linked peers' notifications with ``handler(peer_cluster_id, message) -> reply``
-        (JSON objects; it runs on the connection's thread, so it must be quick). None: refuse them
-        with ``LLM_FEATURE_NOT_ENABLED``."""
-        self._notify_handler = handler
+    # -- the application's hooks (``hooks.Hooks``, where they are documented) ---------------------
+    def set_notify_handler(self, handler: Optional[NotifyHandler]) -> None:
+        self.hooks.set_notify_handler(handler)
 
     def set_read_guard(self, guard: Optional[Callable[[int, bytes], Any]]) -> None:
-        """Check every peer's pull through the server with ``guard(peer_cluster_id, tag) ->
-        allowed ranges or None`` (``read_guard``); None: no guard."""
-        self.read_guard.set(guard)
+        self.hooks.set_read_guard(guard)
 
     def set_write_guard(self, guard: Optional[Callable[[int], Any]]) -> None:
-        """Check every peer's push through the server with ``guard(peer_cluster_id) -> allowed
-        ranges or None`` (``read_guard.WriteGuard``); None: no guard."""
-        self.write_guard.set(guard)
+        self.hooks.set_write_guard(guard)
 
     def quiesce_writes(self, peer_cluster_id: int, timeout_s: float) -> bool:
-        """Wait for the peer's pushes that passed the write guard to end (``WriteGuard.quiesce``)."""
-        return self.write_guard.quiesce(peer_cluster_id, timeout_s)
+        return self.hooks.quiesce_writes(peer_cluster_id, timeout_s)
 
     def notify(self, remote_cluster_id: int, message: Dict[str, Any], timeout_ms: int) -> Dict[str, Any]:
-        """Send a JSON object to a linked peer over the link (authenticated like it) and return
-        its handler's reply; ``LLMException`` with the peer's status if it refused or failed."""
-        peer = self.peer(remote_cluster_id)
-        try:
-            status, reply = peer.outgoing.control(wire.OP_NOTIFY, wire.OP_NOTIFY_REPLY, message, timeout_ms,
-                                                  "notification", limit=budgets.max_message_bytes())
-        finally:
-            why = peer.broken()
-            if why is not None:
-                self._lose(peer, why)
-        if status != 0:
-            raise fail(status, f"cluster {remote_cluster_id} did not take the notification: "
-                                f"{status_of(status).name} ({reply.get('error', '')})")
-        return reply
+        """Send a JSON object to a linked peer over the link and return its handler's reply
+        (``Hooks.notify``); ``LLMException`` with the peer's status if it refused or failed."""
+        return self.hooks.notify(self.peer(remote_cluster_id), message, timeout_ms)
 
-    def _on_notify(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
-        """The server's handler of ``OP_NOTIFY`` (within the budgets: ``server.read_control``)."""
-        message, goes_on = server.read_control(fd, req_id, length, wire.OP_NOTIFY_REPLY, "notification",
-                                               self._count, peer)
-        if message is None:
-            return goes_on
-        status, answer = self._answer_notification(peer.cluster_id, message)
-        return server.reply(fd, wire.OP_NOTIFY_REPLY, req_id, status, wire.encode_json(answer))
-
-    def _answer_notification(self, peer_id: int, message: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
-        handler = self._notify_handler
-        if handler is None:
-            return S.LLM_FEATURE_NOT_ENABLED, {"error": "this cluster takes no notifications"}
-        try:
-            answer = handler(peer_id, message)
-            if not isinstance(answer, dict):
-                raise TypeError(f"the notification handler returned {type(answer).__name__}, not a dict")
-            return S.LLM_SUCCESS, answer
-        except Exception:  # the application's handler: its failure is the peer's answer, not ours
-            logger.exception("cluster %d: the handler of a notification from cluster %d failed",
-                             self.engine.cluster_id, peer_id)
-            return S.LLM_FAILED, {"error": "the handler failed"}
-
-    def _on_unlink(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def _on_unlink(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         """The server's handler of ``OP_UNLINK``: the peer ends the link."""
         peer_id = peer.cluster_id
-        message, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self._count,
+        message, goes_on = server.read_control(fd, req_id, length, wire.OP_UNLINK_DONE, "unlink", self.counters.count,
                                                peer, parse=False)
         if message is None:
             return goes_on
@@ -919,7 +476,7 @@ class LinkManager:
             if self._peers.get(peer_id) is peer:
                 del self._peers[peer_id]
                 if not peer.unlinking:
-                    self._comm_link_ended(peer, "the peer unlinked")
+                    self.two_sided.link_ended(peer, "the peer unlinked")
                     self._unlinked_by_peer.add(peer_id)
                     while len(self._unlinked_by_peer) > budgets.MAX_LOST_RECORDS:
                         self._unlinked_by_peer.pop()
@@ -929,161 +486,42 @@ class LinkManager:
         logger.info("cluster %d: cluster %d unlinked", self.engine.cluster_id, peer_id)
         return False
 
-    # -- the handshake of accepted connections ------------------------------------------------------
+    # -- the table's side of accepted links (``accept``) ------------------------------------------
     def _serve_accepted(self, conn: socket.socket, name: str) -> None:
-        """The listener's accept callback: the handshake of an accepted connection, then serve it
-        (or hand it to a Channel). The socket is closed on every other way out."""
-        handed_over = False
-        try:
-            handed_over = self._handshake_accepted(conn, name)
-        except ProtocolError as exc:
-            logger.warning("closing connection from %s: %s", name, exc)
-            self.engine.count_protocol_error()
-        except LLMException as exc:  # closed, silent or too slow
-            self._count("handshake_failures")
-            logger.info("closing connection from %s: %s", name, exc)
-        finally:
-            self.listener.handshake_done(conn)
-            if not handed_over:
-                close_socket(conn)
+        """The listener's accept callback (``Acceptor.serve``)."""
+        self.acceptor.serve(conn, name)
 
-    def _handshake_accepted(self, conn: socket.socket, name: str) -> bool:
-        """hello -> challenge -> auth -> reply; then what the connection is for. True if the
-        socket now belongs to a link."""
-        fd = conn.fileno()
-        deadline = dl.after(self.handshake_ms)
-        mine = self.engine.cluster_id
-        def auth_failed(peer_id: int, why: str) -> None:  # counted before the peer is told
-            self._count("auth_failures")
-            logger.warning("cluster %d refused a connection from %s claiming cluster %d: %s", mine, name,
-                           peer_id, why)
-
-        admission = handshake.accept_hello(conn, mine, self.secret, deadline, auth_failed)
-        peer_id = admission.peer_id
-        if admission.refused is not None or not self.listener.authenticated(conn):
-            return False  # (not authenticated: it gave its slot up, or every authenticated slot is taken)
-        purpose = admission.purpose
-        if purpose == "link":
-            proven_self = peer_id == mine and auth.verify_self(self._self_key, *admission.nonces,
-                                                               admission.request.get("self_proof"))
-            status, reply, peer = self._accept_link(peer_id, handshake.read_link_request(admission.request), name,
-                                                    source_of(conn), proven_self, self.listener.on_rank_port(conn))
-            reply = handshake.signed_reply(self.secret, admission, reply)
-            if peer is not None:  # (set before the reply goes: the data connections come after it)
-                peer.link_digest = protection.link_digest(admission.request, reply)
-            sent = handshake.send_reply(conn, reply, status, deadline)
-            if status != 0:
-                return False
-            self.listener.handshake_done(conn)
-            # The client opens the link's data connections, then closes this one: wait for that
-            # (or the deadline); a link whose connections did not all arrive is dropped.
-            if sent:
-                _io.recv_discard(fd, 1, max(1, dl.left_ms(deadline)))
-            with self._lock:
-                complete = peer.ready
-            if not complete:
-                self._lose(peer, "its connections did not arrive", quiet=True)
-                return False
-            try:  # choose this side's plane now rather than on the first transfer
-                self._settle(peer, dl.after(self.handshake_ms))
-            except LLMException as exc:
-                self._lose(peer, f"no data plane: {exc}")
-            return False
-        if purpose in ("forward", "reverse"):
-            status, reply, peer, relay = self._accept_data(peer_id, purpose, admission.request.get("token"), conn,
-                                                           admission.nonces)
-            reply = handshake.signed_reply(self.secret, admission, reply)
-            if not handshake.send_reply(conn, reply, status, deadline) or status != 0:
-                if peer is not None:
-                    self._lose(peer, f"its {purpose} connection failed", quiet=True)
-                if relay is not None:
-                    relay.close()
-                return False
-            self.listener.handshake_done(conn)
-            if relay is not None:  # what the link sends from now on is sealed
-                relay.start()
-            if purpose == "forward":
-                self.server.serve(conn if relay is None else relay.inner, name, peer)
-            return True  # serve closed it, or a Channel holds it (and a relay the TCP socket)
-        raise ProtocolError(f"unknown purpose {brief(purpose)}")
-
-    def _accept_link(self, peer_id: int, request: handshake.LinkRequest, name: str, source: Any = None,
-                     proven_self: bool = False, rank_port: bool = False):
-        """Decide on an authenticated link request from ``source`` (``listener.source_of``;
-        ``proven_self``: it carries this process's self-link proof; ``rank_port``: it came through
-        a two-sided link's listener, where only members of a comm being made may link, see
-        ``comms``): ``(status, reply, pending Peer or None)``."""
-        mine = self.engine.cluster_id
-        reply: Dict[str, Any] = {"cluster_id": mine}
-
-        def refuse(status: int, why: str):
-            logger.warning("cluster %d refused a link from %s (cluster %d): %s", mine, name, peer_id, why)
-            return status, dict(reply, error=why), None
-
-        comm = request.comm
-        if comm is None and rank_port:
-            return refuse(S.LLM_LINK_FAILED, "a link on a rank-table port must name its comm, the digest of its rank "
-                                             "table and rank map, and its rank")
-        if comm is None and request.remote_accessible != self.remote_accessible:
-            return refuse(S.LLM_PARAM_INVALID, "enable_remote_cache_accessible differs between the two clusters")
-        protected = protection.stronger(request.protection, self.protection)
-        if protected != protection.OFF and self.secret is None:
-            return refuse(S.LLM_LINK_FAILED, f"protection {protected} needs a link secret on both sides")
-        suite = None if protected == protection.OFF else protection.choose(protected, request.suites)
-        if protected != protection.OFF and suite is None:
-            return refuse(S.LLM_LINK_FAILED, f"protection {protected}: no record suite both sides run (cluster "
-                                             f"{self.engine.cluster_id} runs {', '.join(protection.suites_here())}, "
-                                             f"the linking side offered {', '.join(request.suites) or 'none'}; "
-                                             f"{protection.CRYPTOGRAPHY_MISSING})")
-        expect_unix = self.listener.unix_name is not None and request.same_host and any(
-            name in plane_registry.names() and plane_registry.get(name).local_sockets for name in request.planes)
-        if expect_unix:
-            # Its connections will be Unix sockets from the uid it states (``_accept_data`` holds
-            # them to it): that uid, not the loopback address every local process shares, is its
-            # source for the link caps and the budgets' shares from the start.
-            source = ("uid", request.uid)
-        peer = Peer(peer_id, request.role, False, (name, 0), request.planes, token=os.urandom(16).hex(),
-                    want=request.want, comm=comm, source=source, shares=budgets.LinkShares(source),
-                    authenticated=self.secret is not None, protection=protected, protection_suite=suite,
-                    stated=(request.pid, request.uid), expect_unix=expect_unix)
-        if peer_id == mine and comm is None:  # a link to our own listener: its server side is kept apart
-            if not proven_self:  # only this very process may link to its own listener under its own id
-                refused = self._count("refused_self")
-                if refused in (1, 10, 100) or refused % 1000 == 0:  # rate-limited
-                    logger.warning("cluster %d refused %d link request(s) claiming its own cluster id without "
-                                   "proof that they come from this process (the last from %s)", mine, refused, name)
-                return S.LLM_LINK_FAILED, dict(reply, error="a self-link of another process"), None
+    def _take_accepted(self, peer: Link, rank: Optional[int]) -> Optional[Refusal]:
+        """Take an accepted link request into the table, where ``peer`` waits for its data
+        connections; or why not. A link to this cluster's own listener (its proof checked) is kept
+        apart; one for a two-sided link being made claims its rank at the same moment."""
+        peer_id, mine = peer.cluster_id, self.engine.cluster_id
+        if peer_id == mine and peer.comm is None:  # a link to our own listener: its server side is kept apart
             with self._lock:
                 if len(self._self_peers) >= MAX_CONNECTIONS:
-                    return refuse(S.LLM_LINK_FAILED, "too many links to itself")
+                    return Refusal(S.LLM_LINK_FAILED, "too many links to itself")
                 self._self_peers.append(peer)
                 self._pending[peer.token] = peer
-            return S.LLM_SUCCESS, self._link_reply(peer), peer
+            return None
         with self._lock:
-            join = None if comm is None else self._joining.get(comm)
-            if comm is not None and join is None:
-                return S.LLM_NOT_YET_LINK, dict(reply, error="this cluster is not making that link now"), None
-            why = None if join is None else self._admit_member(join, peer_id, request.rank)
+            join = None if peer.comm is None else self.two_sided.joining(peer.comm)
+            if peer.comm is not None and join is None:
+                return Refusal(S.LLM_NOT_YET_LINK, "this cluster is not making that link now", logged=False)
+            why = None if join is None else self.two_sided.admit_member(join, peer_id, rank)
             if why is not None:
-                return refuse(S.LLM_LINK_FAILED, why)
+                return Refusal(S.LLM_LINK_FAILED, why)
             old = self._peers.get(peer_id)
-            mutual = "this cluster is linking to you at the same time; one link serves both"
             if old is None and peer_id in self._linking and peer_id > mine:
                 # Both sides link to each other at once: the link of the lower cluster id is kept.
-                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
+                return _MUTUAL
             if old is not None and old.ready and old.is_client and not old.hung_up():
-                return S.LLM_ALREADY_LINK, dict(reply, error=mutual, mutual=True), None
+                return _MUTUAL
             if old is not None and (not old.ready or not old.hung_up()):
                 # A live link is never replaced; one whose connections are gone is (force_link).
-                return refuse(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
-            if len(self._peers) - (old is not None) >= self.max_links:
-                self.stats["refused_links"] += 1
-                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links} links ({MAX_LINKS_ENV})")
-            if source is not None and sum(p.source == source and p is not old for p in self._peers.values()) \
-                    >= self.max_links_per_source:
-                self.stats["refused_source_links"] += 1
-                return refuse(S.LLM_LINK_FAILED, f"this cluster holds {self.max_links_per_source} links from "
-                                                 f"{describe(source)} ({MAX_LINKS_PER_SOURCE_ENV})")
+                return Refusal(S.LLM_ALREADY_LINK, f"cluster {peer_id} is already linked")
+            refusal = over_link_caps(list(self._peers.values()), peer, old, self.settings, self.counters.count)
+            if refusal is not None:
+                return refusal
             if old is not None:
                 self._forget(old, "replaced by a new link: its connections were closed")
             if join is not None:
@@ -1092,148 +530,31 @@ class LinkManager:
             self._pending[peer.token] = peer
         if old is not None:
             old.close()
-        return S.LLM_SUCCESS, self._link_reply(peer), peer
+        return None
 
-    def _link_reply(self, peer: Peer) -> Dict[str, Any]:
-        return handshake.link_reply(self.engine.cluster_id, self.engine.role, self._offered_planes(),
-                                    self.remote_accessible, peer.token, self.listener.unix_name, peer.protection,
-                                    peer.protection_suite)
-
-    def _accept_data(self, peer_id: int, purpose: str, token: Any, conn: socket.socket, nonces: Tuple[str, str]):
-        """A data connection of a link being made: ``(status, reply, Peer or None, Relay or None)``;
-        on a protected link a TCP connection gets a ``protection.Relay`` (not started), whose
-        inner socket the link holds in its place."""
-        refused = S.LLM_LINK_FAILED, {"error": "no pending link for this connection"}, None, None
-        unix = conn.family == socket.AF_UNIX
-        pid, uid = peer_credentials(conn) if unix else (0, -1)
+    def _attach(self, token: Any, peer_id: int, join: Callable[[Link], Any]) -> Any:
+        """Under the table's lock: ``join(link)`` for the link of ``peer_id`` waiting for its data
+        connections under ``token``, or None without one; a link ``join`` made ready waits no
+        more."""
         with self._lock:
             peer = self._pending.get(token) if isinstance(token, str) else None
             if peer is None or peer.cluster_id != peer_id or not self._holds(peer):
-                return refused
-            if unix and peer_id == self.engine.cluster_id and pid != os.getpid():
-                return refused  # a self-link's connections come from this process (the kernel says so)
-            if not unix and peer.expect_unix:
-                # The two processes share this host and a plane of the linking side wants Unix
-                # sockets, so its connections come over this side's Unix socket, never TCP: a TCP
-                # data connection here comes through something else (a relay) or a side that was
-                # made to fall back (its Unix connect refused under a flood): refused.
-                logger.warning("cluster %d refused a TCP connection of cluster %d's link: the link is between two "
-                               "processes of this host, whose connections are Unix sockets", self.engine.cluster_id,
-                               peer_id)
-                refusal = {"error": "a TCP connection for a link of two processes of one host"}
-                return S.LLM_LINK_FAILED, refusal, peer, None
-            if unix and (pid, uid) != peer.stated:
-                # Not the process that asked for the link (a relay between it and this socket).
-                logger.warning("cluster %d refused a Unix connection of cluster %d's link from pid %d (uid %d): the "
-                               "link was asked for by pid %d (uid %d)", self.engine.cluster_id, peer_id, pid, uid,
-                               *peer.stated)
-                refusal = {"error": "a Unix connection from another process than the link's"}
-                return S.LLM_LINK_FAILED, refusal, peer, None
-            first = not peer.channels and not peer.incoming
-            if first:
-                peer.unix, peer.pid, peer.uid = unix, pid, uid
-            elif (peer.unix, peer.pid, peer.uid) != (unix, pid, uid):
-                # Every connection of a link comes from one process, over one kind of socket.
-                return S.LLM_LINK_FAILED, {"error": "connections of one link from different processes"}, peer, None
-            if len(peer.incoming if purpose == "forward" else peer.channels) >= peer.want[purpose != "forward"]:
-                return refused
-            relay = None
-            if not unix and peer.protection != protection.OFF:
-                try:
-                    relay = self._relay(conn, peer.protection_suite, nonces, peer_id, self.engine.cluster_id, False,
-                                        f"cluster {peer_id} ({peer.address[0]})", peer.link_digest)
-                except OSError as exc:  # no socket pair (out of descriptors)
-                    return S.LLM_LINK_FAILED, {"error": f"no relay for a protected connection: {exc}"}, peer, None
-            sock = conn if relay is None else relay.inner
-            if purpose == "forward":
-                peer.incoming.append(sock)
-            else:
-                peer.channels.append(Channel(sock, f"cluster {peer_id} ({peer.address[0]})", peer.shares))
-            if len(peer.incoming) == peer.want[0] and len(peer.channels) == peer.want[1]:
-                peer.ready = True
+                return None
+            outcome = join(peer)
+            if peer.ready:
                 del self._pending[token]
-                logger.info("cluster %d: cluster %d linked from %s%s", self.engine.cluster_id, peer_id,
-                            "this host" if unix else peer.address[0],
-                            "" if peer.protection == protection.OFF else
-                            f" (protection {peer.protection}, {peer.protection_suite})")
-        return S.LLM_SUCCESS, {"cluster_id": self.engine.cluster_id}, peer, relay
+            return outcome
 
-    def _relay(self, sock: socket.socket, suite: str, nonces: Tuple[str, str], client_id: int, server_id: int,
-               is_client: bool, name: str, digest: bytes) -> protection.Relay:
-        """The relay sealing one TCP connection of a protected link in ``suite`` (keys of the
-        connection's own handshake and the link's ``digest``)."""
-        assert self.secret is not None  # a protected link is an authenticated one
-        keys = protection.derive_keys(self.secret, suite, nonces[0], nonces[1], client_id, server_id, digest)
-
-        def failed(why: str) -> None:
-            self._count("protection_failures")
-
-        return protection.Relay(sock, suite, keys, is_client, name, self._relays, failed)
-
-    def _holds(self, peer: Peer) -> bool:
-        return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
-
-    def _offered_planes(self) -> List[str]:
-        """The planes this side names in its link request or reply."""
-        return list(plane_registry.offered(self.plane))
-
-    def _wants_local_sockets(self) -> bool:
-        """Whether a plane this side may use wants the link's connections on Unix sockets."""
-        return any(plane_registry.get(name).local_sockets for name in plane_registry.offered(self.plane))
-
-    # -- the client's side of a link ----------------------------------------------------------------
-    def _link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-              sockets: List[socket.socket], comm: Optional[Tuple[str, str]] = None,
-              rank: Optional[int] = None) -> LLMStatusCode:
-        """The steps of ``link``; every socket it opens goes to ``sockets`` (closed by the caller
-        unless the link is made, in which case ``sockets`` is emptied)."""
-        mine = self.engine.cluster_id
-        first = handshake.connect_tcp(ip, port, deadline)
-        sockets.append(first)
-        agreement = handshake.request_link(first, mine, self.secret, remote_cluster_id, self.engine.role,
-                                           self._offered_planes(), self.remote_accessible,
-                                           self._wants_local_sockets(), deadline, comm,
-                                           self._self_key if remote_cluster_id == mine else None, rank,
-                                           protect=self.protection)
-        return self._finish_link(remote_cluster_id, ip, port, deadline, sockets, first, agreement, comm)
-
-    def _finish_link(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-                     sockets: List[socket.socket], first: socket.socket, agreement: handshake.LinkAgreement,
-                     comm: Optional[Tuple[str, str]] = None) -> LLMStatusCode:
-        """The rest of ``_link`` once the link request on ``first`` was granted."""
-        mine = self.engine.cluster_id
-        name = f"cluster {remote_cluster_id} ({ip}:{port})"
-
-        def seal(sock: socket.socket, nonces: Tuple[str, str]) -> socket.socket:
-            relay = self._relay(sock, agreement.suite, nonces, mine, remote_cluster_id, True, name, agreement.digest)
-            relay.start()
-            return relay.inner
-
-        made = handshake.open_connections(ip, port, mine, self.secret, remote_cluster_id, agreement, deadline,
-                                          sockets, seal)
-        # (its shares of the budgets: under the address it was made to, or the uid it runs as)
-        shares = budgets.LinkShares(("uid", made.uid) if made.unix else source_of(first))
-        peer = Peer(remote_cluster_id, agreement.role, True, (ip, port), agreement.planes, comm=comm,
-                    authenticated=self.secret is not None, protection=agreement.protection,
-                    protection_suite=agreement.suite, stated=agreement.process, shares=shares)
-        peer.unix, peer.pid, peer.uid = made.unix, made.pid, made.uid
-        peer.channels = [Channel(sock, name, shares) for sock in made.forward]
-        peer.incoming = made.reverse
-        peer.ready = True
-        sockets.remove(first)
-        close_socket(first)  # the server now holds the link as made
-        self._settle(peer, deadline)
+    def _arrived(self, peer: Link) -> bool:
+        """Whether every data connection of an accepted link arrived; the link is dropped if not."""
         with self._lock:
-            if self._closed:
-                raise fail(S.LLM_LINK_FAILED, "finalized while linking")
-            self._peers[remote_cluster_id] = peer
-            self._lost.pop(remote_cluster_id, None)
-        sockets.clear()  # they belong to the link now
-        for sock in made.reverse:
-            self.server.serve_in_thread(sock, f"{ip}:{port}", peer)
-        logger.info("cluster %d linked to %d at %s:%d (data plane %s)", self.engine.cluster_id,
-                    remote_cluster_id, ip, port, peer.plane_name)
-        return S.LLM_SUCCESS
+            complete = peer.ready
+        if not complete:
+            self._lose(peer, "its connections did not arrive", quiet=True)
+        return complete
+
+    def _holds(self, peer: Link) -> bool:
+        return self._peers.get(peer.cluster_id) is peer or any(p is peer for p in self._self_peers)
 
     # -- life cycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -1256,19 +577,10 @@ class LinkManager:
             peer.close()
         self.listener.drain()  # connections still in their handshake, and its threads
         self.server.join()
-        self._threads.join()
-        self._relays.join()
+        self.two_sided.join_threads()
+        self.relays.join()
         for plane in self.planes.all:
             plane.shutdown()
-
-
-class _Known(Exception):
-    """``link_address`` found the cluster already linked (``status``; None: the peer's own link
-    to this cluster is being made, to be waited for)."""
-
-    def __init__(self, status: Optional[LLMStatusCode]) -> None:
-        super().__init__(status)
-        self.status = status
 
 
 def _parallel(fn: Callable[[Any], LLMStatusCode], items: List[Any]) -> List[LLMStatusCode]:

@@ -48,15 +48,15 @@ from llm_datadist.transport import session as _session
 from llm_datadist.transport import wire
 from llm_datadist.transport.engine_view import EngineView
 from llm_datadist.transport.errors import S, CopyFailed, ProtocolError, Stalled, status_of
-from llm_datadist.transport.listener import close_socket
+from llm_datadist.transport.sockets import close_socket
 from llm_datadist.transport.read_guard import ReadGuard, WriteGuard
-from llm_datadist.transport.session import Peer, read_body, read_header
+from llm_datadist.transport.session import Link, read_body, read_header
 from llm_datadist.transport.threads import Threads
 
 logger = logging.getLogger("llm_datadist")
 
 #: ``handler(fd, req_id, length, peer) -> whether the connection goes on``.
-Handler = Callable[[int, int, int, Peer], bool]
+Handler = Callable[[int, int, int, Link], bool]
 
 
 def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
@@ -70,10 +70,10 @@ def recv_exact(fd: int, length: int, limit: int, what: str) -> bytearray:
 
 
 def read_control(fd: int, req_id: int, length: int, reply_op: int, what: str, count: Callable[[str], Any],
-                 peer: Peer, parse: bool = True) -> Tuple[Optional[Dict[str, Any]], bool]:
+                 peer: Link, parse: bool = True) -> Tuple[Optional[Dict[str, Any]], bool]:
     """Read a control request of ``peer``'s link within the budgets (``budgets``) and, with
     ``parse``, decode it: ``(message, True)`` (``{}`` without ``parse``), the body's bytes of the
-    parsing budget (and of the link's share of it, ``Peer.shares``) held only while it was read
+    parsing budget (and of the link's share of it, ``Link.shares``) held only while it was read
     and decoded; ``(None, goes_on)`` when the request was refused: its body read and dropped, the
     peer answered ``LLM_PARAM_INVALID`` (larger than ``LLM_DATADIST_MAX_MESSAGE_BYTES``, counted
     ``refused_oversized``) or ``LLM_LINK_BUSY`` (no room in the parsing budget or the link's or
@@ -110,7 +110,7 @@ _BOUND_NAMES = {"process": f"process's budget, {budgets.MAX_PARSING_BYTES_ENV}",
                 "link": "share of this link"}
 
 
-def _truncated(budget: budgets.ByteBudget, st: int, what: str, length: int, peer: Peer) -> None:
+def _truncated(budget: budgets.ByteBudget, st: int, what: str, length: int, peer: Link) -> None:
     """Raise ProtocolError for a control body that did not arrive whole (status ``st``); Stalled,
     counted first, for one that stalled (``LLM_TIMEOUT`` within the frame's time:
     ``receive_steadily``)."""
@@ -121,7 +121,7 @@ def _truncated(budget: budgets.ByteBudget, st: int, what: str, length: int, peer
 
 
 def _refuse_control(fd: int, req_id: int, length: int, reply_op: int, status: int, why: str, what: str,
-                    peer: Peer, refused: Optional[int]) -> bool:
+                    peer: Link, refused: Optional[int]) -> bool:
     """Read and drop a refused request's body (which must keep arriving, as one read would),
     answer ``status`` with ``{"error": why}``; logged when ``budgets.worth_logging(refused)``
     (``refused``: how many such refusals so far, None if not counted)."""
@@ -179,18 +179,18 @@ class Server:
     of the link of ``peer`` ended (closed, broken, or a protocol error) while the server runs."""
 
     def __init__(self, engine: EngineView, handlers: Mapping[int, Handler],
-                 on_end: Callable[[Peer, str], None]) -> None:
+                 on_end: Callable[[Link, str], None]) -> None:
         self.engine = engine
         self._handlers = dict(handlers)
         self._on_end = on_end
         self._stopped = False
         self._threads = Threads("llm_datadist-conn")
 
-    def serve_in_thread(self, conn: socket.socket, name: str, peer: Peer) -> None:
+    def serve_in_thread(self, conn: socket.socket, name: str, peer: Link) -> None:
         """``serve`` on a thread of the server's own."""
         self._threads.spawn(self.serve, conn, name, peer)
 
-    def serve(self, conn: socket.socket, name: str, peer: Peer) -> None:
+    def serve(self, conn: socket.socket, name: str, peer: Link) -> None:
         """Serve the peer's requests on ``conn`` until it closes or breaks the protocol; then the
         whole link is gone (``on_end``: its other connections are closed too). Closes ``conn``."""
         peer_id = peer.cluster_id
@@ -256,7 +256,7 @@ class Requests:
         return {wire.OP_TABLE_GET: self.table, wire.OP_KEY_DONE: self.key_done, wire.OP_PUSH: self.push,
                 wire.OP_PULL: self.pull}
 
-    def table(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def table(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         message, goes_on = read_control(fd, req_id, length, wire.OP_TABLE, "table request", self._count, peer,
                                         parse=False)
         if message is None:
@@ -266,7 +266,7 @@ class Requests:
             table.update(plane.offer(peer))
         return reply(fd, wire.OP_TABLE, req_id, 0, wire.encode_json(table))
 
-    def key_done(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def key_done(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         message, goes_on = read_control(fd, req_id, length, wire.OP_KEY_DONE_REPLY, "key release", self._count, peer)
         if message is None:
             return goes_on
@@ -278,7 +278,7 @@ class Requests:
             raise ProtocolError(f"malformed key release: {exc!r}") from None
         return reply(fd, wire.OP_KEY_DONE_REPLY, req_id, 0, wire.encode_json({"released": released}))
 
-    def push(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def push(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         peer_id = peer.cluster_id
         if length < 16:
             raise ProtocolError(f"push frame of {length} bytes")
@@ -291,7 +291,7 @@ class Requests:
         with self._write_guard.writing(peer_id, fd):
             return self._push(fd, req_id, length, peer, *values)
 
-    def _push(self, fd: int, req_id: int, length: int, peer: Peer, generation: int, desc_len: int, plan) -> bool:
+    def _push(self, fd: int, req_id: int, length: int, peer: Link, generation: int, desc_len: int, plan) -> bool:
         engine = self.engine
         peer_id = peer.cluster_id
         data_len = length - 16 - desc_len
@@ -330,7 +330,7 @@ class Requests:
                 raise ProtocolError("push payload truncated")
         return reply(fd, wire.OP_PUSH_DONE, req_id, refusal)
 
-    def pull(self, fd: int, req_id: int, length: int, peer: Peer) -> bool:
+    def pull(self, fd: int, req_id: int, length: int, peer: Link) -> bool:
         engine = self.engine
         peer_id = peer.cluster_id
         if length < 16:

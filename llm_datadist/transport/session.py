@@ -1,7 +1,7 @@
-"""A link's state on this side: its connections (``Channel``, the peer's ``incoming`` ones), what
-the kernel proved about the peer, the data planes chosen and their per-link state objects
-(``Peer.plane_state``), its shares of the process's budgets (``Peer.shares``), the one frame
-reader every part of the transport uses (and ``receive_steadily`` for bodies that hold a
+"""A link's state on this side (``Link``): its connections (``Channel``, the peer's ``incoming``
+ones), what the kernel proved about the peer, the data planes chosen and their per-link state
+objects (``Link.plane_state``), its shares of the process's budgets (``Link.shares``), the one
+frame reader every part of the transport uses (and ``receive_steadily`` for bodies that hold a
 budget), and the link's worker threads for striped transfers.
 """
 
@@ -141,7 +141,7 @@ def _call(fn: Callable[[Any], Any], item: Any) -> Any:
 
 class Channel:
     """One connection on which this side sends requests and reads replies, one at a time;
-    ``shares``: its link's shares of the process's budgets (``Peer.shares``), which the replies
+    ``shares``: its link's shares of the process's budgets (``Link.shares``), which the replies
     it reads and the staged payloads it moves count against."""
 
     def __init__(self, sock: socket.socket, peer_name: str, shares: Optional[budgets.LinkShares] = None) -> None:
@@ -268,8 +268,9 @@ class Channel:
 
 
 @dataclass(eq=False)
-class Peer:
-    """This side's state for one linked cluster (or one being linked)."""
+class Link:
+    """A link as this side holds it: the state of this cluster's link to one other cluster (or one
+    being made), whichever side asked for it."""
 
     cluster_id: int
     role: str
@@ -318,7 +319,7 @@ class Peer:
     unlinking: bool = False  # this side is unlinking it: its connections closing is no loss
     unlinked_by_peer: bool = False  # the peer unlinked it (its own unlink then succeeds too)
     comm: Optional[Tuple[str, str]] = None  # the two-sided link (name, digest) it was made for
-    source: Any = None   # server side: where its link request came from (``listener.source_of``)
+    source: Any = None   # server side: where its link request came from (``sockets.source_of``)
     # Its shares of the process's parsing and staging budgets, under its source (server side) or
     # the address it was made to (client side); set by the link manager as the link is made.
     shares: budgets.LinkShares = field(default_factory=budgets.LinkShares)

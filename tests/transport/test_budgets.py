@@ -32,7 +32,7 @@ from llm_datadist import _core
 from llm_datadist.status import LLMException, LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import auth, budgets, wire
-from llm_datadist.transport.listener import MAX_LINKS_PER_SOURCE_ENV
+from llm_datadist.transport.settings import MAX_LINKS_PER_SOURCE_ENV
 
 import rawpeer
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from llm_datadist.transport import listener as listener_module
+from llm_datadist.transport import slots as slots_module
 from llm_datadist.transport.listener import Listener
 
 
@@ -129,7 +129,7 @@ def test_which_slot_is_given_up_and_when_a_newcomer_is_refused(monkeypatch):
     of the newcomer's own source when that one is at its cap, else of the sources holding at least
     as many as the newcomer's, the one holding the most first; nothing while a slot is free."""
     clock = Clock()
-    monkeypatch.setattr(listener_module, "time", clock)
+    monkeypatch.setattr(slots_module, "time", clock)
     counts: Dict[str, int] = {}
 
     def count(name: str) -> int:

@@ -389,9 +389,9 @@ def test_warning_for_a_non_loopback_listener_without_secret(caplog):
     """Listening beyond loopback without a secret is logged (once); on loopback, or with a
     secret, it is not."""
     from llm_datadist import LLMConfig, LLMDataDist, LLMRole
-    from llm_datadist.transport import listener
+    from llm_datadist.transport import sockets
     caplog.set_level("WARNING", logger="llm_datadist")
-    listener._warned.clear()
+    sockets._warned.clear()
     for ip, secret, warned in [("127.0.0.1", None, False), ("0.0.0.0", SECRET, False), ("0.0.0.0", None, True)]:
         caplog.clear()
         config = LLMConfig()
@@ -915,9 +915,9 @@ def _peer_uid(state, remote_id: int) -> int:
 def _plane_if_same_user(state, remote_id: int) -> str:
     links = state.dd.engine.links
     peer = links.peer(remote_id)
-    _, info = links._fetch_table(peer, 3000)
+    _, info = links.plane_choice.fetch_table(peer, 3000)
     peer.uid = os.geteuid()
-    return links._choose_plane(peer, info).name
+    return links.plane_choice.choose(peer, info).name
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "secret"])

@@ -46,7 +46,7 @@ def stats(state):
 
 
 def waiting(state):
-    lst = state.dd.engine.links.listener
+    lst = state.dd.engine.links.listener.slots
     return lst._waiting_total, len(lst._preauth), {s: len(w) for s, w in lst._waiters.items()}
 
 

@@ -25,10 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from llm_datadist.transport import listener, session
+from llm_datadist.transport import session, sockets
 from llm_datadist.transport import wire
 from llm_datadist.transport.host import host_identity
-from llm_datadist.transport.session import Peer
+from llm_datadist.transport.session import Link
 
 from wire_cases import Case, Target, guard_spans, notify_handler
 from wire_oracle import Ranges, ServerModel, Session, Shadow
@@ -194,7 +194,7 @@ class FuzzServer:
             cluster_id=SERVER_ID, generation=engine.generation_word.value, ranges=Ranges(self.tensors),
             shadow=Shadow([(a.ctypes.data, a) for a in self.buffers]), table=engine.export_table(),
             same_host=same_host, server_nonce=SERVER_NONCE, remote_accessible=links.remote_accessible,
-            role=engine.role, planes=links._offered_planes(), host=host_identity(), unix_name=links.unix_name,
+            role=engine.role, planes=links.plane_choice.offered(), host=host_identity(), unix_name=links.unix_name,
             guard=self._model_guard)
 
     @staticmethod
@@ -232,13 +232,13 @@ class FuzzServer:
         links.secret = LINK_SECRET if case.secret else None
         links.set_notify_handler(notify_handler if case.notify else None)
         client, conn = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        staged: Optional[Peer] = None
+        staged: Optional[Link] = None
         try:
             conn.setblocking(False)  # as the listener leaves an accepted connection
-            listener.tune(conn)
+            sockets.tune(conn)
             if case.mode == "direct":
                 # A link made by the handshake: this connection is its forward one (_accept_data).
-                peer = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1))
+                peer = Link(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1))
                 if case.unix:
                     peer.unix = True
                     peer.pid, peer.uid = session.peer_credentials(conn)
@@ -251,7 +251,7 @@ class FuzzServer:
                 # A link whose handshake is done and whose data connections are awaited, and the
                 # listener's bookkeeping of a connection in its handshake (_accept_loop).
                 # (Its link request came from this process: the connection's SO_PEERCRED is this pid.)
-                staged = Peer(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1),
+                staged = Link(case.peer_id, "DECODER", False, ("fuzz", 0), ["tcp"], token=case.token, want=(1, 1),
                               stated=(os.getpid(), os.getuid()))
                 with links._lock:
                     links._peers[case.peer_id] = staged
@@ -262,13 +262,13 @@ class FuzzServer:
         finally:
             client.close()
 
-    def _drop(self, staged: Optional[Peer]) -> None:
+    def _drop(self, staged: Optional[Link]) -> None:
         if staged is not None:
             # A link still waiting for connections, or holding this one as its reverse
             # connection: what the end of that link would do.
             self.links._drop_peer(staged.cluster_id, staged)
 
-    def _pump(self, client: socket.socket, data: bytes, job: Callable[[], None], staged: Optional[Peer],
+    def _pump(self, client: socket.socket, data: bytes, job: Callable[[], None], staged: Optional[Link],
               reply_bytes: int) -> Observed:
         started = time.monotonic()
         deadline = started + CASE_TIMEOUT_S
@@ -333,7 +333,7 @@ class FuzzServer:
                         poller.unregister(client_fd)
         return Observed(bytes(replies), worker.error, worker.trace, time.monotonic() - started, True)
 
-    def _serve_here(self, client: socket.socket, job: Callable[[], None], staged: Optional[Peer],
+    def _serve_here(self, client: socket.socket, job: Callable[[], None], staged: Optional[Link],
                     started: float) -> Observed:
         """The whole input is in the socket and the replies fit in its buffer: serve on this
         thread, then read what came back."""

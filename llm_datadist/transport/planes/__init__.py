@@ -1,10 +1,10 @@
 """The registry of data planes.
 
-Every module of this package (other than ``base`` and ``registry``, which holds the registry's
-state and ``PlaneSet``; this package re-exports them) is imported once and registers its plane
-with ``register``; code elsewhere (a test, an integration) may register more. Everything that
-lists planes -- ``llm.DataPlane`` values, the CLI's choices, ``info``, the benchmarks -- asks
-this registry, so adding a plane is adding its module.
+Every module of this package (other than ``base``; ``registry``, which holds the registry's state
+and ``PlaneSet``, which this package re-exports; and ``choice``: which planes a link uses) is
+imported once and registers its plane with ``register``; code elsewhere (a test, an integration)
+may register more. Everything that lists planes -- ``llm.DataPlane`` values, the CLI's choices,
+``info``, the benchmarks -- asks this registry, so adding a plane is adding its module.
 
 The registry holds plane *classes*; ``PlaneSet`` holds the *instances* of one engine (one of each
 registered plane, made on first use). The link manager owns an engine's set, and a plane that
@@ -29,7 +29,7 @@ __all__ = ["DataPlane", "register", "unregister", "names", "host_names", "get", 
 
 def _discover() -> None:
     for module in pkgutil.iter_modules(__path__):
-        if module.name not in ("base", "registry") and not module.name.startswith("_"):
+        if module.name not in ("base", "registry", "choice") and not module.name.startswith("_"):
             importlib.import_module(f"{__name__}.{module.name}")
 
 

@@ -25,7 +25,7 @@ Calls, in the order a link meets them:
     who receives its IPC handles), or ``""`` (the default) where docs/security.md's rule for every
     link says it all.
 ``offer(session)``
-    Extra fields of this side's cache-table reply to the peer of ``session`` (a ``Peer``): what the
+    Extra fields of this side's cache-table reply to the peer of ``session`` (a ``session.Link``): what the
     peer needs to use this plane towards us (cma: where to probe, where our registry generation
     lives), or ``{}``. Runs for every table request, on the connection's thread. Which planes a
     side *names* in its link request/reply is the manager's (``planes.offered``).

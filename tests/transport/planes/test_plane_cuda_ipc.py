@@ -81,7 +81,7 @@ def c_unlink(state, remote_id: int) -> None:
 def c_facts(state, remote_id: int):
     """The cuda_ipc part of a fresh table reply of ``remote_id``, as the link keeps it
     (``cuda_ipc.IpcFacts``; None: no exports offered)."""
-    _, facts = state.dd.engine.links._fetch_table(state.dd.engine.links.peer(remote_id), 5000)
+    _, facts = state.dd.engine.links.plane_choice.fetch_table(state.dd.engine.links.peer(remote_id), 5000)
     return facts.get("cuda_ipc")
 
 

@@ -1,5 +1,5 @@
 """What a link keeps of its peer's table reply beside the table: each plane's entry, parsed into
-bounded typed fields (``DataPlane.parse_facts``), the JSON dropped (``LinkManager._plane_facts``).
+bounded typed fields (``DataPlane.parse_facts``), the JSON dropped (``planes.choice.plane_facts``).
 
 The peer is untrusted: a malformed entry is a ``ProtocolError`` (the link then fails with
 ``LLM_LINK_FAILED``, ``tests/transport/test_budgets.py`` checks that end to end), fields no plane
@@ -19,7 +19,7 @@ import pytest
 from llm_datadist.transport import budgets
 from llm_datadist.transport import planes as plane_registry
 from llm_datadist.transport.errors import ProtocolError
-from llm_datadist.transport.links import LinkManager
+from llm_datadist.transport.planes.choice import plane_facts
 from llm_datadist.transport.planes.base import DataPlane
 from llm_datadist.transport.planes.cma import SameHostFacts
 from llm_datadist.transport.planes.cuda_ipc import MAX_EXPORTS, IpcFacts
@@ -40,7 +40,7 @@ def test_the_link_keeps_the_parsed_entries_and_nothing_else_of_the_reply():
     body = {"generation": 1, "caches": [], "blocks": [], "keys": [], "junk": [[]] * 1000,
             "same_host": dict(SAME_HOST, pad=[[]] * 1000),
             "cuda_ipc": {"generation_fd": 3, "exports": [[5, 1, [["ab" * 64, 0]]]]}}
-    facts = LinkManager._plane_facts(body)
+    facts = plane_facts(body)
     assert set(facts) == {"same_host", "cuda_ipc"}
     assert facts["same_host"] == SameHostFacts(0x7F0000001000, 0x1234, 0x7F0000002000, 7)
     assert isinstance(facts["cuda_ipc"], IpcFacts) and facts["cuda_ipc"].exports.tensors(5) == [
@@ -56,13 +56,13 @@ def test_the_link_keeps_the_parsed_entries_and_nothing_else_of_the_reply():
 ], ids=lambda change: repr(change)[:40])
 def test_a_malformed_same_host_entry_is_refused(change):
     with pytest.raises(ProtocolError, match="malformed same_host entry"):
-        LinkManager._plane_facts({"same_host": dict(SAME_HOST, **change)})
+        plane_facts({"same_host": dict(SAME_HOST, **change)})
 
 
 @pytest.mark.parametrize("entry", ["x", [], None, {}])
 def test_a_same_host_entry_that_is_no_entry_is_refused(entry):
     with pytest.raises(ProtocolError):
-        LinkManager._plane_facts({"same_host": entry})
+        plane_facts({"same_host": entry})
 
 
 def _largest_entries(nbytes: int):
@@ -88,7 +88,7 @@ def test_the_largest_entry_a_reply_at_the_budget_carries_is_kept_in_under_1_mib(
     gc.collect()
     tracemalloc.start()
     try:
-        facts = LinkManager._plane_facts(body)
+        facts = plane_facts(body)
         gc.collect()
         kept, _ = tracemalloc.get_traced_memory()
     finally:

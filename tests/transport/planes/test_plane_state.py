@@ -1,5 +1,5 @@
 """The per-link state hook (``DataPlane.link_state``): a plane's state for a link is made at link
-time, before its ``accept``, kept by the link (``Peer.plane_state``), read by the plane on every
+time, before its ``accept``, kept by the link (``Link.plane_state``), read by the plane on every
 transfer, and dropped when the plane refuses or the link ends. And the engine's plane set: a
 plane reaches another plane's instance through it instead of making its own.
 """
@@ -18,10 +18,10 @@ from llm_datadist.status import LLMStatusCode
 from llm_datadist.testing import Cluster
 from llm_datadist.transport import deadline as dl
 from llm_datadist.transport import planes
-from llm_datadist.transport.links import LinkManager
+from llm_datadist.transport.planes.choice import accept_plane
 from llm_datadist.transport.planes.cuda_ipc import CudaIpcPlane
 from llm_datadist.transport.planes.tcp import TcpPlane
-from llm_datadist.transport.session import Peer
+from llm_datadist.transport.session import Link
 
 SERVER_ID, CLIENT_ID = 91, 92
 MODEL_ID, BLOCKS, BLOCK_BYTES, TENSORS = 3, 4, 1024, 2
@@ -143,14 +143,14 @@ def test_a_planes_state_is_made_at_link_time_kept_by_the_link_and_dropped_at_unl
         assert note.closed == 1 and plane.closed_without_state == 1
 
 
-def _lone_peer() -> Peer:
-    return Peer(7, "PROMPT", True, ("127.0.0.1", 1), ["tcp"])
+def _lone_peer() -> Link:
+    return Link(7, "PROMPT", True, ("127.0.0.1", 1), ["tcp"])
 
 
 def test_a_plane_that_refuses_the_link_has_its_state_released_and_dropped():
     plane = RefusingStatefulPlane(SimpleNamespace(cluster_id=1))
     peer = _lone_peer()
-    reason = LinkManager._accept_plane(peer, plane, {}, dl.after(1000))
+    reason = accept_plane(peer, plane, {}, dl.after(1000))
     assert reason == "it refuses (test)"
     (note,) = plane.made
     assert note.accepted and note.closed == 1 and peer.plane_state == {}
@@ -160,7 +160,7 @@ def test_a_plane_without_state_leaves_the_link_untouched():
     plane = TcpPlane(SimpleNamespace(cluster_id=1))
     peer = _lone_peer()
     assert plane.link_state(peer) is None
-    assert LinkManager._accept_plane(peer, plane, {}, dl.after(1000)) is None
+    assert accept_plane(peer, plane, {}, dl.after(1000)) is None
     assert peer.plane_state == {} and plane.state(peer) is None
 
 
