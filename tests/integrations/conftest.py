@@ -1,13 +1,15 @@
 """Where ``LLM_DATADIST_REQUIRE_VLLM=1`` (``.ci/run`` sets it, having installed the vllm extra and
 fetched vLLM's toy proxy), the vLLM connector's tests must run: a missing vLLM fails the run here,
-and any test of this folder that skips anyway (for whatever reason) is reported as a failure."""
+and any test of this folder that skips anyway (for whatever reason) is reported as a failure
+(the other optional dependencies: ``tests/optional_deps.py``)."""
 
 import os
 from importlib.util import find_spec
 
+import optional_deps
 import pytest
 
-REQUIRED = os.environ.get("LLM_DATADIST_REQUIRE_VLLM") == "1"
+REQUIRED = optional_deps.required("vllm")  # LLM_DATADIST_REQUIRE_VLLM=1
 
 # The connector listens on this host's routable address by default (VLLM_HOST_IP, else the default
 # route's): here, and in the engine processes the tests start, that is loopback, so that no test
