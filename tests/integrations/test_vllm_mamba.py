@@ -18,7 +18,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from test_vllm import (BLOCK, MAX_TOKENS, Engine, delta, needs_vllm, params_of_a_gone_prefill,
+from test_vllm import (BLOCK, MAX_TOKENS, Engine, close_all, delta, needs_vllm, params_of_a_gone_prefill,
                        prefill_for_remote_decode, prompts_of)
 
 #: the hybrid manager on, no prefix caching (mamba_cache_mode "none")
@@ -95,25 +95,25 @@ def mamba(tmp_path_factory):
     write_nemotron_h(model)
     started = []
     try:
+        # the three start together; the plain one exits once it has given the baseline
         plain = Engine(model, "plain", work / "plain.log", engine_args=ENGINE_ARGS)
         started.append(plain)
+        prefill = Engine(model, "producer", work / "prefill.log", engine_args=ENGINE_ARGS)
+        started.append(prefill)
+        decode = Engine(model, "consumer", work / "decode.log", engine_args=ENGINE_ARGS)
+        started.append(decode)
         plain.wait_ready()
         everything = PROMPTS + FAILING
         # (the first token of a prompt with its first token changed: the states carry the prompt's start)
         changed = [[p[0] % 997 + 3] + p[1:] for p in PROMPTS]
         outputs = plain.generate(everything + changed, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything + changed, outputs)}
-        plain.close()
-        prefill = Engine(model, "producer", work / "prefill.log", engine_args=ENGINE_ARGS)
-        started.append(prefill)
-        decode = Engine(model, "consumer", work / "decode.log", engine_args=ENGINE_ARGS)
-        started.append(decode)
+        plain.request_exit()
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 @needs_vllm
