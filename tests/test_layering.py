@@ -25,9 +25,10 @@ end feed it one forbidden import per rule and expect it to say so.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import pytest
 
@@ -132,6 +133,13 @@ def _resolve_relative(module: str, is_package: bool, level: int, target: Optiona
 def imports_of(module: str, source: str, suffix: str = ".py", is_package: bool = False) -> Set[str]:
     """Every ``llm_datadist`` name ``source`` imports (``from llm_datadist import x`` counts as
     importing ``llm_datadist.x``), at any depth; Cython ``cimport`` and ``include`` too."""
+    return set(_imports_of(module, source, suffix, is_package))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports_of(module: str, source: str, suffix: str, is_package: bool) -> FrozenSet[str]:
+    """``imports_of``, parsed once per source: every case below checks the whole package again,
+    and only the module it changes is new."""
     names: Set[str] = set()
     if suffix == ".py":
         for node in ast.walk(ast.parse(source)):
@@ -150,7 +158,7 @@ def imports_of(module: str, source: str, suffix: str = ".py", is_package: bool =
                 names.update(t.split()[0] for t in match.group(3).split(",") if t.split())
         for match in _INCLUDE.finditer(source):
             names.add(f"{ROOT}." + match.group(1).rsplit(".", 1)[0].replace("/", "."))
-    return {n for n in names if n == ROOT or n.startswith(ROOT + ".")}
+    return frozenset(n for n in names if n == ROOT or n.startswith(ROOT + "."))
 
 
 def layer_of(module: str) -> Optional[str]:
