@@ -38,8 +38,9 @@ def pytest_runtest_makereport(item, call):
 
 class SharedPlainEngine:
     """A plain engine on ``test_vllm.write_model``'s model (seed 0, ``GEOMETRY``) and
-    ``vllm_engine.py``'s defaults, started at the first ``engine()`` call and kept for the session:
-    a module's fixture starts its own engines first, so that this one starts beside them."""
+    ``vllm_engine.py``'s defaults, started at the first ``engine()`` call and kept for the session.
+    (A module's fixture asks it for the baseline before it starts its own engines: engines that
+    start together on two cores take longer than one after the other.)"""
 
     def __init__(self, work) -> None:
         self._work = work

@@ -1,7 +1,7 @@
 """A prefill ``Worker`` of the vLLM connector in a child process (``test_vllm_peers.PrefillChild``
-starts it in ``context()``): one ``LLMDataDist`` per process, so a decode worker in the test
-process needs its prefill peer elsewhere. ``serve`` answers ``(op, args)`` messages on a pipe
-with ``(True, result)`` or ``(False, traceback)``."""
+forks it from the session's server, ``forked.py``): one ``LLMDataDist`` per process, so a decode
+worker in the test process needs its prefill peer elsewhere. ``serve`` answers ``(op, args)``
+messages on a pipe with ``(True, result)`` or ``(False, traceback)``."""
 
 from __future__ import annotations
 
@@ -12,22 +12,6 @@ from types import SimpleNamespace
 
 BLOCKS, BLOCK_FLOATS = 8, 64
 PRODUCER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=True, is_kv_consumer=False))
-#: What the tests' worker processes import, once, in the forkserver (``context``).
-PRELOAD = ["torch", "vllm.v1.request", "llm_datadist.integrations.vllm.worker",
-           "llm_datadist.integrations.vllm.scheduler", "prefill_child"]
-
-
-def context():
-    """The multiprocessing context of the tests' connector worker processes (this module's, and
-    ``test_vllm_metrics``'): ``forkserver``, whose server imports ``PRELOAD`` once for the session,
-    so that each process is forked ready instead of spending about 20 s of CPU importing torch and
-    vLLM, as a spawned one does. A process gets the environment of the test that started the
-    server (the first to start one), not its own test's: none of these tests changes it."""
-    import multiprocessing
-
-    forkserver = multiprocessing.get_context("forkserver")
-    forkserver.set_forkserver_preload(PRELOAD)
-    return forkserver
 
 
 class _Prefill:

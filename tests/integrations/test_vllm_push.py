@@ -43,20 +43,20 @@ PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET
 @pytest.fixture(scope="module")
 def push_engines(tmp_path_factory, plain_engine):
     """``(baseline tokens by prompt, prefill engine, decode engine)``; the baseline is the session's
-    plain engine's (``conftest.py``), computed while the two start."""
+    plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm-push")
     write_model(work / "model")
     started = []
     try:
+        everything = ORDERED + PIPELINED + CACHED + SERVED
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         # chunked prefill on the prefill side: a 200-token prompt takes two steps
         prefill = Engine(work / "model", "producer", work / "prefill.log", PUSH,
                          {"max_num_batched_tokens": 128, "enable_chunked_prefill": True})
         started.append(prefill)
         decode = Engine(work / "model", "consumer", work / "decode.log", PUSH)
         started.append(decode)
-        everything = ORDERED + PIPELINED + CACHED + SERVED
-        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill.wait_ready()
         decode.wait_ready()
         yield baseline, prefill, decode
@@ -143,14 +143,14 @@ def test_served_engines_push_behind_vllms_toy_proxy(push_engines, tmp_path):
     (``has_pending_push_work``) and pushes when the decode engine registers; the decode engine's
     greedy tokens equal the baseline's and it computes none of the prompt."""
     import httpx
-    from test_vllm import free_port, metric_samples, served_engines
+    from test_vllm import free_port, metric_samples, served_decode_engine
     from test_vllm_leases import require_toy_proxy
 
     baseline, prefill, _ = push_engines
     proxy = require_toy_proxy()
     model = prefill.log.parent / "model"
-    with served_engines((model, tmp_path / "served-prefill.log", PUSH, "kv_producer"),
-                        (model, tmp_path / "served-decode.log", PUSH, "kv_consumer")) as (p_url, d_url):
+    with served_decode_engine(model, tmp_path / "served-prefill.log", PUSH, role="kv_producer") as p_url, \
+            served_decode_engine(model, tmp_path / "served-decode.log", PUSH) as d_url:
         port = free_port()
         p_port, d_port = (int(url.rsplit(":", 1)[1]) for url in (p_url, d_url))
         with open(tmp_path / "proxy.log", "w") as log:

@@ -79,20 +79,20 @@ def start(*engines: Engine) -> None:
 @pytest.fixture(scope="module")
 def tp_engines(tmp_path_factory, plain_engine):
     """``(work dir, baseline tokens by prompt, prefill TP 2, decode TP 2)``; a test may start more. The
-    baseline is the session's plain engine's (``conftest.py``), computed while the two start."""
+    baseline is the session's plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm_tp")
     write_model(work / "model")
     write_loud_model(work / "other")
     started = []
     try:
+        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1 + NIXL_ONLY + NIXL_ONLY_TP1
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill = Engine(work / "model", "producer", work / "prefill2.log",
                          {"kv_lease_s": 300, "link_secret": LINK_SECRET}, TP2)
         started.append(prefill)
         decode = Engine(work / "model", "consumer", work / "decode2.log", {"link_secret": LINK_SECRET}, TP2)
         started.append(decode)
-        everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1 + NIXL_ONLY + NIXL_ONLY_TP1
-        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         start(prefill, decode)
         yield work, baseline, prefill, decode
     finally:
@@ -165,15 +165,11 @@ def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(
     of its readers (P TP 1: by both decode ranks, counted) and a TP 1 prefill with other weights
     changes the TP 2 decode's tokens."""
     work, baseline, prefill2, decode2 = tp_engines
-    # the test's three TP 1 engines start together, each used in turn
-    # (the other weights claim the model's name, which is all the compatibility check knows it by)
-    prefills1 = {model: Engine(work / model, "producer", work / f"prefill1_{model}.log",
-                               {"kv_lease_s": 300, "link_secret": LINK_SECRET, "model_id": str(work / "model")})
-                 for model in ("model", "other")}
-    decode1 = Engine(work / "model", "consumer", work / "decode1.log", {"link_secret": LINK_SECRET})
-    try:
-        for model, prompts in (("model", TP1_TO_TP2), ("other", OTHER_WEIGHTS_TP1)):
-            prefill1 = prefills1[model]
+    for model, prompts in (("model", TP1_TO_TP2), ("other", OTHER_WEIGHTS_TP1)):
+        # (the other weights claim the model's name, which is all the compatibility check knows it by)
+        prefill1 = Engine(work / model, "producer", work / f"prefill1_{model}.log",
+                          {"kv_lease_s": 300, "link_secret": LINK_SECRET, "model_id": str(work / "model")})
+        try:
             start(prefill1)
             params = prefill(prefill1, prompts)
             assert params[0]["tp_size"] == 1 and len(params[0]["remote_ranks"]) == 1
@@ -188,8 +184,11 @@ def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(
                 assert outputs[0]["token_ids"] != baseline[tuple(prompts[0])]
             # both decode ranks read prefill rank 0 and released it (readers 2): a third release is refused
             assert_released_by_decode(params[0], [0])
+        finally:
             prefill1.close()
-        assert "computing the prompt locally" not in decode2.tail(400)
+    assert "computing the prompt locally" not in decode2.tail(400)
+    decode1 = Engine(work / "model", "consumer", work / "decode1.log", {"link_secret": LINK_SECRET})
+    try:
         start(decode1)
         params = prefill(prefill2, TP2_TO_TP1)
         before = decode1.prompt_tokens()
@@ -209,7 +208,7 @@ def test_different_tp_sizes_move_kv_head_by_head_and_release_every_prefill_rank(
         assert "computing the prompt locally" not in decode1.tail(200)
         assert_released_by_decode(params[0], [0, 1])
     finally:
-        close_all([*prefills1.values(), decode1])
+        decode1.close()
 
 
 @needs_vllm

@@ -5,7 +5,7 @@ from another one.
 Two prefill engines (``kv_lease_s`` 2 s) and one decode engine (``max_num_seqs`` 1,
 ``kv_lease_s`` 2 s, ``link_timeout_ms`` 3 s, ``kv_load_failure_policy`` ``recompute``), each in its
 own process (``vllm_engine.py``), driven as in ``test_vllm.py``; a plain engine (the session's,
-``conftest.py``) gives the baseline tokens while they start.
+``conftest.py``) gives the baseline tokens first.
 
 Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
 """
@@ -44,11 +44,14 @@ WARM = prompts_of([40], seed=27)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, plain_engine):
     """``(baseline tokens by prompt, prefill engine 1, prefill engine 2, decode engine)``; the baseline
-    is the session's plain engine's (``conftest.py``), computed while the three start."""
+    is the session's plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm-load")
     write_model(work / "model")
     started = []
     try:
+        everything = QUEUED + REFERENCE + LIVE + DEAD + LOCAL + WARM
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill_extra = {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET}
         first = Engine(work / "model", "producer", work / "prefill-1.log", prefill_extra)
         started.append(first)
@@ -59,9 +62,6 @@ def cluster(tmp_path_factory, plain_engine):
                         {"max_num_seqs": 1, "max_model_len": 2048,
                          "kv_transfer": {"kv_load_failure_policy": "recompute"}})
         started.append(decode)
-        everything = QUEUED + REFERENCE + LIVE + DEAD + LOCAL + WARM
-        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         for engine in (first, second, decode):
             engine.wait_ready()
         yield baseline, first, second, decode
