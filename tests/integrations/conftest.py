@@ -26,6 +26,14 @@ if REQUIRED and find_spec("vllm") is None:
                        "(tests/integrations) would be skipped; pip install '.[vllm]'")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import forked
+
+    left = forked.kill_leftovers()
+    if left:
+        print(f"\ntests/integrations: killed {left} forked vLLM engine(s) that no test closed")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -22,6 +22,10 @@ PRELOAD = ["vllm_engine", "torch", "vllm", "vllm.entrypoints.llm", "vllm.config"
            "llm_datadist.integrations.vllm.worker", "llm_datadist.integrations.vllm.scheduler", "prefill_child"]
 
 
+#: Every engine forked this session (``kill_leftovers``).
+_ENGINES: List["EngineProcess"] = []
+
+
 def context():
     """The forkserver context, its server importing ``PRELOAD`` when it starts (at the first
     process of the session)."""
@@ -44,6 +48,7 @@ class EngineProcess:
         self._process = context().Process(target=_run_engine, args=(list(argv), dict(env), str(log), theirs),
                                           name="MainProcess")
         self._process.start()
+        _ENGINES.append(self)
         theirs.close()
         self.pid = self._process.pid
         self.stdin = ours.makefile("w", encoding="utf-8")
@@ -65,6 +70,17 @@ class EngineProcess:
 
     def kill(self) -> None:
         self._process.kill()
+
+
+def kill_leftovers() -> int:
+    """Kill the forked engines still running (a test that did not close one): multiprocessing would
+    wait for them when this process exits. How many there were."""
+    left = [engine for engine in _ENGINES if engine.poll() is None]
+    for engine in left:
+        engine.kill()
+        engine.wait(30)
+    _ENGINES.clear()
+    return len(left)
 
 
 def _run_engine(argv: List[str], env: Dict[str, str], log: str, channel: socket.socket) -> None:
