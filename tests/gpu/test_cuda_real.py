@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import numpy as np
+import optional_deps
 import pytest
 from gpu_runtime import cuda_runtime
 
@@ -226,7 +227,7 @@ def test_gpu_caches_move_between_processes(rt, monkeypatch, plane):
 
 
 def test_torch_cuda_tensors_as_a_device_cache(rt, monkeypatch):
-    torch = pytest.importorskip("torch")
+    torch = optional_deps.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
     monkeypatch.setenv("LLM_DATADIST_DEVICE", "cuda")

@@ -31,6 +31,7 @@ import types
 from importlib.util import find_spec
 
 import numpy as np
+import optional_deps
 import pytest
 from gpu_runtime import cuda_runtime, on_stub
 
@@ -185,7 +186,7 @@ needs_gpu = pytest.mark.skipif(RUNTIME is None, reason=WHY_NOT or "no GPU")
 
 @pytest.fixture(scope="module")
 def torch_on_device():
-    torch = pytest.importorskip("torch")
+    torch = optional_deps.importorskip("torch")
     if not on_stub() and not torch.cuda.is_available():
         pytest.fail(f"the cuda runtime reports a GPU ({RUNTIME.library}) but torch {torch.__version__} has no "
                     f"CUDA: install torch for this CUDA")

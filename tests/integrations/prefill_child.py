@@ -1,7 +1,7 @@
 """A prefill ``Worker`` of the vLLM connector in a child process (``test_vllm_peers.PrefillChild``
-starts it with ``spawn``): one ``LLMDataDist`` per process, so a decode worker in the test
-process needs its prefill peer elsewhere. ``serve`` answers ``(op, args)`` messages on a pipe
-with ``(True, result)`` or ``(False, traceback)``."""
+forks it from the session's server, ``forked.py``): one ``LLMDataDist`` per process, so a decode
+worker in the test process needs its prefill peer elsewhere. ``serve`` answers ``(op, args)``
+messages on a pipe with ``(True, result)`` or ``(False, traceback)``."""
 
 from __future__ import annotations
 

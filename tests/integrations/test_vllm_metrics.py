@@ -231,9 +231,9 @@ class PrefillProcess:
     """A prefill worker in a child process (one llm_datadist engine per process), driven over a pipe."""
 
     def __init__(self, model: str, describes_itself: bool = True):
-        import multiprocessing
+        import forked
 
-        ctx = multiprocessing.get_context("spawn")
+        ctx = forked.context()  # (forked from a server that imported torch and vLLM once)
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_prefill_main, args=(child, model, describes_itself), daemon=True)
         self.proc.start()

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_vllm import GEOMETRY, MAX_TOKENS, Engine, needs_vllm, prefill_for_remote_decode, prompts_of, write_model
+from test_vllm import (GEOMETRY, MAX_TOKENS, Engine, close_all, needs_vllm, prefill_for_remote_decode, prompts_of,
+                       write_model)
 
 pytestmark = needs_vllm
 
@@ -180,8 +181,7 @@ def mla(tmp_path_factory):
         decode.wait_ready()
         yield work, baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def test_an_mla_model_moves_its_latent_cache_exactly(mla):
@@ -218,18 +218,14 @@ def test_an_mla_model_moves_its_latent_cache_exactly(mla):
 # -- speculative decoding (a Llama target) ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama(tmp_path_factory, plain_engine):
     """``(work dir, target model, EAGLE head, baseline tokens of SPEC_PROMPTS)``: a plain engine
-    without speculative decoding gives the baseline."""
+    without speculative decoding (the session's, on the same weights: ``conftest.py``) gives the
+    baseline."""
     work = tmp_path_factory.mktemp("vllm-spec")
     write_model(work / "target")
     write_eagle(work / "eagle")
-    plain = Engine(work / "target", "plain", work / "plain.log")
-    try:
-        plain.wait_ready()
-        baseline = single(plain, SPEC_PROMPTS)
-    finally:
-        plain.close()
+    baseline = single(plain_engine.engine(), SPEC_PROMPTS)
     return work, work / "target", work / "eagle", baseline
 
 
@@ -240,8 +236,7 @@ def pair(work: Path, model: Path, name: str, prefill_args: dict, decode_args: di
         prefill.wait_ready()
         decode.wait_ready()
     except BaseException:
-        prefill.close()
-        decode.close()
+        close_all([prefill, decode])
         raise
     return prefill, decode
 
@@ -262,8 +257,7 @@ def test_ngram_speculative_decoding_on_the_decode_engine_gives_the_baseline(llam
         assert stats["pulled_blocks"] == sum(math.ceil(len(p) / LLAMA_BLOCK) for p in SPEC_PROMPTS)
         assert drafts(decode) > 0  # the decode engine did speculate
     finally:
-        prefill.close()
-        decode.close()
+        close_all([prefill, decode])
 
 
 def test_an_eagle_drafters_cache_of_its_own_shape_moves_and_the_output_is_the_baseline(llama):
@@ -296,8 +290,7 @@ def test_an_eagle_drafters_cache_of_its_own_shape_moves_and_the_output_is_the_ba
                          "failed_requests": 0}
         assert drafts(decode) > 0
     finally:
-        prefill.close()
-        decode.close()
+        close_all([prefill, decode])
 
 
 def test_a_decode_engine_without_the_drafter_refuses_an_eagle_prefill(llama):
@@ -315,5 +308,4 @@ def test_a_decode_engine_without_the_drafter_refuses_an_eagle_prefill(llama):
         assert len(out[0]["token_ids"]) < MAX_TOKENS
         assert "caches: it registers 2 KV caches, this engine 1" in decode.tail(200)
     finally:
-        prefill.close()
-        decode.close()
+        close_all([prefill, decode])

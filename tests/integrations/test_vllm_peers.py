@@ -50,11 +50,10 @@ class PrefillChild:
     pipe: ``call(op, *args)`` runs ``prefill_child.OPS[op]`` there and returns its result."""
 
     def __init__(self, **extra) -> None:
-        import multiprocessing
-
+        import forked
         import prefill_child
 
-        context = multiprocessing.get_context("spawn")
+        context = forked.context()
         self.conn, child_end = context.Pipe()
         self.proc = context.Process(target=prefill_child.serve, args=(child_end, extra), daemon=True)
         self.proc.start()

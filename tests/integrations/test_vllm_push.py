@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from test_vllm import (GEOMETRY, LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model)
+from test_vllm import GEOMETRY, LINK_SECRET, Engine, close_all, delta, needs_vllm, prompts_of, write_model
 
 pytestmark = needs_vllm
 
@@ -41,17 +41,16 @@ PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET
 
 
 @pytest.fixture(scope="module")
-def push_engines(tmp_path_factory):
+def push_engines(tmp_path_factory, plain_engine):
+    """``(baseline tokens by prompt, prefill engine, decode engine)``; the baseline is the session's
+    plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm-push")
     write_model(work / "model")
     started = []
     try:
-        plain = Engine(work / "model", "plain", work / "plain.log")
-        started.append(plain)
-        plain.wait_ready()
         everything = ORDERED + PIPELINED + CACHED + SERVED
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
-        plain.close()
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         # chunked prefill on the prefill side: a 200-token prompt takes two steps
         prefill = Engine(work / "model", "producer", work / "prefill.log", PUSH,
                          {"max_num_batched_tokens": 128, "enable_chunked_prefill": True})
@@ -62,8 +61,7 @@ def push_engines(tmp_path_factory):
         decode.wait_ready()
         yield baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def _send(engine: Engine, **request) -> None:

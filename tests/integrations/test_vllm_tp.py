@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from test_vllm import (BLOCK, CALL_TIMEOUT_S, LINK_SECRET, PRODUCER, Engine, delta, needs_vllm, prompts_of,
+from test_vllm import (BLOCK, CALL_TIMEOUT_S, LINK_SECRET, PRODUCER, Engine, close_all, delta, needs_vllm, prompts_of,
                        release_over_link, write_model)
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -77,19 +77,17 @@ def start(*engines: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_engines(tmp_path_factory):
-    """``(work dir, baseline tokens by prompt, prefill TP 2, decode TP 2)``; a test may start more."""
+def tp_engines(tmp_path_factory, plain_engine):
+    """``(work dir, baseline tokens by prompt, prefill TP 2, decode TP 2)``; a test may start more. The
+    baseline is the session's plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm_tp")
     write_model(work / "model")
     write_loud_model(work / "other")
     started = []
     try:
-        plain = Engine(work / "model", "plain", work / "plain.log")
-        started.append(plain)
-        start(plain)
         everything = SAME_TP + TP1_TO_TP2 + TP2_TO_TP1 + OTHER_WEIGHTS + OTHER_WEIGHTS_TP1 + NIXL_ONLY + NIXL_ONLY_TP1
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
-        plain.close()
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill = Engine(work / "model", "producer", work / "prefill2.log",
                          {"kv_lease_s": 300, "link_secret": LINK_SECRET}, TP2)
         started.append(prefill)
@@ -98,8 +96,7 @@ def tp_engines(tmp_path_factory):
         start(prefill, decode)
         yield work, baseline, prefill, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def prefill(engine: Engine, prompts) -> list:

@@ -4,8 +4,8 @@ from another one.
 
 Two prefill engines (``kv_lease_s`` 2 s) and one decode engine (``max_num_seqs`` 1,
 ``kv_lease_s`` 2 s, ``link_timeout_ms`` 3 s, ``kv_load_failure_policy`` ``recompute``), each in its
-own process (``vllm_engine.py``), driven as in ``test_vllm.py``; a plain engine gives the
-baseline tokens first.
+own process (``vllm_engine.py``), driven as in ``test_vllm.py``; a plain engine (the session's,
+``conftest.py``) gives the baseline tokens first.
 
 Needs vLLM (``pip install '.[vllm]'``, the CPU build 0.32.0); skipped without it.
 """
@@ -17,7 +17,7 @@ import math
 import time
 
 import pytest
-from test_vllm import LINK_SECRET, Engine, delta, needs_vllm, prompts_of, write_model
+from test_vllm import LINK_SECRET, Engine, close_all, delta, needs_vllm, prompts_of, write_model
 
 pytestmark = needs_vllm
 
@@ -42,18 +42,16 @@ WARM = prompts_of([40], seed=27)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """``(baseline tokens by prompt, prefill engine 1, prefill engine 2, decode engine)``."""
+def cluster(tmp_path_factory, plain_engine):
+    """``(baseline tokens by prompt, prefill engine 1, prefill engine 2, decode engine)``; the baseline
+    is the session's plain engine's (``conftest.py``)."""
     work = tmp_path_factory.mktemp("vllm-load")
     write_model(work / "model")
     started = []
     try:
-        plain = Engine(work / "model", "plain", work / "plain.log")
-        started.append(plain)
-        plain.wait_ready()
         everything = QUEUED + REFERENCE + LIVE + DEAD + LOCAL + WARM
-        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, plain.generate(everything, MAX_TOKENS))}
-        plain.close()
+        outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         prefill_extra = {"kv_lease_s": LEASE_S, "link_secret": LINK_SECRET}
         first = Engine(work / "model", "producer", work / "prefill-1.log", prefill_extra)
         started.append(first)
@@ -68,8 +66,7 @@ def cluster(tmp_path_factory):
             engine.wait_ready()
         yield baseline, first, second, decode
     finally:
-        for engine in started:
-            engine.close()
+        close_all(started)
 
 
 def prefill_for_remote_decode(prefill: Engine, prompts) -> list:

@@ -2,6 +2,8 @@
 
     python vllm_engine.py MODEL_DIR ROLE [EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]]
 
+(or forked from the tests' server with those arguments: ``forked``).
+
 ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector); ENGINE_ARGS
 are more keyword arguments of ``LLM`` (``shutdown_timeout``, ``max_num_seqs``...; ``kv_transfer``:
 more fields of ``KVTransferConfig``, such as ``kv_load_failure_policy``). Requests:
@@ -28,9 +30,10 @@ import json
 import os
 import sys
 
-for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                   "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                   "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}.items():
+#: The engines' environment where the test sets no other.
+DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+for key, value in DEFAULTS.items():
     os.environ.setdefault(key, value)
 
 BLOCK_SIZE = 32
@@ -176,6 +179,38 @@ def main() -> int:
                            {"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
                             "num_cached_tokens": r.num_cached_tokens} for r in results]})
     return 0
+
+
+def forked(argv, env: dict, log: str, channel) -> None:
+    """``main`` in a process forked from the tests' server, which has imported vLLM already
+    (``forked.py``): first the arguments, the environment and the descriptors it would have been
+    started with (``channel`` its stdin and stdout, ``log`` its stderr), and at the end what the
+    interpreter runs at exit (vLLM's finalizers: the engine's and the connector's shutdown)."""
+    import atexit
+    import traceback
+
+    sys.argv = list(argv)
+    os.environ.clear()
+    os.environ.update(env)
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.dup2(channel.fileno(), 0)
+    os.dup2(channel.fileno(), 1)
+    channel.close()
+    sys.stdin = open(0, closefd=False)
+    code = 1
+    try:
+        code = main()
+    except BaseException:  # as an uncaught exception ends a script: its traceback, exit status 1
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

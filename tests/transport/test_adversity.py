@@ -1407,6 +1407,15 @@ def test_link_to_a_server_with_a_malformed_hello_reply_returns_link_failed(case)
         assert_threads_and_fds_back(client.call(settle, baseline), baseline, "client")
 
 
+def accepted(state, count: int, timeout: float = 10.0) -> int:
+    """Wait until the listener holds ``count`` accepted connections in their handshake (or the
+    timeout passes); how many it holds."""
+    deadline = time.monotonic() + timeout
+    while len(state.dd.engine.links.listener.pending()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(state.dd.engine.links.listener.pending())
+
+
 def timed_finalize(state) -> Dict[str, object]:
     """Finalize this cluster: how long it took and which llm_datadist threads outlived it."""
     started = time.monotonic()
@@ -1429,7 +1438,7 @@ def test_finalize_does_not_wait_for_silent_connections():
         (server,) = start_clusters(stack, server_spec("tcp"))
         silent = [stack.enter_context(closing(raw_connect(server.address))) for _ in range(3)]
         silent[0].sendall(frame(wire.OP_HELLO, GOOD_HELLO_BODY)[:wire.HEADER_BYTES // 2])
-        time.sleep(0.2)  # let the server accept them
+        assert server.call(accepted, 3) == 3  # the server holds them, in their handshake
         outcome = server.call(timed_finalize)
         assert outcome["threads_left"] == [] and outcome["seconds"] < 1.5, outcome
 

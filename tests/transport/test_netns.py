@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import optional_deps
 import pytest
 
 import llm_datadist
@@ -276,9 +277,7 @@ def nixl_env(device: str) -> Dict[str, str]:
 def nixl_clusters(netns_pair, tmp_path, request):
     from llm_datadist.transport.planes import nixl
     if not nixl.installed():
-        if os.environ.get("LLM_DATADIST_REQUIRE_NIXL") == "1":
-            pytest.fail(f"NIXL is not installed ({nixl.INSTALL}), and LLM_DATADIST_REQUIRE_NIXL=1")
-        pytest.skip(f"NIXL is not installed ({nixl.INSTALL})")
+        optional_deps.skip_without("nixl", f"NIXL is not installed ({nixl.INSTALL})")
     server = NetnsChild.cluster(netns_pair.server_ns, SERVER_ID, netns_pair.server_ip, tmp_path / "server.log",
                                 nixl_env(netns_pair.server_dev))
     request.addfinalizer(server.close)

@@ -50,6 +50,12 @@ def waiting(state):
     return lst._waiting_total, len(lst._preauth), {s: len(w) for s, w in lst._waiters.items()}
 
 
+def full(state):
+    """Whether the pre-auth pool and the waiting room are both full."""
+    lst = state.dd.engine.links.listener
+    return len(lst._preauth) >= lst.max_pending and lst._waiting_total >= lst.max_pending
+
+
 def linked(state):
     return sorted(state.dd.engine.links._peers)
 
@@ -70,8 +76,7 @@ def test_a_multi_address_stranger_filling_the_waiting_room_keeps_honest_links_ou
         server = start(stack, SERVER_ID, listen=True)
         client = start(stack, CLIENT_ID)
         flood = stack.enter_context(Flood(server.address, SOURCES, 32, ("idle",)))
-        assert wait_for(lambda: flood.opened > 300, 15)
-        time.sleep(1)
+        assert wait_for(lambda: flood.opened > 300 and server.call(full), 15), server.call(waiting)
         target = [(SERVER_ID, *server.address)]
         results, times = [], []
         for _ in range(10):

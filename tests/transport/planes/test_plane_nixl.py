@@ -35,6 +35,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+import optional_deps
 import pytest
 
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
@@ -52,16 +53,13 @@ MODEL_ID = 0
 UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa", nixl.TCP_ENV: "1"}
 
 #: Set by .ci/run, which installs NIXL: its tests must run there, a missing NIXL fails them.
-REQUIRE_ENV = "LLM_DATADIST_REQUIRE_NIXL"
+REQUIRE_ENV = optional_deps.require_env("nixl")
 
 
 def need_nixl() -> None:
     """Skip (fail where ``LLM_DATADIST_REQUIRE_NIXL=1``) without NIXL."""
     if not nixl.installed():
-        why = f"NIXL is not installed ({nixl.INSTALL})"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{why}, and {REQUIRE_ENV}=1")
-        pytest.skip(why)
+        optional_deps.skip_without("nixl", f"NIXL is not installed ({nixl.INSTALL})")
 
 
 
