@@ -52,7 +52,7 @@ def waiting(state):
 
 def full(state):
     """Whether the pre-auth pool and the waiting room are both full."""
-    lst = state.dd.engine.links.listener
+    lst = state.dd.engine.links.listener.slots
     return len(lst._preauth) >= lst.max_pending and lst._waiting_total >= lst.max_pending
 
 
