@@ -119,4 +119,8 @@ def test_spinning_stops_where_it_does_not_pay_and_resumes_where_it_does(spin, pa
             break
     resumed = _io.spin_stats()
     wait_for_byte(0.001)
-    assert _io.spin_stats()[0] == resumed[0] + 1 and _io.spin_stats()[2] == resumed[2]
+    # The next wait spins again (a hit, or a miss where a loaded machine ran the sender late), it is
+    # not skipped.
+    hits3, misses3, skipped3 = _io.spin_stats()
+    after = (hits3, misses3, skipped3)
+    assert (hits3 + misses3, skipped3) == (resumed[0] + resumed[1] + 1, resumed[2]), (resumed, after)
