@@ -158,10 +158,7 @@ class Worker:
         """vLLM's stats of this worker since the last call (None if nothing happened), with what the
         lease book and the links' guards counted since then (``metrics.SOURCE_COUNTERS``)."""
         sources = dict(self.leases.stats)
-        try:
-            links = self._links_api.link_stats()
-        except ld.LLMException:  # (finalized meanwhile)
-            links = {}
+        links = self._links_api.link_stats()  # (kept after finalize)
         sources.update((f"link.{name}", links.get(name, 0)) for name in ("refused_reads", "refused_writes"))
         return self.recorder.take(sources)
 
