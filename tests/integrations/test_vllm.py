@@ -415,6 +415,8 @@ def test_a_decode_engine_with_another_link_secret_cannot_pull(engines):
     (authentication), the pull is reported to vLLM as a load failure, and it keeps serving. The
     module's decode engine, with the prefill engine's secret, is the positive control (and every
     transfer of the tests above is over links of that secret)."""
+    from llm_datadist.integrations.vllm.metrics import KINDS
+
     baseline, prefill, decode = engines
     work = decode.log.parent
     wrong = Engine(work / "model", "consumer", work / "decode-wrong-secret.log",
@@ -437,6 +439,11 @@ def test_a_decode_engine_with_another_link_secret_cannot_pull(engines):
         # it keeps serving
         plain = wrong.generate(WRONG_SECRET[1:2], MAX_TOKENS)
         assert plain[0]["token_ids"] == baseline[tuple(WRONG_SECRET[1])]
+        # vLLM's series (its steps took the worker's stats): one failure, of the network's kind
+        series = wrong.metrics()
+        assert series["vllm:llm_datadist_failures_peer_unreachable"] == 1, series
+        assert series["vllm:llm_datadist_failed_pulls"] == 1 and series["vllm:llm_datadist_link_failures"] >= 1
+        assert sum(series[f"vllm:llm_datadist_failures_{kind}"] for kind in KINDS) == 1, series
     finally:
         wrong.close()
     # what the wrong decode side could not release (see above)
@@ -627,6 +634,10 @@ def test_a_served_decode_engine_reports_its_pulls_on_metrics_and_in_its_log(engi
         assert metric(samples, "vllm:llm_datadist_pull_bytes_sum") == blocks * GEOMETRY["layers"] * block_bytes
         for name in ("failed_pulls", "link_failures", "incompatible_peers", "refused_releases", "expired_leases"):
             assert metric(samples, f"vllm:llm_datadist_{name}_total") == 0, name
+        for kind in ("peer_unreachable", "transfer_failed", "lease_expired", "incompatible_peer", "guard_refused",
+                     "timed_out"):  # (each failure kind's series is there, at zero)
+            assert metric(samples, f"vllm:llm_datadist_failures_{kind}_total") == 0, kind
+        assert metric(samples, "vllm:llm_datadist_push_seconds_count") == 0  # (this engine pulls)
         assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == sum(map(len, SERVED))
         assert metric(samples, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
         deadline = time.monotonic() + 60  # the stat logger writes every 10 s; a pull may come a line later
@@ -634,6 +645,7 @@ def test_a_served_decode_engine_reports_its_pulls_on_metrics_and_in_its_log(engi
             time.sleep(0.5)
     said = [line for line in log.read_text(errors="replace").splitlines() if "KV Transfer metrics:" in line]
     assert said and "pulled_blocks=" in said[0] and "failed_pulls=0" in said[0], said
+    assert "p90_pull_ms=" in said[0] and "peer_unreachable=0" in said[0] and "timed_out=0" in said[0], said
     assert sum(int(line.split("pulls=")[1].split(",")[0]) for line in said) == len(SERVED), said
 
 
@@ -643,6 +655,8 @@ def test_a_decode_engine_of_other_weights_refuses_the_kv(engines):
     weights (in its own directory) refuses the prefill engine's KV once per link, with one line
     per request naming the model on each side, and recomputes the prompt
     (``kv_load_failure_policy: recompute``); the prefill engine's blocks are released."""
+    from llm_datadist.integrations.vllm.metrics import KINDS
+
     baseline, prefill, decode = engines
     work = decode.log.parent
     write_model(work / "model-other", seed=1)
@@ -665,6 +679,11 @@ def test_a_decode_engine_of_other_weights_refuses_the_kv(engines):
         assert len(refused) == 2, new
         assert all(f"model '{work / 'model'}' there, '{work / 'model-other'}' here" in line and
                    "it was told to free them" in line for line in refused), refused
+        other.generate(prompts_of([8], seed=7), 1)  # (a step takes the worker's stats to vLLM's)
+        series = other.metrics()  # each request refused as incompatible, on one link
+        assert series["vllm:llm_datadist_failures_incompatible_peer"] == 2, series
+        assert series["vllm:llm_datadist_incompatible_peers"] == 1 and series["vllm:llm_datadist_failed_pulls"] == 2
+        assert sum(series[f"vllm:llm_datadist_failures_{kind}"] for kind in KINDS) == 2, series
     finally:
         other.close()
     assert delta(prefill.stats()["stats"], before)["released"] == 2

@@ -50,8 +50,11 @@ def test_stats_aggregate_reduce_and_cross_processes():
     assert summary["pulls"] == 3 and summary["pulled_blocks"] == 6 and summary["pulled_MB"] == 0.006
     assert summary["avg_pull_ms"] == 20.0 and summary["max_pull_ms"] == 30.0
     assert summary["throughput_MB_s"] == 0.1
-    assert {k: summary[k] for k in COUNTERS} == {"failed_pulls": 1, "refused_releases": 0, "expired_leases": 2,
-                                                  "link_failures": 1, "incompatible_peers": 0}
+    assert summary["p90_pull_ms"] == 28.0  # (interpolated between the nearest ranks, as numpy's default)
+    # the older counters: failed_pulls always, the others when not zero
+    assert {k: summary.get(k, 0) for k in COUNTERS} == {"failed_pulls": 1, "refused_releases": 0, "expired_leases": 2,
+                                                         "link_failures": 1, "incompatible_peers": 0}
+    assert "refused_releases" not in summary and "pushes" not in summary  # (compact: nothing pushed)
     assert not total.is_empty()
     total.reset()
     assert total.is_empty() and LLMDataDistConnector.build_kv_connector_stats(None).is_empty()
@@ -77,6 +80,109 @@ def test_the_recorder_hands_each_event_over_once():
         recorder.pull(0.001, 1, 1)
     flood = recorder.take()
     assert len(flood.data["pull_seconds"]) == MAX_SAMPLES and flood.data["samples_dropped"] == 10
+
+
+def test_each_direction_and_each_failure_kind_reach_the_log_line():
+    from llm_datadist.integrations.vllm.metrics import KINDS, Recorder
+
+    recorder = Recorder()
+    recorder.transfer("push", 0.002, 4, 4 << 20)
+    recorder.transfer("push", 0.004, 2, 2 << 20)
+    recorder.pull(0.010, 1, 1 << 20)
+    for kind, n in zip(KINDS, range(1, 7)):
+        recorder.fail(kind, n)
+    for bad in ("sideways", "PULL", ""):
+        with pytest.raises(ValueError, match="direction"):
+            recorder.transfer(bad, 0.1, 1, 1)
+    with pytest.raises(ValueError, match="kind"):
+        recorder.fail("failed_pulls")  # (a counter, not a kind)
+    summary = recorder.take().reduce()
+    assert summary["pulls"] == 1 and summary["pulled_MB"] == 1.049 and summary["max_pull_ms"] == 10.0
+    assert summary["pushes"] == 2 and summary["pushed_blocks"] == 6 and summary["pushed_MB"] == 6.291
+    assert summary["avg_push_ms"] == 3.0 and summary["p90_push_ms"] == 3.8 and summary["max_push_ms"] == 4.0
+    assert "bidirectional" not in summary  # (reserved: nothing records it yet)
+    assert {k: summary[k] for k in KINDS} == dict(zip(KINDS, range(1, 7)))
+    # vLLM's line: "k=v, ..." of this dict, compact
+    line = ", ".join(f"{k}={v}" for k, v in summary.items())
+    assert "peer_unreachable=1, transfer_failed=2, lease_expired=3, incompatible_peer=4, guard_refused=5, " \
+           "timed_out=6" in line and len(summary) < 30, line
+    bidirectional = stats_of(bidirectional_seconds=[0.5], bidirectional_bytes=[10 ** 6], bidirectional_blocks=[3])
+    assert bidirectional.reduce()["bidirectional"] == 1 and bidirectional.reduce()["avg_bidirectional_ms"] == 500.0
+
+
+def test_the_recorder_takes_the_lease_books_and_the_guards_counts_as_kinds():
+    from llm_datadist.integrations.vllm.metrics import Recorder
+
+    recorder = Recorder()
+    assert recorder.take({"expired": 0, "link.refused_reads": 0}) is None
+    taken = recorder.take({"expired": 2, "refused": 5, "bad_token": 1, "too_long": 1, "bad_readers": 0,
+                           "over_budget": 1, "link.refused_reads": 4, "link.refused_writes": 1})
+    assert taken.data["expired_leases"] == 2 and taken.data["lease_expired"] == 2
+    assert taken.data["refused_releases"] == 5
+    # releases refused for their token, form or budget, and reads or writes a guard refused
+    assert taken.data["guard_refused"] == 1 + 1 + 1 + 4 + 1
+    # a source that went back (a book made anew) adds nothing, and is counted from there on
+    assert recorder.take({"expired": 0}) is None
+    assert recorder.take({"expired": 1}).data["lease_expired"] == 1
+
+
+def test_stats_of_another_release_or_of_garbage_never_raise():
+    """A worker of an older or newer release, or a broken one, sends what it sends: known keys are
+    taken when they hold counts or samples, anything else is dropped and counted."""
+    import json
+    import math
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnector
+    from llm_datadist.integrations.vllm.metrics import KINDS, MAX_INTERVAL_SAMPLES, clean
+
+    older = {"pull_seconds": [0.01], "pull_bytes": [100], "pull_blocks": [1], "failed_pulls": 2,
+             "refused_releases": 1, "expired_leases": 0, "link_failures": 0, "incompatible_peers": 0,
+             "samples_dropped": 0}
+    newer = dict(older, push_seconds=[0.02], push_bytes=[200], push_blocks=[2], timed_out=3,
+                 some_future_kind=9, another_direction_seconds=[1.0])
+    total = LLMDataDistConnector.build_kv_connector_stats(older).aggregate(
+        LLMDataDistConnector.build_kv_connector_stats(newer))
+    assert total.data["pull_seconds"] == [0.01, 0.01] and total.data["push_blocks"] == [2]
+    assert total.data["failed_pulls"] == 4 and total.data["timed_out"] == 3
+    assert "some_future_kind" not in total.data and total.data["values_ignored"] == 0
+    garbage = [None, [], "x", 7, {"pull_seconds": "abc"}, {"pull_seconds": {"a": 1}},
+               {"pull_seconds": [1, "x", None, math.nan, math.inf, -1, True, [2], 2.5]},
+               {"failed_pulls": "7"}, {"failed_pulls": -3}, {"failed_pulls": 2 ** 70}, {"failed_pulls": 1.5},
+               {"failed_pulls": True}, {"timed_out": None}, {1: 2, None: [3]}]
+    for data in garbage:
+        stats = LLMDataDistConnector.build_kv_connector_stats(data)
+        stats.reduce()  # (never raises)
+        json.dumps(stats.data)  # (plain lists and ints)
+        total.aggregate(stats)
+        total.aggregate(type("Foreign", (), {"data": data})())  # another class, its data unchecked
+    assert clean({"pull_seconds": [1, "x", None, math.nan, math.inf, -1, True, [2], 2.5]})["pull_seconds"] == [1, 2.5]
+    assert clean({"pull_seconds": [1, "x", None, math.nan, math.inf, -1, True, [2], 2.5]})["values_ignored"] == 7
+    assert clean({"failed_pulls": "7"})["values_ignored"] == 1 and clean(7)["values_ignored"] == 1
+    assert total.data["failed_pulls"] == 4 and all(total.data[k] >= 0 for k in KINDS)
+    total.aggregate(object())  # (no data at all)
+    # a flood: one interval keeps a bounded number of samples per direction, the rest is counted
+    flood = stats_of(pull_seconds=[0.001] * (MAX_INTERVAL_SAMPLES + 5))
+    assert len(flood.data["pull_seconds"]) == MAX_INTERVAL_SAMPLES and flood.data["samples_dropped"] == 5
+    flood.aggregate(stats_of(pull_seconds=[0.001] * 3))
+    assert len(flood.data["pull_seconds"]) == MAX_INTERVAL_SAMPLES and flood.data["samples_dropped"] == 8
+    assert flood.reduce()["samples_dropped"] == 8
+
+
+def test_failure_kinds_of_what_was_raised():
+    import llm_datadist as ld
+    from llm_datadist.integrations.vllm.compat import Incompatible
+    from llm_datadist.integrations.vllm.metrics import failure_kind
+    from llm_datadist.integrations.vllm.peers import Unreachable
+
+    S = ld.LLMStatusCode
+    assert failure_kind(Unreachable("linking failed: LLM_LINK_FAILED")) == "peer_unreachable"
+    assert failure_kind(Unreachable("the link failed: LLM_TIMEOUT", timed_out=True)) == "timed_out"
+    assert failure_kind(Incompatible("another model")) == "incompatible_peer"
+    assert failure_kind(ld.LLMException("x", status_code=S.LLM_TIMEOUT)) == "timed_out"
+    assert failure_kind(ld.LLMException("x", status_code=S.LLM_LINK_FAILED)) == "peer_unreachable"
+    assert failure_kind(ld.LLMException("x", status_code=S.LLM_KV_CACHE_NOT_EXIST)) == "guard_refused"
+    assert failure_kind(ld.LLMException("x", status_code=S.LLM_FAILED)) == "transfer_failed"
+    assert failure_kind(ValueError("2 remote blocks for 3 local ones")) == "transfer_failed"
 
 
 def test_prometheus_series_are_observed_per_engine():
@@ -113,6 +219,23 @@ def test_prometheus_series_are_observed_per_engine():
     assert value("vllm:llm_datadist_expired_leases_total", "0") == 4
     assert value("vllm:llm_datadist_link_failures_total", "0") == 0
     assert value("vllm:llm_datadist_pull_seconds_count", "0") == 0
+    # per direction, and per failure kind
+    prom.observe(stats_of(push_seconds=[0.03], push_bytes=[1 << 20], push_blocks=[4], bidirectional_seconds=[0.2],
+                          timed_out=2, peer_unreachable=1, guard_refused=3).data, engine_idx=0)
+    assert value("vllm:llm_datadist_push_seconds_count", "0") == 1
+    assert value("vllm:llm_datadist_push_bytes_sum", "0") == 1 << 20
+    assert value("vllm:llm_datadist_push_blocks_bucket", "0", le="4.0") == 1
+    assert value("vllm:llm_datadist_bidirectional_seconds_count", "0") == 1
+    assert value("vllm:llm_datadist_push_seconds_count", "1") == 0
+    assert value("vllm:llm_datadist_failures_timed_out_total", "0") == 2
+    assert value("vllm:llm_datadist_failures_peer_unreachable_total", "0") == 1
+    assert value("vllm:llm_datadist_failures_guard_refused_total", "0") == 3
+    assert value("vllm:llm_datadist_failures_lease_expired_total", "0") == 0
+    # what reaches observe is vLLM's summed dict: garbage in it is skipped, never raised on
+    prom.observe({"push_seconds": ["x", None, -1, 0.5], "timed_out": "9", "guard_refused": -2}, engine_idx=0)
+    prom.observe(None, engine_idx=0)
+    assert value("vllm:llm_datadist_push_seconds_count", "0") == 2
+    assert value("vllm:llm_datadist_failures_timed_out_total", "0") == 2
 
 
 def test_cache_hits_are_labelled_p2p():
@@ -317,6 +440,9 @@ def pull(decode, prefill: PrefillProcess, req_id: str, remote, local, refused: s
 
 
 def test_a_peer_of_another_model_is_refused_once_per_link_and_its_blocks_released(caplog):
+    from llm_datadist.integrations.vllm.meta import Recv as _Recv
+    from llm_datadist.integrations.vllm.metrics import KINDS
+
     with prefill_process("/models/a") as prefill:
         with worker(False, vllm_config(False, "/models/b")) as other, caplog.at_level(logging.INFO, logger=LOGGER):
             assert other.compat["layout"] == "2x[16, 2, 32]:DT_FLOAT"
@@ -333,6 +459,8 @@ def test_a_peer_of_another_model_is_refused_once_per_link_and_its_blocks_release
             assert other.stats["links"] == 1 and other.stats["failed_requests"] == 2
             taken = other.take_stats().data
             assert taken["incompatible_peers"] == 1 and taken["failed_pulls"] == 2 and taken["pull_seconds"] == []
+            assert taken["incompatible_peer"] == 2  # (one link refused, two requests)
+            assert sum(taken[k] for k in KINDS) == 2
         # released, not held for a lease; the prefill worker said so once (one link)
         assert prefill.call("finished") == {"r0", "r1"}
         theirs = [line for line in prefill.call("said") if "cannot use this engine's KV" in line]
@@ -354,7 +482,17 @@ def test_a_peer_of_another_model_is_refused_once_per_link_and_its_blocks_release
                 lines = [r.getMessage() for r in caplog.records if "d-r3" in r.getMessage()]
                 assert len(lines) == 1 and f"refused: {why}" in lines[0] and "told to free them" in lines[0], lines
             assert not same.kv_caches["layer.0"][6:8].any()
-            assert same.take_stats().data["failed_pulls"] == 1
+            taken = same.take_stats().data
+            assert taken["failed_pulls"] == 1 and taken["incompatible_peer"] == 1
+            # a lying peer's claim: a lease token it was not given. Nothing of another request is
+            # read (the read guard or the release refuses it): a guard refusal on both sides
+            forged = prefill.call("lease", "r4")[:-4] + "AAAA"
+            spec = _Recv([2], [5], "127.0.0.1", prefill.port, prefill.cluster_id, forged, awaiting=True)
+            same._pull("d-r4", spec)
+            assert same.results().failed_recving == {"d-r4"}
+            taken = same.take_stats().data
+            assert taken["failed_pulls"] == 1 and taken["guard_refused"] == 1 and sum(taken[k] for k in KINDS) == 1
+            assert prefill.call("stats")["guard_refused"] >= 1
         assert prefill.call("finished") == {"r2", "r3"}
 
 

@@ -70,6 +70,8 @@ def _send(engine: Engine, **request) -> None:
 
 
 def test_push_in_nixl_order_and_pipelined_gives_the_baseline(push_engines):
+    from llm_datadist.integrations.vllm.metrics import KINDS
+
     baseline, prefill, decode = push_engines
     layers = GEOMETRY["layers"]
     p0, d0, t0 = prefill.stats()["stats"], decode.stats()["stats"], decode.prompt_tokens()
@@ -135,6 +137,23 @@ def test_push_in_nixl_order_and_pipelined_gives_the_baseline(push_engines):
     prefill.call(op="step")
     moved = delta(prefill.stats()["stats"], p3)
     assert moved["pushed_requests"] == 1 and moved["pushed_tokens"] == layers * (len(prompt) - 64)
+
+    # vLLM's series: a push sample per request on the side that pushed (its last ones reach vLLM
+    # with a later step), none on the decode side, and no failure of any kind on either
+    pushed = len(ORDERED) + len(PIPELINED) + len(CACHED)
+    deadline = time.monotonic() + 60
+    while True:
+        series = prefill.metrics()
+        if series.get("vllm:llm_datadist_push_seconds", 0) >= pushed or time.monotonic() > deadline:
+            break
+        prefill.call(op="step")
+    assert series["vllm:llm_datadist_push_seconds"] == pushed, series
+    assert series["vllm:llm_datadist_push_blocks"] == pushed and series["vllm:llm_datadist_push_bytes"] == pushed
+    decode.generate(prompts_of([8], seed=35), 1)  # (a step takes the decode worker's stats to vLLM's)
+    theirs = decode.metrics()
+    assert theirs["vllm:llm_datadist_push_seconds"] == 0 and theirs["vllm:llm_datadist_pull_seconds"] == 0
+    for kind in KINDS:
+        assert series[f"vllm:llm_datadist_failures_{kind}"] == 0 and theirs[f"vllm:llm_datadist_failures_{kind}"] == 0
 
 
 def test_served_engines_push_behind_vllms_toy_proxy(push_engines, tmp_path):

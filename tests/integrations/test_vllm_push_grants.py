@@ -175,6 +175,18 @@ def test_receiver_takes_push_done_only_with_the_grant():
     t2 = rx.grants.grant("d2", 7, [(0, 64)], 30.0)
     rx.on_notify(7, {"op": "push_done", "decode_request_id": "d2", "grant": t2, "ok": False, "why": "x"})
     assert rx.take() == ({"d2"}, {"d2"})
+    # vLLM's counts: the three push_done claims without the grant refused (the two other messages are
+    # not push_done: answered, not counted), the failed push of the kind the prefill side names (an
+    # older one names none, a lying one names garbage: transfer_failed)
+    taken = w.recorder.take().data
+    assert taken["guard_refused"] == 3 and taken["transfer_failed"] == 1 and taken["failed_pulls"] == 1
+    assert taken["pull_seconds"] == [] and taken["push_seconds"] == []  # (the pushing side samples pushes)
+    for n, kind in enumerate(["lease_expired", "bogus", ["timed_out"], None]):
+        rx._awaiting[f"k{n}"] = PushReg([5], 0, "127.0.0.1", 1, None, "", awaiting=True)
+        token = rx.grants.grant(f"k{n}", 7, [(0, 64)], 30.0)
+        rx.on_notify(7, {"op": "push_done", "decode_request_id": f"k{n}", "grant": token, "ok": False, "kind": kind})
+    taken = w.recorder.take().data
+    assert taken["lease_expired"] == 1 and taken["transfer_failed"] == 3 and taken["failed_pulls"] == 4
 
 
 def _step(req_id: str, blocks, start: int, end: int, prompt: int, held=()):
@@ -220,6 +232,8 @@ def test_pusher_refuses_bad_registrations_and_pushes_nothing():
         refusals = [m for _, m in w._links_api.notes if m["op"] == "push_done"]
         assert len(refusals) == 2 and not any(m["ok"] for m in refusals)
         assert pusher.stats["push_regs_refused"] == 7 + 2
+        assert all(m["kind"] == "guard_refused" for m in refusals)
+        assert w.recorder.take().data["guard_refused"] == 7 + 2
         # the right registration (by its lease token) came late: all layers at once, then done
         good = lease_request_id(w.leases.key, "p-1-abcdef01")
         _reg(pusher, 9, "d-3", good, [4, 5, 6])
@@ -228,6 +242,10 @@ def test_pusher_refuses_bad_registrations_and_pushes_nothing():
         assert w._links_api.notes[-1][1] == {"op": "push_done", "decode_request_id": "d-3", "grant": "g" * 22,
                                              "ok": True, "why": ""}
         assert pusher.stats["pushed_late"] == 1 and pusher.stats["pushed_tokens"] == 4 * 40
+        # vLLM's push sample, on this side: its blocks, the bytes of every layer (4 x 16 per block)
+        pushed = w.recorder.take().data
+        assert pushed["push_blocks"] == [3] and pushed["push_bytes"] == [3 * 64] and len(pushed["push_seconds"]) == 1
+        assert pushed["pull_seconds"] == [] and pushed["guard_refused"] == 0
         # a second registration of the same request is refused
         _reg(pusher, 9, "d-4", good, [4, 5, 6])
         pusher.begin(_step("x", [], 0, 0, 1))
@@ -261,6 +279,10 @@ def test_pusher_pushes_each_layer_of_each_step_once():
         assert pusher.stats["pushed_tokens"] == 2 * (60 - 32) and pusher.stats["pushed_late"] == 0
         assert w._links_api.notes[-1][1]["ok"] is True and w._links_api.notes[-1][1]["decode_request_id"] == \
             "q-7-00000001"
+        # one sample for the request: its 2 blocks; bytes of each layer pushed (the second chunk's
+        # block again: 6 block-layers of 16 bytes)
+        pushed = w.recorder.take().data
+        assert pushed["push_blocks"] == [2] and pushed["push_bytes"] == [6 * 16]
     finally:
         pusher.close()
 
@@ -373,6 +395,9 @@ def test_blocks_freed_before_the_push_ended_fail_the_request_on_the_decode_side(
         _settle(pusher)
         assert [(m["op"], m["ok"]) for _, m in w._links_api.notes] == [("push_done", False)]
         assert "freed" in w._links_api.notes[0][1]["why"] and pusher.jobs == {}
+        assert w._links_api.notes[0][1]["kind"] == "lease_expired"
+        taken = w.recorder.take().data
+        assert taken["lease_expired"] == 1 and taken["push_seconds"] == []
     finally:
         pusher.close()
 

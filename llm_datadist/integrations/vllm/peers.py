@@ -51,7 +51,12 @@ LINK_BROKEN = (ld.LLMStatusCode.LLM_LINK_FAILED, ld.LLMStatusCode.LLM_NOT_YET_LI
 
 
 class Unreachable(Exception):
-    """No working link to a prefill worker could be had."""
+    """No working link to a prefill worker could be had; ``timed_out``: a link that was made did
+    not answer within its bound (``LLM_TIMEOUT``), rather than being refused or broken."""
+
+    def __init__(self, why: str, timed_out: bool = False) -> None:
+        super().__init__(why)
+        self.timed_out = timed_out
 
 
 @dataclass
@@ -176,7 +181,8 @@ class Peers:
                 self._forget_link(peer, generation)
                 if fresh or attempt:
                     self._mark_unreachable(peer, f"the link failed: {exc.status_code.name}")
-                    raise Unreachable(f"the link failed: {exc.status_code.name}") from None
+                    raise Unreachable(f"the link failed: {exc.status_code.name}",
+                                      exc.status_code == ld.LLMStatusCode.LLM_TIMEOUT) from None
         raise AssertionError("unreachable")
 
     def _link(self, peer: PrefillLink) -> Tuple[int, int, bool]:

@@ -21,7 +21,7 @@ from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv)
-from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder
+from llm_datadist.integrations.vllm.metrics import LLMDataDistKVConnectorStats, Recorder, failure_kind
 from llm_datadist.integrations.vllm.options import Options
 from llm_datadist.integrations.vllm.peers import LINK_BROKEN, Peers, Unreachable
 from llm_datadist.integrations.vllm.push.grants import Receiver
@@ -155,8 +155,12 @@ class Worker:
         return dict(mine, **self.leases.stats)
 
     def take_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
-        """vLLM's stats of this worker since the last call (None if nothing happened)."""
-        return self.recorder.take(self.leases.stats)
+        """vLLM's stats of this worker since the last call (None if nothing happened), with what the
+        lease book and the links' guards counted since then (``metrics.SOURCE_COUNTERS``)."""
+        sources = dict(self.leases.stats)
+        links = self._links_api.link_stats()  # (kept after finalize)
+        sources.update((f"link.{name}", links.get(name, 0)) for name in ("refused_reads", "refused_writes"))
+        return self.recorder.take(sources)
 
     # -- registration -----------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, Any]) -> None:
@@ -350,6 +354,8 @@ class Worker:
             if spec.awaiting and not any(p.awaiting for p in peers):
                 logger.error("request %s: its prefill engine has tensor parallel size %d, this one %d; reporting "
                              "its KV as not loaded", req_id, spec.tp_size, self.tp_size)
+                self.recorder.count("failed_pulls")
+                self.recorder.fail("incompatible_peer")
                 self._recved.add(req_id)
                 self._failed.add(req_id)
                 self._load_errors.update(spec.local_block_ids)
@@ -420,11 +426,11 @@ class Worker:
         reported done in every case, and failed unless both steps succeeded. At most one line is
         logged per request, saying what happened."""
         local = spec.local_block_ids  # (of every group)
-        ok = False
+        ok, kind = False, "transfer_failed"
         try:
-            ok = self._pull_and_release(req_id, spec)
+            kind = self._pull_and_release(req_id, spec)
+            ok = kind is None
         except Exception:  # noqa: BLE001 - whatever happens, vLLM must hear about the request
-            ok = False
             logger.exception("request %s: KV load failed", req_id)
         finally:
             with self._lock:
@@ -446,8 +452,11 @@ class Worker:
                         self._stats["pulled_blocks"] += len(local)
             if local and not ok:
                 self.recorder.count("failed_pulls")
+                self.recorder.fail(kind)
 
-    def _pull_and_release(self, req_id: str, spec: Recv) -> bool:
+    def _pull_and_release(self, req_id: str, spec: Recv) -> Optional[str]:
+        """None if the blocks (if any) were pulled and released, else the failure's kind
+        (``metrics.KINDS``)."""
         local = spec.local_block_ids
         where = f"the prefill engine at {spec.host}:{spec.port}" + \
             (f" (cluster {spec.cluster_id})" if spec.cluster_id is not None else "")
@@ -466,10 +475,10 @@ class Worker:
                 # frees the blocks.
                 logger.error("request %s: nothing pulled: %s is unreachable (%s); reporting prefill request %s "
                              "as not loaded", req_id, where, exc, spec.remote_request_id)
-                return False
+                return failure_kind(exc)
             except (ld.LLMException, TypeError, ValueError) as exc:  # compat.Incompatible included
                 pull_error = exc  # the link works: still tell the prefill side to free the blocks
-        released, why = self._release_remote(spec)
+        released, why, release_kind = self._release_remote(spec)
         if pull_error is not None:
             told = ("it was told to free them" if released else
                     f"it no longer held them: {why}" if released is False else
@@ -478,9 +487,9 @@ class Worker:
             logger.error("request %s: pulling %d blocks of prefill request %s from %s %s: %s; reporting them "
                          "as not loaded; %s", req_id, len(local), spec.remote_request_id, where, what, pull_error,
                          told)
-            return False
+            return failure_kind(pull_error)
         if released:
-            return True
+            return None
         if local:
             # What we read may have been reused: the prefill side no longer held the blocks
             # when we said we were done (its lease ran out), or could not be asked.
@@ -488,11 +497,11 @@ class Worker:
                          req_id, spec.remote_request_id, where,
                          f"no longer held them: {why}" if released is False else
                          f"could not confirm that it still held them: {why}")
-            return False
+            return release_kind
         if released is None:
             logger.warning("request %s: could not tell %s that it may free the blocks of prefill request %s (%s); "
                            "it frees them when its lease ends", req_id, where, spec.remote_request_id, why)
-        return True
+        return None
 
     def _pull_blocks(self, spec: Recv, registered: List[ld.Cache], classes: List[caches.CacheClass],
                      pairs: List[Tuple[int, List[int], List[int]]], cluster_id: int) -> None:
@@ -597,10 +606,11 @@ class Worker:
             return self.pusher.on_reg(peer_cluster_id, message)
         return self.leases.on_message(peer_cluster_id, message)
 
-    def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str]:
+    def _release_remote(self, spec: Recv) -> Tuple[Optional[bool], str, str]:
         """Tell the prefill worker, over the link, that the request's blocks may be freed.
-        ``(True, "")`` if it still held them, ``(False, why)`` if it had freed them already,
-        ``(None, why)`` if it could not be told."""
+        ``(True, "", "")`` if it still held them, ``(False, why, kind)`` if it had freed them already
+        (``lease_expired``) or refused the release (``guard_refused``), ``(None, why, kind)`` if it
+        could not be told (the failure's kind, ``metrics.KINDS``)."""
         message = {"op": "release", "request_id": spec.remote_request_id}
         if spec.readers > 1:  # other decode ranks read these blocks too: freed at the last release
             message["readers"] = spec.readers
@@ -608,12 +618,18 @@ class Worker:
             reply = self.peers.on_link(spec, lambda cluster_id: self._links_api.notify(
                 cluster_id, message, self.peers.notify_timeout_ms))
         except (Unreachable, ld.LLMException) as exc:
-            return None, str(exc)
+            return None, str(exc), failure_kind(exc)
         if not isinstance(reply, dict) or reply.get("request_id") != spec.remote_request_id:
-            return None, "a malformed answer"
+            return None, "a malformed answer", "transfer_failed"
         with self._lock:
             self._stats["notified"] += 1
-        return bool(reply.get("released")), str(reply.get("why", ""))
+        if reply.get("released"):
+            return True, "", ""
+        why = str(reply.get("why", ""))[:200]
+        # (``LeaseBook.release``'s words for blocks freed when their lease ended, or a lease that ended
+        # long ago; any other refusal is the lease book's check)
+        expired = why.endswith("(lease ended)") or why == "its lease has ended"
+        return False, why, "lease_expired" if expired else "guard_refused"
 
     def close(self) -> None:
         """Stop this worker and finalize its engine. Again does nothing: vLLM calls the connector's

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from llm_datadist.integrations.vllm.metrics import KINDS, failure_kind
 from llm_datadist.integrations.vllm.push.specs import PushReg
 from llm_datadist.integrations.vllm.push.trace import Trace
 
@@ -160,7 +161,7 @@ class Receiver:
                 with self._lock:
                     self._awaiting[req_id] = reg
             if not self.w.peers.submit(reg.as_recv(), lambda r=req_id, g=reg: self._register(r, g)):
-                self._end(req_id, False, "this engine is shutting down")
+                self._end(req_id, False, "this engine is shutting down", kind="transfer_failed")
         for req_id, grant in self.grants.take_expired(time.monotonic()).items():
             with self._lock:
                 reg = self._awaiting.pop(req_id, None)
@@ -168,16 +169,18 @@ class Receiver:
                     self._cancelling[req_id] = reg
             if reg is not None:
                 self._stop(req_id, reg, grant,
-                           f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s", False)
+                           f"its prefill engine did not push it within {self.w.options.kv_lease_s:.0f} s", False,
+                           kind="timed_out")
 
-    def _stop(self, req_id: str, reg: PushReg, grant: Optional[Grant], why: str, cancel: bool) -> None:
+    def _stop(self, req_id: str, reg: PushReg, grant: Optional[Grant], why: str, cancel: bool,
+              kind: str = "transfer_failed") -> None:
         """A request whose grant ended here before its push did: the prefill worker is told
         (``push_cancel``, on the peer's thread), then it is reported."""
         if grant is None or not self.w.peers.submit(reg.as_recv(),
-                                                     lambda: self._cancel(req_id, grant, why, cancel)):
-            self._end(req_id, False, why, cancel=cancel, peer=grant.peer if grant is not None else None)
+                                                     lambda: self._cancel(req_id, grant, why, cancel, kind)):
+            self._end(req_id, False, why, cancel=cancel, peer=grant.peer if grant is not None else None, kind=kind)
 
-    def _cancel(self, req_id: str, grant: Grant, why: str, cancel: bool) -> None:
+    def _cancel(self, req_id: str, grant: Grant, why: str, cancel: bool, kind: str = "transfer_failed") -> None:
         """Tell the prefill worker to push no more of an ended request and wait for its answer, sent
         once no push of it is in flight; then report it (vLLM frees its blocks only then). Without
         that answer the link is ended, so no push of it can start after."""
@@ -196,21 +199,23 @@ class Receiver:
                 self.w._links_api.unlink_many([grant.peer], 1000, True)
             except Exception as exc:  # noqa: BLE001 - the request is reported all the same
                 logger.error("could not end the link to cluster %d: %s", grant.peer, exc)
-        self._end(req_id, False, why, cancel=cancel, peer=grant.peer)
+        self._end(req_id, False, why, cancel=cancel, peer=grant.peer, kind=kind)
 
     def _register(self, req_id: str, reg: PushReg) -> None:
         """On the peer's thread: link, grant, register; a refusal fails the request."""
         try:
-            why = self.w.peers.on_link(reg.as_recv(), lambda cluster_id: self._register_on(req_id, reg, cluster_id))
+            why, kind = self.w.peers.on_link(reg.as_recv(),
+                                             lambda cluster_id: self._register_on(req_id, reg, cluster_id))
         except Exception as exc:  # noqa: BLE001 - the request must end whatever happens
-            why = f"{type(exc).__name__}: {exc}"
+            why, kind = f"{type(exc).__name__}: {exc}", failure_kind(exc)
         if why:
-            self._end(req_id, False, why)
+            self._end(req_id, False, why, kind=kind)
 
-    def _register_on(self, req_id: str, reg: PushReg, cluster_id: int) -> str:
+    def _register_on(self, req_id: str, reg: PushReg, cluster_id: int) -> Tuple[str, str]:
+        """``("", "")`` once registered, else why not and the failure's kind (``metrics.KINDS``)."""
         incompatible = self.w.peers.peer(reg.as_recv()).incompatible
         if incompatible and reg.awaiting:
-            return f"the prefill engine's KV is incompatible: {incompatible}"
+            return f"the prefill engine's KV is incompatible: {incompatible}", "incompatible_peer"
         token = ""
         ranges = self.w.block_ranges(reg.local_block_ids) if reg.local_block_ids else []
         with self._lock:  # (a request cancelled meanwhile gets no grant: it only frees the prefill side)
@@ -221,10 +226,11 @@ class Receiver:
         reply = self.w._links_api.notify(cluster_id, message, self.w.peers.notify_timeout_ms)
         if not isinstance(reply, dict) or reply.get("accepted") is not True:
             why = reply.get("why") if isinstance(reply, dict) else None
-            return f"the prefill engine refused the registration: {str(why or 'it does not push (pull mode?)')[:200]}"
+            return (f"the prefill engine refused the registration: {str(why or 'it does not push (pull mode?)')[:200]}",
+                    "guard_refused" if isinstance(reply, dict) else "transfer_failed")
         if token:
             self._count("push_registered")
-        return ""
+        return "", ""
 
     def on_notify(self, peer: int, message: Any) -> Dict[str, Any]:
         """A prefill worker's ``push_done`` (on the link's thread)."""
@@ -233,17 +239,22 @@ class Receiver:
         req_id = message.get("decode_request_id")
         if not isinstance(req_id, str) or self.grants.finish(peer, req_id, message.get("grant")) is None:
             self._count("push_refused_done")
+            self.w.recorder.fail("guard_refused")
             logger.warning("llm_datadist: cluster %d said it pushed a request it holds no grant of; ignored", peer)
             return {"ok": False, "why": "no such grant"}
         ok = message.get("ok") is True
         self._trace.write({"event": "ready", "request": req_id, "t": time.time(), "ok": ok})
+        # (the kind the prefill side names, if it is one: an older one names none)
+        kind = message.get("kind") if message.get("kind") in KINDS else "transfer_failed"
         self._end(req_id, ok, "" if ok else f"the prefill engine failed to push it: {str(message.get('why'))[:200]}",
-                  peer=peer)
+                  peer=peer, kind=kind)
         return {"ok": True}
 
-    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False, peer: Optional[int] = None) -> None:
+    def _end(self, req_id: str, ok: bool, why: str, cancel: bool = False, peer: Optional[int] = None,
+             kind: str = "transfer_failed") -> None:
         """Report a request (its grant ended first: no push of the granted peer that passed the
-        guard before is still writing when vLLM hears of it, ``engine.quiesce_writes``)."""
+        guard before is still writing when vLLM hears of it, ``engine.quiesce_writes``); a failure
+        not cancelled here counts as ``kind`` (``metrics.KINDS``)."""
         grant = self.grants.revoke(req_id)
         if grant is not None:
             peer = grant.peer
@@ -254,7 +265,7 @@ class Receiver:
         if peer is not None and not self.w._links_api.quiesce_writes(peer, QUIESCE_S):
             logger.error("request %s: a push of cluster %d was still writing %.0f s after its grant ended: its "
                          "link was ended", req_id, peer, QUIESCE_S)
-            ok, why = False, why or "a push was still writing when its grant ended"
+            ok, why, kind = False, why or "a push was still writing when its grant ended", "timed_out"
         with self._lock:
             self._recved.add(req_id)
             if not ok:
@@ -263,8 +274,8 @@ class Receiver:
         if not ok and not cancel:
             logger.error("request %s: its KV was not pushed: %s; reporting it as not loaded", req_id, why)
             self.w.recorder.count("failed_pulls")
-        elif ok:
-            self.w.recorder.pull(0.0, len(reg.local_block_ids), len(reg.local_block_ids) * self.w._block_bytes)
+            self.w.recorder.fail(kind)
+        # (a push's samples are the prefill side's, which moves the bytes: ``Pusher``)
 
     def take(self) -> Tuple[Set[str], Set[str]]:
         with self._lock:

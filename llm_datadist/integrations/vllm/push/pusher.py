@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import llm_datadist as ld
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, check_lease, utf8_len
+from llm_datadist.integrations.vllm.metrics import failure_kind
 from llm_datadist.integrations.vllm.push.trace import Trace
 
 logger = logging.getLogger("llm_datadist.integrations.vllm")  # (the connector's one logger)
@@ -59,6 +60,9 @@ class Job:
     step: Optional[Tuple[int, int]] = None  # this step's prompt tokens
     reg: Optional[Registration] = None
     failed: str = ""
+    kind: str = ""  # the failure's kind (``metrics.KINDS``), told to the decode side with ``push_done``
+    seconds: float = 0.0  # spent in its pushes (vLLM's ``push_seconds``)
+    nbytes: int = 0  # pushed, every layer
     done: bool = False
     held: bool = False  # finished; its blocks held for its decode side
     sent: bool = False  # its decode side was told (``push_done``)
@@ -144,10 +148,12 @@ class Pusher:
                 and utf8_len(d_id) <= MAX_RELEASE_ID_BYTES and utf8_len(r_id) <= MAX_RELEASE_ID_BYTES
                 and len(grant) <= 64 and (grant or not blocks)):
             self._count("push_regs_refused")
+            self.w.recorder.fail("guard_refused")
             return {"accepted": False, "why": "a malformed registration"}
         with self._lock:
             if self._waiting >= MAX_PENDING_REGS or self._waiting_of.get(peer, 0) >= MAX_PENDING_REGS_PER_PEER:
                 self.stats["push_regs_refused"] += 1
+                self.w.recorder.fail("guard_refused")
                 return {"accepted": False, "why": "too many registrations are pending"}
             self._inbox.append(Registration(peer, d_id, r_id, list(blocks), first, grant,
                                             time.monotonic() + self.w.options.kv_lease_s))
@@ -248,7 +254,7 @@ class Pusher:
                 if not regs:
                     del self._pending[reg.key]
             if reg.live:
-                self._refuse(reg, "no such request here")
+                self._refuse(reg, "no such request here", "timed_out")
 
     def _advance(self, job: Job) -> None:
         """Under the lock: push what a registered request computed before (all layers at once),
@@ -256,7 +262,7 @@ class Pusher:
         if job.reg is None or job.failed or job.done:
             return
         if time.monotonic() >= job.deadline:
-            self._fail(job, f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)")
+            self._fail(job, f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)", "timed_out")
             return
         if job.computed > job.pushed:
             self._submit(job, job.pushed, job.computed, None)
@@ -310,7 +316,7 @@ class Pusher:
                 self._pending.setdefault(reg.key, []).append(reg)  # its request has not reached this engine yet
                 self._pending_order.append(reg)
             else:
-                self._refuse(reg, "no such request here")
+                self._refuse(reg, "no such request here", "timed_out")
             return
         self._settle(reg)
         if job.reg is not None:
@@ -382,8 +388,7 @@ class Pusher:
             for req_id in req_ids:
                 job = self.jobs.get(req_id)
                 if job is not None and job.reg is not None and not job.sent:
-                    job.failed = job.failed or "its blocks were freed before its push ended"
-                    self._finish(job)
+                    self._fail(job, "its blocks were freed before its push ended", "lease_expired")
                     wait = True
                 self._drop(req_id)
         if wait:
@@ -410,12 +415,15 @@ class Pusher:
                 if job.failed:
                     return
                 if time.monotonic() >= job.deadline:
-                    job.failed = f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)"
+                    if not job.failed:
+                        job.failed = f"it was not pushed within kv_lease_s ({self.w.options.kv_lease_s:.0f} s)"
+                        job.kind = "timed_out"
                     return
                 self._running = job
             try:
                 if sync is not None:
                     sync()
+                start = time.perf_counter()
                 if layer is None:
                     self.w.cm.push_blocks(key, self.w.caches[0], src, dst)
                     layers = len(self.w._keep)
@@ -424,12 +432,16 @@ class Pusher:
                     self.w.cm.push_blocks(key, self.w.caches[0], src, dst, lr, lr, 1)
                     layers = 1
             except Exception as exc:  # noqa: BLE001 - reported to the decode side (push_done)
-                job.failed = job.failed or f"{type(exc).__name__}: {exc}"
+                if not job.failed:
+                    job.failed, job.kind = f"{type(exc).__name__}: {exc}", failure_kind(exc)
                 return
             finally:
                 with self._ran:
                     self._running = None
                     self._ran.notify_all()
+            # (the one cache's layers are alike: ``Worker.register``)
+            job.seconds += time.perf_counter() - start
+            job.nbytes += len(src) * layers * (self.w._block_bytes // max(1, len(self.w._keep)))
             with self._lock:
                 self.stats["pushed_layers"] += layers
                 self.stats["pushed_blocks"] += len(src) * layers
@@ -450,30 +462,38 @@ class Pusher:
         def done() -> None:
             job.sent = True
             ok = not job.failed
+            kind = job.kind or "transfer_failed"
             self._note(reg.peer, {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
-                                  "ok": ok, "why": job.failed[:200]})
+                                  "ok": ok, "why": job.failed[:200], **({} if ok else {"kind": kind})})
             with self._lock:
                 self.stats["pushed_requests" if ok else "push_failures"] += 1
+            if ok:  # (every registered block was pushed)
+                self.w.recorder.transfer("push", job.seconds, len(reg.blocks), job.nbytes)
+            else:
+                self.w.recorder.fail(kind)
             self._trace.write({"event": "done", "request": job.req_id, "t": time.time(), "ok": ok})
             if not ok:
                 logger.error("request %s: pushing its KV to cluster %d failed: %s", job.req_id, reg.peer, job.failed)
             self.w.leases.release(job.req_id)
         self._queue.put(done)
 
-    def _fail(self, job: Job, why: str) -> None:
-        job.failed = job.failed or why
+    def _fail(self, job: Job, why: str, kind: str = "transfer_failed") -> None:
+        if not job.failed:
+            job.failed, job.kind = why, kind
         self._finish(job)
 
-    def _refuse(self, reg: Registration, why: str) -> None:
-        """Under the lock: a registration refused (its decode side hears it, on the notifier's thread)."""
+    def _refuse(self, reg: Registration, why: str, kind: str = "guard_refused") -> None:
+        """Under the lock: a registration refused (its decode side hears it, on the notifier's
+        thread); counted as ``kind`` (``metrics.KINDS``)."""
         self._settle(reg)
         reg.blocks = []  # (it may wait in the expiry order a while yet)
         self.stats["push_regs_refused"] += 1
+        self.w.recorder.fail(kind)
         logger.warning("llm_datadist: refused cluster %d's registration of request %s: %s", reg.peer,
                        reg.decode_request_id, why)
         if reg.grant:
             self._note(reg.peer, {"op": "push_done", "decode_request_id": reg.decode_request_id, "grant": reg.grant,
-                                  "ok": False, "why": why})
+                                  "ok": False, "why": why, "kind": kind})
 
     def _note(self, peer: int, message: Dict[str, Any]) -> None:
         """Queue a notification for the notifier's thread; dropped (and counted) past the caps."""
@@ -500,6 +520,7 @@ class Pusher:
                 try:
                     self.w._links_api.notify(peer, message, 5000)
                 except Exception as exc:  # noqa: BLE001 - its grant ends with its time
+                    self.w.recorder.fail(failure_kind(exc))
                     logger.error("could not tell cluster %d about request %s: %s", peer,
                                  message.get("decode_request_id"), exc)
                 finally:
