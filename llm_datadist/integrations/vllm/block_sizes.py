@@ -12,6 +12,14 @@ from typing import Any, List, Sequence, Tuple
 
 from llm_datadist.integrations.vllm.meta import Recv
 
+#: Off until the pairing knows each attention backend's layout inside a block: vLLM 0.32's CPU
+#: attention ("vec" ISA) stores each head's keys of a block transposed (``[head_size, block_size]``,
+#: its values ``[block_size, head_size]``), so a sub-block of tokens is ``head_size`` strided runs of
+#: keys plus one run of values, not the ``2 * heads`` runs ``token_runs`` assumes; pulls planned
+#: that way decode wrong tokens (``test_vllm_block_sizes``). The core's planner and the pairing
+#: below are ready for the right runs.
+ENABLED = False
+
 #: Where a refusal line sends the operator.
 _SAME = "(the engines must share --block-size)"
 
@@ -32,6 +40,9 @@ def refusal(remote: int, block_size: int, groups: Sequence[Any], other_tp: bool)
         return f"KV of sliding-window or state-space layers moves between equal block sizes only {_SAME}"
     if other_tp:
         return f"KV moves between engines of different tensor parallel sizes with equal block sizes only {_SAME}"
+    if not ENABLED:
+        return (f"KV of another block size is not supported yet: vLLM's CPU attention keeps each head's keys of a "
+                f"block as [head_size, block_size] (transposed), so its tokens are no strided run {_SAME}")
     return ""
 
 
@@ -64,17 +75,20 @@ def sub_block_pairs(spec: Recv, block_size: int) -> Tuple[List[int], List[int], 
 
 
 def token_runs(shape: Sequence[int], block_size: int) -> int:
-    """The runs of one block of a cache of ``shape`` (block id on dimension 0): the dimensions
-    before its tokens, which are the second last (``LBHNC``: the KV heads; 1 for MLA's ``[blocks,
-    tokens, latent]``). ValueError where the second last is not ``block_size`` tokens (a block
-    split into kernel blocks, another layout)."""
-    if len(shape) < 3 or shape[-2] != block_size:
-        raise ValueError(f"this engine's KV cache blocks of shape {list(shape[1:])} do not hold their {block_size} "
-                         f"tokens second last (kernel blocks?), which KV of another block size needs {_SAME}")
-    runs = 1
-    for dim in shape[1:-2]:
-        runs *= dim
-    return runs
+    """The runs of one block of a cache of ``shape`` (block id on dimension 0), each that block's
+    tokens in order. vLLM's ``LBHNC`` attention view ``[blocks, heads, tokens, 2 * head_size]``
+    is, in memory, each head's keys of all the block's tokens, then its values (the CPU backend
+    reads a block as ``[heads, 2 * tokens, head_size]``; a backend that keeps all keys before all
+    values has as many runs): ``2 * heads`` runs. An MLA view ``[blocks, tokens, latent]`` is one.
+    ValueError for other shapes (a block split into kernel blocks, another layout)."""
+    per_block = list(shape[1:])
+    if len(per_block) == 3 and per_block[1] == block_size and per_block[2] % 2 == 0:
+        return 2 * per_block[0]
+    if len(per_block) == 2 and per_block[0] == block_size:
+        return 1
+    raise ValueError(f"this engine's KV cache blocks of shape {per_block} are not [heads, {block_size} tokens, K+V] "
+                     f"nor [{block_size} tokens, latent] (kernel blocks?), which KV of another block size needs "
+                     f"{_SAME}")
 
 
 def pull(engine: Any, spec: Recv, block_size: int, registered: Sequence[Any], classes: Sequence[Any],

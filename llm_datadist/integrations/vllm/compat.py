@@ -135,9 +135,9 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     if sizes is not None:
         # blocks of other token counts hold the same KV (``_core.plan_sub_blocks``): the layouts are
         # compared with each side's token dimension left out
-        skip = skip + ("block_size",)
-        if _without_tokens(mine.get("layout"), sizes[0]) == _without_tokens(theirs.get("layout"), sizes[1]):
-            skip = skip + ("layout",)
+        skip = skip + ("block_size",) + tuple(
+            name for name in ("layout", "layout_all_heads")
+            if _without_tokens(mine.get(name), sizes[0]) == _without_tokens(theirs.get(name), sizes[1]))
     out = [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
            for name, value in mine.items()
            if name in theirs and theirs[name] != value and name not in skip and name != "caches"]
