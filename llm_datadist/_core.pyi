@@ -88,6 +88,9 @@ def plan_blocks(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Sequen
                 dst_tensors: Optional[Sequence[int]], src_blocks: Optional[Union[Sequence[int], np.ndarray]],
                 dst_blocks: Optional[Union[Sequence[int], np.ndarray]], nbytes: int = ...,
                 src_offset: int = ..., dst_offset: int = ...) -> CopyPlan: ...
+def plan_sub_blocks(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Sequence[int]],
+                    dst_tensors: Optional[Sequence[int]], src_blocks: Union[Sequence[int], np.ndarray],
+                    dst_blocks: Union[Sequence[int], np.ndarray], runs: int, first: int = ...) -> CopyPlan: ...
 def plan_rows(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Sequence[int]],
               dst_tensors: Optional[Sequence[int]], src_row: int, dst_row: int,
               src_offset: int = ..., dst_offset: int = ..., size: int = ...) -> CopyPlan: ...

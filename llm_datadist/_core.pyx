@@ -978,6 +978,74 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     return plan
 
 
+def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
+                    src_blocks, dst_blocks, runs_arg, first_arg=0):
+    """Plan copies between caches whose blocks hold different token counts: the blocks of one
+    side (the large one) are ``ratio`` times the bytes of the other's (the small one's), and a
+    block of either is ``runs`` equal runs (KV heads, outermost), each run its tokens in order.
+    So small block ``i`` is, run by run, sub-block ``(first + i) % ratio`` of large block
+    ``(first + i) // ratio``, where ``i`` counts the small side's list and the large side's list
+    names ``ceil((first + n) / ratio)`` blocks for ``n`` small ones: ``n * runs`` copies of
+    ``small block / runs`` bytes per tensor pair, each strided by the large side's run.
+
+    Which side is large is told by the block sizes; equal sizes are ratio 1. ``first`` in
+    ``[0, ratio)``: the sub-block of the first large block the list starts at (a prefix that
+    ends inside a large block). Raises ``LLMException(LLM_PARAM_INVALID)`` naming the first bad
+    value (sizes that are no multiple, runs that do not divide the small block, a list of the
+    wrong length, a block out of range); nothing is planned then.
+    """
+    cdef uint64_t runs = _as_uint64(runs_arg, "runs")
+    cdef uint64_t first = _as_uint64(first_arg, "first sub-block")
+    cdef bint src_large = src.row_bytes > dst.row_bytes
+    cdef uint64_t large = src.row_bytes if src_large else dst.row_bytes
+    cdef uint64_t small = dst.row_bytes if src_large else src.row_bytes
+    st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
+    if small == 0 or large % small != 0:
+        raise _param_invalid(f"blocks of {src.row_bytes} and {dst.row_bytes} bytes: the larger must be a "
+                             "whole multiple of the smaller")
+    cdef uint64_t ratio = large // small
+    if runs == 0 or small % runs != 0:
+        raise _param_invalid(f"runs {runs} must divide the smaller block of {small} bytes")
+    if first >= ratio:
+        raise _param_invalid(f"first sub-block {first} is out of range: a block holds {ratio}")
+    sb = _checked_blocks(src_blocks, src.num_rows, "src_blocks")
+    db = _checked_blocks(dst_blocks, dst.num_rows, "dst_blocks")
+    small_list, large_list = (db, sb) if src_large else (sb, db)
+    cdef Py_ssize_t n = small_list.shape[0], m = large_list.shape[0]
+    cdef uint64_t wanted = (first + <uint64_t>n + ratio - 1) // ratio if n > 0 else 0
+    if <uint64_t>m != wanted:
+        raise _param_invalid(f"{'src' if src_large else 'dst'}_blocks has {m} entries; {n} blocks of "
+                             f"{small} bytes from sub-block {first} on fill {wanted} of {large} bytes")
+    cdef CopyPlan plan = CopyPlan()
+    cdef Py_ssize_t nt = st.shape[0]
+    if n == 0:
+        return plan
+    if <uint64_t>n > UINT64_MAX // runs or <size_t>(<uint64_t>n * runs) > (<size_t>-1) // <size_t>nt:
+        raise _param_invalid("too many descriptors")
+    plan.reserve(<size_t>nt * <size_t>(<uint64_t>n * runs))
+    cdef cnp.int64_t *stv = _i64(st)
+    cdef cnp.int64_t *dtv = _i64(dt)
+    cdef cnp.uint64_t *smv = _u64(small_list)
+    cdef cnp.uint64_t *lgv = _u64(large_list)
+    cdef uint64_t piece = small // runs, large_run = piece * ratio
+    cdef uint64_t sbase, lbase, at, s_addr, l_addr, r
+    cdef Py_ssize_t t, i
+    with nogil:
+        for t in range(nt):
+            sbase = (dst.addrs[dtv[t]] if src_large else src.addrs[stv[t]])
+            lbase = (src.addrs[stv[t]] if src_large else dst.addrs[dtv[t]])
+            for i in range(n):
+                at = first + <uint64_t>i
+                s_addr = sbase + smv[i] * small
+                l_addr = lbase + lgv[at // ratio] * large + (at % ratio) * piece
+                for r in range(runs):
+                    if src_large:
+                        plan.add(l_addr + r * large_run, s_addr + r * piece, piece)
+                    else:
+                        plan.add(s_addr + r * piece, l_addr + r * large_run, piece)
+    return plan
+
+
 def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
               src_row_arg, dst_row_arg, src_offset_arg=0, dst_offset_arg=0, size_arg=-1):
     """Plan row copies of a contiguous cache: for each selected tensor pair, copy ``size`` bytes

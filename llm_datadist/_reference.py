@@ -3,7 +3,7 @@
 This module is the oracle of the tests and nothing else; the library never imports it. Each
 function computes, in the most obvious way, what its namesake in the Cython core computes:
 
-* ``plan_blocks``, ``plan_rows`` and ``plan_row_to_blocks`` return the **unmerged** list of
+* ``plan_blocks``, ``plan_sub_blocks``, ``plan_rows`` and ``plan_row_to_blocks`` return the **unmerged** list of
   ``(src, dst, nbytes)`` copies, in the order the core must perform them;
 * ``layer_range_to_tensor_indices``, ``inclusive_layer_range_to_tensor_indices`` and
   ``resolve_layer_ranges`` return tensor index lists (tensor ``t`` belongs to layer ``t // N``);
@@ -19,7 +19,7 @@ message must name. Speed is a non-goal.
 from __future__ import annotations
 
 __all__ = [
-    "InvalidInput", "plan_blocks", "plan_rows", "plan_row_to_blocks",
+    "InvalidInput", "plan_blocks", "plan_sub_blocks", "plan_rows", "plan_row_to_blocks",
     "layer_range_to_tensor_indices", "inclusive_layer_range_to_tensor_indices",
     "resolve_layer_ranges", "apply",
 ]
@@ -103,6 +103,43 @@ def plan_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row
         for src_block, dst_block in zip(src_blocks, dst_blocks):
             copies.append((src_addrs[s] + src_block * src_row_bytes + src_offset,
                            dst_addrs[d] + dst_block * dst_row_bytes + dst_offset, nbytes))
+    return copies
+
+
+def plan_sub_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row_bytes,
+                    src_tensors, dst_tensors, src_blocks, dst_blocks, runs, first=0):
+    """Blocks of ``ratio`` times the bytes on one side (the large one): for each tensor pair, small
+    block ``i`` of its list is, run by run (``runs`` runs per block, each its tokens in order),
+    sub-block ``(first + i) % ratio`` of large block ``(first + i) // ratio`` of the other list."""
+    _check_unsigned(runs=runs, first=first)
+    _check_geometry(src_addrs, src_rows, src_row_bytes, "source")
+    _check_geometry(dst_addrs, dst_rows, dst_row_bytes, "destination")
+    src_large = src_row_bytes > dst_row_bytes
+    large, small = max(src_row_bytes, dst_row_bytes), min(src_row_bytes, dst_row_bytes)
+    pairs = _tensor_pairs(src_addrs, dst_addrs, src_tensors, dst_tensors)
+    if small == 0 or large % small:
+        raise InvalidInput(f"blocks of {src_row_bytes} and {dst_row_bytes} bytes are no multiples", small)
+    ratio = large // small
+    if runs == 0 or small % runs:
+        raise InvalidInput(f"runs {runs} must divide the smaller block", runs)
+    if first >= ratio:
+        raise InvalidInput(f"first sub-block {first} is out of range", first)
+    src_blocks = _indices(src_blocks, src_rows, "src_blocks")
+    dst_blocks = _indices(dst_blocks, dst_rows, "dst_blocks")
+    small_list, large_list = (dst_blocks, src_blocks) if src_large else (src_blocks, dst_blocks)
+    wanted = -(-(first + len(small_list)) // ratio) if small_list else 0
+    if len(large_list) != wanted:
+        raise InvalidInput(f"{len(large_list)} large blocks for {len(small_list)} small ones", len(large_list))
+    piece = small // runs
+    copies = []
+    for s, d in pairs:
+        small_base, large_base = (dst_addrs[d], src_addrs[s]) if src_large else (src_addrs[s], dst_addrs[d])
+        for i, block in enumerate(small_list):
+            at = first + i
+            for r in range(runs):
+                small_at = small_base + block * small + r * piece
+                large_at = large_base + large_list[at // ratio] * large + r * piece * ratio + (at % ratio) * piece
+                copies.append((large_at, small_at, piece) if src_large else (small_at, large_at, piece))
     return copies
 
 

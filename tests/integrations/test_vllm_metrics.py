@@ -288,9 +288,22 @@ def test_the_description_and_its_differences():
     assert compat.verdict(mine, dict(mine, new_field=1)) is None
     assert compat.verdict(mine, dict(mine, kv_format=compat.KV_FORMAT + 1)) == (
         f"it serves another model or KV layout: kv_format {compat.KV_FORMAT + 1} there, {compat.KV_FORMAT} here")
-    two = compat.verdict(mine, dict(mine, model="/models/b", block_size=32))
+    two = compat.verdict(mine, dict(mine, model="/models/b", block_size=24))
     assert two == ("it serves another model or KV layout: model '/models/b' there, '/models/a' here; "
-                   f"block_size 32 there, {BLOCK_SIZE} here")
+                   f"block_size 24 there, {BLOCK_SIZE} here")
+    # a whole multiple is no difference (its blocks are sub-blocks of ours, or ours of its):
+    # layouts and caches are then compared without the token dimension
+    layout = dict(mine, layout=f"2x[2, {BLOCK_SIZE}, 64]:DT_FLOAT",
+                  caches=f"g0:2x[2, {BLOCK_SIZE}, 64]:float32:2L:{'0' * 16}")
+    assert compat.verdict(layout, dict(layout, block_size=2 * BLOCK_SIZE, layout="2x[2, 32, 64]:DT_FLOAT",
+                                       caches=f"g0:2x[2, 32, 64]:float32:2L:{'0' * 16}")) is None
+    assert compat.verdict(layout, dict(layout, block_size=2 * BLOCK_SIZE, layout="2x[4, 32, 32]:DT_FLOAT",
+                                       caches=f"g0:2x[2, 32, 64]:float32:2L:{'0' * 16}")) == (
+        f"it serves another model or KV layout: layout '2x[4, 32, 32]:DT_FLOAT' there, "
+        f"'2x[2, {BLOCK_SIZE}, 64]:DT_FLOAT' here")
+    assert "caches: KV cache 0: block shape [2, 'N', 32] there, [2, 'N', 64] here" in compat.verdict(
+        layout, dict(layout, block_size=2 * BLOCK_SIZE, layout="2x[2, 32, 64]:DT_FLOAT",
+                     caches=f"g0:2x[2, 32, 32]:float32:2L:{'0' * 16}"))
     # what a hostile or broken peer may send: refused with a reason, never an exception
     hostile = [None, [], "x", {}, dict(mine, kv_format=None) | {"x" * 100: 1},
                {f"f{i}": i for i in range(100)}, dict(mine, model={"nested": 1}), dict(mine, model="m" * 5000)]
@@ -301,21 +314,23 @@ def test_the_description_and_its_differences():
 
 
 def test_a_block_size_mismatch_is_refused_not_computed_silently():
-    """The prefill engine's params carry its block size; a decode engine of another one loads
-    nothing and reports the request as not loaded (vLLM then recomputes or fails it per
-    kv_load_failure_policy) with a reason, instead of quietly computing the prompt."""
+    """The prefill engine's params carry its block size; a decode engine whose block size is no
+    whole multiple of it (nor it of ours: ``block_sizes.refusal``) loads nothing and reports the
+    request as not loaded (vLLM then recomputes or fails it per kv_load_failure_policy) with a
+    reason, instead of quietly computing the prompt."""
     from llm_datadist.integrations.vllm.options import Options as _Options
     from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
 
     scheduler = _Scheduler("decode", _Options.parse({}), 32, producer=False)
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3, 4], "remote_host": "127.0.0.1",
-              "remote_port": 1, "remote_cluster_id": 5, "remote_request_id": "p.t", "remote_block_size": 16}
+              "remote_port": 1, "remote_cluster_id": 5, "remote_request_id": "p.t", "remote_block_size": 24}
     request = SimpleNamespace(request_id="d", kv_transfer_params=params, prompt_token_ids=list(range(60)))
     assert scheduler.get_num_new_matched_tokens(request, 0) == (60, True)
     scheduler.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [7, 8]), 60)
     spec = scheduler.build_connector_meta().reqs_to_recv["d"]
     assert spec.awaiting and spec.local_block_ids == [7, 8]
-    assert spec.refused.startswith("its block size is 16 tokens, this engine's 32")
+    assert spec.refused == ("its block size is 24 tokens, this engine's 32: neither is a whole multiple of the "
+                            "other (the engines must share --block-size)")
     # the same block size: no refusal; a block size that is not a number: unusable params
     same = dict(params, do_remote_prefill=True, remote_block_ids=[1, 2], remote_block_size=32)
     request = SimpleNamespace(request_id="e", kv_transfer_params=same, prompt_token_ids=list(range(60)))

@@ -4,7 +4,7 @@
 
 (or forked from the tests' server with those arguments: ``forked``).
 
-ROLE is ``plain`` (no connector), ``producer`` or ``consumer`` (LLMDataDistConnector); ENGINE_ARGS
+ROLE is ``plain`` (no connector), ``producer``, ``consumer`` or ``both`` (LLMDataDistConnector); ENGINE_ARGS
 are more keyword arguments of ``LLM`` (``shutdown_timeout``, ``max_num_seqs``...; ``kv_transfer``:
 more fields of ``KVTransferConfig``, such as ``kv_load_failure_policy``). Requests:
 ``{"op": "generate", "prompts": [[ids]], "max_tokens": n (or one per prompt), "params": [kv_transfer_params
@@ -82,11 +82,13 @@ def main() -> int:
     if role != "plain":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LLMDataDistConnector", kv_connector_module_path="llm_datadist.integrations.vllm",
-            kv_role="kv_producer" if role == "producer" else "kv_consumer", kv_connector_extra_config=extra,
+            kv_role={"producer": "kv_producer", "both": "kv_both"}.get(role, "kv_consumer"),
+            kv_connector_extra_config=extra,
             **transfer)
     kwargs.setdefault("max_model_len", 1024)
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE,
-              enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
+    kwargs.setdefault("block_size", BLOCK_SIZE)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              disable_log_stats=False, **kwargs)
 
     def reply(obj) -> None:
         out.write(json.dumps(obj) + "\n")
@@ -169,7 +171,7 @@ def main() -> int:
                                              request.get("names"))
         else:
             results = llm.generate(prompts, sampling, use_tqdm=False)
-        if role == "producer":
+        if role in ("producer", "both"):
             # As a served engine's busy loop does after its last request finished: one more step,
             # whose connector metadata hands the finished requests' leases to the workers (their
             # read guards admit tcp/staging pulls of those blocks only from then on). LLM.generate

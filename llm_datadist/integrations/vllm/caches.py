@@ -157,11 +157,16 @@ def parse(description: Any) -> Optional[List[Tuple[int, int, Tuple[int, ...], st
     return out
 
 
-def mismatch(mine: str, theirs: Any) -> Optional[str]:
+def mismatch(mine: str, theirs: Any, block_sizes: Optional[Tuple[int, int]] = None) -> Optional[str]:
     """Why a peer whose description is ``theirs`` has other caches than ours (``mine``); None if it
     has the same: as many caches, each of the same group, tensors, block shape, element type and
-    layers (by name). The first difference is named."""
+    layers (by name). The first difference is named. ``block_sizes``: ``(ours, theirs)`` where the
+    engines' block sizes differ: block shapes are compared without their token dimension (the
+    second last, where it is that side's block size)."""
     here, there = parse(mine), parse(theirs)
+    if block_sizes is not None and here is not None and there is not None:
+        here = [e[:2] + (_without_tokens(e[2], block_sizes[0]),) + e[3:] for e in here]
+        there = [e[:2] + (_without_tokens(e[2], block_sizes[1]),) + e[3:] for e in there]
     if here is None:
         return "this engine's cache description is malformed"
     if there is None:
@@ -178,6 +183,13 @@ def mismatch(mine: str, theirs: Any) -> Optional[str]:
         if what:
             return f"KV cache {k}: " + ", ".join(what)
     return None
+
+
+def _without_tokens(shape: Tuple[int, ...], block_size: int) -> Tuple[Any, ...]:
+    """A block shape with its token dimension (the second last) as ``N`` where it is ``block_size``."""
+    if len(shape) < 2 or shape[-2] != block_size:
+        return shape
+    return shape[:-2] + ("N",) + shape[-1:]
 
 
 def _shapes(entries) -> str:

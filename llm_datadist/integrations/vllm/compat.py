@@ -21,7 +21,8 @@ different paths say so with the same ``model_id``."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import re
+from typing import Any, Dict, List, Optional, Tuple
 
 #: What the KV blocks of this connector hold and how they are addressed; bumped when that changes.
 KV_FORMAT = 1
@@ -130,6 +131,13 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
     of meaning bumps."""
     skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
+    sizes = block_sizes(mine, theirs)
+    if sizes is not None:
+        # blocks of other token counts hold the same KV (``_core.plan_sub_blocks``): the layouts are
+        # compared with each side's token dimension left out
+        skip = skip + ("block_size",) + tuple(
+            name for name in ("layout", "layout_all_heads")
+            if _without_tokens(mine.get(name), sizes[0]) == _without_tokens(theirs.get(name), sizes[1]))
     out = [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
            for name, value in mine.items()
            if name in theirs and theirs[name] != value and name not in skip and name != "caches"]
@@ -138,13 +146,39 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
         # that does not say them (an older release) registers one cache of one shape at most
         from llm_datadist.integrations.vllm import caches
         if "caches" in theirs:
-            why = caches.mismatch(mine["caches"], theirs["caches"])
+            why = caches.mismatch(mine["caches"], theirs["caches"], sizes)
             if why:
                 out.append(f"caches: {why}")
         elif len(str(mine["caches"]).split(";")) > 1:
             out.append("caches: it does not describe its KV caches (an older release), this engine registers "
                        f"{len(str(mine['caches']).split(';'))} of different shapes or groups")
     return out
+
+
+def block_sizes(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+    """``(ours, theirs)`` where both engines say their block sizes, which differ and of which one is a
+    whole multiple of the other (their KV can move: ``_core.plan_sub_blocks``); else None."""
+    ours, other = mine.get("block_size"), theirs.get("block_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (ours, other)) or ours == other:
+        return None
+    small, large = sorted((ours, other))
+    return None if large % small else (ours, other)
+
+
+_LAYOUT = re.compile(r"(\d{1,6})x\[([0-9, ]{0,200})\]:(\w{1,32})$")
+
+
+def _without_tokens(value: Any, block_size: int) -> Any:
+    """A ``layout`` with its per-block token dimension (the second last: ``LBHNC``) as ``N`` where it
+    is ``block_size``; anything else as it is (then unlike a layout of another block size)."""
+    match = _LAYOUT.match(value) if isinstance(value, str) else None
+    if match is None:
+        return value
+    dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
+    if len(dims) < 2 or dims[-2] != str(block_size):
+        return value
+    dims[-2] = "N"
+    return f"{match.group(1)}x[{', '.join(dims)}]:{match.group(3)}"
 
 
 def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:

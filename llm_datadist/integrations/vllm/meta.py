@@ -77,6 +77,9 @@ class Recv:
     #: their concatenation (what counts and reports use). Empty: one group, the flat lists above.
     remote_groups: Tuple[List[int], ...] = ()
     local_groups: Tuple[List[int], ...] = ()
+    #: the prompt's block (in this engine's block size) the local list starts at: a local
+    #: prefix-cache hit's count; how blocks pair where the two engines' block sizes differ
+    local_first_block: int = 0
 
     def group_pairs(self) -> List[Tuple[int, List[int], List[int]]]:
         """``(group, remote block ids, local block ids)`` per KV cache group, as the params and the

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
+from llm_datadist.integrations.vllm import block_sizes, state
 from llm_datadist.integrations.vllm import groups as kv_groups
-from llm_datadist.integrations.vllm import state
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
                                                  LLMDataDistWorkerMetadata, Recv, recv_spec, split_refusal)
@@ -196,6 +196,13 @@ class Scheduler:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         if self.push is not None:
+            size = params.get("remote_block_size")
+            if isinstance(size, int) and not isinstance(size, bool) and size != self.block_size:
+                logger.warning("request %s: its prefill engine's block size is %s tokens, this engine's %d: push mode "
+                               "moves equal blocks only (use transfer_mode 'pull', or the same --block-size); "
+                               "computing the prompt locally", request.request_id, size, self.block_size)
+                self.push.allocated(request, [], 0, prompt_length(request))  # (its blocks freed: a bare registration)
+                return 0, False
             return self.push.matched_tokens(request, num_computed_tokens, prompt_length(request))
         spec = recv_spec(params)
         if spec is not None and self._must_ask(spec):
@@ -263,8 +270,10 @@ class Scheduler:
             local = kv_groups.clip(self.groups, blocks.get_unhashed_block_ids_all_groups(), self.num_groups)
         else:
             local = (list(blocks.get_unhashed_block_ids()),)
+        # (where the block sizes differ the worker pairs blocks by position: the first local block's)
+        first = max(0, prompt_length(request) - self.backoff - num_external_tokens) // max(1, self.block_size)
         self._recv[request.request_id] = replace(spec.with_local(local), awaiting=num_external_tokens > 0,
-                                                 refused=self._refusal(spec),
+                                                 refused=self._refusal(spec), local_first_block=first,
                                                  kv_heads=self.kv_heads if spec.tp_size != self.tp_size else 0)
 
     def _must_ask(self, spec: Recv) -> bool:
@@ -345,7 +354,11 @@ class Scheduler:
     def _blocks_refusal(self, spec: Recv, prompt: int) -> str:
         """Why the blocks the params name cannot be this engine's KV of a prompt of ``prompt``
         tokens (they come from outside: counted per KV cache group); "" if they can."""
-        expected = kv_groups.expected_blocks(self.groups, prompt, self.block_size)
+        if spec.remote_block_size and spec.remote_block_size != self.block_size:
+            # (another block size: one full-attention group, ``_refusal``) counted in the prefill's blocks
+            expected = kv_groups.expected_blocks((), prompt, spec.remote_block_size)
+        else:
+            expected = kv_groups.expected_blocks(self.groups, prompt, self.block_size)
         named = [list(g) for g in spec.remote_groups] or [spec.remote_block_ids]
         if len(named) != len(expected):
             return (f"they name blocks of {len(named)} KV cache group(s), this engine has {len(expected)} (the "
@@ -359,10 +372,11 @@ class Scheduler:
 
     def _refusal(self, spec: Recv) -> str:
         """Why the prefill engine's blocks cannot be loaded here, from what its params say; "" if they can."""
-        if spec.remote_block_size is not None and spec.remote_block_size != self.block_size:
-            return (f"its block size is {spec.remote_block_size} tokens, this engine's {self.block_size} "
-                    "(the engines must share --block-size)")
-        return ""
+        size = spec.remote_block_size
+        if size is None or size == self.block_size:
+            return ""
+        why = block_sizes.refusal(size, self.block_size, self.groups, spec.tp_size != self.tp_size)
+        return f"its block size is {size} tokens, this engine's {self.block_size}: {why}" if why else ""
 
     def _forget_asked(self, req_id: str) -> None:
         self._asked_params.pop(req_id, None)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import caches, compat, layout, state
+from llm_datadist.integrations.vllm import block_sizes, caches, compat, layout, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -465,7 +465,8 @@ class Worker:
             with self._lock:
                 registered, classes, asleep = list(self.caches), list(self._classes), self._asleep is not None
             try:
-                pairs = pair_blocks(spec, max(1, len(self.groups)))
+                # (blocks of another size pair by position: ``_pull_sub_blocks``)
+                pairs = [] if block_sizes.differ(spec, self.block_size) else pair_blocks(spec, max(1, len(self.groups)))
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
                 self.peers.on_link(spec, lambda cluster_id: self._pull_blocks(spec, registered, classes, pairs,
@@ -518,6 +519,13 @@ class Worker:
                                       f"{self._heads_refusal}")
         start = time.perf_counter()
         nbytes = blocks = 0
+        if block_sizes.differ(spec, self.block_size):
+            with self.dd.engine.read_tag(spec.remote_request_id):
+                blocks, nbytes = block_sizes.pull(self.dd.engine, spec, self.block_size, registered, classes,
+                                                  cluster_id)
+            self._count("pulled_other_block_size", 1)
+            self.recorder.pull(time.perf_counter() - start, blocks, nbytes)
+            return
         with self.dd.engine.read_tag(spec.remote_request_id):
             for group, remote, local in pairs:
                 if not local:
@@ -686,3 +694,4 @@ def pair_blocks(spec: Recv, num_groups: int) -> List[Tuple[int, List[int], List[
             raise ValueError(f"{len(remote)} remote blocks{where} for {len(local)} local ones")
         pairs.append((group, remote[len(remote) - len(local):], local))
     return pairs
+
