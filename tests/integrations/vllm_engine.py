@@ -18,6 +18,8 @@ connector's Prometheus series (counter values, histogram counts); ``{"op": "vllm
 -> every layer's KV blocks ``ids`` as registered, saved to ``p`` (numpy ``.npz``; in-process engines with
 the connector);
 ``{"op": "stats"}`` -> the worker connector's counters (in-process engines only);
+``{"op": "kv_usage"}`` -> vLLM's KV cache usage (0.0 to 1.0: blocks held by requests, its scheduler's
+``kv_cache_manager.usage``) and the requests its scheduler still keeps (in-process engines only);
 ``{"op": "shutdown", "grace_s": s}`` shuts the engine down the way ``vllm serve`` does (its engine core
 process gets SIGTERM and ``s`` seconds before it is killed; needs ``VLLM_ENABLE_V1_MULTIPROCESSING=1``)
 -> ``{"seconds", "exitcodes"}``; ``{"op": "step"}`` steps the engine once; ``{"op": "exit"}``.
@@ -141,6 +143,10 @@ def main() -> int:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
             connector = get_kv_transfer_group()
             reply({"stats": connector.stats, "registration": connector.registration})
+            continue
+        if request["op"] == "kv_usage":
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            reply({"usage": scheduler.kv_cache_manager.usage, "requests": len(scheduler.requests)})
             continue
         if request["op"] == "kv_blocks":
             # (in-process engines with the connector) the bytes of KV blocks ``blocks`` of every

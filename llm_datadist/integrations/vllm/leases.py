@@ -157,6 +157,12 @@ class LeaseBook:
         self._rank_table: List[Tuple[str, int, int, bytes]] = []
         self.own_rank: Optional[Dict[str, Any]] = None
 
+    def counts(self) -> Dict[str, int]:
+        """The book's counters, and ``leases_held``: the finished requests whose blocks it holds now
+        (each until released or its lease ends: docs/vllm.md, "Failures and bounds")."""
+        with self._lock:
+            return dict(self.stats, leases_held=len(self.held))
+
     # -- vLLM's steps -------------------------------------------------------------------------------
     def take_leases(self, to_send: Dict[str, float], stopping: bool,
                     blocks: Optional[Dict[str, List[int]]] = None) -> Optional[int]:

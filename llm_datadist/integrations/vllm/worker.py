@@ -152,7 +152,7 @@ class Worker:
         for half in (self.pusher, self.receiver):
             if half is not None:
                 mine.update(half.stats)
-        return dict(mine, **self.leases.stats)
+        return dict(mine, **self.leases.counts())
 
     def take_stats(self) -> Optional[LLMDataDistKVConnectorStats]:
         """vLLM's stats of this worker since the last call (None if nothing happened), with what the
