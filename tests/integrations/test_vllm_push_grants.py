@@ -611,6 +611,7 @@ def test_an_expired_grant_tells_the_prefill_side_which_stops_pushing():
     cancels = sorted((m["decode_request_id"], m["grant"]) for _, m in w._links_api.notes if m["op"] == "push_cancel")
     assert cancels == [("d", token), ("e", other)], "the prefill side was never told"
     assert w._links_api.quiesced == [7, 7]
+    assert w.recorder.take().data["timed_out"] == 2  # (docs/vllm.md, "Failures and bounds")
     # ran out in the guard, then the request ended before the next step: still cancelled there
     rx._awaiting["f"] = PushReg([5], 0, "127.0.0.1", 1, 7, "", awaiting=True)
     third = rx.grants.grant("f", 7, [(0, 64)], 0.01)
@@ -640,6 +641,36 @@ def test_an_expired_grant_tells_the_prefill_side_which_stops_pushing():
         assert "kv_lease_s" in wp._links_api.notes[0][1]["why"]
     finally:
         pusher.close()
+
+
+def test_a_decode_request_whose_prefill_engine_died_ends_at_its_grants_bound():
+    """Push mode's wait for ``push_done`` when the prefill engine is gone (killed, or stopped so
+    that it answers nothing): the grant runs out at ``kv_lease_s``, the ``push_cancel`` fails, the
+    link is ended so that no push of it can start after, and the request is reported failed
+    (``timed_out``) in that step, its grant gone (vLLM frees its blocks)."""
+    import llm_datadist as ld
+    from llm_datadist.integrations.vllm.push import PushReg, Receiver
+
+    w = _worker(False)
+    w.peers = SimpleNamespace(submit=lambda spec, task: (task(), True)[1], notify_timeout_ms=1000)
+
+    def dead(cluster_id, message, timeout_ms):
+        raise ld.LLMException("no answer", status_code=ld.LLMStatusCode.LLM_TIMEOUT)
+
+    w._links_api.notify = dead
+    rx = Receiver(w)
+    rx._awaiting["d"] = PushReg([3, 4], 0, "127.0.0.1", 1, 7, "", awaiting=True)
+    rx.grants.grant("d", 7, [(0, 64)], 0.05)
+    rx.on_step({}, set())
+    assert rx.take() == (set(), set())  # (within its bound: still waiting)
+    time.sleep(0.1)
+    start = time.monotonic()
+    rx.on_step({}, set())
+    assert time.monotonic() - start < 2.0
+    assert rx.take() == ({"d"}, {"d"}) and rx.grants.grants == {}
+    assert w._links_api.unlinked == [7]
+    taken = w.recorder.take().data
+    assert taken["timed_out"] == 1 and taken["failed_pulls"] == 1
 
 
 def test_refusals_and_notifications_never_hold_up_a_step():
