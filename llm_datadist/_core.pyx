@@ -978,23 +978,58 @@ def plan_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors,
     return plan
 
 
+cdef object _checked_regions(object regions, uint64_t small):
+    """``regions`` (``(offset, nbytes, runs)`` triples in a small block) as a ``(k, 3)`` uint64
+    array: each inside the block, ``nbytes`` > 0 a whole multiple of ``runs`` > 0, in order of
+    offset and disjoint; LLM_PARAM_INVALID naming the first bad value otherwise."""
+    try:
+        items = list(regions)
+    except TypeError:
+        raise _param_invalid(f"regions must be a sequence of (offset, nbytes, runs), got {type(regions).__name__}")
+    if not items:
+        raise _param_invalid("regions must name at least one (offset, nbytes, runs)")
+    out = np.empty((len(items), 3), dtype=np.uint64)
+    cdef uint64_t offset, nbytes, runs, end = 0
+    cdef Py_ssize_t k
+    for k, item in enumerate(items):
+        try:
+            offset_arg, nbytes_arg, runs_arg = item
+        except (TypeError, ValueError):
+            raise _param_invalid(f"regions[{k}] = {item!r} is not an (offset, nbytes, runs) triple")
+        offset = _as_uint64(offset_arg, f"regions[{k}] offset")
+        nbytes = _as_uint64(nbytes_arg, f"regions[{k}] nbytes")
+        runs = _as_uint64(runs_arg, f"regions[{k}] runs")
+        if offset < end:
+            raise _param_invalid(f"regions[{k}] offset {offset} overlaps the region before it (which ends at {end})")
+        if nbytes == 0 or offset > small or nbytes > small - offset:
+            raise _param_invalid(f"regions[{k}] nbytes {nbytes} from offset {offset} is outside the smaller "
+                                 f"block of {small} bytes")
+        if runs == 0 or nbytes % runs != 0:
+            raise _param_invalid(f"regions[{k}] runs {runs} must divide its {nbytes} bytes")
+        out[k, 0], out[k, 1], out[k, 2] = offset, nbytes, runs
+        end = offset + nbytes
+    return out
+
+
 def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
-                    src_blocks, dst_blocks, runs_arg, first_arg=0):
+                    src_blocks, dst_blocks, regions, first_arg=0):
     """Plan copies between caches whose blocks hold different token counts: the blocks of one
-    side (the large one) are ``ratio`` times the bytes of the other's (the small one's), and a
-    block of either is ``runs`` equal runs (KV heads, outermost), each run its tokens in order.
-    So small block ``i`` is, run by run, sub-block ``(first + i) % ratio`` of large block
-    ``(first + i) // ratio``, where ``i`` counts the small side's list and the large side's list
-    names ``ceil((first + n) / ratio)`` blocks for ``n`` small ones: ``n * runs`` copies of
-    ``small block / runs`` bytes per tensor pair, each strided by the large side's run.
+    side (the large one) are ``ratio`` times the bytes of the other's (the small one's). A small
+    block is ``regions``, each ``(offset, nbytes, runs)``: ``nbytes`` bytes from ``offset``, made of
+    ``runs`` equal runs of tokens in order; in a large block the same region lies at ``ratio *
+    offset``, ``ratio`` times as long, its runs ``ratio`` times as long (a KV head's keys, or one
+    dimension of them, for all the block's tokens). So small block ``i`` is, run by run, sub-block
+    ``(first + i) % ratio`` of large block ``(first + i) // ratio``, where ``i`` counts the small
+    side's list and the large side's list names ``ceil((first + n) / ratio)`` blocks for ``n``
+    small ones: ``n * sum(runs)`` copies per tensor pair.
 
     Which side is large is told by the block sizes; equal sizes are ratio 1. ``first`` in
     ``[0, ratio)``: the sub-block of the first large block the list starts at (a prefix that
-    ends inside a large block). Raises ``LLMException(LLM_PARAM_INVALID)`` naming the first bad
-    value (sizes that are no multiple, runs that do not divide the small block, a list of the
-    wrong length, a block out of range); nothing is planned then.
+    ends inside a large block). Regions must lie in the small block, in order of offset, without
+    overlap. Raises ``LLMException(LLM_PARAM_INVALID)`` naming the first bad value (sizes that are
+    no multiple, a bad region, a list of the wrong length, a block out of range); nothing is
+    planned then.
     """
-    cdef uint64_t runs = _as_uint64(runs_arg, "runs")
     cdef uint64_t first = _as_uint64(first_arg, "first sub-block")
     cdef bint src_large = src.row_bytes > dst.row_bytes
     cdef uint64_t large = src.row_bytes if src_large else dst.row_bytes
@@ -1004,8 +1039,7 @@ def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tens
         raise _param_invalid(f"blocks of {src.row_bytes} and {dst.row_bytes} bytes: the larger must be a "
                              "whole multiple of the smaller")
     cdef uint64_t ratio = large // small
-    if runs == 0 or small % runs != 0:
-        raise _param_invalid(f"runs {runs} must divide the smaller block of {small} bytes")
+    reg = _checked_regions(regions, small)
     if first >= ratio:
         raise _param_invalid(f"first sub-block {first} is out of range: a block holds {ratio}")
     sb = _checked_blocks(src_blocks, src.num_rows, "src_blocks")
@@ -1017,32 +1051,37 @@ def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tens
         raise _param_invalid(f"{'src' if src_large else 'dst'}_blocks has {m} entries; {n} blocks of "
                              f"{small} bytes from sub-block {first} on fill {wanted} of {large} bytes")
     cdef CopyPlan plan = CopyPlan()
-    cdef Py_ssize_t nt = st.shape[0]
+    cdef Py_ssize_t nt = st.shape[0], nr = reg.shape[0]
     if n == 0:
         return plan
-    if <uint64_t>n > UINT64_MAX // runs or <size_t>(<uint64_t>n * runs) > (<size_t>-1) // <size_t>nt:
+    # (disjoint regions of at least one byte a run: at most ``small`` runs in all)
+    cdef uint64_t total_runs = <uint64_t>reg[:, 2].sum()
+    if <uint64_t>n > UINT64_MAX // total_runs or <size_t>(<uint64_t>n * total_runs) > (<size_t>-1) // <size_t>nt:
         raise _param_invalid("too many descriptors")
-    plan.reserve(<size_t>nt * <size_t>(<uint64_t>n * runs))
+    plan.reserve(<size_t>nt * <size_t>(<uint64_t>n * total_runs))
     cdef cnp.int64_t *stv = _i64(st)
     cdef cnp.int64_t *dtv = _i64(dt)
     cdef cnp.uint64_t *smv = _u64(small_list)
     cdef cnp.uint64_t *lgv = _u64(large_list)
-    cdef uint64_t piece = small // runs, large_run = piece * ratio
-    cdef uint64_t sbase, lbase, at, s_addr, l_addr, r
-    cdef Py_ssize_t t, i
+    cdef cnp.uint64_t *rv = _u64(reg)
+    cdef uint64_t sbase, lbase, at, s_addr, l_addr, r, piece, offset, runs
+    cdef Py_ssize_t t, i, k
     with nogil:
         for t in range(nt):
             sbase = (dst.addrs[dtv[t]] if src_large else src.addrs[stv[t]])
             lbase = (src.addrs[stv[t]] if src_large else dst.addrs[dtv[t]])
             for i in range(n):
                 at = first + <uint64_t>i
-                s_addr = sbase + smv[i] * small
-                l_addr = lbase + lgv[at // ratio] * large + (at % ratio) * piece
-                for r in range(runs):
-                    if src_large:
-                        plan.add(l_addr + r * large_run, s_addr + r * piece, piece)
-                    else:
-                        plan.add(s_addr + r * piece, l_addr + r * large_run, piece)
+                for k in range(nr):
+                    offset, runs = rv[3 * k], rv[3 * k + 2]
+                    piece = rv[3 * k + 1] // runs
+                    s_addr = sbase + smv[i] * small + offset
+                    l_addr = lbase + lgv[at // ratio] * large + offset * ratio + (at % ratio) * piece
+                    for r in range(runs):
+                        if src_large:
+                            plan.add(l_addr + r * piece * ratio, s_addr + r * piece, piece)
+                        else:
+                            plan.add(s_addr + r * piece, l_addr + r * piece * ratio, piece)
     return plan
 
 

@@ -106,12 +106,37 @@ def plan_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row
     return copies
 
 
+def _regions(regions, small):
+    """``regions`` as ``(offset, nbytes, runs)`` triples inside a small block of ``small`` bytes, in
+    order and disjoint, each ``nbytes`` a whole multiple of ``runs``."""
+    if not isinstance(regions, (list, tuple)):
+        raise InvalidInput("regions is no sequence", None)
+    if not regions:
+        raise InvalidInput("no region", None)
+    checked, end = [], 0
+    for k, item in enumerate(regions):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise InvalidInput(f"regions[{k}] is not a triple", None)
+        offset, nbytes, runs = item
+        _check_unsigned(offset=offset, nbytes=nbytes, runs=runs)
+        if offset < end:
+            raise InvalidInput(f"regions[{k}] offset {offset} overlaps", offset)
+        if nbytes == 0 or offset + nbytes > small:
+            raise InvalidInput(f"regions[{k}] nbytes {nbytes} is outside the block", nbytes)
+        if runs == 0 or nbytes % runs:
+            raise InvalidInput(f"regions[{k}] runs {runs} must divide its bytes", runs)
+        checked.append((offset, nbytes, runs))
+        end = offset + nbytes
+    return checked
+
+
 def plan_sub_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row_bytes,
-                    src_tensors, dst_tensors, src_blocks, dst_blocks, runs, first=0):
+                    src_tensors, dst_tensors, src_blocks, dst_blocks, regions, first=0):
     """Blocks of ``ratio`` times the bytes on one side (the large one): for each tensor pair, small
-    block ``i`` of its list is, run by run (``runs`` runs per block, each its tokens in order),
-    sub-block ``(first + i) % ratio`` of large block ``(first + i) // ratio`` of the other list."""
-    _check_unsigned(runs=runs, first=first)
+    block ``i`` of its list is, region by region (``(offset, nbytes, runs)`` of a small block; at
+    ``ratio * offset`` in a large one, its runs ``ratio`` times as long) and run by run, sub-block
+    ``(first + i) % ratio`` of large block ``(first + i) // ratio`` of the other list."""
+    _check_unsigned(first=first)
     _check_geometry(src_addrs, src_rows, src_row_bytes, "source")
     _check_geometry(dst_addrs, dst_rows, dst_row_bytes, "destination")
     src_large = src_row_bytes > dst_row_bytes
@@ -120,8 +145,7 @@ def plan_sub_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst
     if small == 0 or large % small:
         raise InvalidInput(f"blocks of {src_row_bytes} and {dst_row_bytes} bytes are no multiples", small)
     ratio = large // small
-    if runs == 0 or small % runs:
-        raise InvalidInput(f"runs {runs} must divide the smaller block", runs)
+    regions = _regions(regions, small)
     if first >= ratio:
         raise InvalidInput(f"first sub-block {first} is out of range", first)
     src_blocks = _indices(src_blocks, src_rows, "src_blocks")
@@ -130,16 +154,18 @@ def plan_sub_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst
     wanted = -(-(first + len(small_list)) // ratio) if small_list else 0
     if len(large_list) != wanted:
         raise InvalidInput(f"{len(large_list)} large blocks for {len(small_list)} small ones", len(large_list))
-    piece = small // runs
     copies = []
     for s, d in pairs:
         small_base, large_base = (dst_addrs[d], src_addrs[s]) if src_large else (src_addrs[s], dst_addrs[d])
         for i, block in enumerate(small_list):
             at = first + i
-            for r in range(runs):
-                small_at = small_base + block * small + r * piece
-                large_at = large_base + large_list[at // ratio] * large + r * piece * ratio + (at % ratio) * piece
-                copies.append((large_at, small_at, piece) if src_large else (small_at, large_at, piece))
+            for offset, nbytes, runs in regions:
+                piece = nbytes // runs
+                for r in range(runs):
+                    small_at = small_base + block * small + offset + r * piece
+                    large_at = (large_base + large_list[at // ratio] * large + ratio * offset + r * piece * ratio
+                                + (at % ratio) * piece)
+                    copies.append((large_at, small_at, piece) if src_large else (small_at, large_at, piece))
     return copies
 
 

@@ -551,13 +551,13 @@ class Engine:
         self.pull_blocks(remote_id, BlocksRef(model_id), self.lookup(cache_id), spec, whole_caches(2))
 
     def pull_sub_blocks(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
-                        runs: int, first: int = 0) -> None:
+                        regions, first: int = 0) -> None:
         """The engine seam's pull between blocks of different token counts (for integrations: a
         vLLM engine of another block size): one side's block is a whole multiple of the other's,
-        a block of either is ``runs`` runs (KV heads) of its tokens, and each small block is one
-        sub-block of a large one, run by run (``_core.plan_sub_blocks``, which says how the lists
-        pair and what it refuses). From the peer's blocks cache of ``model_id`` into the
-        registered cache ``cache_id``, every tensor."""
+        a small block is ``regions`` (``(offset, nbytes, runs)``: runs of tokens, such as a KV
+        head's keys) and each small block is one sub-block of a large one, region by region and run
+        by run (``_core.plan_sub_blocks``, which says how the lists pair and what it refuses). From
+        the peer's blocks cache of ``model_id`` into the registered cache ``cache_id``, every tensor."""
         dst = self.lookup(cache_id)
         src_blocks, dst_blocks = block_array(src_blocks, "src_blocks"), block_array(dst_blocks, "dst_blocks")
 
@@ -565,7 +565,7 @@ class Engine:
             cache, _ = resolve_remote(table, remote_id, BlocksRef(model_id))
             st, dt = whole_caches(2)(cache.num_tensors, dst.num_tensors)
             return PlannedTransfer(_core.plan_sub_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks,
-                                                         runs, first), table, cache, 0, st, dt)
+                                                         regions, first), table, cache, 0, st, dt)
         self._transfer_planned(remote_id, dst, False, planner)
 
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:

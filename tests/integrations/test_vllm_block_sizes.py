@@ -1,7 +1,8 @@
 """Engines of different block sizes (``--block-size``): a decode engine pulls a prefill engine's
 blocks of another token count, each small block one strided sub-block (head by head) of a large one
-(``integrations/vllm/block_sizes.py``, ``_core.plan_sub_blocks``), prefill 32 -> decode 64 and
-64 -> 32 (vLLM's CPU attention takes multiples of 32 only).
+(``integrations/vllm/block_sizes.py``, ``_core.plan_sub_blocks``; each head's keys kept transposed
+by vLLM's CPU attention move one dimension at a time), prefill 32 -> decode 64 and 64 -> 32 (vLLM's
+CPU attention takes multiples of 32 only).
 
 Two ``kv_both`` engines, one of block size 32 and one of 64, each the other's prefill engine, are
 started once for the module, on ``test_vllm_tp``'s model whose prompt KV the tokens cannot fail to
@@ -9,6 +10,8 @@ notice. Prefix caching is off, so a prompt's baseline (computed by the decode en
 plain engine of its block size) and its pull do not meet in the cache."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -66,25 +69,19 @@ def pulled_equals_baseline(prefill_engine: Engine, decode_engine: Engine, prompt
 
 
 @needs_vllm
-def test_another_block_size_is_refused_with_both_sizes_until_the_layout_is_known(engines):
-    """``block_sizes.ENABLED`` is off (vLLM's CPU attention transposes each block's keys): a decode
-    engine of 64 refuses a prefill's blocks of 32, and one of 32 a prefill's of 64, each with one
-    line naming both sizes, nothing pulled; the prefill's blocks are released."""
-    from llm_datadist.integrations.vllm import block_sizes
-
-    assert not block_sizes.ENABLED
+def test_prefill_32_decode_64_equals_the_baseline(engines):
+    """A decode engine of block size 64 pulls a prefill engine's blocks of 32 (each of its blocks two
+    of the prefill's, keys transposed per head: vLLM's CPU attention): its greedy tokens are the
+    ones it computes alone."""
     small, large = engines
-    for prefill_engine, decode_engine, prompts, sizes in ((small, large, SMALL_TO_LARGE[:1], (32, 64)),
-                                                          (large, small, LARGE_TO_SMALL[:1], (64, 32))):
-        params = prefill(prefill_engine, prompts)
-        assert params[0]["remote_block_size"] == sizes[0]
-        stats = decode_engine.stats()["stats"]
-        outputs = decode_engine.generate(prompts, MAX_TOKENS, params)
-        assert len(outputs[0]["token_ids"]) < MAX_TOKENS
-        moved = delta(decode_engine.stats()["stats"], stats)
-        assert moved["failed_requests"] == 1 and moved.get("pulled_other_block_size", 0) == 0
-        assert f"its block size is {sizes[0]} tokens, this engine's {sizes[1]}: KV of another block size is not " \
-               "supported yet" in decode_engine.log.read_text()
+    pulled_equals_baseline(small, large, SMALL_TO_LARGE, 32)
+
+
+@needs_vllm
+def test_prefill_64_decode_32_equals_the_baseline(engines):
+    """The reverse: a decode engine of block size 32 pulls half blocks of a prefill engine's 64."""
+    small, large = engines
+    pulled_equals_baseline(large, small, LARGE_TO_SMALL, 64)
 
 
 @needs_vllm
@@ -150,23 +147,69 @@ def test_remote_lists_that_do_not_hold_the_local_blocks_are_refused(remote, loca
 
 
 def test_what_moves_between_block_sizes_and_what_is_refused():
-    from llm_datadist.integrations.vllm.block_sizes import refusal, token_runs
+    from llm_datadist.integrations.vllm.block_sizes import refusal
     from llm_datadist.integrations.vllm.groups import Group
 
     full, window, mamba = Group(0, "full", 0, 64), Group(1, "sliding_window", 128, 64), Group(1, "mamba", 0, 64)
     for remote in (16, 32, 128, 256):
-        assert refusal(remote, 64, (full,), False).startswith("KV of another block size is not supported yet")
-    assert refusal(32, 64, (), False).startswith("KV of another block size")  # no config: one full group
+        assert refusal(remote, 64, (full,), False) == ""
+    assert refusal(32, 64, (), False) == ""  # no config: one full group
     for remote in (0, -32, 48, 96, 2**70 + 1):
         assert refusal(remote, 64, (full,), False).startswith("neither is a whole multiple of the other")
     assert "sliding-window or state-space" in refusal(32, 64, (full, window), False)
     assert "sliding-window or state-space" in refusal(32, 64, (full, mamba), False)
     assert "tensor parallel" in refusal(32, 64, (full,), True)
-    # runs: each head's keys, then its values (LBHNC: 2 x heads); MLA: one
-    assert token_runs((10, 4, 64, 128), 64) == 8 and token_runs((10, 64, 576), 64) == 1
-    for shape in ((10, 2, 4, 32, 128), (10, 64, 4, 128), (10, 64), (10, 4, 64, 127)):  # kernel blocks, others
+
+
+def test_regions_follow_the_cpu_attention_layout_and_others_are_refused_by_name():
+    """vLLM's CPU attention ("vec", "vec16"): per head, ``head_size`` runs of keys (transposed), then one
+    run of values, in a block of the smaller size; the token dimension of the view must be the engine's
+    block size. Other backends and ISAs (not verified) and other shapes are refused naming them."""
+    from llm_datadist.integrations.vllm.block_sizes import regions
+
+    # [blocks, 2 heads, 64 tokens, 2 x head size 8], float32, regions of a 32-token block
+    half = 32 * 8 * 4
+    expected = [(0, half, 8), (half, half, 1), (2 * half, half, 8), (3 * half, half, 1)]
+    for isa in ("vec", "vec16"):
+        assert regions((10, 2, 64, 16), 64, 32, 4, f"CPU_ATTN:{isa}") == expected
+    for attention in ("CPU_ATTN:amx", "CPU_ATTN:neon", "FLASH_ATTN", "unknown", "CPU_ATTN:amx,CPU_ATTN:vec"):
+        with pytest.raises(ValueError, match=re.escape(f"vLLM's attention {attention} (backend:ISA) is not verified")):
+            regions((10, 2, 64, 16), 64, 32, 4, attention)
+    for shape in ((10, 2, 4, 32, 16), (10, 64, 2, 16), (10, 64), (10, 2, 64, 15), (10, 0, 64, 16)):
         with pytest.raises(ValueError, match="kernel blocks"):
-            token_runs(shape, 64)
+            regions(shape, 64, 32, 4, "CPU_ATTN:vec")
+
+
+def test_the_layout_inside_a_block_is_asked_of_vllms_layers():
+    """``Attention`` reads each layer's backend and ISA from vLLM's forward context; engines of other
+    block sizes compare the verified layout (``block_layout``), engines of one block size do not."""
+    from types import SimpleNamespace
+
+    from llm_datadist.integrations.vllm import compat
+    from llm_datadist.integrations.vllm.block_sizes import Attention
+
+    def layer(name, isa=None):
+        return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: name), **({"isa": isa} if isa else {}))
+    context = {"a": layer("CPU_ATTN", "vec"), "b": layer("CPU_ATTN", "vec16"), "c": layer("CPU_ATTN", "amx"),
+               "d": layer("FLASH_ATTN"), "e": object()}
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context),
+                             cache_config=SimpleNamespace(block_size=64))
+    attention = Attention(config)
+    assert attention.block_size == 64
+    assert attention.of(["a"]) == "CPU_ATTN:vec" and attention.of(["d"]) == "FLASH_ATTN"
+    assert attention.of(["e", "zz"]) == "unknown" and attention.of(["a", "c"]) == "CPU_ATTN:amx,CPU_ATTN:vec"
+
+    def classes(*layers):
+        return [SimpleNamespace(layers=list(names)) for names in layers]
+    assert attention.layout(classes(["a"], ["b"])) == "heads[keys^T,values]"
+    assert attention.layout(classes(["a"], ["c"])) == "unverified CPU_ATTN:amx,CPU_ATTN:vec"
+    mine = {"kv_format": compat.KV_FORMAT, "block_size": 64, "block_layout": "heads[keys^T,values]"}
+    assert compat.verdict(mine, dict(mine, block_size=32)) is None
+    assert "block_layout 'unverified CPU_ATTN:amx' there" in compat.verdict(
+        mine, dict(mine, block_size=32, block_layout="unverified CPU_ATTN:amx"))
+    assert "does not say how its KV blocks are laid out" in compat.verdict(
+        mine, {"kv_format": compat.KV_FORMAT, "block_size": 32})
+    assert compat.verdict(mine, dict(mine, block_layout="unverified FLASH_ATTN")) is None  # one block size
 
 
 def test_the_scheduler_hands_the_worker_where_the_local_list_starts():
@@ -185,8 +228,7 @@ def test_the_scheduler_hands_the_worker_where_the_local_list_starts():
     assert scheduler.get_num_new_matched_tokens(request, 64) == (86, True)
     scheduler.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [8, 9]), 86)
     spec = scheduler.build_connector_meta().reqs_to_recv["d"]
-    assert spec.refused.startswith("its block size is 32 tokens, this engine's 64: KV of another block size is not "
-                                   "supported yet")  # (block_sizes.ENABLED off)
+    assert spec.refused == ""
     assert spec.local_first_block == 1 and spec.local_block_ids == [8, 9]
     # four 32-token blocks do not hold a prompt of 150 tokens: computed here, said why
     short = dict(params, remote_block_ids=[1, 2, 3, 4])

@@ -1,27 +1,76 @@
 """KV between engines of different block sizes (``--block-size``), pull mode: one side's block
-holds a whole multiple of the other's tokens. With vLLM's ``LBHNC`` layout a block is
-``[heads, tokens, ...]``, so a small block is, head by head, one strided sub-block of a large one;
-the core plans those runs (``_core.plan_sub_blocks``, bounds-checked on both sides) and the engine
-seam pulls them (``Engine.pull_sub_blocks``). Either side may be the smaller. The decode
-scheduler refuses what this does not cover (``refusal``); its worker pairs the blocks by their
-position in the prompt (``sub_block_pairs``)."""
+holds a whole multiple of the other's tokens. A small block is, region by region, one strided
+sub-block of a large one; the regions come from the attention backend's layout inside a block,
+asked of vLLM at run time (``Attention``) and moved only where that layout is verified
+(``LAYOUTS``). The core plans the copies (``_core.plan_sub_blocks``, bounds-checked on both sides)
+and the engine seam pulls them (``Engine.pull_sub_blocks``). Either side may be the smaller. The
+decode scheduler refuses what this does not cover (``refusal``); its worker pairs the blocks by
+their position in the prompt (``sub_block_pairs``)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
+from llm_datadist.integrations.vllm.compat import Incompatible
 from llm_datadist.integrations.vllm.meta import Recv
-
-#: Off until the pairing knows each attention backend's layout inside a block: vLLM 0.32's CPU
-#: attention ("vec" ISA) stores each head's keys of a block transposed (``[head_size, block_size]``,
-#: its values ``[block_size, head_size]``), so a sub-block of tokens is ``head_size`` strided runs of
-#: keys plus one run of values, not the ``2 * heads`` runs ``token_runs`` assumes; pulls planned
-#: that way decode wrong tokens (``test_vllm_block_sizes``). The core's planner and the pairing
-#: below are ready for the right runs.
-ENABLED = False
 
 #: Where a refusal line sends the operator.
 _SAME = "(the engines must share --block-size)"
+
+#: The layouts inside a block that KV of another block size moves in, by (vLLM attention backend,
+#: ISA), each checked against the installed vLLM 0.32's own cache writer
+#: (``ops.cpu_attn_reshape_and_cache``) for float32, float16 and bfloat16 at block sizes 32 and 64:
+#: the CPU backend's "vec" and "vec16" kernels keep, per KV head of the ``[heads, tokens, 2 *
+#: head_size]`` view, its keys as ``[head_size, tokens]`` (transposed) and then its values as
+#: ``[tokens, head_size]``. Any other (the CPU backend's "amx" and "neon" kernels, GPU backends) is
+#: refused until checked the same way.
+LAYOUTS = {("CPU_ATTN", "vec"): "heads[keys^T,values]", ("CPU_ATTN", "vec16"): "heads[keys^T,values]"}
+
+
+class Attention:
+    """Which attention backend and ISA lay out this engine's KV blocks, asked of vLLM's layers
+    (``static_forward_context``: each ``Attention`` layer's ``attn_backend`` and, on the CPU
+    backend, the ``isa`` its metadata builder set, before vLLM hands the connector its KV caches),
+    once per set of layers; and this engine's block size."""
+
+    def __init__(self, vllm_config: Any):
+        self._config = vllm_config
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
+        self._known: Dict[Tuple[str, ...], str] = {}
+
+    def of(self, layers: Sequence[str]) -> str:
+        """``"<backend>:<isa>"`` of ``layers`` (``"<backend>"`` without an ISA; several joined by
+        ``","`` if they differ; ``"unknown"`` where vLLM does not say)."""
+        key = tuple(layers)
+        if key not in self._known:
+            context = getattr(getattr(self._config, "compilation_config", None), "static_forward_context", None) or {}
+            found = set()
+            for name in key:
+                layer = context.get(name)
+                backend = getattr(layer, "attn_backend", None)
+                try:
+                    label = str(backend.get_name()) if backend is not None else "unknown"
+                except Exception:  # noqa: BLE001 - a backend that cannot say is not verified
+                    label = "unknown"
+                isa = getattr(layer, "isa", None)
+                found.add(f"{label}:{isa}" if isa else label)
+            self._known[key] = ",".join(sorted(found)) or "unknown"
+        return self._known[key]
+
+    def layout(self, classes: Sequence[Any]) -> str:
+        """The verified layout inside a block of the registered caches (``caches.CacheClass``), what
+        engines of different block sizes compare (``compat``); ``"unverified <backend:isa>"`` else."""
+        labels = sorted({self.of(cls.layers) for cls in classes})
+        names = {LAYOUTS.get(tuple(label.split(":", 1)) if ":" in label else (label, "")) for label in labels}
+        if len(names) == 1 and None not in names:
+            return names.pop()
+        return "unverified " + ",".join(labels)
+
+    def pull(self, engine: Any, spec: Recv, registered: Sequence[Any], classes: Sequence[Any],
+             cluster_id: int) -> Tuple[int, int]:
+        """``pull`` with this engine's block size and each cache's regions (``regions``)."""
+        found = [self.of(cls.layers) for cls in classes]
+        return pull(engine, spec, self.block_size, registered, classes, cluster_id, found)
 
 
 def differ(spec: Recv, block_size: int) -> bool:
@@ -40,9 +89,6 @@ def refusal(remote: int, block_size: int, groups: Sequence[Any], other_tp: bool)
         return f"KV of sliding-window or state-space layers moves between equal block sizes only {_SAME}"
     if other_tp:
         return f"KV moves between engines of different tensor parallel sizes with equal block sizes only {_SAME}"
-    if not ENABLED:
-        return (f"KV of another block size is not supported yet: vLLM's CPU attention keeps each head's keys of a "
-                f"block as [head_size, block_size] (transposed), so its tokens are no strided run {_SAME}")
     return ""
 
 
@@ -74,40 +120,52 @@ def sub_block_pairs(spec: Recv, block_size: int) -> Tuple[List[int], List[int], 
     return remote[start:start + count], local, first
 
 
-def token_runs(shape: Sequence[int], block_size: int) -> int:
-    """The runs of one block of a cache of ``shape`` (block id on dimension 0), each that block's
-    tokens in order. vLLM's ``LBHNC`` attention view ``[blocks, heads, tokens, 2 * head_size]``
-    is, in memory, each head's keys of all the block's tokens, then its values (the CPU backend
-    reads a block as ``[heads, 2 * tokens, head_size]``; a backend that keeps all keys before all
-    values has as many runs): ``2 * heads`` runs. An MLA view ``[blocks, tokens, latent]`` is one.
-    ValueError for other shapes (a block split into kernel blocks, another layout)."""
+def regions(shape: Sequence[int], block_size: int, tokens: int, element_size: int,
+            attention: str) -> List[Tuple[int, int, int]]:
+    """The regions (``_core.plan_sub_blocks``: ``(offset, nbytes, runs)``) of a block of ``tokens``
+    tokens of a cache of ``shape`` (block id on dimension 0, ``block_size`` tokens a block) whose
+    attention is ``attention`` (``Attention.of``), each run that block's tokens in order. For
+    ``LAYOUTS``' CPU layout of ``[heads, tokens, 2 * head_size]``: per head, ``head_size`` runs of
+    keys (one per dimension), then one run of values. ValueError naming the backend, ISA or shape
+    otherwise (a layout not verified, a block split into kernel blocks)."""
+    backend, _, isa = attention.partition(":")
+    if LAYOUTS.get((backend, isa)) != "heads[keys^T,values]":
+        raise ValueError(f"the layout of KV inside a block of vLLM's attention {attention} (backend:ISA) is not "
+                         f"verified for KV of another block size ({', '.join(f'{b}:{i}' for b, i in LAYOUTS)} are) "
+                         f"{_SAME}")
     per_block = list(shape[1:])
-    if len(per_block) == 3 and per_block[1] == block_size and per_block[2] % 2 == 0:
-        return 2 * per_block[0]
-    if len(per_block) == 2 and per_block[0] == block_size:
-        return 1
-    raise ValueError(f"this engine's KV cache blocks of shape {per_block} are not [heads, {block_size} tokens, K+V] "
-                     f"nor [{block_size} tokens, latent] (kernel blocks?), which KV of another block size needs "
-                     f"{_SAME}")
+    if len(per_block) != 3 or per_block[1] != block_size or per_block[2] % 2 or per_block[0] <= 0:
+        raise ValueError(f"this engine's KV cache blocks of shape {per_block} are not [heads, {block_size} tokens, "
+                         f"K+V] (kernel blocks?), which KV of another block size needs {_SAME}")
+    heads, head_size = per_block[0], per_block[2] // 2
+    half = tokens * head_size * element_size  # one head's keys (or values) of the block
+    return [r for h in range(heads) for r in ((2 * h * half, half, head_size), ((2 * h + 1) * half, half, 1))]
 
 
 def pull(engine: Any, spec: Recv, block_size: int, registered: Sequence[Any], classes: Sequence[Any],
-         cluster_id: int) -> Tuple[int, int]:
+         cluster_id: int, attention: Sequence[str]) -> Tuple[int, int]:
     """Pull the request's blocks from ``cluster_id`` (the prefill engine) into each registered cache
-    (``registered``, one per class of ``classes``, ``caches.CacheClass``), every class's blocks as
-    sub-blocks of the larger side's; ``(local blocks, bytes moved)``. The peer's cache k is ours k
-    (the link's hello compared them, tokens aside: ``compat``)."""
+    (``registered``, one per class of ``classes``, ``caches.CacheClass``, whose layers' attention is
+    ``attention``, ``Attention.of``), every class's blocks as sub-blocks of the larger side's;
+    ``(local blocks, bytes moved)``. The peer's cache k is ours k and lays out its blocks as ours
+    (the link's hello compared them, tokens aside: ``compat``). ``compat.Incompatible`` naming both
+    block sizes, nothing pulled, where a layout is not verified; ValueError if the remote list does
+    not hold the local blocks."""
     remote, local, first = sub_block_pairs(spec, block_size)
     if not local:
         return 0, 0
     if len(registered) < len(classes):
         raise ValueError("this engine's KV caches are not registered")
     size = spec.remote_block_size or block_size
+    small = min(size, block_size)
+    try:
+        plans = [regions(cls.shape, block_size, small, cls.tensors[0].element_size(), found)
+                 for cls, found in zip(classes, attention)]
+    except ValueError as exc:
+        raise Incompatible(f"its block size is {size} tokens, this engine's {block_size}: {exc}") from None
     moved = len(remote) if size < block_size else len(local)  # blocks of the smaller size
     nbytes = 0
-    for k, cls in enumerate(classes):
-        runs = token_runs(cls.shape, block_size)
-        engine.pull_sub_blocks(cluster_id, k, registered[k].cache_id, remote, local, runs, first)
-        nbytes += moved * cls.block_bytes * min(size, block_size) // block_size
+    for k, (cls, planned) in enumerate(zip(classes, plans)):
+        engine.pull_sub_blocks(cluster_id, k, registered[k].cache_id, remote, local, planned, first)
+        nbytes += moved * cls.block_bytes * small // block_size
     return len(local), nbytes
-

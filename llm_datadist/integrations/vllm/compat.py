@@ -12,12 +12,15 @@ names, compared cache by cache by ``caches.mismatch``), the KV cache groups that
 (``kv_groups``: kind, window, layers; None for one full-attention group), a state-space hybrid's
 states (``kv_states``: page size, offsets, shapes, dtypes; ``state.py``) and the speculative
 decoding config of a method whose drafter keeps KV (EAGLE, MTP, a draft model; ngram decoding on
-one side only changes nothing that moves). A rank's layout and caches are compared only between
-engines of one tensor parallel size; engines of different sizes compare the layout of all heads
-together instead (``PER_RANK``, ``layout_all_heads``). The weights are known by the model's name:
-two checkpoints of one geometry differ only there (a fine-tune has its base's config), and
-hashing gigabytes of weights at start is not an option. Engines that load one checkpoint from
-different paths say so with the same ``model_id``."""
+one side only changes nothing that moves). Between engines of different block sizes, the block size
+is not compared, the layouts are compared without their token dimension, and the layout inside a
+block (``block_layout``: the attention backend's, ``block_sizes.Attention.layout``) must be the same.
+A rank's layout and caches are compared only between engines of one tensor parallel size; engines of
+different sizes compare the layout of all heads together instead (``PER_RANK``,
+``layout_all_heads``). The weights are known by the model's name: two checkpoints of one geometry
+differ only there (a fine-tune has its base's config), and hashing gigabytes of weights at start is
+not an option. Engines that load one checkpoint from different paths say so with the same
+``model_id``."""
 
 from __future__ import annotations
 
@@ -132,7 +135,11 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     of meaning bumps."""
     skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
     sizes = block_sizes(mine, theirs)
-    if sizes is not None:
+    if sizes is None:
+        # (how a block is laid out inside, ``block_sizes.Attention.layout``, matters where blocks of
+        # other token counts are cut into sub-blocks)
+        skip = skip + ("block_layout",)
+    else:
         # blocks of other token counts hold the same KV (``_core.plan_sub_blocks``): the layouts are
         # compared with each side's token dimension left out
         skip = skip + ("block_size",) + tuple(
@@ -141,6 +148,9 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     out = [f"{name} {_shown(theirs[name])} there, {_shown(value)} here"
            for name, value in mine.items()
            if name in theirs and theirs[name] != value and name not in skip and name != "caches"]
+    if sizes is not None and "block_layout" in mine and "block_layout" not in theirs:
+        out.append("block_layout: it does not say how its KV blocks are laid out inside (an older release), which "
+                   "KV of another block size needs")
     if "caches" in mine and "caches" not in skip:
         # the caches each side registered (``caches.describe``), compared cache by cache; a peer
         # that does not say them (an older release) registers one cache of one shape at most

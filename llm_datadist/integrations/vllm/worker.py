@@ -125,7 +125,8 @@ class Worker:
         # prefill side
         self.leases = LeaseBook(options)
         # push mode (``push``): the prefill worker pushes, the decode worker grants and receives
-        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
+        self.sizes = block_sizes.Attention(vllm_config)  # (which layout inside a block: another size's pulls)
+        self.block_size = self.sizes.block_size
         self.pusher: Optional[Pusher] = None
         self.receiver: Optional[Receiver] = None
         if options.transfer_mode == "push":
@@ -208,7 +209,7 @@ class Worker:
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
                            layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0),
-                           caches=caches.describe(classes), **described)
+                           caches=caches.describe(classes), block_layout=self.sizes.layout(classes), **described)
         self._register()
         self.device = str(first.device)
         if self.pusher is not None:
@@ -465,7 +466,6 @@ class Worker:
             with self._lock:
                 registered, classes, asleep = list(self.caches), list(self._classes), self._asleep is not None
             try:
-                # (blocks of another size pair by position: ``_pull_sub_blocks``)
                 pairs = [] if block_sizes.differ(spec, self.block_size) else pair_blocks(spec, max(1, len(self.groups)))
                 if asleep:
                     raise ValueError("this engine's KV caches are unregistered (sleep mode)")
@@ -521,8 +521,7 @@ class Worker:
         nbytes = blocks = 0
         if block_sizes.differ(spec, self.block_size):
             with self.dd.engine.read_tag(spec.remote_request_id):
-                blocks, nbytes = block_sizes.pull(self.dd.engine, spec, self.block_size, registered, classes,
-                                                  cluster_id)
+                blocks, nbytes = self.sizes.pull(self.dd.engine, spec, registered, classes, cluster_id)
             self._count("pulled_other_block_size", 1)
             self.recorder.pull(time.perf_counter() - start, blocks, nbytes)
             return
