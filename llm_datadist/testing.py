@@ -79,34 +79,45 @@ def _start(cluster_id: int, role: str, listen: Optional[str], plane: Optional[st
     return state, dd.listen_ip_info
 
 
+def _reply(conn, message) -> bool:
+    """Send ``message`` to the parent; False if the parent is gone (it was interrupted, or it
+    closed this cluster without waiting): the child then ends without a word."""
+    try:
+        conn.send(message)
+    except OSError:  # BrokenPipeError, ConnectionResetError
+        return False
+    return True
+
+
 def _child_main(conn, cluster_id: int, role: str, listen: Optional[str], plane: Optional[str],
                 options: Dict[str, str], api: str) -> None:
     try:
         state, address = _start(cluster_id, role, listen, plane, dict(options), api)
     except BaseException as exc:  # report start-up failures to the parent
-        conn.send(("err", type(exc).__name__, str(exc), getattr(exc, "status_code", None), traceback.format_exc()))
+        _reply(conn, ("err", type(exc).__name__, str(exc), getattr(exc, "status_code", None), traceback.format_exc()))
         return
-    conn.send(("ok", address))
+    if not _reply(conn, ("ok", address)):
+        return
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             break
         if message is None:
             break
         fn, args, kwargs = message
         try:
-            result = fn(state, *args, **kwargs)
-            conn.send(("ok", result))
+            reply = ("ok", fn(state, *args, **kwargs))
         except BaseException as exc:
             code = getattr(exc, "status_code", None)
-            conn.send(("err", type(exc).__name__, str(exc), None if code is None else int(code),
-                       traceback.format_exc()))
+            reply = ("err", type(exc).__name__, str(exc), None if code is None else int(code), traceback.format_exc())
+        if not _reply(conn, reply):
+            break
     if state.dd is not None:
         state.dd.finalize()
     if state.cpp is not None:
         state.cpp.Finalize()
-    conn.send(("ok", "finalized"))
+    _reply(conn, ("ok", "finalized"))
 
 
 class Cluster:

@@ -40,7 +40,7 @@ from llm_datadist.cli.demo import (
     plane_to, side_setup, staging_blocks, transfer_request, verify_request, verify_untouched, workload_lines,
 )
 from llm_datadist.cli.two_hosts import (
-    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerAborted, PeerChannel, TwoHostError, check_fields,
+    CLOSING_WAIT_S, DEFAULT_TIMEOUT_S, Heartbeat, PeerAborted, PeerChannel, PeerClosed, TwoHostError, check_fields,
     check_role_flags, heartbeat_interval, is_int, link_to, read_secret_file, receive_ints, resolve, send_ints,
     text_field,
 )
@@ -326,7 +326,12 @@ def _work(side: _Side, state, engine, channel: PeerChannel, args, out) -> dict:
         progress.step("verifying", 0)
         if side.role == "decode":
             verdict = _verify(side, state, args.corrupt_block, progress)
-            channel.send(peer, verdict, timeout)
+            try:
+                channel.send(peer, verdict, timeout)
+            except PeerClosed:
+                # The prefill unlinks once it has taken the verdict, and only then (a prefill that
+                # fails says so first: PeerAborted); its answer to the verdict can come after that.
+                pass
         else:
             verdict = check_verdict(channel.wait("verdict", timeout, "waiting for the decode's verdict"), geometry,
                                     batch)

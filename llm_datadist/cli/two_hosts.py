@@ -54,6 +54,10 @@ class PeerAborted(TwoHostError):
     """The peer stopped and said why (its ``abort`` message)."""
 
 
+class PeerClosed(TwoHostError):
+    """The peer ended the link itself (an unlink, not a broken connection)."""
+
+
 # -- flags ------------------------------------------------------------------------------------------
 
 def parse_address(text: str, listening: bool) -> Tuple[str, int]:
@@ -290,7 +294,7 @@ class PeerChannel:
             if peer_id in lost:
                 raise TwoHostError(f"the link to the {self.peer_name} ended ({lost[peer_id]})")
         if self.linked and not self.linked & set(self.engine.linked_clusters()):
-            raise TwoHostError(f"the {self.peer_name} closed the link")
+            raise PeerClosed(f"the {self.peer_name} closed the link")
         if time.monotonic() - self.last_heard > silence_s:
             raise TwoHostError(f"no word from the {self.peer_name} for {silence_s:g} s (--timeout) while {doing}")
 
