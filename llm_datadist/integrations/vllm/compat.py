@@ -24,8 +24,9 @@ not an option. Engines that load one checkpoint from different paths say so with
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 #: What the KV blocks of this connector hold and how they are addressed; bumped when that changes.
 KV_FORMAT = 1
@@ -36,6 +37,8 @@ MAX_NAME_CHARS = 64
 MAX_VALUE_CHARS = 4096  # (``caches`` of a model with many shapes: ~50 each)
 #: How much of a value a log line shows.
 SHOWN_CHARS = 120
+
+logger = logging.getLogger(__package__)
 
 
 class Incompatible(ValueError):
@@ -198,3 +201,38 @@ def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:
     except Incompatible as exc:
         return str(exc)
     return "it serves another model or KV layout: " + "; ".join(diff) if diff else None
+
+
+def ask(notify: Callable[[int, Dict[str, Any]], Any], cluster_id: int, mine: Dict[str, Any], where: str,
+        link_broken: Any, count: Callable[[str], None]) -> Optional[str]:
+    """The decode side of a link's compatibility exchange (once per link): tell the prefill worker
+    (``notify(cluster_id, message)``) what this engine's KV is and compare with its answer; why its
+    KV is refused, or None. A peer that does not describe itself (an older release) is not refused:
+    that is said once per link. Re-raises an ``LLMException`` whose status is in ``link_broken``."""
+    from llm_datadist import LLMException
+
+    try:
+        reply = notify(cluster_id, {"op": "hello", "kv_compat": mine})
+    except LLMException as exc:
+        if exc.status_code in link_broken:
+            raise
+        reply = None  # it answers no notifications, or its handler failed: not checked (below)
+    if not isinstance(reply, dict) or "kv_compat" not in reply:
+        logger.warning("llm_datadist: the prefill engine at %s (cluster %d) does not describe its KV (an older "
+                       "release?); its compatibility with this engine is not checked", where, cluster_id)
+        return None
+    why = verdict(mine, reply["kv_compat"])
+    if why is not None:  # (each request refused says why in its line)
+        count("incompatible_peers")
+    return why
+
+
+def answer(peer_cluster_id: int, message: Dict[str, Any], mine: Dict[str, Any],
+           count: Callable[[str], None]) -> Dict[str, Any]:
+    """The prefill side of the exchange: a decode worker's ``hello`` answered with this engine's
+    description and whether the two match (a mismatch is logged and counted here)."""
+    why = verdict(mine, message.get("kv_compat"))
+    if why is not None:
+        count("incompatible_peers")
+        logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s", peer_cluster_id, why)
+    return {"kv_compat": mine, "compatible": why is None}

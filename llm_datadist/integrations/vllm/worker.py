@@ -575,36 +575,15 @@ class Worker:
             self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
-        """Once per link (``Peers`` calls it when a link is made): tell the prefill worker what this
-        engine's KV is and compare with what its answer says; why its KV is refused, or None. A
-        peer that does not describe itself (an older release) is not refused: that is said once per
-        link. Raises ``ld.LLMException`` if the link broke meanwhile."""
-        try:
-            reply = self._links_api.notify(cluster_id, {"op": "hello", "kv_compat": self.compat},
-                                           self.peers.notify_timeout_ms)
-        except ld.LLMException as exc:
-            if exc.status_code in LINK_BROKEN:
-                raise
-            reply = None  # it answers no notifications, or its handler failed: not checked (below)
-        if not isinstance(reply, dict) or "kv_compat" not in reply:
-            logger.warning("llm_datadist: the prefill engine at %s (cluster %d) does not describe its KV (an older "
-                           "release?); its compatibility with this engine is not checked", where, cluster_id)
-            return None
-        why = compat.verdict(self.compat, reply["kv_compat"])
-        if why is not None:  # (each request refused says why in its line)
-            self.recorder.count("incompatible_peers")
-        return why
+        """Once per link (``Peers`` calls it when a link is made): ``compat.ask``."""
+        return compat.ask(lambda peer, message: self._links_api.notify(peer, message, self.peers.notify_timeout_ms),
+                          cluster_id, self.compat, where, LINK_BROKEN, self.recorder.count)
 
     def _on_notify(self, peer_cluster_id: int, message: Any) -> Dict[str, Any]:
         """A linked decode worker's notification (on the link's thread): its description, or a
         lease's release or renewal, or a question about a request's ranks."""
         if isinstance(message, dict) and message.get("op") == "hello":
-            why = compat.verdict(self.compat, message.get("kv_compat"))
-            if why is not None:
-                self.recorder.count("incompatible_peers")
-                logger.error("llm_datadist: cluster %d (a decode engine) cannot use this engine's KV: %s",
-                             peer_cluster_id, why)
-            return {"kv_compat": self.compat, "compatible": why is None}
+            return compat.answer(peer_cluster_id, message, self.compat, self.recorder.count)
         if isinstance(message, dict) and message.get("op") in ("push_reg", "push_cancel"):
             if self.pusher is None:
                 return {"accepted": False, "why": "this prefill engine runs in pull mode (transfer_mode)"}
