@@ -1046,7 +1046,7 @@ def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tens
     db = _checked_blocks(dst_blocks, dst.num_rows, "dst_blocks")
     small_list, large_list = (db, sb) if src_large else (sb, db)
     cdef Py_ssize_t n = small_list.shape[0], m = large_list.shape[0]
-    cdef uint64_t wanted = (first + <uint64_t>n + ratio - 1) // ratio if n > 0 else 0
+    cdef uint64_t wanted = (first + <uint64_t>n - 1) // ratio + 1 if n > 0 else 0  # (first < ratio: no wrap)
     if <uint64_t>m != wanted:
         raise _param_invalid(f"{'src' if src_large else 'dst'}_blocks has {m} entries; {n} blocks of "
                              f"{small} bytes from sub-block {first} on fill {wanted} of {large} bytes")

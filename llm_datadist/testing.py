@@ -86,6 +86,9 @@ def _reply(conn, message) -> bool:
         conn.send(message)
     except OSError:  # BrokenPipeError, ConnectionResetError
         return False
+    except Exception as exc:  # a result that does not pickle: the parent gets that error instead
+        return _reply(conn, ("err", type(exc).__name__, f"the result could not be sent back: {exc}", None,
+                             traceback.format_exc()))
     return True
 
 

@@ -34,6 +34,9 @@ def pytest_cmdline_main(config):
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return
     option = config.option
+    if option.numprocesses and option.dist == "no" and not option.distload:
+        option.dist = "loadgroup"  # (``-n N`` alone: still one worker per vLLM module)
+        return
     source = getattr(pytest.Config, "ArgsSource", None)  # pytest >= 7.2
     whole_suite = source is not None and config.args_source == source.TESTPATHS
     if (not whole_suite or option.numprocesses is not None

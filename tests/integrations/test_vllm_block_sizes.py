@@ -23,6 +23,7 @@ START_S = 300
 SMALL_TO_LARGE = prompts_of([40, 70, 100], seed=41)
 LARGE_TO_SMALL = prompts_of([45, 64, 97], seed=42)
 LYING = prompts_of([50], seed=43)
+SHORT = prompts_of([30], seed=44)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,21 @@ def test_a_block_size_that_is_no_multiple_is_refused_with_both_sizes(engines):
     log = large.log.read_text()
     assert "its block size is 48 tokens, this engine's 64: neither is a whole multiple of the other" in log
     assert len(large.generate(LYING, MAX_TOKENS)[0]["token_ids"]) == MAX_TOKENS  # it serves on
+
+
+def test_params_without_the_block_size_are_checked_against_the_links(engines):
+    """A router that drops ``remote_block_size``, and a prompt short enough (one block on either
+    side) that the block lists fit: the request would read a 32-token block as a 64-token one; the
+    block size the prefill engine said on the link refuses it in one line, and nothing moves."""
+    small, large = engines
+    params = prefill(small, SHORT)
+    stats = large.stats()["stats"]
+    dropped = {k: v for k, v in params[0].items() if k != "remote_block_size"}
+    outputs = large.generate(SHORT, MAX_TOKENS, [dropped])
+    assert len(outputs[0]["token_ids"]) < MAX_TOKENS
+    moved = delta(large.stats()["stats"], stats)
+    assert moved["failed_requests"] == 1 and moved["pulled_requests"] == 0
+    assert "its request says blocks of 64 tokens, the prefill engine's link says 32" in large.log.read_text()
 
 
 # -- without engines: the pairing and the refusals -------------------------------------------------

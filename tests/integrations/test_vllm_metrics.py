@@ -166,6 +166,9 @@ def test_stats_of_another_release_or_of_garbage_never_raise():
     flood.aggregate(stats_of(pull_seconds=[0.001] * 3))
     assert len(flood.data["pull_seconds"]) == MAX_INTERVAL_SAMPLES and flood.data["samples_dropped"] == 8
     assert flood.reduce()["samples_dropped"] == 8
+    # a transfer dropped is one sample dropped, though it is in three lists
+    many = [1] * (MAX_INTERVAL_SAMPLES + 2)
+    assert stats_of(pull_seconds=many, pull_bytes=many, pull_blocks=many).data["samples_dropped"] == 2
 
 
 def test_failure_kinds_of_what_was_raised():

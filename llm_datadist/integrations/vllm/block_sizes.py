@@ -74,8 +74,9 @@ class Attention:
 
 
 def differ(spec: Recv, block_size: int) -> bool:
-    """Whether the prefill engine's blocks (its params say) hold another token count than ours."""
-    return spec.remote_block_size is not None and spec.remote_block_size != block_size
+    """Whether the prefill engine's blocks (its params say) hold another token count than ours (an
+    engine that does not know its own block size, 0, moves whole blocks as before)."""
+    return block_size > 0 and spec.remote_block_size is not None and spec.remote_block_size != block_size
 
 
 def refusal(remote: int, block_size: int, groups: Sequence[Any], other_tp: bool) -> str:

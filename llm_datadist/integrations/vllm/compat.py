@@ -204,11 +204,12 @@ def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:
 
 
 def ask(notify: Callable[[int, Dict[str, Any]], Any], cluster_id: int, mine: Dict[str, Any], where: str,
-        link_broken: Any, count: Callable[[str], None]) -> Optional[str]:
+        link_broken: Any, count: Callable[[str], None]) -> Tuple[Optional[str], Optional[int]]:
     """The decode side of a link's compatibility exchange (once per link): tell the prefill worker
     (``notify(cluster_id, message)``) what this engine's KV is and compare with its answer; why its
-    KV is refused, or None. A peer that does not describe itself (an older release) is not refused:
-    that is said once per link. Re-raises an ``LLMException`` whose status is in ``link_broken``."""
+    KV is refused (or None), and the block size it says it has (None if it says none that fits). A
+    peer that does not describe itself (an older release) is not refused: that is said once per
+    link. Re-raises an ``LLMException`` whose status is in ``link_broken``."""
     from llm_datadist import LLMException
 
     try:
@@ -220,11 +221,12 @@ def ask(notify: Callable[[int, Dict[str, Any]], Any], cluster_id: int, mine: Dic
     if not isinstance(reply, dict) or "kv_compat" not in reply:
         logger.warning("llm_datadist: the prefill engine at %s (cluster %d) does not describe its KV (an older "
                        "release?); its compatibility with this engine is not checked", where, cluster_id)
-        return None
+        return None, None
     why = verdict(mine, reply["kv_compat"])
     if why is not None:  # (each request refused says why in its line)
         count("incompatible_peers")
-    return why
+    theirs = reply["kv_compat"].get("block_size") if isinstance(reply["kv_compat"], dict) else None
+    return why, theirs if type(theirs) is int and theirs > 0 else None
 
 
 def answer(peer_cluster_id: int, message: Dict[str, Any], mine: Dict[str, Any],

@@ -9,7 +9,7 @@ run, so the connector asks for it (``REQUIRED_LAYOUT``)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -122,3 +122,20 @@ def check_device(dd: ld.LLMDataDist, device: torch.device, device_id: int) -> No
         raise NotImplementedError(f"LLMDataDistConnector: the KV caches are on {device}, but this worker's "
                                   f"llm_datadist engine uses device {device_id} (the current device when "
                                   f"the connector was built)")
+
+
+def head_split(first: torch.Tensor, heads: Any, tp_size: int) -> Tuple[Optional[int], str]:
+    """``(bytes of one KV head in a block, "")`` if each block of a rank's registered tensors (the
+    first of them: ``first``) holds the rank's share of the model's ``heads`` KV heads outermost
+    (``[heads, tokens, ...]``: vLLM's LBHNC views), so that a range of heads is one byte range of
+    each block; else ``(None, why not)``."""
+    if not isinstance(heads, int) or heads <= 0:
+        return None, "this engine's model does not say its KV heads"
+    if heads % tp_size:
+        return None, f"the model's {heads} KV heads do not split evenly over this engine's {tp_size} ranks"
+    mine = heads // tp_size
+    if first.dim() != 4 or first.shape[1] != mine:
+        return None, (f"its KV blocks of shape {tuple(first.shape[1:])} do not hold this rank's {mine} KV "
+                      "heads outermost")
+    return first[0].numel() * first.element_size() // mine, ""
+

@@ -117,7 +117,8 @@ def clean(data: Any) -> Dict[str, Any]:
             continue
         kept = [v for v in values[:MAX_INTERVAL_SAMPLES] if _is_sample(v)]
         ignored += min(len(values), MAX_INTERVAL_SAMPLES) - len(kept)
-        out["samples_dropped"] += max(0, len(values) - MAX_INTERVAL_SAMPLES)
+        if name.endswith("_seconds"):  # (one transfer: one sample in each of its direction's three lists)
+            out["samples_dropped"] += max(0, len(values) - MAX_INTERVAL_SAMPLES)
         out[name] = kept
     for name in _COUNTS:
         value = data.get(name)
@@ -167,7 +168,8 @@ class LLMDataDistKVConnectorStats(KVConnectorStats):
             mine = self.data[name]
             room = max(0, MAX_INTERVAL_SAMPLES - len(mine))
             mine.extend(theirs[name][:room])
-            self.data["samples_dropped"] += max(0, len(theirs[name]) - room)
+            if name.endswith("_seconds"):
+                self.data["samples_dropped"] += max(0, len(theirs[name]) - room)
         for name in _COUNTS:
             self.data[name] += theirs[name]
         return self

@@ -29,6 +29,9 @@ from llm_datadist.integrations.vllm.push.pusher import Pusher
 
 logger = logging.getLogger(__package__)
 
+#: Linked prefill clusters whose block size a worker keeps (the oldest are forgotten past it).
+MAX_LINKED_SIZES = 4096
+
 #: Prefill requests a decode worker has already settled, remembered to skip a twin's release.
 _SETTLED_REMEMBERED = 1 << 16
 
@@ -122,6 +125,8 @@ class Worker:
         self._load_errors: Set[int] = set()
         #: prefill engines' answers about our requests' ranks, for the scheduler (``take_worker_meta``)
         self._answers: Dict[str, Dict[str, Any]] = {}
+        #: linked prefill cluster -> the block size its compatibility answer said (``_hello``)
+        self._link_block_sizes: "OrderedDict[int, int]" = OrderedDict()
         # prefill side
         self.leases = LeaseBook(options)
         # push mode (``push``): the prefill worker pushes, the decode worker grants and receives
@@ -202,7 +207,7 @@ class Worker:
             self._head_bytes, self._heads_refusal = None, "a model with several KV caches (KV cache groups or " \
                 "layers of several shapes) moves KV only between engines of one tensor parallel size"
         else:
-            self._head_bytes, self._heads_refusal = self._head_split(first)
+            self._head_bytes, self._heads_refusal = layout.head_split(first, self.compat.get("kv_heads"), self.tp_size)
         # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
         described = {"kv_states": ";".join(f"{self.groups[k].index}:{found.describe()}"
                                            for k, (_, found) in sorted(states.items()))} if states else {}
@@ -230,22 +235,6 @@ class Worker:
         shape (block id first), torch dtype and layer names."""
         return [{"group": c.group, "num_tensors": len(c.tensors), "shape": list(c.shape),
                  "dtype": str(c.dtype).replace("torch.", ""), "layers": list(c.layers)} for c in self._classes]
-
-    def _head_split(self, first) -> Tuple[Optional[int], str]:
-        """``(bytes of one KV head in a block, "")`` if each block of the registered tensors holds
-        this rank's KV heads outermost (``[heads, tokens, ...]``: vLLM's LBHNC views), so that a
-        range of heads is one byte range of each block; else ``(None, why not)``."""
-        heads = self.compat.get("kv_heads")
-        if not isinstance(heads, int) or heads <= 0:
-            return None, "this engine's model does not say its KV heads"
-        if heads % self.tp_size:
-            return None, (f"the model's {heads} KV heads do not split evenly over this engine's {self.tp_size} "
-                          "ranks")
-        mine = heads // self.tp_size
-        if first.dim() != 4 or first.shape[1] != mine:
-            return None, (f"its KV blocks of shape {tuple(first.shape[1:])} do not hold this rank's {mine} KV "
-                          "heads outermost")
-        return first[0].numel() * first.element_size() // mine, ""
 
     def _register(self) -> None:
         # By address: device memory is registered where it is (no host copy), moved by the
@@ -512,6 +501,9 @@ class Worker:
         vLLM's metrics, tagged for the prefill engine's read guard (``LeaseBook.read_guard``);
         ``compat.Incompatible`` (nothing pulled) if the request or the link's peer was refused."""
         why = spec.refused or self.peers.peer(spec).incompatible
+        said, linked = spec.remote_block_size or self.block_size, self._link_block_sizes.get(cluster_id)
+        if not why and linked is not None and linked != said:  # (a router that dropped remote_block_size)
+            why = f"its request says blocks of {said} tokens, the prefill engine's link says {linked}"
         if why:
             raise compat.Incompatible(why)
         if spec.heads and self._head_bytes is None:
@@ -575,9 +567,18 @@ class Worker:
             self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
-        """Once per link (``Peers`` calls it when a link is made): ``compat.ask``."""
-        return compat.ask(lambda peer, message: self._links_api.notify(peer, message, self.peers.notify_timeout_ms),
-                          cluster_id, self.compat, where, LINK_BROKEN, self.recorder.count)
+        """Once per link (``Peers`` calls it when a link is made): ``compat.ask``; the block size the
+        peer said is kept for the link's pulls (``_pull_blocks``)."""
+        why, theirs = compat.ask(lambda peer, message: self._links_api.notify(peer, message,
+                                                                              self.peers.notify_timeout_ms),
+                                 cluster_id, self.compat, where, LINK_BROKEN, self.recorder.count)
+        with self._lock:
+            self._link_block_sizes.pop(cluster_id, None)
+            if theirs is not None:
+                self._link_block_sizes[cluster_id] = theirs
+                while len(self._link_block_sizes) > MAX_LINKED_SIZES:
+                    self._link_block_sizes.popitem(last=False)
+        return why
 
     def _on_notify(self, peer_cluster_id: int, message: Any) -> Dict[str, Any]:
         """A linked decode worker's notification (on the link's thread): its description, or a
