@@ -513,11 +513,16 @@ def test_prefill_frees_blocks_on_release_or_when_the_lease_ends(engines):
     stats = prefill.stats()["stats"]
     assert stats["released"] == decode.stats()["stats"]["notified"] + len(RELEASED_HERE) > len(RELEASED_HERE)
     assert stats["expired"] == 0
-    time.sleep(LEASE_S + 0.5)
-    prefill.generate(prompts_of([8], seed=7), 1)
-    stats = prefill.stats()["stats"]
     # this one, and the two malformed requests of the test before, whose decode side could not
-    # name the prefill worker to release them
+    # name the prefill worker to release them: each expires at a step once its lease has run out
+    # (steps until then, within a bound: a loaded machine starts a lease a little late)
+    deadline = time.monotonic() + LEASE_S + 20
+    while True:
+        prefill.generate(prompts_of([8], seed=7), 1)
+        stats = prefill.stats()["stats"]
+        if stats["expired"] >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert stats["expired"] == 3
     assert prefill.metrics()["vllm:llm_datadist_expired_leases"] == 3  # what /metrics shows
     # the late decode side: the prefill side refuses the release, so the pulled blocks (which
