@@ -54,14 +54,14 @@ def assert_released_by_decode(params: dict, ranks) -> None:
             (rank, answer)
 
 
-def write_loud_model(path) -> None:
+def write_loud_model(path, geometry: dict = None) -> None:
     """The model with other weights whose prompt KV the decode engine cannot fail to notice: with
     ``test_vllm``'s weights a token's attention output is small next to its embedding (flat attention
     over random keys averages random values away), so a decode engine's tokens depend little on its
-    prompt's KV; here keys and values are 4 and 16 times as large."""
+    prompt's KV; here keys and values are 4 and 16 times as large. ``geometry``: ``write_model``'s."""
     from safetensors.torch import load_file, save_file
 
-    write_model(path, seed=5)
+    write_model(path, seed=5, geometry=geometry)
     tensors = load_file(str(path / "model.safetensors"))
     for name in tensors:
         if name.endswith("k_proj.weight"):
@@ -821,18 +821,81 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(pr
                 [(7000 + p, False, 0, 1) for p in range(prefill_tp) if p % decode_tp == rank]
 
 
+def _shardable(kv_heads: int, most: int = 16) -> list:
+    """The TP sizes up to ``most`` vLLM can shard ``kv_heads`` KV heads over (``meta.split_refusal``)."""
+    return [tp for tp in range(1, most + 1) if kv_heads % tp == 0 or tp % kv_heads == 0]
+
+
+@needs_vllm
+def test_every_decode_head_is_read_once_and_every_prefill_rank_released_as_often_as_it_expects():
+    """Every pair of different TP sizes over 1..8 KV heads that vLLM can shard, replicated heads
+    included (vLLM's ``QKVParallelLinear``: a rank of TP t > H holds head ``r // (t / H)``): each
+    decode rank's blocks, filled by its pulls' byte ranges from blocks whose heads are their head
+    numbers, hold exactly its heads, each read once from one prefill rank holding it; every prefill
+    rank is addressed by at least one decode rank, and by exactly as many as the ``readers`` each of
+    their releases carries (it frees its blocks at that many releases); a replica nobody reads is
+    released once, by a decode rank that pulls nothing from it; decode replicas spread over the
+    prefill replicas of their head."""
+    import numpy as np
+
+    from llm_datadist.integrations.vllm.meta import held_heads, recv_spec, split_refusal
+
+    cases = 0
+    for heads in range(1, 9):
+        for prefill_tp in _shardable(heads):
+            ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"}
+                     for r in range(prefill_tp)]
+            spec = recv_spec(_params(tp_size=prefill_tp, remote_ranks=ranks, remote_port=7000,
+                                     remote_request_id="req.t0", readers_counted=True))
+            waiting = replace(spec, local_block_ids=[1], awaiting=True, kv_heads=heads)
+            blocks = [np.array(held_heads(heads, prefill_tp, p)) for p in range(prefill_tp)]
+            for decode_tp in _shardable(heads):
+                if decode_tp == prefill_tp:
+                    continue
+                cases += 1
+                assert split_refusal(heads, prefill_tp, decode_tp) == ""
+                releases, reads = {}, {}  # prefill rank -> the readers each release says; its readers
+                for rank in range(decode_tp):
+                    mine = held_heads(heads, decode_tp, rank)
+                    block = np.full(len(mine), -1)
+                    for peer in waiting.peers(rank, decode_tp):
+                        p = peer.port - 7000
+                        releases.setdefault(p, []).append(peer.readers)
+                        reads.setdefault(p, [])
+                        if not peer.awaiting:  # a replica nobody reads: released only
+                            assert peer.heads == 0 and peer.local_block_ids == [] and peer.readers == 1
+                            continue
+                        assert peer.heads > 0 and 0 <= peer.src_head and peer.src_head + peer.heads <= len(blocks[p])
+                        assert (block[peer.dst_head:peer.dst_head + peer.heads] == -1).all()  # read once
+                        reads[p].append(rank)
+                        block[peer.dst_head:peer.dst_head + peer.heads] = \
+                            blocks[p][peer.src_head:peer.src_head + peer.heads]
+                    assert block.tolist() == list(mine), (heads, prefill_tp, decode_tp, rank)
+                assert sorted(releases) == list(range(prefill_tp)), (heads, prefill_tp, decode_tp)
+                for p, told in releases.items():
+                    assert told == [len(told)] * len(told), (heads, prefill_tp, decode_tp, p)
+                # the readers of a head spread over its prefill replicas: their counts differ by one at most
+                for head in range(heads):
+                    read = [len(reads[p]) for p in range(prefill_tp) if held_heads(heads, prefill_tp, p) == range(
+                        head, head + 1)]
+                    assert not read or max(read) - min(read) <= 1, (heads, prefill_tp, decode_tp, head, read)
+    assert cases > 60
+
+
 @needs_vllm
 def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_evenly():
-    """The scheduler's choice: pull head by head (kv_heads set on the request's spec), or compute
-    the prompt locally with a line saying why (an older prefill engine that frees at the first
-    release; KV heads that do not split evenly, which vLLM replicates)."""
+    """The scheduler's choice: pull head by head (kv_heads set on the request's spec; replicated
+    heads too), or compute the prompt locally with a line saying why (an older prefill engine that
+    frees at the first release; KV heads and a TP size neither of which divides the other, which
+    vLLM cannot shard)."""
     from llm_datadist.integrations.vllm.meta import split_refusal
     from llm_datadist.integrations.vllm.options import Options as _Options
     from llm_datadist.integrations.vllm.scheduler import Scheduler as _Scheduler
 
     assert split_refusal(4, 1, 2) == "" and split_refusal(4, 4, 2) == ""
-    assert "do not split evenly over tensor parallel size 4" in split_refusal(2, 1, 4)
-    assert "do not split evenly over tensor parallel size 3" in split_refusal(4, 3, 1)
+    assert split_refusal(2, 1, 4) == split_refusal(1, 2, 1) == split_refusal(2, 8, 4) == ""  # replicated heads
+    assert "4 KV heads and tensor parallel size 3 do not divide one another" in split_refusal(4, 3, 1)
+    assert "tensor parallel size 3 do not divide" in split_refusal(2, 1, 3)
     assert "does not know" in split_refusal(0, 1, 2)
 
     def ask(kv_heads: int, **changes):
@@ -855,7 +918,12 @@ def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_even
     matched, spec = ask(4, readers_counted=True)
     assert matched == (40, True) and spec.awaiting and spec.kv_heads == 4
     assert [(p.src_head, p.heads, p.readers) for p in spec.peers(1, 2)] == [(2, 2, 2)]
-    for kv_heads, changes in ((4, {}), (1, {"readers_counted": True})):
+    # one KV head, which each decode rank holds (replicated): both read it from prefill rank 0
+    matched, spec = ask(1, readers_counted=True)
+    assert matched == (40, True) and spec.awaiting and spec.kv_heads == 1
+    assert [(p.port, p.src_head, p.dst_head, p.heads, p.readers) for r in (0, 1) for p in spec.peers(r, 2)] == \
+        [(7000, 0, 0, 1, 2)] * 2
+    for kv_heads, changes in ((4, {}), (3, {"readers_counted": True})):
         matched, spec = ask(kv_heads, **changes)
         assert matched == (0, False) and not spec.awaiting and spec.kv_heads == 0
         assert [p.heads for p in spec.peers(0, 2)] == [0] and spec.peers(1, 2) == []
@@ -924,3 +992,23 @@ def test_engines_of_different_tp_sizes_compare_the_layout_of_all_heads():
     older = {k: v for k, v in describe(1, 2).items() if k not in ("tp_size", "layout_all_heads")}
     assert "layout " in compat.verdict(describe(2, 1), older)  # a peer that does not say its TP size
     assert compat.layout(ld.CacheDesc(1, [4, 2, 8], ld.DataType.DT_UINT8, ld.Placement.HOST), 0) == ""
+
+
+@needs_vllm
+def test_a_rank_of_replicated_kv_heads_moves_its_one_head_and_compares_the_models_heads():
+    """A rank of TP 2 of a model with one KV head holds that head (vLLM replicates it): its blocks
+    split into one head's bytes, and the layout of all heads it describes is the TP 1 engine's;
+    heads and a TP size neither of which divides the other are refused in one line."""
+    import torch
+
+    from llm_datadist.integrations.vllm import compat, layout
+
+    blocks = torch.zeros(4, 1, 32, 128, dtype=torch.uint8)
+    assert layout.head_split(blocks, 1, 2) == layout.head_split(blocks, 2, 4) == (32 * 128, "")
+    assert layout.head_split(blocks, 1, 1) == (32 * 128, "")
+    assert layout.head_split(blocks, 4, 3)[1] == \
+        "the model's 4 KV heads and this engine's 3 ranks do not divide one another"
+    assert "do not hold this rank's 2 KV heads" in layout.head_split(blocks, 4, 2)[1]
+    desc = layout.cache_desc([blocks])
+    # (the worker describes the block of min(TP, heads) ranks: the distinct heads)
+    assert compat.layout(desc, min(2, 1)) == compat.layout(desc, min(1, 1)) == "1x[1, 32, 128]:DT_UINT8"

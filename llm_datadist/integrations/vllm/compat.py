@@ -96,7 +96,8 @@ def fields(vllm_config: Any, model_id: Optional[str] = None) -> Dict[str, Any]:
 
 def layout(desc: Any, tp_size: int = 1) -> str:
     """The registered blocks cache as a string: tensors, per-block shape, element type. With
-    ``tp_size`` (a rank's KV heads outermost in a block), the block of all ranks' heads together,
+    ``tp_size`` (a rank's KV heads outermost in a block; the count of ranks holding distinct heads,
+    fewer than the TP size where heads are replicated), the block of all the model's heads together,
     which engines of different TP sizes compare; 0: "" (no such layout)."""
     if not tp_size:
         return ""

@@ -128,12 +128,13 @@ def head_split(first: torch.Tensor, heads: Any, tp_size: int) -> Tuple[Optional[
     """``(bytes of one KV head in a block, "")`` if each block of a rank's registered tensors (the
     first of them: ``first``) holds the rank's share of the model's ``heads`` KV heads outermost
     (``[heads, tokens, ...]``: vLLM's LBHNC views), so that a range of heads is one byte range of
-    each block; else ``(None, why not)``."""
+    each block; else ``(None, why not)``. A rank holds ``heads / tp_size`` of them, or one (replicated)
+    where ``tp_size`` is a multiple of ``heads`` (``meta.held_heads``)."""
     if not isinstance(heads, int) or heads <= 0:
         return None, "this engine's model does not say its KV heads"
-    if heads % tp_size:
-        return None, f"the model's {heads} KV heads do not split evenly over this engine's {tp_size} ranks"
-    mine = heads // tp_size
+    if heads % tp_size and tp_size % heads:
+        return None, f"the model's {heads} KV heads and this engine's {tp_size} ranks do not divide one another"
+    mine = max(1, heads // tp_size)
     if first.dim() != 4 or first.shape[1] != mine:
         return None, (f"its KV blocks of shape {tuple(first.shape[1:])} do not hold this rank's {mine} KV "
                       "heads outermost")

@@ -4,6 +4,8 @@ leases of a step (connector metadata), and a decode request's pull read from its
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -112,16 +114,22 @@ class Recv:
         """What decode rank ``rank`` of ``size`` does for this request: one spec per prefill rank it
         pulls from or releases, addressed to it. With the same TP size, exactly rank ``rank``,
         whole blocks. With another TP size and ``kv_heads`` set (the scheduler found the heads
-        split evenly), every prefill rank holding some of this rank's heads, each with its head
-        range and its count of readers. Else nothing is pulled (``awaiting`` stays only with the
-        same TP size) and this rank releases the prefill ranks ``p % size == rank``."""
+        shardable on both sides: ``split_refusal``), the prefill ranks this rank reads its heads
+        from (``head_overlaps``), each with its head range and its count of readers, then the
+        replicas no decode rank reads that this rank releases (``unread_ranks``: nothing pulled).
+        Else nothing is pulled (``awaiting`` stays only with the same TP size) and this rank
+        releases the prefill ranks ``p % size == rank``."""
         ranks = self.ranks or (PrefillRank(self.host, self.port, self.cluster_id, self.remote_request_id),)
         if len(ranks) != size and self.kv_heads and self.awaiting:
-            return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
-                            remote_request_id=peer.remote_request_id, src_head=src, dst_head=dst, heads=count,
-                            readers=readers)
-                    for p, src, dst, count, readers in head_overlaps(self.kv_heads, len(ranks), size, rank)
-                    for peer in (ranks[p],)]
+            reads = [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
+                             remote_request_id=peer.remote_request_id, src_head=src, dst_head=dst, heads=count,
+                             readers=readers)
+                     for p, src, dst, count, readers in head_overlaps(self.kv_heads, len(ranks), size, rank)
+                     for peer in (ranks[p],)]
+            return reads + [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
+                                    remote_request_id=peer.remote_request_id, local_block_ids=[], local_groups=(),
+                                    awaiting=False)
+                            for p in unread_ranks(self.kv_heads, len(ranks), size, rank) for peer in (ranks[p],)]
         same = len(ranks) == size
         return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
                         remote_request_id=peer.remote_request_id, local_block_ids=self.local_block_ids if same else [],
@@ -131,29 +139,70 @@ class Recv:
 
 def split_refusal(kv_heads: int, prefill_tp: int, decode_tp: int) -> str:
     """Why KV cannot move head by head between TP sizes ``prefill_tp`` and ``decode_tp`` of a model
-    with ``kv_heads`` KV heads; "" if it can (each rank of each side holds its own even share)."""
+    with ``kv_heads`` KV heads; "" if it can: each side's TP size divides the heads (each rank its
+    own share) or is a multiple of them (each rank one head, replicated: ``held_heads``)."""
     if kv_heads <= 0:
         return "this engine does not know its model's KV heads"
     for tp in (prefill_tp, decode_tp):
-        if kv_heads % tp:
-            return (f"the model's {kv_heads} KV heads do not split evenly over tensor parallel size {tp} (vLLM "
-                    "then replicates KV heads over ranks)")
+        if kv_heads % tp and tp % kv_heads:
+            return (f"the model's {kv_heads} KV heads and tensor parallel size {tp} do not divide one another "
+                    "(vLLM shards KV heads so only)")
     return ""
+
+
+def held_heads(kv_heads: int, tp: int, rank: int) -> range:
+    """The KV heads rank ``rank`` of an engine of TP size ``tp`` holds, outermost in its blocks in this
+    order, as vLLM's ``QKVParallelLinear`` shards them: ``[rank * kv_heads / tp, (rank + 1) * kv_heads /
+    tp)`` where ``tp`` divides ``kv_heads``, else (``tp`` a multiple of them) the one head ``rank // (tp
+    / kv_heads)``, which ``tp / kv_heads`` ranks hold alike (``split_refusal`` is "")."""
+    if tp <= kv_heads:
+        share = kv_heads // tp
+        return range(rank * share, (rank + 1) * share)
+    head = rank // (tp // kv_heads)
+    return range(head, head + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_reads(kv_heads: int, prefill_tp: int, decode_tp: int) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:
+    """Per decode rank, ``(prefill rank, first head there, first head here, heads)`` for each run of
+    its heads read from one prefill rank. Each head is read from one prefill rank holding it: the
+    i-th of the decode ranks holding a head (several where it is replicated here) reads the holder
+    ``i * replicas there // replicas here`` of that head's prefill replicas, which spreads readers
+    over them (NIXL's choice too: decode rank r of a larger TP reads ``r * P / D``)."""
+    replicas_p, replicas_d = max(1, prefill_tp // kv_heads), max(1, decode_tp // kv_heads)
+    table = []
+    for rank in range(decode_tp):
+        mine = held_heads(kv_heads, decode_tp, rank)
+        runs: List[List[int]] = []
+        for head in mine:
+            if prefill_tp <= kv_heads:
+                source = head // (kv_heads // prefill_tp)
+            else:
+                source = head * replicas_p + (rank % replicas_d) * replicas_p // replicas_d
+            if runs and runs[-1][0] == source:
+                runs[-1][3] += 1  # (the prefill rank's heads are one run: so are those read here)
+            else:
+                runs.append([source, head - held_heads(kv_heads, prefill_tp, source).start, head - mine.start, 1])
+        table.append(tuple(tuple(run) for run in runs))
+    return tuple(table)
 
 
 def head_overlaps(kv_heads: int, prefill_tp: int, decode_tp: int, rank: int) -> List[Tuple[int, int, int, int, int]]:
     """``(prefill rank, first head there, first head here, heads, readers)`` for each prefill rank
-    whose heads decode rank ``rank`` shares: rank r of a side of TP size t holds heads
-    ``[r * kv_heads / t, (r + 1) * kv_heads / t)`` (``split_refusal`` is ""); first heads count
-    from each rank's own first; ``readers``: how many decode ranks share that prefill rank's heads."""
-    per_p, per_d = kv_heads // prefill_tp, kv_heads // decode_tp
-    first, last = rank * per_d, (rank + 1) * per_d
-    out = []
-    for p in range(first // per_p, -(-last // per_p)):
-        low, high = max(first, p * per_p), min(last, (p + 1) * per_p)
-        readers = -(-(p + 1) * per_p // per_d) - p * per_p // per_d
-        out.append((p, low - p * per_p, low - first, high - low, readers))
-    return out
+    decode rank ``rank`` reads some of its heads from (``held_heads``; ``split_refusal`` is ""):
+    each of its heads from exactly one prefill rank holding it; first heads count from each rank's
+    own first; ``readers``: how many decode ranks read that prefill rank (each releases it once)."""
+    table = _head_reads(kv_heads, prefill_tp, decode_tp)
+    readers = collections.Counter(p for runs in table for p, *_ in runs)
+    return [(p, src, dst, count, readers[p]) for p, src, dst, count in table[rank]]
+
+
+def unread_ranks(kv_heads: int, prefill_tp: int, decode_tp: int, rank: int) -> List[int]:
+    """The prefill ranks decode rank ``rank`` releases without reading them: replicas no decode rank
+    reads (``head_overlaps``) are each released once, by decode rank ``p % decode_tp``, so that every
+    prefill rank frees its blocks."""
+    read = {p for runs in _head_reads(kv_heads, prefill_tp, decode_tp) for p, *_ in runs}
+    return [p for p in range(prefill_tp) if p not in read and p % decode_tp == rank]
 
 
 @dataclass

@@ -213,7 +213,8 @@ class Worker:
                                            for k, (_, found) in sorted(states.items()))} if states else {}
         # (a new dict: links' threads read it)
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
-                           layout_all_heads=compat.layout(descs[0], self.tp_size if self._head_bytes else 0),
+                           layout_all_heads=compat.layout(descs[0], min(self.tp_size, self.compat.get("kv_heads") or 0)
+                                                            if self._head_bytes else 0),
                            caches=caches.describe(classes), block_layout=self.sizes.layout(classes), **described)
         self._register()
         self.device = str(first.device)
