@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from test_vllm import (BLOCK, CALL_TIMEOUT_S, LINK_SECRET, PRODUCER, Engine, close_all, delta, needs_vllm, prompts_of,
-                       release_over_link, write_model)
+from test_vllm import (BLOCK, CALL_TIMEOUT_S, GEOMETRY, LINK_SECRET, PRODUCER, Engine, close_all, delta, needs_vllm,
+                       prompts_of, release_over_link, write_model)
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 MAX_TOKENS = 6
@@ -33,6 +33,10 @@ OTHER_WEIGHTS_TP1 = prompts_of([55], seed=25)
 #: P TP 2 -> D TP 2, and P TP 2 -> D TP 1.
 NIXL_ONLY = prompts_of([60, 35], seed=26)
 NIXL_ONLY_TP1 = prompts_of([48], seed=27)
+#: Prompts for the model with one KV head (replicated over a TP 2 engine's ranks): P TP 1 -> D TP 2
+#: and P TP 2 -> D TP 1.
+ONE_HEAD_TP1_TO_TP2 = prompts_of([45, 70], seed=28)
+ONE_HEAD_TP2_TO_TP1 = prompts_of([50, 33], seed=29)
 START_S = 480  # TP 2 engines on two shared cores start slowly
 
 
@@ -227,6 +231,40 @@ def test_a_tp2_prefill_with_other_weights_changes_the_tp2_decode(tp_engines):
         assert_released_by_decode(params[0], [0, 1])
     finally:
         other.close()
+
+
+@needs_vllm
+def test_one_kv_head_replicated_over_tp2_moves_between_tp1_and_tp2(tmp_path):
+    """A model with one KV head, which vLLM replicates over a TP 2 engine's ranks, between a TP 1 and
+    a TP 2 engine (both ``kv_both``, each the other's prefill engine, prefix caching off): P TP 1 ->
+    D TP 2 (both decode ranks read prefill rank 0's head) and P TP 2 -> D TP 1 (the decode rank reads
+    prefill rank 0's copy, and releases rank 1's unread one) give the tokens the TP 1 engine computes
+    alone (the plain engine of that model: no KV moves for requests without ``kv_transfer_params``),
+    compute no prompt token on the decode engine and leave every prefill rank released (P TP 1's at
+    the second of its two readers' releases)."""
+    write_loud_model(tmp_path / "model", dict(GEOMETRY, kv_heads=1))
+    extra, args = {"kv_lease_s": 300, "link_secret": LINK_SECRET}, {"enable_prefix_caching": False}
+    tp1 = Engine(tmp_path / "model", "both", tmp_path / "one_head_tp1.log", extra, args)
+    tp2 = Engine(tmp_path / "model", "both", tmp_path / "one_head_tp2.log", extra, dict(TP2, **args))
+    try:
+        start(tp1, tp2)
+        prompts = ONE_HEAD_TP1_TO_TP2 + ONE_HEAD_TP2_TO_TP1
+        baseline = {tuple(p): o["token_ids"] for p, o in zip(prompts, tp1.generate(prompts, MAX_TOKENS))}
+        for prefill_engine, decode_engine, prompts, ranks in ((tp1, tp2, ONE_HEAD_TP1_TO_TP2, [0]),
+                                                              (tp2, tp1, ONE_HEAD_TP2_TO_TP1, [0, 1])):
+            params = prefill(prefill_engine, prompts)
+            assert [(p["tp_size"], p["readers_counted"]) for p in params] == [(len(ranks), True)] * len(prompts)
+            before = decode_engine.prompt_tokens()
+            outputs = decode_engine.generate(prompts, MAX_TOKENS, params, timeout=2 * CALL_TIMEOUT_S)
+            for prompt, out in zip(prompts, outputs):
+                assert out["token_ids"] == baseline[tuple(prompt)], (len(ranks), len(prompt))
+            sources = delta(decode_engine.prompt_tokens(), before)
+            assert sources["local_compute"] == 0 and sources["external_kv_transfer"] == sum(map(len, prompts))
+            assert "computing the prompt locally" not in decode_engine.tail(400)
+            for p in params:
+                assert_released_by_decode(p, ranks)
+    finally:
+        close_all([tp1, tp2])
 
 
 # -- without engines ------------------------------------------------------------------------------
@@ -883,7 +921,7 @@ def test_every_decode_head_is_read_once_and_every_prefill_rank_released_as_often
 
 
 @needs_vllm
-def test_a_decode_engine_of_another_tp_size_pulls_only_when_the_heads_split_evenly():
+def test_a_decode_engine_of_another_tp_size_pulls_only_when_vllm_can_shard_the_heads():
     """The scheduler's choice: pull head by head (kv_heads set on the request's spec; replicated
     heads too), or compute the prompt locally with a line saying why (an older prefill engine that
     frees at the first release; KV heads and a TP size neither of which divides the other, which
