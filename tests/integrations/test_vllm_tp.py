@@ -936,10 +936,12 @@ def test_a_decode_engine_of_another_tp_size_pulls_only_when_vllm_can_shard_the_h
     assert "tensor parallel size 3 do not divide" in split_refusal(2, 1, 3)
     assert "does not know" in split_refusal(0, 1, 2)
 
-    def ask(kv_heads: int, **changes):
+    def ask(kv_heads: int, prefill_tp: int = 1, **changes):
         decode = _Scheduler("decode", _Options.parse({}), 32, producer=False, tp_size=2, kv_heads=kv_heads)
-        one = [{"host": "127.0.0.1", "port": 7000, "cluster_id": 10, "request_id": "req.t0"}]
-        params = _params(tp_size=1, remote_ranks=one, remote_block_ids=[4, 5], do_remote_prefill=True, **changes)
+        ranks = [{"host": "127.0.0.1", "port": 7000 + r, "cluster_id": 10 + r, "request_id": f"req.t{r}"}
+                 for r in range(prefill_tp)]
+        params = _params(tp_size=prefill_tp, remote_ranks=ranks, remote_block_ids=[4, 5], do_remote_prefill=True,
+                         **changes)
         request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
         matched = decode.get_num_new_matched_tokens(request, 0)
         if matched[0] is None:
@@ -965,6 +967,12 @@ def test_a_decode_engine_of_another_tp_size_pulls_only_when_vllm_can_shard_the_h
         matched, spec = ask(kv_heads, **changes)
         assert matched == (0, False) and not spec.awaiting and spec.kv_heads == 0
         assert [p.heads for p in spec.peers(0, 2)] == [0] and spec.peers(1, 2) == []
+    # a prefill engine claiming a TP size vLLM cannot shard the model's 2 KV heads over (3: a lie, or
+    # another model): refused, the prompt computed, each of its ranks released once (p mod 2)
+    matched, spec = ask(2, prefill_tp=3, readers_counted=True)
+    assert matched == (0, False) and not spec.awaiting and spec.kv_heads == 0
+    assert [[(p.port, p.heads, p.readers) for p in spec.peers(r, 2)] for r in (0, 1)] == \
+        [[(7000, 0, 1), (7002, 0, 1)], [(7001, 0, 1)]]
 
 
 @needs_vllm
