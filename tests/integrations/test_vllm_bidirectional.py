@@ -12,7 +12,6 @@ Needs vLLM (``pip install '.[vllm]'``); skipped without it (``tests/integrations
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from types import SimpleNamespace
 
@@ -243,3 +242,106 @@ def test_unsupported_engines_say_so_at_start():
         Scheduler("p", options(), BLOCK, producer=True, tp_size=2)
     with pytest.raises(NotImplementedError, match="bidirectional_kv_xfer"):
         Scheduler("p", options(), BLOCK, producer=True, backoff=1)
+
+
+# -- live: a prefill and a decode engine, both with bidirectional_kv_xfer ---------------------------------------
+
+THRESHOLD = 16
+LIVE_TTL_S = 20.0
+ANSWER_TOKENS = 30  # turn 1's answer
+NEW_TOKENS = 10  # what turn 2 adds
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-bidirectional")
+    write_model(work / "model")
+    extra = {"link_secret": LINK_SECRET, "bidirectional_kv_xfer": True, "kv_recompute_threshold": THRESHOLD,
+             "decoder_kv_blocks_ttl": LIVE_TTL_S, "listen_host": "127.0.0.1"}
+    started = []
+    try:
+        prefill = Engine(work / "model", "producer", work / "prefill.log", extra)
+        started.append(prefill)
+        decode = Engine(work / "model", "consumer", work / "decode.log", extra)
+        started.append(decode)
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        close_all(started)
+
+
+def test_a_two_turn_conversation_pulls_turn_ones_prefix_back_from_the_decode_engine(two_engines, plain_engine):
+    """Turn 1 goes prefill -> decode; the decode engine holds its blocks under its token, and turn 2's
+    prefill pulls the prefix they hold (turn 1's prompt and answer) and computes only the new tokens
+    (vLLM's own counters), then decodes: the plain engine's greedy tokens both turns. Then: a turn 2
+    of a prefix shorter than the threshold is computed and its blocks released; one with a forged
+    token is refused by the decode engine and computed; a turn 2 that never comes is freed at the TTL."""
+    prefill, decode = two_engines
+    plain = plain_engine.engine()
+    first, short, abandoned = prompts_of([50, 6, 60], seed=41)
+
+    def turn(prompt, max_tokens, params=None):
+        """Prefill (with ``params``: a next turn's), then decode; (tokens, the decode's params, the
+        prefill's prompt-token sources)."""
+        before = prefill.prompt_tokens()
+        handed = prefill.generate([prompt], 1, [dict(params or {}, do_remote_decode=True)])[0]["kv_transfer_params"]
+        sources = delta(prefill.prompt_tokens(), before)
+        out = decode.generate([prompt], max_tokens, [handed])[0]
+        return out["token_ids"], out["kv_transfer_params"], sources
+
+    # turn 1, and one that never gets a turn 2
+    answer, held, _ = turn(first, ANSWER_TOKENS)
+    assert answer == plain.generate([first], ANSWER_TOKENS)[0]["token_ids"]
+    assert held["do_remote_decode"] is True and held["do_remote_prefill"] is False
+    assert held["remote_num_tokens"] == len(first) + ANSWER_TOKENS - 1
+    never_answer, never, _ = turn(abandoned, MAX_TOKENS)
+    decode_before = decode.stats()["stats"]
+    assert decode_before["leases_held"] == 2 and decode_before["expired"] == 0
+
+    # turn 2: only the new tokens (and turn 1's last answer token, whose KV the decode engine never
+    # computed) are computed on the prefill engine; the rest came from its own prefix cache and the decode engine
+    second = first + answer + prompts_of([NEW_TOKENS], seed=42)[0]
+    metrics_before = prefill.metrics()
+    tokens, _, sources = turn(second, MAX_TOKENS, held)
+    assert tokens == plain.generate([second], MAX_TOKENS)[0]["token_ids"]
+    assert sources["local_compute"] == len(second) - held["remote_num_tokens"] == NEW_TOKENS + 1
+    assert sources["external_kv_transfer"] > 0
+    assert sources["external_kv_transfer"] + sources.get("local_cache_hit", 0) == held["remote_num_tokens"]
+    moved = delta(decode.stats()["stats"], decode_before)
+    assert moved["released"] == 1 and moved["ranks_answered"] == 1  # turn 1's blocks: asked, read, released
+    pulled = delta(prefill.metrics(), metrics_before)
+    assert pulled.get("vllm:llm_datadist_bidirectional_blocks", 0) == 1  # one pull recorded as bidirectional
+
+    # a turn 2 with a held prefix of fewer tokens than kv_recompute_threshold: computed, blocks released
+    short_answer, short_held, _ = turn(short, 5)
+    assert short_held["remote_num_tokens"] == len(short) + 4 < THRESHOLD
+    before = decode.stats()["stats"]
+    tokens, _, sources = turn(short + short_answer + [7, 8], MAX_TOKENS, short_held)
+    assert tokens == plain.generate([short + short_answer + [7, 8]], MAX_TOKENS)[0]["token_ids"]
+    assert sources["external_kv_transfer"] == 0
+    assert delta(decode.stats()["stats"], before)["released"] == 1
+
+    # a forged token (another request's id with this one's token): refused by the decode engine,
+    # counted, and the prompt is computed
+    forged = dict(never, remote_request_id="other-request." + never["remote_request_id"].rpartition(".")[2])
+    forged["remote_ranks"] = [dict(r, request_id=forged["remote_request_id"]) for r in never["remote_ranks"]]
+    third = abandoned + never_answer + [3] * 10  # (35 tokens to pull: over the threshold)
+    before = decode.stats()["stats"]
+    tokens, _, sources = turn(third, MAX_TOKENS, forged)
+    assert tokens == plain.generate([third], MAX_TOKENS)[0]["token_ids"]
+    assert sources["external_kv_transfer"] == 0
+    refused = delta(decode.stats()["stats"], before)
+    assert refused["ranks_refused"] == 1 and refused["released"] == 0
+
+    # the abandoned conversation's blocks (and every other held turn's) are freed within the TTL
+    deadline = time.monotonic() + LIVE_TTL_S + 20
+    while True:
+        decode.generate([[5, 6, 7]], 1)  # (a step: leases expire at steps)
+        stats = decode.stats()["stats"]
+        if stats["leases_held"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert stats["leases_held"] == 0 and stats["expired"] - decode_before["expired"] >= 1
+    assert decode.metrics()["vllm:llm_datadist_expired_leases"] >= 1

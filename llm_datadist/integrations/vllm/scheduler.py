@@ -330,7 +330,9 @@ class Scheduler:
         held = params.get(bidirectional.TOKENS)
         if spec is None or not isinstance(held, int):
             return
-        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        # the blocks of the pulled tokens (vLLM allocates no more for a load, but pairing by tails needs it)
+        wanted = -(-held // self.block_size) - (held - num_external_tokens) // self.block_size
+        local = list(blocks.get_unhashed_block_ids())[:wanted] if num_external_tokens > 0 else []
         remote = bidirectional.clip(spec.remote_block_ids, held, self.block_size)
         self._recv[request.request_id] = replace(spec, remote_block_ids=remote, local_block_ids=local,
                                                  awaiting=num_external_tokens > 0, next_turn=True)
