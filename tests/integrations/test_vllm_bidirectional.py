@@ -199,6 +199,15 @@ def test_the_next_turns_prefill_pulls_only_a_confirmed_prefix_over_the_threshold
         assert not prefill.build_connector_meta().reqs_to_recv["refused"].awaiting
         assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
 
+        # aborted while its question is on its way: the question forgotten, the prefix released
+        from vllm.v1.request import RequestStatus
+        request = next_turn_request("aborted", params, prompt, prefill)
+        assert prefill.get_num_new_matched_tokens(request, 0) == (None, False)
+        request.status = RequestStatus.FINISHED_ABORTED
+        assert prefill.request_finished(request, [[]]) == (False, None)
+        meta = prefill.build_connector_meta()
+        assert meta.reqs_to_ask == {} and not meta.reqs_to_recv["aborted"].awaiting
+
 
 def test_a_prompt_takes_only_the_blocks_whose_tokens_it_repeats():
     from llm_datadist.integrations.vllm import bidirectional

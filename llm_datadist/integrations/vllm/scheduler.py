@@ -260,7 +260,8 @@ class Scheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get(bidirectional.STATE) and not params.get(bidirectional.SCHEDULED):
+        if self.options.bidirectional_kv_xfer and isinstance(params, dict) and params.get(bidirectional.STATE) and \
+                not params.get(bidirectional.SCHEDULED):
             self._next_turn_allocated(request, blocks, num_external_tokens)
         if self.push is not None and isinstance(params, dict) and params.get("do_remote_decode"):
             self.push.prefill_allocated(request, prompt_length(request))
@@ -479,8 +480,9 @@ class Scheduler:
         self._forget_asked(request.request_id)
         if not isinstance(params, dict):
             return False, None
-        if params.get(bidirectional.STATE) is not None and not params.get(bidirectional.SCHEDULED):
-            self._next_turn_done(request, recv_spec(params))  # finished before its pull: released
+        if self.options.bidirectional_kv_xfer and bidirectional.is_next_turn(params) and \
+                not params.get(bidirectional.SCHEDULED):
+            self._next_turn_done(request, recv_spec(params))  # finished before its pull: the prefix released
         if self.push is not None and not params.get("do_remote_decode"):
             self.push.decode_finished(request)
             return False, None
