@@ -566,7 +566,6 @@ class Scheduler:
             "readers_counted": True,
         }
         if next_turn:
-            out["tp_size"] = self.tp_size
             # (NIXL's field, in Unix seconds: our prefill engines read it)
             out["remote_blocks_expiry_time"] = time.time() + lease_s
             held = list(request.all_token_ids)[:request.num_computed_tokens]
