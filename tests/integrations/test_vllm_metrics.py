@@ -100,7 +100,7 @@ def test_each_direction_and_each_failure_kind_reach_the_log_line():
     assert summary["pulls"] == 1 and summary["pulled_MB"] == 1.049 and summary["max_pull_ms"] == 10.0
     assert summary["pushes"] == 2 and summary["pushed_blocks"] == 6 and summary["pushed_MB"] == 6.291
     assert summary["avg_push_ms"] == 3.0 and summary["p90_push_ms"] == 3.8 and summary["max_push_ms"] == 4.0
-    assert "bidirectional" not in summary  # (reserved: nothing records it yet)
+    assert "bidirectional" not in summary  # (none recorded here: a direction without samples is left out)
     assert {k: summary[k] for k in KINDS} == dict(zip(KINDS, range(1, 7)))
     # vLLM's line: "k=v, ..." of this dict, compact
     line = ", ".join(f"{k}={v}" for k, v in summary.items())

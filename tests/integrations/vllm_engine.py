@@ -177,11 +177,12 @@ def main() -> int:
                                              request.get("names"))
         else:
             results = llm.generate(prompts, sampling, use_tqdm=False)
-        if role in ("producer", "both"):
+        if role in ("producer", "both") or extra.get("bidirectional_kv_xfer"):
             # As a served engine's busy loop does after its last request finished: one more step,
             # whose connector metadata hands the finished requests' leases to the workers (their
             # read guards admit tcp/staging pulls of those blocks only from then on). LLM.generate
-            # stops stepping when no request is left unfinished.
+            # stops stepping when no request is left unfinished. (A decode engine with
+            # bidirectional_kv_xfer holds its finished requests' blocks the same way.)
             llm.llm_engine.step()
         reply({"outputs": [{"aborted": True} if r is None else
                            {"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,

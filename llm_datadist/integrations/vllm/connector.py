@@ -64,7 +64,7 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = Scheduler(self.engine_id, self.options, vllm_config.cache_config.block_size,
-                                         producer=bool(transfer.is_kv_producer),
+                                         producer=bool(transfer.is_kv_producer) or self.options.bidirectional_kv_xfer,
                                          tp_size=parallel.tensor_parallel_size,
                                          kv_heads=_kv_heads(vllm_config), groups=self._groups,
                                          num_groups=num_groups, backoff=drafter_backoff(vllm_config))

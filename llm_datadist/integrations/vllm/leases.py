@@ -213,8 +213,9 @@ class LeaseBook:
                     self.finished.add(req_id)
                     self._forget(req_id, "lease ended")
                     self.stats["expired"] += 1
-                    logger.warning("request %s: no decode engine took its KV within %.0f s; freeing its "
-                                   "blocks", req_id, self.options.kv_lease_s)
+                    # (kv_lease_s, or a decode engine's decoder_kv_blocks_ttl: ``bidirectional``)
+                    logger.warning("request %s: no engine took its KV before its lease ended; freeing its blocks",
+                                   req_id)
             self._age(now)
             self._drop_blocks()
             finished, self.finished = self.finished, set()

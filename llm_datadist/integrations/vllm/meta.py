@@ -82,6 +82,8 @@ class Recv:
     #: the prompt's block (in this engine's block size) the local list starts at: a local
     #: prefix-cache hit's count; how blocks pair where the two engines' block sizes differ
     local_first_block: int = 0
+    #: a prefill engine pulls the prefix a decode engine held for the next turn (``bidirectional``)
+    next_turn: bool = False
 
     def group_pairs(self) -> List[Tuple[int, List[int], List[int]]]:
         """``(group, remote block ids, local block ids)`` per KV cache group, as the params and the

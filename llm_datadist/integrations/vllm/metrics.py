@@ -20,8 +20,8 @@ from llm_datadist.integrations.vllm.peers import Unreachable
 
 #: Directions of a transfer: ``pull`` (a decode worker reads a prefill worker's blocks),
 #: ``push`` (a prefill worker writes into a decode worker's granted blocks) and ``bidirectional``
-#: (reserved for a transfer that moves blocks both ways, such as a multi-turn prefix pull: nothing
-#: records it yet). Each is sampled on the side that moves the bytes.
+#: (a prefill worker reads the prefix a decode worker held for the next turn: ``bidirectional``).
+#: Each is sampled on the side that moves the bytes.
 DIRECTIONS = ("pull", "push", "bidirectional")
 
 #: One sample per request and direction: seconds its transfer took, bytes and blocks it moved.
@@ -255,7 +255,7 @@ BLOCKS_BUCKETS = [float(1 << n) for n in range(0, 14)]
 
 _WHO = {"pull": "pulled from its prefill engine (decode side)",
         "push": "pushed into its decode engine's blocks (prefill side)",
-        "bidirectional": "moved both ways between two engines (reserved: not recorded yet)"}
+        "bidirectional": "pulled back from the decode engine that held them for the next turn (prefill side)"}
 
 #: Prometheus series (counters get ``_total`` on ``/metrics``) and what each says.
 HISTOGRAMS = {}

@@ -36,6 +36,12 @@ class Options:
     link_idle_s: float = 300.0
     transfer_mode: str = "pull"  # or "push" (``push``)
     push_match_by_request_id: bool = False  # push mode: match registrations without a lease token by base id
+    # multi-turn (NixlConnector's names and defaults: ``bidirectional``): a decode engine holds a
+    # finished request's blocks for the next turn's prefill, which pulls a held prefix longer than
+    # kv_recompute_threshold tokens
+    bidirectional_kv_xfer: bool = False
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
 
     @classmethod
     def parse(cls, extra: Optional[Dict[str, Any]]) -> "Options":
@@ -52,7 +58,7 @@ class Options:
         if opts.transfer_mode not in ("pull", "push"):
             raise ValueError("LLMDataDistConnector: transfer_mode must be 'pull' or 'push', got "
                              f"{opts.transfer_mode!r}")
-        for name in ("lease_tokens", "push_match_by_request_id"):
+        for name in ("lease_tokens", "push_match_by_request_id", "bidirectional_kv_xfer"):
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"LLMDataDistConnector: {name} must be true or false, got {getattr(opts, name)!r}")
         if isinstance(opts.release_records_bytes, bool) or not isinstance(opts.release_records_bytes, int) or \
@@ -61,7 +67,14 @@ class Options:
                              f"got {opts.release_records_bytes!r}")
         if opts.model_id is not None and (not isinstance(opts.model_id, str) or not opts.model_id):
             raise ValueError(f"LLMDataDistConnector: model_id must be a non-empty string, got {opts.model_id!r}")
-        for name in ("kv_lease_s", "link_idle_s"):
+        threshold = opts.kv_recompute_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError("LLMDataDistConnector: kv_recompute_threshold must be a token count >= 0, got "
+                             f"{threshold!r}")
+        if opts.bidirectional_kv_xfer and opts.transfer_mode == "push":
+            raise NotImplementedError("LLMDataDistConnector: bidirectional_kv_xfer is not supported in push mode "
+                                      "(as NixlConnector's); use transfer_mode 'pull'")
+        for name in ("kv_lease_s", "link_idle_s", "decoder_kv_blocks_ttl"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"LLMDataDistConnector: {name} must be a number of seconds > 0, got {value!r}")

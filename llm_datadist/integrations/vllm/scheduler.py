@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
-from llm_datadist.integrations.vllm import block_sizes, state
+from llm_datadist.integrations.vllm import bidirectional, block_sizes, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -145,6 +145,11 @@ class Scheduler:
                 f"leave its last {self.backoff} prompt token(s) to the decode engine: a multi-module MTP drafter or "
                 "state-space layers); use transfer_mode 'pull'")
         self.push = PushScheduling(block_size, producer) if options.transfer_mode == "push" else None
+        if options.bidirectional_kv_xfer and (self.backoff or len(groups) > 1 or tp_size != 1):
+            raise NotImplementedError(
+                "LLMDataDistConnector: bidirectional_kv_xfer supports engines without tensor parallelism whose model "
+                "has one KV cache group and leaves no prompt tokens to the decode side (this one: tensor parallel "
+                f"size {tp_size}, {max(1, len(groups))} group(s), a prompt backoff of {self.backoff}); turn it off")
 
     def close(self) -> None:
         self._signals.close()
@@ -180,6 +185,8 @@ class Scheduler:
         pull starts or it ends (``update_state_after_alloc``, ``request_finished`` or a refusal in
         ``get_num_new_matched_tokens``, each of which hands it to ``reqs_to_recv``)."""
         params = request.kv_transfer_params
+        if isinstance(params, dict):
+            bidirectional.strip_marks(params)  # (ours: a router's copies would skip the decode engine's check)
         if isinstance(params, dict) and params.get("do_remote_decode") and self.backoff:
             truncate_for_prefill(request, self.backoff)
         if isinstance(params, dict) and params.get("do_remote_prefill") and self.push is None:
@@ -193,6 +200,9 @@ class Scheduler:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         params = request.kv_transfer_params
+        if self.options.bidirectional_kv_xfer and bidirectional.is_next_turn(params) and \
+                params.get(bidirectional.STATE) is not False and not params.get(bidirectional.SCHEDULED):
+            return self._next_turn_matched(request, num_computed_tokens)
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         if self.push is not None:
@@ -250,6 +260,9 @@ class Scheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.options.bidirectional_kv_xfer and isinstance(params, dict) and params.get(bidirectional.STATE) and \
+                not params.get(bidirectional.SCHEDULED):
+            self._next_turn_allocated(request, blocks, num_external_tokens)
         if self.push is not None and isinstance(params, dict) and params.get("do_remote_decode"):
             self.push.prefill_allocated(request, prompt_length(request))
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -276,13 +289,70 @@ class Scheduler:
                                                  refused=self._refusal(spec), local_first_block=first,
                                                  kv_heads=self.kv_heads if spec.tp_size != self.tp_size else 0)
 
+    def _next_turn_matched(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """A prefill request of a conversation's next turn whose params name the prefix a decode
+        engine holds (``bidirectional``): the tokens to pull of it, once the decode engine has said
+        that it holds them for this token (asked as a prefill engine is for its ranks: a forged,
+        foreign or expired token is refused there, and the prompt is computed); 0 where the prefix
+        is shorter than ``kv_recompute_threshold`` tokens (NIXL's rule), does not fit the prompt, or
+        cannot be asked for. Whatever is not pulled is released, so the decode engine frees it now."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        spec = recv_spec(params)
+        held, why = bidirectional.held_prefix(params, request.prompt_token_ids, self.block_size)
+        if spec is None or why:
+            logger.warning("request %s: the prefix its params name on a decode engine is not pulled (%s); "
+                           "computing the prompt", req_id, why or "they are malformed")
+            self._next_turn_done(request, spec)
+            return 0, False
+        count, threshold = held - num_computed_tokens, self.options.kv_recompute_threshold
+        if count <= 0 or (threshold > 0 and count < threshold):
+            # (computing a few tokens is quicker than a pull: released, as NIXL's are)
+            logger.debug("request %s: %d tokens of a held prefix to pull, kv_recompute_threshold %d: computed",
+                         req_id, count, threshold)
+            self._next_turn_done(request, spec)
+            return 0, False
+        if params.get(bidirectional.STATE) is None:
+            params[bidirectional.STATE] = True
+            learnt = self._learn(request, spec, flag=bidirectional.STATE)
+            if learnt is None:
+                params[bidirectional.STATE] = None  # asked; vLLM asks this again at a later step
+                return None, False
+            if params.get(bidirectional.STATE) is False:
+                params[bidirectional.SCHEDULED] = True  # (_learn released it)
+                return 0, False
+        params[bidirectional.TOKENS] = held
+        return held - num_computed_tokens, True
+
+    def _next_turn_allocated(self, request, blocks, num_external_tokens: int) -> None:
+        """The pull of a next turn's prefix, into the blocks vLLM allocated for it (none: only released)."""
+        params = request.kv_transfer_params
+        params[bidirectional.SCHEDULED] = True
+        spec = recv_spec(params)
+        held = params.get(bidirectional.TOKENS)
+        if spec is None or not isinstance(held, int):
+            return
+        # the blocks of the pulled tokens (vLLM allocates no more for a load, but pairing by tails needs it)
+        wanted = -(-held // self.block_size) - (held - num_external_tokens) // self.block_size
+        local = list(blocks.get_unhashed_block_ids())[:wanted] if num_external_tokens > 0 else []
+        remote = bidirectional.clip(spec.remote_block_ids, held, self.block_size)
+        self._recv[request.request_id] = replace(spec, remote_block_ids=remote, local_block_ids=local,
+                                                 awaiting=num_external_tokens > 0, next_turn=True)
+
+    def _next_turn_done(self, request, spec: Optional[Recv]) -> None:
+        """A next turn's prefix that is not pulled: released (the decode engine frees it now)."""
+        params = request.kv_transfer_params
+        params[bidirectional.STATE] = False
+        params[bidirectional.SCHEDULED] = True
+        if spec is not None:
+            self._recv[request.request_id] = replace(spec, next_turn=True)
+
     def _must_ask(self, spec: Recv) -> bool:
         """Whether the request's params lack what only its prefill engine can say: every rank's
         address and release id (a router that forwards only NIXL's fields drops ``remote_ranks``),
         or, between engines of different TP sizes, whether it counts readers."""
         return spec.ranks_unknown or (spec.tp_size != self.tp_size and not spec.readers_counted)
 
-    def _learn(self, request, spec: Recv) -> Optional[Recv]:
+    def _learn(self, request, spec: Recv, flag: str = "do_remote_prefill") -> Optional[Recv]:
         """The request's spec completed with its prefill engine's answer, which goes into its
         params (so that it loads exactly as if they had come with them); None while the question
         is on its way (it is asked once: rank 0 of this engine's workers asks the prefill engine's
@@ -313,6 +383,13 @@ class Scheduler:
             params["remote_ranks"] = answer["ranks"]
             params["readers_counted"] = learnt.readers_counted
             return learnt
+        if flag == bidirectional.STATE:
+            logger.warning("request %s: the decode engine at %s:%d did not confirm that it holds the prefix the "
+                           "request's params name for it (%s): computing the prompt", req_id, spec.host, spec.port,
+                           str(answer.get("why", "?"))[:200])
+            params[flag] = False
+            self._recv[req_id] = spec  # (released: a decode engine that does hold it frees it now)
+            return spec
         what = f"its {spec.tp_size} tensor parallel ranks" if spec.ranks_unknown else \
             "whether it counts the readers of a rank's blocks"
         logger.warning("request %s: its kv_transfer_params do not say %s (a router that forwards only NIXL's "
@@ -320,7 +397,7 @@ class Scheduler:
                        "locally%s", req_id, what, spec.host, spec.port, str(answer.get("why", "?"))[:200],
                        "; only its rank 0 is released (the others free their blocks when their leases end)"
                        if spec.ranks_unknown else "")
-        params["do_remote_prefill"] = False
+        params[flag] = False
         self._recv[req_id] = spec  # still let the prefill ranks it knows free their blocks
         return spec
 
@@ -403,6 +480,9 @@ class Scheduler:
         self._forget_asked(request.request_id)
         if not isinstance(params, dict):
             return False, None
+        if self.options.bidirectional_kv_xfer and bidirectional.is_next_turn(params) and \
+                not params.get(bidirectional.SCHEDULED):
+            self._next_turn_done(request, recv_spec(params))  # finished before its pull: the prefix released
         if self.push is not None and not params.get("do_remote_decode"):
             self.push.decode_finished(request)
             return False, None
@@ -427,7 +507,9 @@ class Scheduler:
             if spec is not None:
                 self._recv[request.request_id] = spec
             return False, None
-        if not params.get("do_remote_decode"):
+        # multi-turn: a decode engine holds a finished request's blocks for the next turn's prefill
+        next_turn = not params.get("do_remote_decode")
+        if next_turn and not (self.options.bidirectional_kv_xfer and params):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted prefill: free its blocks now
@@ -439,6 +521,8 @@ class Scheduler:
         except ValueError as exc:
             logger.error("request %s: %s; its KV is not handed to a decode engine", request.request_id, exc)
             return False, None
+        if next_turn:  # (the blocks of its computed tokens: what the next turn may take)
+            per_group = [list(per_group[0][:-(-request.num_computed_tokens // self.block_size)])]
         ids = [b for group in per_group for b in group]
         if not ids:
             return False, None
@@ -458,11 +542,12 @@ class Scheduler:
         issued = int(time.time())
         remote_ids = [lease_request_id(bytes.fromhex(w.lease_key), request.request_id, issued)
                       if self.options.lease_tokens else request.request_id for w in self.workers]
-        self._send[request.request_id] = self.options.kv_lease_s
+        lease_s = self.options.decoder_kv_blocks_ttl if next_turn else self.options.kv_lease_s
+        self._send[request.request_id] = lease_s
         self._send_blocks[request.request_id] = ids  # what the decode side may read (LeaseBook.read_guard)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+        out = {
+            "do_remote_prefill": not next_turn,
+            "do_remote_decode": next_turn,
             # one list, or (a hybrid model) one per KV cache group, as NIXL's connector sends them
             "remote_block_ids": per_group[0] if len(per_group) == 1 else [list(g) for g in per_group],
             "remote_engine_id": self.engine_id,
@@ -480,3 +565,9 @@ class Scheduler:
             # it (a decode engine of another TP size reads one rank from several of its own)
             "readers_counted": True,
         }
+        if next_turn:
+            # (NIXL's field, in Unix seconds: our prefill engines read it)
+            out["remote_blocks_expiry_time"] = time.time() + lease_s
+            held = list(request.all_token_ids)[:request.num_computed_tokens]
+            out["remote_block_hashes"] = bidirectional.block_hashes(held, self.block_size)
+        return True, out

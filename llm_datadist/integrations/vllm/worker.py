@@ -61,8 +61,10 @@ class Worker:
         self.engine_id = engine_id
         self.options = options
         self._closed = False  # (``close`` ran)
-        self.producer = bool(transfer.is_kv_producer)
-        self.consumer = bool(transfer.is_kv_consumer)
+        # multi-turn (``bidirectional``): a decode engine also holds blocks for a prefill engine, which
+        # also pulls; both then listen and pull
+        self.producer = bool(transfer.is_kv_producer) or options.bidirectional_kv_xfer
+        self.consumer = bool(transfer.is_kv_consumer) or options.bidirectional_kv_xfer
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self._kv_cache_config = kv_cache_config  # (where a state-space layer's pages lie: state.py)
         self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
@@ -553,7 +555,9 @@ class Worker:
                 blocks += len(local)
                 if len(pairs) > 1:
                     self._count_group(group, len(local))
-        self.recorder.pull(time.perf_counter() - start, blocks, nbytes)
+        # (a prefill engine's pull of the prefix a decode engine held: ``bidirectional``)
+        self.recorder.transfer("bidirectional" if spec.next_turn else "pull", time.perf_counter() - start, blocks,
+                               nbytes)
 
     def _count_group(self, group: int, blocks: int) -> None:
         """``pulled_blocks_group<k>``: blocks pulled of the k-th KV cache group that moves."""
