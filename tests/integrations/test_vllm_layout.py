@@ -12,7 +12,7 @@ Issue 35, item 5: LBNHC (token-major blocks) is registered as its blocks and mov
 LBHNC engines head by head (``kv_layouts``). vLLM's CPU build cannot run an LBNHC engine: its
 only attention backend for such models (``vllm/platforms/cpu.py:177-179``, CPU_ATTN) supports
 LBHNC alone (``vllm/v1/attention/backends/cpu_attn.py:73-75``), and a ``VLLM_KV_CACHE_LAYOUT``
-outside that set is an error (``vllm/v1/attention/backends/utils.py:329-334``); so the permuted
+outside that set is an error (``vllm/v1/attention/backends/utils.py:328-334``); so the permuted
 path is tested here, with vLLM's own views and two processes, not with live engines.
 
 Needs vLLM (``pip install '.[vllm]'``); no engine is started.
@@ -275,3 +275,42 @@ def test_vllm_resolves_the_layout_the_connector_asks_for(monkeypatch):
     assert resolved(True) == "LBNHC"
     assert resolved(False, transfer=None) == "LBNHC"  # without the connector: vLLM's default
     assert LLMDataDistConnector.get_required_kvcache_layout(SimpleNamespace(model_config=None)) is None
+
+
+def test_kv_layouts_that_differ_move_only_where_a_pull_permutes_them():
+    """The link's check (``compat.verdict``): LBNHC and LBHNC engines that both pull, of one TP and
+    block size, are compatible; push mode, other TP or block sizes, a layout that does not move,
+    and an older release's description against an LBNHC engine are refused naming the field."""
+    from llm_datadist.integrations.vllm import compat, kv_layouts
+
+    mine = dict(said("LBHNC"), tp_size=1, block_size=16)
+    token_major = dict(mine, **said("LBNHC"))
+    assert compat.verdict(mine, dict(mine)) is None and compat.verdict(token_major, dict(token_major)) is None
+    assert compat.verdict(mine, token_major) is None and compat.verdict(token_major, mine) is None
+    for other, field in [(dict(token_major, kv_layout_pulls=False), "kv_layout 'LBNHC' there, 'LBHNC' here"),
+                         (dict(token_major, tp_size=2), "kv_layout 'LBNHC' there"),
+                         (dict(token_major, block_size=32), "kv_layout 'LBNHC' there"),
+                         (dict(mine, kv_layout="BLHNC"), "kv_layout 'BLHNC' there"),
+                         ({"kv_format": 1, "tp_size": 1, "block_size": 16}, None)]:
+        why = compat.verdict(token_major if field is None else mine, other)
+        assert why is not None and (field or "kv_format 1 there, 2 here") in why, (other, why)
+    # (the pull's own check, whatever the link said)
+    assert kv_layouts.refusal("LBHNC", "LBHNC", True, False) == ""
+    assert "where both KV cache layouts are LBHNC" in kv_layouts.refusal("LBNHC", "LBNHC", True, False)
+    assert "tensor parallel sizes" in kv_layouts.refusal("LBHNC", "LBNHC", False, True)
+    assert "'XYZ' is none this connector moves" in kv_layouts.refusal("LBHNC", "XYZ", False, False)
+
+
+def test_vllms_cpu_build_runs_no_permuted_layout(monkeypatch):
+    """Why no live engine tests LBNHC here: the CPU attention backend supports LBHNC alone, and vLLM
+    refuses a ``VLLM_KV_CACHE_LAYOUT`` outside that set (the lines the module docstring names)."""
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    supported = [[layout.name for layout in get_supported_kv_cache_layouts([CPUAttentionBackend])]]
+    assert supported == [["LBHNC"]]
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    config = SimpleNamespace(cache_config=CacheConfig(), kv_transfer_config=None, model_config=None)
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBNHC does not satisfy every supported set"):
+        resolve_kv_cache_layout(config, supported, [_spec()])

@@ -20,9 +20,8 @@ different sizes compare the layout of all heads together instead (``PER_RANK``,
 ``layout_all_heads``). The KV cache layouts the engines registered (``kv_layout``, ``kv_layouts``) may
 differ where both are moved, both pull (``kv_layout_pulls``) and the engines share TP and block
 sizes: the decode worker then permutes each head; elsewhere a difference refuses. The weights are
-known by the model's name: two checkpoints of one geometry
-differ only there (a fine-tune has its base's config), and hashing gigabytes of weights at start is
-not an option. Engines that load one checkpoint from different paths say so with the same
+known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
+base's config), and hashing gigabytes of weights at start is not an option. Engines that load one checkpoint from different paths say so with the same
 ``model_id``."""
 
 from __future__ import annotations
@@ -31,12 +30,10 @@ import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from llm_datadist.integrations.vllm import kv_layouts
+
 #: What the KV blocks of this connector hold and how they are addressed; bumped when that changes.
 KV_FORMAT = 1
-#: The format of an engine whose blocks are token-major (vLLM's LBNHC, ``kv_layouts``): releases
-#: that know only ``KV_FORMAT`` refuse it instead of misreading it; those that say their
-#: ``kv_layout`` compare that instead.
-KV_FORMAT_TOKEN_MAJOR = 2
 
 #: Limits on a peer's description (it comes from the network).
 MAX_FIELDS = 32
@@ -181,11 +178,9 @@ def _layouts_moved(mine: Dict[str, Any], theirs: Dict[str, Any], other_sizes: bo
     """The fields not compared because the engines' KV cache layouts differ where KV still moves
     (``kv_layouts``): both say theirs (then ``kv_format`` says the same twice), both are layouts
     that move, both pull, and the engines share TP and block sizes (``other_sizes`` False)."""
-    from llm_datadist.integrations.vllm import kv_layouts
-
     if "kv_layout" not in mine or "kv_layout" not in theirs:
         return ("kv_layout_pulls",)
-    formats = (KV_FORMAT, KV_FORMAT_TOKEN_MAJOR)
+    formats = (KV_FORMAT, kv_layouts.KV_FORMAT_TOKEN_MAJOR)
     skip = ("kv_layout_pulls",) + (("kv_format",) if mine.get("kv_format") in formats and
                                    theirs.get("kv_format") in formats else ())
     if mine["kv_layout"] == theirs["kv_layout"] or (

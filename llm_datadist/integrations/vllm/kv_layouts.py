@@ -32,6 +32,10 @@ HEAD_MAJOR = "LBHNC"
 TOKEN_MAJOR = "LBNHC"
 #: The layouts KV moves between.
 MOVED = (HEAD_MAJOR, TOKEN_MAJOR)
+#: The KV format (``compat.KV_FORMAT``) of an engine whose blocks are token-major: releases that
+#: know only format 1 refuse it instead of misreading it; those that say their ``kv_layout``
+#: compare that instead.
+KV_FORMAT_TOKEN_MAJOR = 2
 #: Linked prefill clusters whose layout a worker keeps (the oldest are forgotten past it).
 MAX_LINKS = 4096
 
@@ -51,12 +55,10 @@ def engine_layout(classes: Sequence[Any]) -> str:
 def fields(classes: Sequence[Any], pulls: bool) -> dict:
     """What an engine says of its layout on the link (``compat``): ``kv_layout``, whether its pulls
     permute (``kv_layout_pulls``: pull mode; push mode writes whole blocks) and, for a token-major
-    engine, the KV format that older releases refuse (``compat.KV_FORMAT_TOKEN_MAJOR``)."""
-    from llm_datadist.integrations.vllm import compat
-
+    engine, the KV format that older releases refuse (``KV_FORMAT_TOKEN_MAJOR``)."""
     layout = engine_layout(classes)
-    return {"kv_layout": layout, "kv_layout_pulls": pulls,
-            "kv_format": compat.KV_FORMAT_TOKEN_MAJOR if layout == TOKEN_MAJOR else compat.KV_FORMAT}
+    said = {"kv_layout": layout, "kv_layout_pulls": pulls}
+    return dict(said, kv_format=KV_FORMAT_TOKEN_MAJOR) if layout == TOKEN_MAJOR else said
 
 
 def regions(shape: Sequence[int], element_size: int, src_layout: str, dst_layout: str
