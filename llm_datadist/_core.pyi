@@ -92,6 +92,10 @@ def plan_sub_blocks(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Se
                     dst_tensors: Optional[Sequence[int]], src_blocks: Union[Sequence[int], np.ndarray],
                     dst_blocks: Union[Sequence[int], np.ndarray],
                     regions: Sequence[Tuple[int, int, int]], first: int = ...) -> CopyPlan: ...
+def plan_strided_blocks(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Sequence[int]],
+                        dst_tensors: Optional[Sequence[int]], src_blocks: Union[Sequence[int], np.ndarray],
+                        dst_blocks: Union[Sequence[int], np.ndarray],
+                        regions: Sequence[Tuple[int, int, int, int, int, int]]) -> CopyPlan: ...
 def plan_rows(src: CacheLayout, dst: CacheLayout, src_tensors: Optional[Sequence[int]],
               dst_tensors: Optional[Sequence[int]], src_row: int, dst_row: int,
               src_offset: int = ..., dst_offset: int = ..., size: int = ...) -> CopyPlan: ...

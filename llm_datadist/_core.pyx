@@ -1085,6 +1085,88 @@ def plan_sub_blocks(CacheLayout src not None, CacheLayout dst not None, src_tens
     return plan
 
 
+cdef object _checked_strides(object regions, uint64_t src_bytes, uint64_t dst_bytes):
+    """``regions`` (``(src_offset, src_stride, dst_offset, dst_stride, piece, count)`` in a block of
+    each side) as a ``(k, 6)`` uint64 array: ``piece`` and ``count`` > 0, each side's last run
+    inside its block; LLM_PARAM_INVALID naming the first bad value otherwise."""
+    try:
+        items = list(regions)
+    except TypeError:
+        raise _param_invalid(f"regions must be a sequence of (src_offset, src_stride, dst_offset, dst_stride, "
+                             f"piece, count), got {type(regions).__name__}")
+    if not items:
+        raise _param_invalid("regions must name at least one strided region")
+    out = np.empty((len(items), 6), dtype=np.uint64)
+    names = ("src_offset", "src_stride", "dst_offset", "dst_stride", "piece", "count")
+    cdef Py_ssize_t k, j
+    for k, item in enumerate(items):
+        try:
+            values = tuple(item)
+        except TypeError:
+            values = ()
+        if len(values) != 6:
+            raise _param_invalid(f"regions[{k}] = {item!r} is not (src_offset, src_stride, dst_offset, dst_stride, "
+                                 "piece, count)")
+        got = [_as_uint64(values[j], f"regions[{k}] {names[j]}") for j in range(6)]
+        if got[4] == 0 or got[5] == 0:
+            raise _param_invalid(f"regions[{k}] piece {got[4]} and count {got[5]} must be > 0")
+        # (Python integers: no wrap) the last run of each side must end inside its block
+        for side, offset, stride, limit in (("source", got[0], got[1], src_bytes),
+                                            ("destination", got[2], got[3], dst_bytes)):
+            if offset + (got[5] - 1) * stride + got[4] > limit:
+                raise _param_invalid(f"regions[{k}]: {got[5]} runs of {got[4]} bytes from offset {offset} every "
+                                     f"{stride} bytes end outside the {side} block of {limit} bytes")
+        for j in range(6):
+            out[k, j] = got[j]
+    return out
+
+
+def plan_strided_blocks(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
+                        src_blocks, dst_blocks, regions):
+    """Plan copies between blocks that hold the same bytes in another order (a vLLM KV cache of
+    ``[tokens, heads, C]`` blocks and one of ``[heads, tokens, C]``): for each selected tensor pair
+    and each ``k``, every region ``(src_offset, src_stride, dst_offset, dst_stride, piece, count)``
+    copies ``count`` runs of ``piece`` bytes, run ``r`` from ``src_offset + r * src_stride`` bytes
+    into block ``src_blocks[k]`` to ``dst_offset + r * dst_stride`` bytes into block
+    ``dst_blocks[k]``: ``len(blocks) * sum(count)`` copies per tensor pair. The two block sizes
+    may differ; each region's runs must lie inside their blocks. Raises
+    ``LLMException(LLM_PARAM_INVALID)`` naming the first bad value (a run outside a block, lists
+    of different lengths, a block out of range); nothing is planned then.
+    """
+    st, dt = _tensor_pairs(src, dst, src_tensors, dst_tensors)
+    reg = _checked_strides(regions, src.row_bytes, dst.row_bytes)
+    sb = _checked_blocks(src_blocks, src.num_rows, "src_blocks")
+    db = _checked_blocks(dst_blocks, dst.num_rows, "dst_blocks")
+    if sb.shape[0] != db.shape[0]:
+        raise _param_invalid(f"src_blocks has {sb.shape[0]} entries but dst_blocks has "
+                             f"{db.shape[0]}; they must have the same length")
+    cdef CopyPlan plan = CopyPlan()
+    cdef Py_ssize_t nt = st.shape[0], nb = sb.shape[0], nr = reg.shape[0]
+    if nb == 0:
+        return plan
+    cdef uint64_t total_runs = <uint64_t>reg[:, 5].sum()
+    if total_runs > UINT64_MAX // <uint64_t>nb or \
+            <size_t>(<uint64_t>nb * total_runs) > (<size_t>-1) // <size_t>nt:
+        raise _param_invalid("too many descriptors")
+    plan.reserve(<size_t>nt * <size_t>(<uint64_t>nb * total_runs))
+    cdef cnp.int64_t *stv = _i64(st)
+    cdef cnp.int64_t *dtv = _i64(dt)
+    cdef cnp.uint64_t *sbv = _u64(sb)
+    cdef cnp.uint64_t *dbv = _u64(db)
+    cdef cnp.uint64_t *rv = _u64(reg)
+    cdef uint64_t s_addr, d_addr, r
+    cdef Py_ssize_t t, i, k
+    with nogil:
+        for t in range(nt):
+            for i in range(nb):
+                for k in range(nr):
+                    s_addr = src.addrs[stv[t]] + sbv[i] * src.row_bytes + rv[6 * k]
+                    d_addr = dst.addrs[dtv[t]] + dbv[i] * dst.row_bytes + rv[6 * k + 2]
+                    for r in range(rv[6 * k + 5]):
+                        plan.add(s_addr + r * rv[6 * k + 1], d_addr + r * rv[6 * k + 3], rv[6 * k + 4])
+    return plan
+
+
 def plan_rows(CacheLayout src not None, CacheLayout dst not None, src_tensors, dst_tensors,
               src_row_arg, dst_row_arg, src_offset_arg=0, dst_offset_arg=0, size_arg=-1):
     """Plan row copies of a contiguous cache: for each selected tensor pair, copy ``size`` bytes

@@ -3,8 +3,8 @@
 This module is the oracle of the tests and nothing else; the library never imports it. Each
 function computes, in the most obvious way, what its namesake in the Cython core computes:
 
-* ``plan_blocks``, ``plan_sub_blocks``, ``plan_rows`` and ``plan_row_to_blocks`` return the **unmerged** list of
-  ``(src, dst, nbytes)`` copies, in the order the core must perform them;
+* ``plan_blocks``, ``plan_sub_blocks``, ``plan_strided_blocks``, ``plan_rows`` and ``plan_row_to_blocks``
+  return the **unmerged** list of ``(src, dst, nbytes)`` copies, in the order the core must perform them;
 * ``layer_range_to_tensor_indices``, ``inclusive_layer_range_to_tensor_indices`` and
   ``resolve_layer_ranges`` return tensor index lists (tensor ``t`` belongs to layer ``t // N``);
 * ``apply`` performs descriptors one after the other on a model of memory.
@@ -19,7 +19,7 @@ message must name. Speed is a non-goal.
 from __future__ import annotations
 
 __all__ = [
-    "InvalidInput", "plan_blocks", "plan_sub_blocks", "plan_rows", "plan_row_to_blocks",
+    "InvalidInput", "plan_blocks", "plan_sub_blocks", "plan_strided_blocks", "plan_rows", "plan_row_to_blocks",
     "layer_range_to_tensor_indices", "inclusive_layer_range_to_tensor_indices",
     "resolve_layer_ranges", "apply",
 ]
@@ -166,6 +166,45 @@ def plan_sub_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst
                     large_at = (large_base + large_list[at // ratio] * large + ratio * offset + r * piece * ratio
                                 + (at % ratio) * piece)
                     copies.append((large_at, small_at, piece) if src_large else (small_at, large_at, piece))
+    return copies
+
+
+def plan_strided_blocks(src_addrs, src_rows, src_row_bytes, dst_addrs, dst_rows, dst_row_bytes,
+                        src_tensors, dst_tensors, src_blocks, dst_blocks, regions):
+    """For each tensor pair, block pair and region ``(src_offset, src_stride, dst_offset,
+    dst_stride, piece, count)``: ``count`` runs of ``piece`` bytes, run ``r`` at ``offset + r *
+    stride`` of each side's block; every run inside its block."""
+    _check_geometry(src_addrs, src_rows, src_row_bytes, "source")
+    _check_geometry(dst_addrs, dst_rows, dst_row_bytes, "destination")
+    pairs = _tensor_pairs(src_addrs, dst_addrs, src_tensors, dst_tensors)
+    checked = []
+    if not hasattr(regions, "__iter__"):
+        raise InvalidInput(f"regions is a {type(regions).__name__}, not a sequence", type(regions).__name__)
+    for k, item in enumerate(regions):
+        if not hasattr(item, "__len__") or len(item) != 6:
+            raise InvalidInput(f"regions[{k}] is not six values", item)
+        _check_unsigned(**dict(zip(("src_offset", "src_stride", "dst_offset", "dst_stride", "piece", "count"), item)))
+        src_offset, src_stride, dst_offset, dst_stride, piece, count = item
+        if piece == 0 or count == 0:
+            raise InvalidInput(f"regions[{k}] piece {piece} and count {count} must be > 0", piece or count)
+        if src_offset + (count - 1) * src_stride + piece > src_row_bytes:
+            raise InvalidInput(f"regions[{k}] ends outside the source block", src_offset)
+        if dst_offset + (count - 1) * dst_stride + piece > dst_row_bytes:
+            raise InvalidInput(f"regions[{k}] ends outside the destination block", dst_offset)
+        checked.append(item)
+    if not checked:
+        raise InvalidInput("no region")
+    src_blocks = _indices(src_blocks, src_rows, "src_blocks")
+    dst_blocks = _indices(dst_blocks, dst_rows, "dst_blocks")
+    if len(src_blocks) != len(dst_blocks):
+        raise InvalidInput(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination ones", len(src_blocks))
+    copies = []
+    for s, d in pairs:
+        for sb, db in zip(src_blocks, dst_blocks):
+            for src_offset, src_stride, dst_offset, dst_stride, piece, count in checked:
+                for r in range(count):
+                    copies.append((src_addrs[s] + sb * src_row_bytes + src_offset + r * src_stride,
+                                   dst_addrs[d] + db * dst_row_bytes + dst_offset + r * dst_stride, piece))
     return copies
 
 

@@ -568,6 +568,24 @@ class Engine:
                                                          regions, first), table, cache, 0, st, dt)
         self._transfer_planned(remote_id, dst, False, planner)
 
+    def pull_strided_blocks(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
+                            regions) -> None:
+        """The engine seam's pull between blocks that hold the same bytes in another order (for
+        integrations: a vLLM engine whose KV blocks are ``[tokens, heads, C]`` and one whose are
+        ``[heads, tokens, C]``): each region ``(src_offset, src_stride, dst_offset, dst_stride,
+        piece, count)`` of every block pair moves as ``count`` strided runs
+        (``_core.plan_strided_blocks``, which says what it refuses), from the peer's blocks cache of
+        ``model_id`` into the registered cache ``cache_id``, every tensor."""
+        dst = self.lookup(cache_id)
+        src_blocks, dst_blocks = block_array(src_blocks, "src_blocks"), block_array(dst_blocks, "dst_blocks")
+
+        def planner(table):
+            cache, _ = resolve_remote(table, remote_id, BlocksRef(model_id))
+            st, dt = whole_caches(2)(cache.num_tensors, dst.num_tensors)
+            return PlannedTransfer(_core.plan_strided_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks,
+                                                             regions), table, cache, 0, st, dt)
+        self._transfer_planned(remote_id, dst, False, planner)
+
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
         """Pull a remote row with ``plan_row(cache, row, src_tensors, dst_tensors)``, then tell
         the owner if the row was bound to a key it may release."""

@@ -8,6 +8,13 @@ contiguous run per layer register and move block for block between two workers (
 vLLM's own grouping of kernel blocks, ``group_kernel_blocks``); the others are refused in one line
 that names the fix. They also check that vLLM resolves the layout the connector asks for.
 
+Issue 35, item 5: LBNHC (token-major blocks) is registered as its blocks and moves to and from
+LBHNC engines head by head (``kv_layouts``). vLLM's CPU build cannot run an LBNHC engine: its
+only attention backend for such models (``vllm/platforms/cpu.py:177-179``, CPU_ATTN) supports
+LBHNC alone (``vllm/v1/attention/backends/cpu_attn.py:73-75``), and a ``VLLM_KV_CACHE_LAYOUT``
+outside that set is an error (``vllm/v1/attention/backends/utils.py:328-334``); so the permuted
+path is tested here, with vLLM's own views and two processes, not with live engines.
+
 Needs vLLM (``pip install '.[vllm]'``); no engine is started.
 """
 
@@ -76,10 +83,21 @@ def _release_ok(peer_cluster_id, message):
     return {"request_id": message.get("request_id"), "released": True, "why": ""}
 
 
-def prefill_side(state, layout_name: str, kernel_block_size, mla: bool, seed: int) -> dict:
+def _answering(said):
+    """A prefill worker's notify handler that answers a link's hello with ``said`` (its compat
+    description) and releases as ``_release_ok``."""
+    def on_notify(peer_cluster_id, message):
+        if isinstance(message, dict) and message.get("op") == "hello":
+            return {"kv_compat": said, "compatible": True}
+        return _release_ok(peer_cluster_id, message)
+    return on_notify
+
+
+def prefill_side(state, layout_name: str, kernel_block_size, mla: bool, seed: int, said=None) -> dict:
     """In the prefill engine's process (one llm_datadist engine per process): vLLM's views with
     seeded bytes, registered by the connector's layout code as its worker does (model 0, in place
-    of the previous case's), releases answered as its worker does. Returns each layer's blocks."""
+    of the previous case's), releases answered as its worker does, a hello with ``said`` if given.
+    Returns each layer's blocks (in vLLM's logical order)."""
     import torch
 
     import llm_datadist as ld
@@ -96,7 +114,7 @@ def prefill_side(state, layout_name: str, kernel_block_size, mla: bool, seed: in
     state.caches["kv"] = state.cm.register_blocks_cache(layout.cache_desc(tensors), [t.data_ptr() for t in tensors],
                                                         ld.BlocksCacheKey(state.cluster_id, 0), True)
     state.scratch["kv"] = kv  # the memory stays alive while registered
-    state.dd.engine.set_notify_handler(_release_ok)
+    state.dd.engine.set_notify_handler(_release_ok if said is None else _answering(said))
     return {name: [block.numpy() for block in blocks_of(view)] for name, view in kv.items()}
 
 
@@ -109,7 +127,7 @@ def prefill_engine():
 
 
 REGISTERED = [("LBHNC", None, False), ("LBHNC", 8, False), ("LBHNC", 4, False), ("LBNHC", None, True)]
-REFUSED = [("LBNHC", None), ("LBNHC", 8), ("BLHNC", None), ("BLNHC", None), ("LHBNC", None), ("BHLNC", None)]
+REFUSED = [("BLHNC", None), ("BLNHC", None), ("LHBNC", None), ("BHLNC", None)]
 
 
 @pytest.mark.parametrize("layout_name, kernel_block_size, mla", REGISTERED)
@@ -149,6 +167,65 @@ def test_vllms_views_register_and_move_block_for_block(prefill_engine, layout_na
         decode.close()
 
 
+def said(layout_name: str) -> dict:
+    """A prefill worker's description of its layout on the link (``kv_layouts.fields``)."""
+    return {"kv_format": 2 if layout_name == "LBNHC" else 1, "kv_layout": layout_name, "kv_layout_pulls": True}
+
+
+#: (prefill layout, decode layout, kernel block size), each side registered from vLLM's views
+PERMUTED = [("LBNHC", "LBHNC", None), ("LBHNC", "LBNHC", None), ("LBNHC", "LBNHC", None), ("LBNHC", "LBHNC", 8)]
+
+
+def test_permuted_layouts_move_head_by_head_and_lying_peers_are_refused(prefill_engine):
+    """Issue 35, item 5. A decode worker of one layout pulls three blocks of a prefill engine of
+    another (LBNHC <-> LBHNC, kernel blocks too) or of the same: each pulled block holds the
+    prefill's KV in vLLM's logical order, every other block is untouched, and the bytes moved are
+    the blocks'. A peer that lies is refused with nothing written: one whose blocks are smaller
+    than the LBNHC layout it claims (the planner reads only its registered blocks), one that
+    claims a layout that does not move, and an LBNHC one that does not say its layout (an older
+    release's description)."""
+    import numpy as np
+
+    from llm_datadist.integrations.vllm.meta import Recv
+
+    def pull(prefill_layout, decode_layout, kernel_block_size, claim, mla=False):
+        sent = prefill_engine.call(prefill_side, prefill_layout, kernel_block_size, mla, 11, claim)
+        decode_kv, config = vllm_views(decode_layout, kernel_block_size)
+        decode = _worker(config)
+        try:
+            decode.register(decode_kv)
+            assert decode.compat["kv_layout"] == decode_layout
+            host, port = prefill_engine.address
+            decode._pull("d1", Recv(list(PULLED.values()), list(PULLED), host, port, prefill_engine.cluster_id,
+                                    "p1", awaiting=True))
+            results = decode.results()
+            got = {name: [block.numpy() for block in blocks_of(view)] for name, view in decode_kv.items()}
+            return sent, got, results, dict(decode.stats), decode.take_stats()
+        finally:
+            decode.close()
+
+    for prefill_layout, decode_layout, kernel_block_size in PERMUTED:
+        case = (prefill_layout, decode_layout, kernel_block_size)
+        sent, got, results, stats, metrics = pull(*case, said(prefill_layout))
+        assert results.finished_recving == {"d1"} and results.failed_recving == set(), (case, stats)
+        assert stats["pulled_blocks"] == len(PULLED), case
+        assert metrics.data["pull_bytes"] == [len(PULLED) * NUM_LAYERS * _spec().page_size_bytes], case
+        for name in got:
+            for remote, local in PULLED.items():
+                assert np.array_equal(got[name][local], sent[name][remote]), (case, name, remote, local)
+            for local in set(range(NUM_BLOCKS)) - set(PULLED.values()):
+                assert not got[name][local].any(), (case, name, local)
+
+    lies = [("MLA blocks of 768 bytes claimed as LBNHC", said("LBNHC"), True),
+            ("a layout that does not move", dict(said("LBNHC"), kv_layout="BLHNC"), False),
+            ("an LBNHC engine that does not say so", {"kv_format": 2}, False)]
+    for what, claim, mla in lies:
+        _, got, results, stats, _ = pull("LBNHC", "LBHNC", None, claim, mla)
+        assert results.failed_recving == {"d1"} and stats["pulled_blocks"] == 0, (what, stats)
+        assert stats["notified"] == 1, what  # (the prefill side is still told to free its blocks)
+        assert not any(block.any() for blocks in got.values() for block in blocks), what
+
+
 @pytest.mark.parametrize("layout_name, kernel_block_size", REFUSED)
 def test_other_layouts_are_refused_in_one_line_naming_the_fix(layout_name, kernel_block_size):
     kv, config = vllm_views(layout_name, kernel_block_size)
@@ -160,6 +237,7 @@ def test_other_layouts_are_refused_in_one_line_naming_the_fix(layout_name, kerne
         assert "\n" not in message and worker.cache is None
         assert "layer model.layers.0.self_attn.attn's KV cache is not one contiguous run of blocks" in message
         assert f"vLLM KV cache layout {layout_name})" in message
+        assert "the connector moves LBHNC and LBNHC" in message
         assert "unset VLLM_KV_CACHE_LAYOUT (or set it to LBHNC)" in message
     finally:
         worker.close()
@@ -197,3 +275,42 @@ def test_vllm_resolves_the_layout_the_connector_asks_for(monkeypatch):
     assert resolved(True) == "LBNHC"
     assert resolved(False, transfer=None) == "LBNHC"  # without the connector: vLLM's default
     assert LLMDataDistConnector.get_required_kvcache_layout(SimpleNamespace(model_config=None)) is None
+
+
+def test_kv_layouts_that_differ_move_only_where_a_pull_permutes_them():
+    """The link's check (``compat.verdict``): LBNHC and LBHNC engines that both pull, of one TP and
+    block size, are compatible; push mode, other TP or block sizes, a layout that does not move,
+    and an older release's description against an LBNHC engine are refused naming the field."""
+    from llm_datadist.integrations.vllm import compat, kv_layouts
+
+    mine = dict(said("LBHNC"), tp_size=1, block_size=16)
+    token_major = dict(mine, **said("LBNHC"))
+    assert compat.verdict(mine, dict(mine)) is None and compat.verdict(token_major, dict(token_major)) is None
+    assert compat.verdict(mine, token_major) is None and compat.verdict(token_major, mine) is None
+    for other, field in [(dict(token_major, kv_layout_pulls=False), "kv_layout 'LBNHC' there, 'LBHNC' here"),
+                         (dict(token_major, tp_size=2), "kv_layout 'LBNHC' there"),
+                         (dict(token_major, block_size=32), "kv_layout 'LBNHC' there"),
+                         (dict(mine, kv_layout="BLHNC"), "kv_layout 'BLHNC' there"),
+                         ({"kv_format": 1, "tp_size": 1, "block_size": 16}, None)]:
+        why = compat.verdict(token_major if field is None else mine, other)
+        assert why is not None and (field or "kv_format 1 there, 2 here") in why, (other, why)
+    # (the pull's own check, whatever the link said)
+    assert kv_layouts.refusal("LBHNC", "LBHNC", True, False) == ""
+    assert "where both KV cache layouts are LBHNC" in kv_layouts.refusal("LBNHC", "LBNHC", True, False)
+    assert "tensor parallel sizes" in kv_layouts.refusal("LBHNC", "LBNHC", False, True)
+    assert "'XYZ' is none this connector moves" in kv_layouts.refusal("LBHNC", "XYZ", False, False)
+
+
+def test_vllms_cpu_build_runs_no_permuted_layout(monkeypatch):
+    """Why no live engine tests LBNHC here: the CPU attention backend supports LBHNC alone, and vLLM
+    refuses a ``VLLM_KV_CACHE_LAYOUT`` outside that set (the lines the module docstring names)."""
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    supported = [[layout.name for layout in get_supported_kv_cache_layouts([CPUAttentionBackend])]]
+    assert supported == [["LBHNC"]]
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    config = SimpleNamespace(cache_config=CacheConfig(), kv_transfer_config=None, model_config=None)
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBNHC does not satisfy every supported set"):
+        resolve_kv_cache_layout(config, supported, [_spec()])

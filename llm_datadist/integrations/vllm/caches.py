@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from llm_datadist.integrations.vllm import layout
+from llm_datadist.integrations.vllm import kv_layouts, layout
 
 #: Hex digits of a cache's layer-name digest in its description.
 DIGEST_CHARS = 16
@@ -38,7 +38,9 @@ class CacheClass:
     llm_datadist blocks cache."""
 
     group: int  # position among the groups that move (0 without groups)
-    shape: Tuple[int, ...]  # of each tensor, block id on dimension 0
+    #: of each layer's view as vLLM says it (``[blocks, (kernel blocks,) heads, tokens, C]``): its
+    #: tensor's shape, or that of its transpose where ``token_major``
+    shape: Tuple[int, ...]
     dtype: torch.dtype
     layers: List[str] = field(default_factory=list)  # every layer whose view is here
     tensors: List[torch.Tensor] = field(default_factory=list)  # one per distinct view
@@ -46,6 +48,8 @@ class CacheClass:
     #: states, not the padding) and their bytes; None: whole blocks
     ranges: Optional[Tuple[Tuple[int, int], ...]] = None
     state_bytes: int = 0
+    #: registered as blocks of ``[tokens, heads, C]`` (vLLM's LBNHC layout, ``kv_layouts``)
+    token_major: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -90,7 +94,7 @@ def plan(kv_caches: Dict[str, Any], group_layers: Sequence[Sequence[str]], num_b
         # (views of one memory in two groups are normal: vLLM's hybrid manager lays a layer of
         # each group over one buffer, each group's blocks indexing it its own way)
         seen: Dict[int, CacheClass] = {}  # data_ptr -> the class of this group holding that view
-        by_key: Dict[Tuple[Tuple[int, ...], torch.dtype], CacheClass] = {}
+        by_key: Dict[Tuple[Tuple[int, ...], torch.dtype, bool], CacheClass] = {}
         for name in names:  # vLLM's order
             if name not in layers:
                 continue
@@ -101,15 +105,16 @@ def plan(kv_caches: Dict[str, Any], group_layers: Sequence[Sequence[str]], num_b
             view = layout.blocks_view(name, value, num_blocks, kv_layout)
             owner = seen.get(view.data_ptr())
             if owner is not None:  # a layer sharing another's cache (vLLM's KV sharing)
-                if owner.shape != tuple(view.shape) or owner.dtype != view.dtype:
+                if owner.tensors[0].shape != view.shape or owner.dtype != view.dtype:
                     raise NotImplementedError(f"LLMDataDistConnector: layer {name} shares its KV cache with a "
                                               "layer of another shape")
                 owner.layers.append(name)
                 continue
-            key = (tuple(view.shape), view.dtype)
+            token_major = not value.is_contiguous()  # (blocks_view took it as LBNHC blocks)
+            key = (kv_layouts.logical_shape(view.shape) if token_major else tuple(view.shape), view.dtype, token_major)
             cls = by_key.get(key)
             if cls is None:
-                cls = by_key[key] = CacheClass(group, key[0], key[1])
+                cls = by_key[key] = CacheClass(group, key[0], key[1], token_major=token_major)
                 out.append(cls)
             cls.layers.append(name)
             cls.tensors.append(view)

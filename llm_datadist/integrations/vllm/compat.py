@@ -17,9 +17,11 @@ is not compared, the layouts are compared without their token dimension, and the
 block (``block_layout``: the attention backend's, ``block_sizes.Attention.layout``) must be the same.
 A rank's layout and caches are compared only between engines of one tensor parallel size; engines of
 different sizes compare the layout of all heads together instead (``PER_RANK``,
-``layout_all_heads``). The weights are known by the model's name: two checkpoints of one geometry
-differ only there (a fine-tune has its base's config), and hashing gigabytes of weights at start is
-not an option. Engines that load one checkpoint from different paths say so with the same
+``layout_all_heads``). The KV cache layouts the engines registered (``kv_layout``, ``kv_layouts``) may
+differ where both are moved, both pull (``kv_layout_pulls``) and the engines share TP and block
+sizes: the decode worker then permutes each head; elsewhere a difference refuses. The weights are
+known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
+base's config), and hashing gigabytes of weights at start is not an option. Engines that load one checkpoint from different paths say so with the same
 ``model_id``."""
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from llm_datadist.integrations.vllm import kv_layouts
 
 #: What the KV blocks of this connector hold and how they are addressed; bumped when that changes.
 KV_FORMAT = 1
@@ -137,8 +141,10 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
     """``"<field> <theirs> there, <mine> here"`` for each field both describe and that differs; a
     field only one side knows (a newer release's) is not compared — ``kv_format`` is what a change
     of meaning bumps."""
-    skip = PER_RANK if "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"] else ()
+    other_tp = "tp_size" in mine and "tp_size" in theirs and mine["tp_size"] != theirs["tp_size"]
+    skip = PER_RANK if other_tp else ()
     sizes = block_sizes(mine, theirs)
+    skip = skip + _layouts_moved(mine, theirs, other_tp or sizes is not None)
     if sizes is None:
         # (how a block is laid out inside, ``block_sizes.Attention.layout``, matters where blocks of
         # other token counts are cut into sub-blocks)
@@ -167,6 +173,22 @@ def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[str]:
             out.append("caches: it does not describe its KV caches (an older release), this engine registers "
                        f"{len(str(mine['caches']).split(';'))} of different shapes or groups")
     return out
+
+
+def _layouts_moved(mine: Dict[str, Any], theirs: Dict[str, Any], other_sizes: bool) -> Tuple[str, ...]:
+    """The fields not compared because the engines' KV cache layouts differ where KV still moves
+    (``kv_layouts``): both say theirs (then ``kv_format`` says the same twice), both are layouts
+    that move, both pull, and the engines share TP and block sizes (``other_sizes`` False)."""
+    if "kv_layout" not in mine or "kv_layout" not in theirs:
+        return ("kv_layout_pulls",)
+    formats = (KV_FORMAT, kv_layouts.KV_FORMAT_TOKEN_MAJOR)
+    skip = ("kv_layout_pulls",) + (("kv_format",) if mine.get("kv_format") in formats and
+                                   theirs.get("kv_format") in formats else ())
+    if mine["kv_layout"] == theirs["kv_layout"] or (
+            mine["kv_layout"] in kv_layouts.MOVED and theirs["kv_layout"] in kv_layouts.MOVED and not other_sizes
+            and mine.get("kv_layout_pulls") is True and theirs.get("kv_layout_pulls") is True):
+        skip += ("kv_layout",)
+    return skip
 
 
 def block_sizes(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[Tuple[int, int]]:
@@ -205,10 +227,11 @@ def verdict(mine: Dict[str, Any], theirs: Any) -> Optional[str]:
 
 
 def ask(notify: Callable[[int, Dict[str, Any]], Any], cluster_id: int, mine: Dict[str, Any], where: str,
-        link_broken: Any, count: Callable[[str], None]) -> Tuple[Optional[str], Optional[int]]:
+        link_broken: Any, count: Callable[[str], None]) -> Tuple[Optional[str], Optional[int], Optional[str]]:
     """The decode side of a link's compatibility exchange (once per link): tell the prefill worker
     (``notify(cluster_id, message)``) what this engine's KV is and compare with its answer; why its
-    KV is refused (or None), and the block size it says it has (None if it says none that fits). A
+    KV is refused (or None), the block size it says it has (None if it says none that fits) and its
+    KV cache layout (``kv_layout``; None if it says none: an older release registers LBHNC only). A
     peer that does not describe itself (an older release) is not refused: that is said once per
     link. Re-raises an ``LLMException`` whose status is in ``link_broken``."""
     from llm_datadist import LLMException
@@ -222,12 +245,14 @@ def ask(notify: Callable[[int, Dict[str, Any]], Any], cluster_id: int, mine: Dic
     if not isinstance(reply, dict) or "kv_compat" not in reply:
         logger.warning("llm_datadist: the prefill engine at %s (cluster %d) does not describe its KV (an older "
                        "release?); its compatibility with this engine is not checked", where, cluster_id)
-        return None, None
+        return None, None, None
     why = verdict(mine, reply["kv_compat"])
     if why is not None:  # (each request refused says why in its line)
         count("incompatible_peers")
-    theirs = reply["kv_compat"].get("block_size") if isinstance(reply["kv_compat"], dict) else None
-    return why, theirs if type(theirs) is int and theirs > 0 else None
+    said = reply["kv_compat"] if isinstance(reply["kv_compat"], dict) else {}
+    theirs, layout = said.get("block_size"), said.get("kv_layout")
+    return (why, theirs if type(theirs) is int and theirs > 0 else None,
+            layout[:MAX_NAME_CHARS] if isinstance(layout, str) else None)
 
 
 def answer(peer_cluster_id: int, message: Dict[str, Any], mine: Dict[str, Any],

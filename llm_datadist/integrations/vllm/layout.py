@@ -3,8 +3,10 @@ tensors of one llm_datadist blocks cache (block id on dimension 0), its ``CacheD
 device they must be on.
 
 vLLM 0.32 hands each layer over as a 4-D ``[blocks, heads, tokens, K+V bytes]`` view of one backing
-buffer, strided as its KV cache layout says; only ``LBHNC`` makes every layer's view one contiguous
-run, so the connector asks for it (``REQUIRED_LAYOUT``)."""
+buffer, strided as its KV cache layout says; ``LBHNC`` makes every layer's view one contiguous run,
+so the connector asks for it (``REQUIRED_LAYOUT``). vLLM may resolve another (an attention backend
+that does not support it, ``VLLM_KV_CACHE_LAYOUT``): ``LBNHC``'s views are registered as their
+blocks' transpose (``kv_layouts``); any other is refused."""
 
 from __future__ import annotations
 
@@ -79,14 +81,19 @@ def blocks_view(name: str, t: torch.Tensor, num_blocks: Optional[int], layout: O
     """The layer's cache with one row per vLLM block on dimension 0: vLLM's view itself, or, where
     the attention backend splits each block into ``k`` kernel blocks (dimension 0 is then
     ``num_blocks * k``), the same memory with block ``b`` = rows ``b*k ... b*k+k-1`` grouped as
-    dimension 1. Only a layer whose view is one contiguous run (the ``LBHNC`` layout, or any
-    layout with one head) can be registered; others are refused with the fix."""
-    if not t.is_contiguous():
+    dimension 1. A layer whose view is one contiguous run (the ``LBHNC`` layout, or any layout with
+    one head) is registered as it is; one whose view is the transpose of contiguous ``[tokens, heads,
+    C]`` blocks (``LBNHC``) as those blocks (``[blocks, tokens, heads, C]``, ``kv_layouts``); others
+    are refused with the fix."""
+    if t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        t = t.transpose(1, 2)  # (LBNHC: the memory's own order)
+    elif not t.is_contiguous():
         raise NotImplementedError(
             f"LLMDataDistConnector: layer {name}'s KV cache is not one contiguous run of blocks (shape "
             f"{tuple(t.shape)}, strides {t.stride()}: vLLM KV cache layout {layout or 'unknown'}); the "
-            f"connector needs {REQUIRED_LAYOUT}, which it asks vLLM for: unset VLLM_KV_CACHE_LAYOUT (or "
-            f"set it to {REQUIRED_LAYOUT}) and use an attention backend that supports {REQUIRED_LAYOUT}")
+            f"connector moves {REQUIRED_LAYOUT} and LBNHC and asks vLLM for {REQUIRED_LAYOUT}: unset "
+            f"VLLM_KV_CACHE_LAYOUT (or set it to {REQUIRED_LAYOUT}) and use an attention backend that "
+            f"supports {REQUIRED_LAYOUT} or LBNHC")
     if num_blocks is None or t.shape[0] == num_blocks:
         return t
     if t.dim() > 0 and num_blocks > 0 and t.shape[0] % num_blocks == 0:
@@ -95,13 +102,14 @@ def blocks_view(name: str, t: torch.Tensor, num_blocks: Optional[int], layout: O
                               f"expected {num_blocks} blocks (or a multiple: kernel blocks) on dimension 0")
 
 
-def cache_desc(tensors: List[torch.Tensor]) -> ld.CacheDesc:
-    """The blocks cache the tensors make: their shape, their dtype (or raw bytes of its width),
+def cache_desc(tensors: List[torch.Tensor], shape: Optional[Tuple[int, ...]] = None) -> ld.CacheDesc:
+    """The blocks cache the tensors make: their shape (or ``shape``: of as many elements, as vLLM's
+    views say it where they are registered transposed), their dtype (or raw bytes of its width),
     HOST for CPU tensors and DEVICE otherwise."""
     first = tensors[0]
     dtype = DTYPES.get(first.dtype) or BY_WIDTH[first.element_size()]
     placement = ld.Placement.HOST if first.device.type == "cpu" else ld.Placement.DEVICE
-    return ld.CacheDesc(len(tensors), list(first.shape), dtype, placement)
+    return ld.CacheDesc(len(tensors), list(shape or first.shape), dtype, placement)
 
 
 def check_device(dd: ld.LLMDataDist, device: torch.device, device_id: int) -> None:
@@ -124,12 +132,14 @@ def check_device(dd: ld.LLMDataDist, device: torch.device, device_id: int) -> No
                                   f"the connector was built)")
 
 
-def head_split(first: torch.Tensor, heads: Any, tp_size: int) -> Tuple[Optional[int], str]:
+def head_split(first: torch.Tensor, heads: Any, tp_size: int, token_major: bool = False) -> Tuple[Optional[int], str]:
     """``(bytes of one KV head in a block, "")`` if each block of a rank's registered tensors (the
     first of them: ``first``) holds the rank's share of the model's ``heads`` KV heads outermost
     (``[heads, tokens, ...]``: vLLM's LBHNC views), so that a range of heads is one byte range of
     each block; else ``(None, why not)``. A rank holds ``heads / tp_size`` of them, or one (replicated)
     where ``tp_size`` is a multiple of ``heads`` (``meta.held_heads``)."""
+    if token_major:
+        return None, "its KV cache layout is LBNHC: a range of heads is no one byte range of a block"
     if not isinstance(heads, int) or heads <= 0:
         return None, "this engine's model does not say its KV heads"
     if heads % tp_size and tp_size % heads:

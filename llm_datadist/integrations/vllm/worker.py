@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import block_sizes, caches, compat, layout, state
+from llm_datadist.integrations.vllm import block_sizes, caches, compat, kv_layouts, layout, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -129,6 +129,7 @@ class Worker:
         self._answers: Dict[str, Dict[str, Any]] = {}
         #: linked prefill cluster -> the block size its compatibility answer said (``_hello``)
         self._link_block_sizes: "OrderedDict[int, int]" = OrderedDict()
+        self.link_layouts = kv_layouts.LinkLayouts()  # (and the KV cache layout it said)
         # prefill side
         self.leases = LeaseBook(options)
         # push mode (``push``): the prefill worker pushes, the decode worker grants and receives
@@ -195,7 +196,7 @@ class Worker:
                 "layers of several shapes, such as an EAGLE drafter's, or several KV cache groups); use "
                 "transfer_mode 'pull'")
         parts = [cls.tensors for cls in classes]
-        descs = [layout.cache_desc(tensors) for tensors in parts]
+        descs = [layout.cache_desc(cls.tensors, cls.shape) for cls in classes]  # (as vLLM's views say)
         tensors = [t for part in parts for t in part]
         first = tensors[0]
         if descs[0].placement == ld.Placement.DEVICE:
@@ -209,7 +210,8 @@ class Worker:
             self._head_bytes, self._heads_refusal = None, "a model with several KV caches (KV cache groups or " \
                 "layers of several shapes) moves KV only between engines of one tensor parallel size"
         else:
-            self._head_bytes, self._heads_refusal = layout.head_split(first, self.compat.get("kv_heads"), self.tp_size)
+            self._head_bytes, self._heads_refusal = layout.head_split(first, self.compat.get("kv_heads"), self.tp_size,
+                                                                      classes[0].token_major)
         # each state-space group's states (offsets, shapes, dtypes in a page): compared per link
         described = {"kv_states": ";".join(f"{self.groups[k].index}:{found.describe()}"
                                            for k, (_, found) in sorted(states.items()))} if states else {}
@@ -217,7 +219,8 @@ class Worker:
         self.compat = dict(self.compat, layout=";".join(compat.layout(d) for d in descs), tp_size=self.tp_size,
                            layout_all_heads=compat.layout(descs[0], min(self.tp_size, self.compat.get("kv_heads") or 0)
                                                             if self._head_bytes else 0),
-                           caches=caches.describe(classes), block_layout=self.sizes.layout(classes), **described)
+                           caches=caches.describe(classes), block_layout=self.sizes.layout(classes), **described,
+                           **kv_layouts.fields(classes, self.pusher is None and self.receiver is None))
         self._register()
         self.device = str(first.device)
         if self.pusher is not None:
@@ -507,6 +510,8 @@ class Worker:
         said, linked = spec.remote_block_size or self.block_size, self._link_block_sizes.get(cluster_id)
         if not why and linked is not None and linked != said:  # (a router that dropped remote_block_size)
             why = f"its request says blocks of {said} tokens, the prefill engine's link says {linked}"
+        why = why or kv_layouts.refusal(self.compat.get("kv_layout"), self.link_layouts.of(cluster_id),
+                                        block_sizes.differ(spec, self.block_size), bool(spec.heads))
         if why:
             raise compat.Incompatible(why)
         if spec.heads and self._head_bytes is None:
@@ -546,9 +551,9 @@ class Worker:
                                                                 offset, offset, size)
                             self._count(f"pulled_state_bytes_group{group}", len(local) * cls.block_bytes)
                         else:
-                            # (no cache: not registered, which pull_blocks refuses)
-                            cache = registered[k] if k < len(registered) else None
-                            self.cm.pull_blocks(ld.BlocksCacheKey(cluster_id, k), cache, remote, local)
+                            # (whole blocks, or each head's strided runs between KV cache layouts)
+                            kv_layouts.pull(self.cm, self.dd.engine, cluster_id, k, registered[k] if k < len(
+                                registered) else None, cls, remote, local, self.link_layouts.of(cluster_id))
                         nbytes += len(local) * cls.block_bytes
                         if len(classes) > 1:
                             self._count_cache(k, len(local))
@@ -574,9 +579,10 @@ class Worker:
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
         """Once per link (``Peers`` calls it when a link is made): ``compat.ask``; the block size the
         peer said is kept for the link's pulls (``_pull_blocks``)."""
-        why, theirs = compat.ask(lambda peer, message: self._links_api.notify(peer, message,
-                                                                              self.peers.notify_timeout_ms),
-                                 cluster_id, self.compat, where, LINK_BROKEN, self.recorder.count)
+        why, theirs, said = compat.ask(lambda peer, message: self._links_api.notify(peer, message,
+                                                                                    self.peers.notify_timeout_ms),
+                                       cluster_id, self.compat, where, LINK_BROKEN, self.recorder.count)
+        self.link_layouts.learn(cluster_id, said)
         with self._lock:
             self._link_block_sizes.pop(cluster_id, None)
             if theirs is not None:
