@@ -21,8 +21,8 @@ different sizes compare the layout of all heads together instead (``PER_RANK``,
 differ where both are moved, both pull (``kv_layout_pulls``) and the engines share TP and block
 sizes: the decode worker then permutes each head; elsewhere a difference refuses. The weights are
 known by the model's name: two checkpoints of one geometry differ only there (a fine-tune has its
-base's config), and hashing gigabytes of weights at start is not an option. Engines that load one checkpoint from different paths say so with the same
-``model_id``."""
+base's config), and hashing gigabytes of weights at start is not an option. Engines that load one
+checkpoint from different paths say so with the same ``model_id``."""
 
 from __future__ import annotations
 
