@@ -213,3 +213,40 @@ def test_pipeline_parallelism_refuses_what_it_cannot_move_at_start():
     transfer = SimpleNamespace(is_kv_producer=True, is_kv_consumer=False)
     with pytest.raises(NotImplementedError, match="without pipeline parallelism"):
         connector._check_push(transfer, parallel, ())
+
+
+@needs_vllm
+def test_a_tp2_pp2_engine_collects_its_four_workers_by_stage_and_rank():
+    """The scheduler half of a TP 2 x PP 2 engine takes vLLM's handshakes keyed ``(pp_rank,
+    tp_rank)`` (``set_xfer_handshake_metadata_pp_aware``, as its engine core and MultiConnector
+    call it) and hands out the four workers by flat rank; another connector's metadata is ignored."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.v1.request import RequestStatus
+
+    from llm_datadist.integrations.vllm import LLMDataDistConnector, LLMDataDistHandshakeMetadata
+
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_connector_extra_config={}, is_kv_producer=True,
+                                           is_kv_consumer=False),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2),
+        cache_config=SimpleNamespace(block_size=32))
+    connector = LLMDataDistConnector(config, KVConnectorRole.SCHEDULER)
+    try:
+        multi = SimpleNamespace(_connectors=[connector])
+        shakes = {(pp, tp): LLMDataDistHandshakeMetadata("e", 20 + pp * 2 + tp, "127.0.0.1", 6000 + pp * 2 + tp,
+                                                         lease_key="ab" * 32, tp_rank=tp, tp_size=2, pp_rank=pp,
+                                                         pp_size=2)
+                  for pp in (0, 1) for tp in (0, 1)}
+        MultiConnector.set_xfer_handshake_metadata_pp_aware(multi, {(0, 0): SimpleNamespace()})  # not ours
+        assert connector._scheduler.worker is None
+        MultiConnector.set_xfer_handshake_metadata_pp_aware(multi, {k: shakes[k] for k in [(0, 0), (0, 1), (1, 0)]})
+        assert connector._scheduler.worker is None  # not every worker yet: nothing handed out
+        MultiConnector.set_xfer_handshake_metadata_pp_aware(multi, shakes)
+        request = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
+                                  status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+        _, params = connector.request_finished_all_groups(request, ([1, 2],))
+        assert (params["tp_size"], params["pp_size"]) == (2, 2)
+        assert [r["port"] for r in params["remote_ranks"]] == [6000, 6001, 6002, 6003]
+    finally:
+        connector.shutdown()

@@ -326,7 +326,9 @@ class Scheduler:
             params["remote_ranks"] = answer["ranks"]
             params["readers_counted"] = learnt.readers_counted
             return learnt
-        what = f"its {spec.tp_size * spec.remote_pp_size} workers' addresses" if spec.ranks_unknown else \
+        workers = f"{spec.tp_size} tensor parallel ranks" if spec.remote_pp_size == 1 else \
+            f"{spec.tp_size * spec.remote_pp_size} workers (pipeline parallel size {spec.remote_pp_size})"
+        what = f"its {workers}" if spec.ranks_unknown else \
             "whether it counts the readers of a rank's blocks"
         logger.warning("request %s: its kv_transfer_params do not say %s (a router that forwards only NIXL's "
                        "fields?), and the prefill engine at %s:%d could not say either (%s): computing the prompt "
