@@ -777,41 +777,32 @@ def _free_port_run(count: int) -> int:
 
 @needs_vllm
 def test_a_fixed_listen_port_is_offset_by_dp_and_tp_rank(monkeypatch):
-    """Rank (dp, tp) listens on listen_port + dp * tp_size + tp; a fixed cluster id is offset alike."""
+    """Rank (dp, tp) listens on listen_port + dp * tp_size + tp; a fixed cluster id is offset alike;
+    with pipeline parallelism worker (dp, pp, tp) on listen_port + dp * pp_size * tp_size + pp *
+    tp_size + tp."""
+    from llm_datadist.integrations.vllm import stages
     from llm_datadist.integrations.vllm import worker as worker_module
     from llm_datadist.integrations.vllm.options import Options as _Options
 
-    base = _free_port_run(6)
-    for dp, tp in ((0, 0), (0, 1), (2, 1)):
+    base = _free_port_run(12)
+    for dp, pp, tp, pp_size in ((0, 0, 0, 1), (0, 0, 1, 1), (2, 0, 1, 1), (0, 1, 0, 2), (1, 1, 1, 2)):
         monkeypatch.setattr(worker_module, "parallel_ranks", lambda config, tp=tp, dp=dp: (tp, 2, dp))
+        monkeypatch.setattr(stages, "pipeline_ranks", lambda config, pp=pp, pp_size=pp_size: (pp, pp_size))
         worker = worker_module.Worker(PRODUCER, "e", _Options.parse({"listen_port": base, "cluster_id": 100}), None)
         try:
             shake = worker.handshake()
-            assert (shake.port, shake.cluster_id, shake.tp_rank, shake.tp_size) == (base + dp * 2 + tp,
-                                                                                     100 + dp * 2 + tp, tp, 2)
+            offset = dp * 2 * pp_size + pp * 2 + tp
+            assert (shake.port, shake.cluster_id, shake.tp_rank, shake.tp_size, shake.pp_rank, shake.pp_size) == \
+                (base + offset, 100 + offset, tp, 2, pp, pp_size)
         finally:
             worker.close()
+    monkeypatch.setattr(stages, "pipeline_ranks", lambda config: (0, 1))
     monkeypatch.setattr(worker_module, "parallel_ranks", lambda config: (1, 2, 3))
     worker = worker_module.Worker(PRODUCER, "e", _Options.parse({}), None)  # port 0: any free port
     try:
         assert worker.handshake().port > 0
     finally:
         worker.close()
-
-
-@needs_vllm
-def test_pipeline_parallelism_is_refused_with_a_clear_line():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from llm_datadist.integrations.vllm import LLMDataDistConnector
-
-    config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id="e", kv_connector_extra_config={}, is_kv_producer=True,
-                                           is_kv_consumer=False),
-        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2),
-        cache_config=SimpleNamespace(block_size=32))
-    with pytest.raises(NotImplementedError, match="does not support pipeline parallelism .*pipeline_parallel_size=2"):
-        LLMDataDistConnector(config, KVConnectorRole.SCHEDULER)
 
 
 # -- different TP sizes, without engines ------------------------------------------------------------

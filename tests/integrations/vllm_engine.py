@@ -89,8 +89,8 @@ def main() -> int:
             **transfer)
     kwargs.setdefault("max_model_len", 1024)
     kwargs.setdefault("block_size", BLOCK_SIZE)
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-              disable_log_stats=False, **kwargs)
+    kwargs.setdefault("enforce_eager", True)  # (pipeline parallelism needs False: test_vllm_pp.PP2)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", seed=0, disable_log_stats=False, **kwargs)
 
     def reply(obj) -> None:
         out.write(json.dumps(obj) + "\n")

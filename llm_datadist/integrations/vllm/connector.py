@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from llm_datadist.integrations.vllm import compat, layout
+from llm_datadist.integrations.vllm import compat, layout, stages
 from llm_datadist.integrations.vllm.backoff import drafter_backoff
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -45,10 +45,6 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = str(transfer.engine_id)
         self.options = Options.parse(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("LLMDataDistConnector does not support pipeline parallelism (this engine has "
-                                      f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use tensor "
-                                      "parallelism, or pipeline_parallel_size=1")
         aux_output = getattr(vllm_config, "aux_output_config", None)
         if getattr(aux_output, "enable_return_routed_experts", False):
             # vLLM 0.33 refuses it with its own P2P connectors: the prefill's routed experts are
@@ -59,6 +55,7 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = kv_groups.transfer_groups(kv_cache_config)
         if self.options.transfer_mode == "push":
             _check_push(transfer, parallel, self._groups)
+        _check_pipeline(parallel, self._groups)
         num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
         self._scheduler: Optional[Scheduler] = None
         self._worker: Optional[Worker] = None
@@ -67,7 +64,8 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
                                          producer=bool(transfer.is_kv_producer) or self.options.bidirectional_kv_xfer,
                                          tp_size=parallel.tensor_parallel_size,
                                          kv_heads=_kv_heads(vllm_config), groups=self._groups,
-                                         num_groups=num_groups, backoff=drafter_backoff(vllm_config))
+                                         num_groups=num_groups, backoff=drafter_backoff(vllm_config),
+                                         pp_size=parallel.pipeline_parallel_size)
         else:
             self._worker = Worker(vllm_config, self.engine_id, self.options, kv_cache_config, self._groups)
 
@@ -114,6 +112,13 @@ class LLMDataDistConnector(KVConnectorBase_V1, SupportsHMA):
         ours = {rank: m for rank, m in metadata.items() if isinstance(m, LLMDataDistHandshakeMetadata)}
         if ours:
             self._scheduler.set_workers(ours)  # {tp_rank: handshake}
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Dict[Tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        # (what vLLM's engine core calls: every worker's handshake by (pp_rank, tp_rank))
+        ours = {key: m for key, m in metadata.items() if isinstance(m, LLMDataDistHandshakeMetadata)}
+        if ours:
+            self._scheduler.set_workers(stages.by_flat_rank(ours, self._scheduler.tp_size))
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple:
         # a pull restores the request's own blocks of every group that moves
@@ -244,10 +249,26 @@ def _check_push(transfer, parallel, groups) -> None:
         raise NotImplementedError("LLMDataDistConnector: transfer_mode 'push' supports engines without tensor "
                                   f"parallelism only (this one has {parallel.tensor_parallel_size}); use "
                                   "transfer_mode 'pull'")
+    if parallel.pipeline_parallel_size != 1:
+        raise NotImplementedError("LLMDataDistConnector: transfer_mode 'push' supports engines without pipeline "
+                                  f"parallelism only (this one has {parallel.pipeline_parallel_size}); use "
+                                  "transfer_mode 'pull'")
     if len(groups) > 1:
         raise NotImplementedError(f"LLMDataDistConnector: transfer_mode 'push' supports models with one KV cache "
                                   f"group only (this one has {len(groups)}: {kv_groups.describe(groups)}); use "
                                   "transfer_mode 'pull', or --disable-hybrid-kv-cache-manager")
+
+
+def _check_pipeline(parallel, groups) -> None:
+    """Pipeline parallelism's start-up refusals (``stages``): what it does not move yet."""
+    pp_size = parallel.pipeline_parallel_size
+    if pp_size == 1:
+        return
+    if len(groups) > 1:
+        raise NotImplementedError(f"LLMDataDistConnector: with pipeline_parallel_size {pp_size} it moves models with "
+                                  f"one KV cache group only (this one has {len(groups)}: "
+                                  f"{kv_groups.describe(groups)}); use --disable-hybrid-kv-cache-manager, or "
+                                  "pipeline_parallel_size 1")
 
 
 def _kv_heads(vllm_config) -> int:

@@ -458,7 +458,7 @@ class LeaseBook:
 
     # -- rank queries (the link's thread: quick) -------------------------------------------------------
     def set_rank_table(self, table: List[Dict[str, Any]]) -> None:
-        """Every tensor parallel rank of this engine, rank 0 (this worker) first: ``host``,
+        """Every worker of this engine by flat rank (``stages``), rank 0 (this worker) first: ``host``,
         ``port``, ``cluster_id`` and ``lease_key`` (hex), as the scheduler has them from the
         handshakes; rank 0 answers rank queries with it."""
         rows = [(str(r["host"]), int(r["port"]), int(r["cluster_id"]), bytes.fromhex(r["lease_key"])) for r in table]

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata, KVConnectorMetadata,
                                                                 KVConnectorWorkerMetadata)
 
+from llm_datadist.integrations.vllm import stages
 from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 
 #: Fields a decode request's ``kv_transfer_params`` must carry to be pulled (all of them NIXL's:
@@ -56,7 +57,8 @@ class Recv:
     remote_block_size: Optional[int] = None
     #: why this engine refuses the blocks (the worker then pulls nothing and only releases)
     refused: str = ""
-    #: every prefill rank, by tensor parallel rank (the first is the one above)
+    #: every prefill worker, by flat rank (``stages``: by tensor parallel rank within each pipeline
+    #: stage; the first is the one above)
     ranks: Tuple[PrefillRank, ...] = ()
     #: whether the prefill engine frees a rank's blocks only after as many releases as it has
     #: readers (``readers`` in a release; ``kv_transfer_params`` ``readers_counted``)
@@ -74,6 +76,8 @@ class Recv:
     #: the prefill engine's tensor parallel size as its params say (``tp_size``), which counts
     #: where they name no ranks (a router that forwards only NIXL's fields): see ``ranks_unknown``
     remote_tp_size: int = 1
+    #: the prefill engine's pipeline parallel size as its params say (``pp_size``, NIXL's)
+    remote_pp_size: int = 1
     #: a hybrid model's blocks, one list per KV cache group (vLLM's hybrid KV cache manager), where
     #: the params name more than one group; ``remote_block_ids`` and ``local_block_ids`` then hold
     #: their concatenation (what counts and reports use). Empty: one group, the flat lists above.
@@ -104,24 +108,35 @@ class Recv:
     @property
     def tp_size(self) -> int:
         """The prefill engine's tensor parallel size."""
-        return len(self.ranks) if self.ranks else self.remote_tp_size
+        return len(self.ranks) // self.remote_pp_size if self.ranks else self.remote_tp_size
 
     @property
     def ranks_unknown(self) -> bool:
-        """A prefill engine with tensor parallelism whose ranks the params do not name: the decode
-        side asks its rank 0 for them (``ranks`` notification) before it loads."""
-        return not self.ranks and self.remote_tp_size > 1
+        """A prefill engine of several workers (tensor or pipeline parallelism) whose ranks the
+        params do not name: the decode side asks its rank 0 for them (``ranks`` notification)
+        before it loads."""
+        return not self.ranks and (self.remote_tp_size > 1 or self.remote_pp_size > 1)
 
-    def peers(self, rank: int, size: int) -> List["Recv"]:
-        """What decode rank ``rank`` of ``size`` does for this request: one spec per prefill rank it
-        pulls from or releases, addressed to it. With the same TP size, exactly rank ``rank``,
-        whole blocks. With another TP size and ``kv_heads`` set (the scheduler found the heads
-        shardable on both sides: ``split_refusal``), the prefill ranks this rank reads its heads
-        from (``head_overlaps``), each with its head range and its count of readers, then the
-        replicas no decode rank reads that this rank releases (``unread_ranks``: nothing pulled).
-        Else nothing is pulled (``awaiting`` stays only with the same TP size) and this rank
-        releases the prefill ranks ``p % size == rank``."""
+    def peers(self, rank: int, size: int, pp_rank: int = 0, pp_size: int = 1) -> List["Recv"]:
+        """What decode worker ``(pp_rank, rank)`` of an engine of ``pp_size`` pipeline stages of
+        ``size`` tensor parallel ranks does for this request: one spec per prefill rank it pulls
+        from or releases, addressed to it. With the same pipeline parallel size it deals with the
+        prefill ranks of its own stage only (``stages.stage_ranks``: they hold its layers), and
+        among them: with the same TP size, exactly rank ``rank``, whole blocks; with another TP
+        size and ``kv_heads`` set (the scheduler found the heads shardable on both sides:
+        ``split_refusal``), the prefill ranks this rank reads its heads from (``head_overlaps``),
+        each with its head range and its count of readers, then the replicas no decode rank reads
+        that this rank releases (``unread_ranks``: nothing pulled). Else nothing is pulled
+        (``awaiting`` stays only with the same TP and PP sizes) and this worker releases the prefill
+        ranks ``p % workers == flat rank`` (of all stages: every prefill worker holds a lease)."""
         ranks = self.ranks or (PrefillRank(self.host, self.port, self.cluster_id, self.remote_request_id),)
+        if self.remote_pp_size != pp_size or len(ranks) % pp_size:
+            workers, me = size * pp_size, stages.flat_rank(pp_rank, rank, size)
+            return [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
+                            remote_request_id=peer.remote_request_id, local_block_ids=[], local_groups=(),
+                            awaiting=False)
+                    for p, peer in enumerate(ranks) if p % workers == me]
+        ranks = stages.stage_ranks(ranks, pp_size, pp_rank)
         if len(ranks) != size and self.kv_heads and self.awaiting:
             reads = [replace(self, host=peer.host, port=peer.port, cluster_id=peer.cluster_id,
                              remote_request_id=peer.remote_request_id, src_head=src, dst_head=dst, heads=count,
@@ -219,6 +234,9 @@ class LLMDataDistHandshakeMetadata(KVConnectorHandshakeMetadata):
     lease_key: str = field(default="", repr=False)
     tp_rank: int = 0
     tp_size: int = 1
+    #: this worker's pipeline stage and the engine's pipeline parallel size (``stages``)
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 class LLMDataDistConnectorMetadata(KVConnectorMetadata):
@@ -293,13 +311,15 @@ def recv_spec(params: Any) -> Optional[Recv]:
             return None
         ranks: Tuple[PrefillRank, ...] = ()
         listed = params.get("remote_ranks")
-        tp_size = params.get("tp_size", 1)
+        tp_size, pp_size = params.get("tp_size", 1), params.get("pp_size", 1)
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE:
             return None
+        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= stages.MAX_PP_SIZE:
+            return None
         if listed is not None:
-            # a prefill engine with tensor parallelism: every rank's address and lease (without
-            # them, as from a router that forwards only NIXL's fields, rank 0 is asked for them)
-            if not isinstance(listed, (list, tuple)) or len(listed) != tp_size or \
+            # a prefill engine of several workers: every worker's address and lease, by flat rank
+            # (without them, as from a router that forwards only NIXL's fields, rank 0 is asked)
+            if not isinstance(listed, (list, tuple)) or len(listed) != tp_size * pp_size or \
                     not all(isinstance(r, dict) for r in listed):
                 return None
             ranks = tuple(prefill_rank(r.get("host"), r.get("port"), r.get("cluster_id"), r.get("request_id"))
@@ -310,7 +330,7 @@ def recv_spec(params: Any) -> Optional[Recv]:
             ranks = (first,) + ranks[1:]
         return Recv([], list(blocks), first.host, first.port, first.cluster_id, first.remote_request_id,
                     ranks=ranks, remote_block_size=block_size, readers_counted=params.get("readers_counted") is True,
-                    remote_tp_size=tp_size, remote_groups=groups)
+                    remote_tp_size=tp_size, remote_pp_size=pp_size, remote_groups=groups)
     except (TypeError, ValueError, OverflowError):
         return None
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
-from llm_datadist.integrations.vllm import bidirectional, block_sizes, state
+from llm_datadist.integrations.vllm import bidirectional, block_sizes, stages, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import MAX_REQUEST_ID_BYTES, lease_request_id, utf8_len
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -103,7 +103,7 @@ def prompt_length(request) -> int:
 class Scheduler:
     def __init__(self, engine_id: str, options: Options, block_size: int, producer: bool, tp_size: int = 1,
                  kv_heads: int = 0, groups: Tuple[kv_groups.Group, ...] = (), num_groups: int = 1,
-                 backoff: int = 0):
+                 backoff: int = 0, pp_size: int = 1):
         self.engine_id = engine_id
         #: the KV cache groups that move (``groups.transfer_groups``; () if vLLM gave no config) and
         #: how many groups vLLM's block id lists have
@@ -115,9 +115,10 @@ class Scheduler:
         self.options = options
         self.block_size = block_size
         self.tp_size = tp_size
+        self.pp_size = pp_size  # (``stages``: tp_size * pp_size workers)
         self.kv_heads = kv_heads  # the model's, over all ranks (0: unknown)
         self.worker: Optional[LLMDataDistHandshakeMetadata] = None  # rank 0
-        self.workers: List[LLMDataDistHandshakeMetadata] = []  # by tensor parallel rank
+        self.workers: List[LLMDataDistHandshakeMetadata] = []  # by flat rank (``stages.flat_rank``)
         self._recv: Dict[str, Recv] = {}
         self._parked: Dict[str, Recv] = {}
         self._send: Dict[str, float] = {}
@@ -159,22 +160,28 @@ class Scheduler:
         self.set_workers({0: metadata} if metadata is not None else {})
 
     def set_workers(self, by_rank: Dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Every tensor parallel rank's worker (``{tp_rank: handshake}``); until all of them have
-        spoken, no request's KV is handed out."""
+        """Every worker's handshake by flat rank (``{pp_rank * tp_size + tp_rank: handshake}``,
+        ``stages``); until all of them have spoken, no request's KV is handed out."""
         for rank, metadata in by_rank.items():
             if not isinstance(metadata, LLMDataDistHandshakeMetadata):
                 raise TypeError(f"unexpected handshake metadata {type(metadata).__name__}")
             if self.options.lease_tokens and len(metadata.lease_key) < 32:
                 raise ValueError(f"LLMDataDistConnector: the handshake of worker rank {rank} carries no lease key")
-        if sorted(by_rank) != list(range(self.tp_size)):
+            said = stages.flat_rank(getattr(metadata, "pp_rank", 0), metadata.tp_rank, self.tp_size)
+            if said != rank:
+                raise ValueError(f"LLMDataDistConnector: the handshake of worker rank {rank} says it is pipeline stage "
+                                 f"{getattr(metadata, 'pp_rank', 0)}, tensor parallel rank {metadata.tp_rank}")
+        workers = self.tp_size * self.pp_size
+        if sorted(by_rank) != list(range(workers)):
             if by_rank:
-                logger.error("LLMDataDistConnector: handshakes came from tensor parallel ranks %s of %d; this "
-                             "engine hands no KV to decode engines", sorted(by_rank), self.tp_size)
+                logger.error("LLMDataDistConnector: handshakes came from worker ranks %s of %d (tensor parallel size "
+                             "%d, pipeline parallel size %d); this engine hands no KV to decode engines",
+                             sorted(by_rank), workers, self.tp_size, self.pp_size)
             self.worker, self.workers = None, []
             return
-        self.workers = [by_rank[rank] for rank in range(self.tp_size)]
+        self.workers = [by_rank[rank] for rank in range(workers)]
         self.worker = self.workers[0]
-        if self.tp_size > 1:
+        if workers > 1:
             self._rank_table = [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "lease_key": w.lease_key}
                                 for w in self.workers]
 
@@ -232,6 +239,12 @@ class Scheduler:
                 self._recv[request.request_id] = spec  # still let the prefill side free its blocks
             return 0, False
         prompt -= self.backoff
+        why = stages.refusal(spec.remote_pp_size, self.pp_size) if spec is not None else ""
+        if why:
+            logger.warning("request %s: %s; computing the prompt locally", request.request_id, why)
+            params["do_remote_prefill"] = False
+            self._recv[request.request_id] = spec  # still let every prefill worker free its blocks
+            return 0, False
         why = self._tp_refusal(spec) if spec is not None and spec.tp_size != self.tp_size else ""
         if why:
             logger.warning("request %s: its prefill engine runs with tensor parallel size %d and this one with %d, "
@@ -377,7 +390,7 @@ class Scheduler:
         if isinstance(answer.get("ranks"), list):
             learnt = recv_spec(dict(params, remote_ranks=answer["ranks"],
                                     readers_counted=answer.get("readers_counted") is True))
-            if learnt is None or learnt.tp_size != spec.tp_size:
+            if learnt is None or learnt.tp_size != spec.tp_size or learnt.remote_pp_size != spec.remote_pp_size:
                 answer, learnt = {"why": "its answer is malformed"}, None
         if learnt is not None:
             params["remote_ranks"] = answer["ranks"]
@@ -390,7 +403,9 @@ class Scheduler:
             params[flag] = False
             self._recv[req_id] = spec  # (released: a decode engine that does hold it frees it now)
             return spec
-        what = f"its {spec.tp_size} tensor parallel ranks" if spec.ranks_unknown else \
+        workers = f"{spec.tp_size} tensor parallel ranks" if spec.remote_pp_size == 1 else \
+            f"{spec.tp_size * spec.remote_pp_size} workers (pipeline parallel size {spec.remote_pp_size})"
+        what = f"its {workers}" if spec.ranks_unknown else \
             "whether it counts the readers of a rank's blocks"
         logger.warning("request %s: its kv_transfer_params do not say %s (a router that forwards only NIXL's "
                        "fields?), and the prefill engine at %s:%d could not say either (%s): computing the prompt "
@@ -558,7 +573,9 @@ class Scheduler:
             "remote_num_tokens": request.num_computed_tokens,
             "remote_block_size": self.block_size,
             "tp_size": self.tp_size,
-            # every rank (rank 0 again first): a decode rank pulls from the prefill rank of its number
+            "pp_size": self.pp_size,
+            # every worker by flat rank (rank 0 again first): a decode worker pulls from the prefill
+            # worker of its stage and tensor parallel rank
             "remote_ranks": [{"host": w.host, "port": w.port, "cluster_id": w.cluster_id, "request_id": remote_id}
                              for w, remote_id in zip(self.workers, remote_ids)],
             # each rank frees its blocks after as many releases as the decode side has readers of

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 import llm_datadist as ld
-from llm_datadist.integrations.vllm import block_sizes, caches, compat, kv_layouts, layout, state
+from llm_datadist.integrations.vllm import block_sizes, caches, compat, kv_layouts, layout, stages, state
 from llm_datadist.integrations.vllm import groups as kv_groups
 from llm_datadist.integrations.vllm.leases import LeaseBook
 from llm_datadist.integrations.vllm.meta import (LLMDataDistConnectorMetadata, LLMDataDistHandshakeMetadata,
@@ -69,9 +69,12 @@ class Worker:
         self._kv_cache_config = kv_cache_config  # (where a state-space layer's pages lie: state.py)
         self.kv_cache_layout: Optional[str] = getattr(kv_cache_config, "kv_cache_layout", None)
         self.tp_rank, self.tp_size, dp_rank = parallel_ranks(vllm_config)
-        # Every worker of every engine on a host listens on its own port: with a fixed one, rank
-        # (dp, tp) takes listen_port + dp * tp_size + tp; a fixed cluster id is offset the same way.
-        offset = dp_rank * self.tp_size + self.tp_rank
+        self.pp_rank, self.pp_size = stages.pipeline_ranks(vllm_config)  # (rank: the flat one, ``stages``)
+        self.rank = stages.flat_rank(self.pp_rank, self.tp_rank, self.tp_size)
+        # Every worker of every engine on a host listens on its own port: with a fixed one, worker
+        # (dp, pp, tp) takes listen_port + dp * pp_size * tp_size + pp * tp_size + tp; a fixed
+        # cluster id is offset the same way.
+        offset = dp_rank * self.tp_size * self.pp_size + self.rank
         self.cluster_id = options.cluster_id + offset if options.cluster_id is not None else \
             int.from_bytes(os.urandom(4), "little") | 1
         self.listen_port = options.listen_port + offset if options.listen_port else 0
@@ -110,6 +113,7 @@ class Worker:
         self.recorder = Recorder()  # what vLLM's stat loggers get (metrics.py)
         self.compat = compat.fields(vllm_config, options.model_id)  # + "layout" once registered
         self.compat["kv_groups"] = kv_groups.describe(groups)
+        self.compat.update(stages.compat_fields(self.pp_rank, self.pp_size))
         self._block_bytes = 0
         #: bytes of one KV head in a block of one tensor, where a rank's heads are one byte range of
         #: each block (pulls from engines of another TP size); else why not
@@ -144,7 +148,7 @@ class Worker:
                 self.receiver = Receiver(self)
                 self.receiver.install()
         if self.producer:
-            if self.tp_size == 1:  # the one rank a rank query is answered with
+            if self.tp_size * self.pp_size == 1:  # the one rank a rank query is answered with
                 self.leases.own_rank = {"host": options.advertise_host, "port": self._listening_port(),
                                         "cluster_id": self.cluster_id}
             self._links_api.set_notify_handler(self._on_notify)
@@ -288,7 +292,7 @@ class Worker:
         port = self._listening_port()
         return LLMDataDistHandshakeMetadata(self.engine_id, self.cluster_id, self.options.advertise_host, port,
                                             lease_key=self.leases.key.hex(), tp_rank=self.tp_rank,
-                                            tp_size=self.tp_size)
+                                            tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size)
 
     # -- each step --------------------------------------------------------------------------------
     def start(self, meta: LLMDataDistConnectorMetadata) -> None:
@@ -297,21 +301,21 @@ class Worker:
         if self.receiver is not None:
             self.receiver.on_step(meta.push_regs, meta.push_cancel)
         freed = self.leases.take_leases(meta.reqs_to_send, meta.stopping, meta.blocks_to_send)
-        if meta.rank_table and self.tp_rank == 0:
+        if meta.rank_table and self.rank == 0:
             # rank 0 answers rank queries: a decode side asks remote_host:remote_port, which is rank 0
             if meta.rank_table[0].get("cluster_id") == self.cluster_id:
                 self.leases.set_rank_table(meta.rank_table)
             else:
                 logger.error("llm_datadist: the scheduler's table of ranks does not begin with this worker (cluster "
                              "%d); rank queries are refused", self.cluster_id)
-        if self.tp_rank == 0:  # one question per request, from one rank; the scheduler tells the others
+        if self.rank == 0:  # one question per request, from one worker; the scheduler tells the others
             for req_id, spec in meta.reqs_to_ask.items():
                 self._count("ranks_asked", 1)
                 if not self.peers.submit(spec, lambda r=req_id, sp=spec: self._ask_ranks(r, sp)):
                     self._answered(req_id, {"why": "this engine is shutting down"})
         for req_id, spec in meta.reqs_parked.items():
             # each rank renews the leases of the prefill ranks it will pull from or release
-            self.peers.park(req_id, spec.peers(self.tp_rank, self.tp_size))
+            self.peers.park(req_id, spec.peers(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size))
         for req_id in meta.reqs_to_recv:
             self.peers.unpark(req_id)
         pulls = []
@@ -346,10 +350,11 @@ class Worker:
         that this rank cannot do is reported failed."""
         out = []
         for req_id, spec in reqs_to_recv.items():
-            peers = spec.peers(self.tp_rank, self.tp_size)
+            peers = spec.peers(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
             if spec.awaiting and not any(p.awaiting for p in peers):
-                logger.error("request %s: its prefill engine has tensor parallel size %d, this one %d; reporting "
-                             "its KV as not loaded", req_id, spec.tp_size, self.tp_size)
+                logger.error("request %s: its prefill engine has tensor parallel size %d and pipeline parallel size "
+                             "%d, this one %d and %d; reporting its KV as not loaded", req_id, spec.tp_size,
+                             spec.remote_pp_size, self.tp_size, self.pp_size)
                 self.recorder.count("failed_pulls")
                 self.recorder.fail("incompatible_peer")
                 self._recved.add(req_id)
