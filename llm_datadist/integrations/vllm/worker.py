@@ -154,6 +154,8 @@ class Worker:
             self._links_api.set_notify_handler(self._on_notify)
 
     def _count(self, counter: str, n: int) -> None:
+        """Adds ``n`` to a stat (``pulled_blocks_group<k>``: blocks of the k-th KV cache group that
+        moves; ``pulled_blocks_cache<k>``: into the k-th registered cache...)."""
         with self._lock:
             self._stats[counter] = self._stats.get(counter, 0) + n
 
@@ -561,25 +563,13 @@ class Worker:
                                 registered) else None, cls, remote, local, self.link_layouts.of(cluster_id))
                         nbytes += len(local) * cls.block_bytes
                         if len(classes) > 1:
-                            self._count_cache(k, len(local))
+                            self._count(f"pulled_blocks_cache{k}", len(local))  # (``caches.plan``)
                 blocks += len(local)
                 if len(pairs) > 1:
-                    self._count_group(group, len(local))
+                    self._count(f"pulled_blocks_group{group}", len(local))
         # (a prefill engine's pull of the prefix a decode engine held: ``bidirectional``)
         self.recorder.transfer("bidirectional" if spec.next_turn else "pull", time.perf_counter() - start, blocks,
                                nbytes)
-
-    def _count_group(self, group: int, blocks: int) -> None:
-        """``pulled_blocks_group<k>``: blocks pulled of the k-th KV cache group that moves."""
-        with self._lock:
-            key = f"pulled_blocks_group{group}"
-            self._stats[key] = self._stats.get(key, 0) + blocks
-
-    def _count_cache(self, k: int, blocks: int) -> None:
-        """``pulled_blocks_cache<k>``: blocks pulled into the k-th registered cache (``caches.plan``)."""
-        with self._lock:
-            key = f"pulled_blocks_cache{k}"
-            self._stats[key] = self._stats.get(key, 0) + blocks
 
     def _hello(self, cluster_id: int, where: str) -> Optional[str]:
         """Once per link (``Peers`` calls it when a link is made): ``compat.ask``; the block size the
