@@ -100,3 +100,233 @@ def test_pushes_and_pulls_into_an_allocated_cache_go_through_the_mapped_file(pai
     owner, peer = server.call(shm_state), client.call(shm_state)
     assert owner["passed"] == 1 and owner["refused"] == 0
     assert peer["planes"][SERVER] == "shm" and len(peer["mapped"][SERVER]) == 1
+
+
+def deallocate(state, name: str) -> None:
+    cache = state.caches.pop(name)
+    state.arrays.pop(name)
+    state.cm.deallocate_blocks_cache(cache)
+
+
+def keep_mapping(state, remote_id: int) -> int:
+    """Keep (as a test's hostile peer would) the one file of ``remote_id`` mapped now; its cache id."""
+    maps = state.dd.engine.links._peers[remote_id].plane_state["shm"].maps
+    (key, mapped), = maps.items()
+    state.kept = mapped
+    return key[0]
+
+
+def kept_view(state) -> np.ndarray:
+    from llm_datadist import _core
+    mapped = state.kept
+    return np.frombuffer(_core.HostRegion(mapped.local, mapped.size, mapped), dtype=np.int32)
+
+
+def write_kept(state, value: int) -> None:
+    kept_view(state)[...] = value
+
+
+def kept_holds_only(state, value: int) -> bool:
+    return bool(np.all(kept_view(state) == value))
+
+
+def test_a_mapping_kept_after_the_cache_is_dropped_reaches_no_later_allocation(pair):
+    """A peer that keeps its mapping of a cache the owner dropped maps that cache's old file: the
+    owner's next allocation is a new file, which the peer maps anew (the table refresh after the
+    generation changed drops the old mapping from the link)."""
+    server, client = pair
+    server.call(ops.allocate, "old", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    client.call(ops.allocate, "local", TENSORS, (BLOCKS, WORDS), "HOST", True)
+    assert link(client, server) == (0, [0])
+    key = BlocksCacheKey(SERVER, MODEL)
+    client.call(set_all, "local", 3)
+    client.call(ops.py, "push_blocks", key, "local", [0], [0])
+    old_id = client.call(keep_mapping, SERVER)
+    server.call(deallocate, "old")
+    new_id = server.call(ops.allocate, "new", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    assert new_id != old_id
+    server.call(set_all, "new", 77)
+    client.call(write_kept, -5)  # scribbling over the old file...
+    assert server.call(guard_check, "new", set(), 77)  # ...touches nothing of the new cache
+    client.call(ops.py, "push_blocks", key, "local", [1], [2])  # stale table: refreshed, new file mapped
+    assert client.call(kept_holds_only, -5)  # the new cache's bytes never show in the old file
+    assert server.call(guard_check, "new", {2}, 77)
+    assert client.call(shm_state)["mapped"][SERVER] == [new_id]
+    assert server.call(shm_state)["passed"] == 2
+
+
+def plane_transfer(state, remote_id: int, cache_id: int, tensor: int, offset: int, nbytes: int, write: bool):
+    """Move ``nbytes`` at ``offset`` from the start of tensor ``tensor`` of the peer's cache through the
+    link's plane directly (below the API's checks); None or the status code it raised."""
+    from llm_datadist import _io
+    from llm_datadist.transport import deadline as dl
+    peer = state.dd.engine.links._peers[remote_id]
+    table = peer.table
+    here = np.zeros(nbytes, dtype=np.uint8)
+    remote = (table.caches[cache_id].addrs[tensor] + offset) % (1 << 64)
+    desc = (here.ctypes.data, remote, nbytes) if write else (remote, here.ctypes.data, nbytes)
+    plan = _io.plan_from_wire(np.array(desc, dtype="<u8").tobytes())
+    try:
+        peer.plane.transfer(peer, table, plan, write, dl.after(5000))
+    except Exception as exc:  # noqa: BLE001 - the status is the point
+        return int(getattr(exc, "status_code", -1))
+    return None
+
+
+def test_descriptors_outside_a_shared_cache_are_refused_below_the_api(pair):
+    """The plane's own check (a peer's plan reaching past the cache) refuses what cma refuses:
+    ``LLM_KV_CACHE_NOT_EXIST``, nothing moved; inside, the same call goes through."""
+    server, client = pair
+    cache_id = server.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    client.call(ops.allocate, "local", TENSORS, (BLOCKS, WORDS), "HOST", True)
+    server.call(set_all, "remote", 9)
+    assert link(client, server) == (0, [0])
+    client.call(ops.py, "pull_blocks", BlocksCacheKey(SERVER, MODEL), "local", [0], [0])  # settles the plane
+    tensor = BLOCKS * WORDS * 4
+    for write in (True, False):
+        for at, offset in ((-1, tensor - 8), (0, -8), (0, 1 << 40), (0, -(1 << 40))):
+            assert client.call(plane_transfer, SERVER, cache_id, at, offset, 16, write) == S.LLM_KV_CACHE_NOT_EXIST
+    assert server.call(guard_check, "remote", set(), 9)
+    assert client.call(plane_transfer, SERVER, cache_id, -1, tensor - 16, 16, True) is None
+    assert not server.call(guard_check, "remote", set(), 9)
+
+
+@pytest.mark.parametrize("blocks", [([0], [BLOCKS]), ([BLOCKS], [0])], ids=["dst past", "src past"])
+def test_block_ids_outside_an_allocated_cache_are_refused_as_on_cma(pair, blocks):
+    server, client = pair
+    server.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    client.call(ops.allocate, "local", TENSORS, (BLOCKS, WORDS), "HOST", True)
+    server.call(set_all, "remote", 9)
+    assert link(client, server) == (0, [0])
+    for method in ("push_blocks", "pull_blocks"):
+        with pytest.raises(ChildError) as refused:
+            client.call(ops.py, method, BlocksCacheKey(SERVER, MODEL), "local", *blocks)
+        assert refused.value.status_code == S.LLM_PARAM_INVALID
+    assert server.call(guard_check, "remote", set(), 9)
+
+
+# -- a raw peer asking for files ------------------------------------------------------------------
+
+RAW_PEER = r"""
+import array, json, os, socket, struct, sys
+HEADER = struct.Struct("<4sHHIQQ")
+MAGIC, VERSION = b"LLDD", int(sys.argv[2])
+OP = dict(HELLO=1, TABLE_GET=3, TABLE=4, AUTH=16, SHM_GET=17, SHM=18)
+def send(sock, op, obj, req_id=1):
+    body = json.dumps(obj).encode()
+    sock.sendall(HEADER.pack(MAGIC, VERSION, op, 0, req_id, len(body)) + body)
+def recv(sock, files=None):
+    head = b""
+    while len(head) < HEADER.size:
+        data, anc, _, _ = sock.recvmsg(HEADER.size - len(head), socket.CMSG_SPACE(64 * 4))
+        if not data:
+            raise EOFError
+        for level, kind, payload in anc:
+            got = array.array("i")
+            got.frombytes(payload[:len(payload) - len(payload) % 4])
+            if files is not None:
+                files.extend(got)
+        head += data
+    _, _, op, status, req_id, length = HEADER.unpack(head)
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return op, status, req_id, json.loads(body) if body else {}
+def handshake(sock, request):
+    send(sock, OP["HELLO"], {"cluster_id": 88, "nonce": os.urandom(32).hex(), "auth": False})
+    assert recv(sock)[1] == 0
+    send(sock, OP["AUTH"], request)
+    op, status, _, reply = recv(sock)
+    assert status == 0, reply
+    return reply
+first = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+reply = handshake(first, {"purpose": "link", "role": "DECODER", "planes": ["shm", "cma", "tcp"], "host": {},
+                          "remote_cache_accessible": True, "connections": [1, 1], "pid": os.getpid(),
+                          "uid": os.getuid()})
+conns = []
+for purpose in ("forward", "reverse"):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + reply["unix"])
+    handshake(sock, {"purpose": purpose, "token": reply["token"]})
+    conns.append(sock)
+first.close()
+forward = conns[0]
+send(forward, OP["TABLE_GET"], {}, 2)
+_, _, _, table = recv(forward)
+files = []
+send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[3])}, 3)
+op, status, _, answer = recv(forward, files)
+print(json.dumps({"shm_entry": table.get("shm"), "status": status, "answer": answer, "files": len(files),
+                  "sizes": [os.fstat(f).st_size for f in files]}), flush=True)
+try:  # a malformed request ends the connection
+    send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[4])}, 4)
+    print(json.dumps({"after_malformed": recv(forward)[1]}), flush=True)
+except (EOFError, OSError) as exc:
+    print(json.dumps({"after_malformed": "closed"}), flush=True)
+"""
+
+
+def raw_peer(server: Cluster, ask, malformed, as_user=None) -> list:
+    import json
+    import shutil
+    import subprocess
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3")
+    kwargs = {}
+    if as_user is not None:
+        kwargs["preexec_fn"] = lambda: (os.setgid(as_user.pw_gid), os.setuid(as_user.pw_uid))
+    from llm_datadist.transport import wire
+    done = subprocess.run([python, "-c", RAW_PEER, str(server.address[1]), str(wire.PROTOCOL_VERSION),
+                           json.dumps(ask), json.dumps(malformed)], capture_output=True, text=True, cwd="/",
+                          env={"PATH": "/usr/bin:/bin"}, timeout=60, **kwargs)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.fixture
+def owner():
+    options = {"llm.HostMemPoolConfig": POOL}
+    with Cluster(SERVER, "PROMPT", listen=True, options=options, timeout=30) as server:
+        yield server
+
+
+def test_a_peer_of_this_user_gets_one_file_per_shared_cache_and_nothing_else(owner):
+    cache_id = owner.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    owner.call(ops.register, "user", 1, (BLOCKS, WORDS), "HOST", True)  # numpy memory: not shared
+    user_id = owner.call(lambda_cache_id, "user")
+    got, after = raw_peer(owner, [cache_id, user_id, 999999], [-1])
+    assert got["shm_entry"] == {"caches": [[cache_id, got["shm_entry"]["caches"][0][1]]]}
+    assert got["status"] == 0 and got["files"] == 1 and [c[0] for c in got["answer"]["caches"]] == [cache_id]
+    assert got["sizes"] == [TENSORS * BLOCKS * WORDS * 4]
+    assert after == {"after_malformed": "closed"}
+
+
+@pytest.mark.parametrize("malformed", [["x"], [0], list(range(1, 202)), {"caches": 1}],
+                         ids=["not an id", "zero", "too many", "not a list"])
+def test_a_malformed_file_request_ends_the_connection(owner, malformed):
+    cache_id = owner.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    got, after = raw_peer(owner, [cache_id], malformed)
+    assert got["files"] == 1 and after == {"after_malformed": "closed"}
+
+
+def test_a_peer_of_another_user_gets_no_file():
+    import pwd
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to start a process as another user)")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' user")
+    options = {"llm.HostMemPoolConfig": POOL}
+    with Cluster(SERVER, "PROMPT", listen=True, options=options, timeout=30) as server:
+        cache_id = server.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+        got, _ = raw_peer(server, [cache_id], [cache_id], as_user=nobody)
+        assert got["shm_entry"] is None
+        assert got["status"] == S.LLM_FEATURE_NOT_ENABLED and got["files"] == 0
+        assert "another user" in got["answer"]["error"]
+        assert server.call(shm_state)["refused"] == 2 and server.call(shm_state)["passed"] == 0  # asked twice
+
+
+def lambda_cache_id(state, name: str) -> int:
+    return state.caches[name].cache_id
