@@ -33,6 +33,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -258,14 +259,47 @@ class ShmPlane(DataPlane):
             state.spans = (table, facts, spans, held)
             return state.spans
 
+    def block_route(self, session, table, remote_layout, local_layout, write: bool, timeout_ms: int = -1,
+                    on_broken=None):
+        """A ``_io.MappedRoute`` (memcpy into the mapped file) towards a cache the peer shares;
+        cma's route towards any other."""
+        state = self.state(session)
+        cma_state = session.plane_state.get(CMA)
+        counter = None if cma_state is None else cma_state.generation
+        view = None if counter is None else counter.view
+        if state is None or view is None or session.closed or session.table is not table:
+            return None
+        try:
+            _, _, _, held = self._spans(session, table, dl.after(timeout_ms if timeout_ms > 0 else 5000))
+        except LLMException:
+            return None
+        for mapped in held:
+            cache = table.caches.get(mapped.cache_id)
+            if cache is not None and cache.layout is remote_layout:
+                try:
+                    route = _io.MappedRoute(session, view, table.generation, local_layout, remote_layout, write,
+                                            mapped, mapped.base, mapped.local, mapped.size)
+                except ValueError:
+                    return None
+                with state.lock:
+                    state.routes.add(route)
+                if session.closed:  # the link ended meanwhile: its close may have run before the add
+                    route.close()
+                    return None
+                return route
+        return self._cma().block_route(session, table, remote_layout, local_layout, write, timeout_ms, on_broken)
+
     def close(self, session) -> None:
-        """Drop the mappings (a copy still running keeps the ones it uses until it is done) and
-        close cma's state for the link."""
+        """Drop the mappings (a copy still running keeps the ones it uses until it is done), close
+        the link's routes and cma's state for the link."""
         state = self.state(session)
         if state is not None:
             with state.lock:
                 state.maps = {}
                 state.spans = None
+                routes, state.routes = list(state.routes), weakref.WeakSet()
+            for route in routes:
+                route.close()
         cma = self._cma()
         if cma is not None and session.plane_state.get(CMA) is not None:
             session.release_plane(cma)
@@ -318,12 +352,13 @@ class MappedCache:
 
 @dataclass(eq=False)
 class ShmLink:
-    """shm's state for one link: the peer's files mapped here by (cache id, export id), and the
-    spans of the current table (``(table, facts, spans, mappings)`` or None); ``lock`` guards
-    both."""
+    """shm's state for one link: the peer's files mapped here by (cache id, export id), the
+    spans of the current table (``(table, facts, spans, mappings)`` or None) and the block routes
+    made for the link (closed with it); ``lock`` guards them."""
 
     maps: Dict[Tuple[int, int], MappedCache] = field(default_factory=dict)
     spans: Optional[Tuple[Any, Any, List[Tuple[int, int, int]], List[MappedCache]]] = None
+    routes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
