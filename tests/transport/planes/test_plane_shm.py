@@ -102,6 +102,62 @@ def test_pushes_and_pulls_into_an_allocated_cache_go_through_the_mapped_file(pai
     assert peer["planes"][SERVER] == "shm" and len(peer["mapped"][SERVER]) == 1
 
 
+def route_kinds(state) -> list:
+    return sorted(type(route).__name__ for route in state.dd.engine.routes.values())
+
+
+def expected_blocks(src, dst, pairs, src_blocks, dst_blocks):
+    out = [t.copy() for t in dst]
+    for s_t, d_t in pairs:
+        for s, d in zip(src_blocks, dst_blocks):
+            out[d_t][d] = src[s_t][s]
+    return out
+
+
+def same(got, want) -> bool:
+    return len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_repeated_block_calls_take_a_mapped_route_that_a_new_allocation_retires(pair):
+    """Repeated pushes and pulls (with layer arguments) between allocated caches run on
+    ``_io.MappedRoute`` after the first checked call and move exactly the checked bytes; after
+    the owner drops the cache and allocates another under the same model, the old route is no
+    longer current and the next call lands in the new cache."""
+    server, client = pair
+    server.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    client.call(ops.allocate, "local", TENSORS, (BLOCKS, WORDS), "HOST", True)
+    assert link(client, server) == (0, [0])
+    key = BlocksCacheKey(SERVER, MODEL)
+    everything = [(t, t) for t in range(TENSORS)]
+    calls = [("push_blocks", [0], [1], {}, everything),
+             ("push_blocks", [2, 3], [5, 4], {}, everything),
+             ("push_blocks", (6,), (7,), dict(src_layer_range=range(1, 2), dst_layer_range=range(0, 1)),
+              [(2, 0), (3, 1)]),
+             ("pull_blocks", [3], [2], {}, everything),
+             ("pull_blocks", [4, 0], [6, 7], dict(tensor_num_per_layer=1, src_layer_range=range(3, 4),
+                                                  dst_layer_range=range(0, 1)), [(3, 0)])]
+    for round_ in range(3):  # the first round learns the routes, the others use them
+        for i, (method, sb, db, kwargs, pairs) in enumerate(calls):
+            local = client.call(ops.fill, "local", 100 * round_ + 2 * i)
+            remote = server.call(ops.fill, "remote", 100 * round_ + 2 * i + 1)
+            client.call(ops.py, method, key, "local", sb, db, **kwargs)
+            if method == "push_blocks":
+                want_local, want_remote = local, expected_blocks(local, remote, pairs, sb, db)
+            else:
+                want_local, want_remote = expected_blocks(remote, local, pairs, sb, db), remote
+            assert same(client.call(ops.snapshot, "local"), want_local), (round_, method)
+            assert same(server.call(ops.snapshot, "remote"), want_remote), (round_, method)
+    assert client.call(route_kinds) == ["MappedRoute", "MappedRoute"]
+    server.call(deallocate, "remote")
+    server.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    for _ in range(2):
+        local = client.call(ops.fill, "local", 7)
+        remote = server.call(ops.fill, "remote", 8)
+        client.call(ops.py, "push_blocks", key, "local", [0], [1])
+        assert same(server.call(ops.snapshot, "remote"), expected_blocks(local, remote, everything, [0], [1]))
+    assert client.call(shm_state)["mapped"][SERVER] == [server.call(lambda_cache_id, "remote")]
+
+
 def deallocate(state, name: str) -> None:
     cache = state.caches.pop(name)
     state.arrays.pop(name)
