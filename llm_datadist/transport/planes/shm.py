@@ -472,14 +472,16 @@ def _map_file(session, entry: List[int], fd: int) -> MappedCache:
         info = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
-        raise fail(S.LLM_LINK_FAILED, f"cluster {session.cluster_id} passed a file that is not a memfd ({exc})")
+        raise fail(S.LLM_LINK_FAILED,
+                   f"cluster {session.cluster_id} passed a file that is not a memfd ({exc})") from None
     if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= 0 or not seals & _SEALS_NEEDED:
         raise fail(S.LLM_LINK_FAILED, f"cluster {session.cluster_id} passed a file for cache {cache_id} that "
                                       f"is not a sealed memfd of {size} bytes")
     try:
         return MappedCache(cache_id, serial, base, size, fd)
     except (OSError, ValueError) as exc:
-        raise fail(S.LLM_LINK_FAILED, f"mapping cache {cache_id} of cluster {session.cluster_id} failed: {exc}")
+        raise fail(S.LLM_LINK_FAILED,
+                   f"mapping cache {cache_id} of cluster {session.cluster_id} failed: {exc}") from None
 
 
 def _recv_with_files(channel, nbytes: int, max_files: int, files: List[int], deadline: float, what: str) -> bytes:
