@@ -240,8 +240,15 @@ class ShmPlane(DataPlane):
             listed = _facts_of(session).caches
             wanted = [cache_id for cache_id, serial in listed.items()
                       if (cache_id, serial) not in state.maps and table.caches.get(cache_id) is not None]
-            for at in range(0, len(wanted), MAX_FDS_PER_REQUEST):
-                for mapped in fetch_files(session, wanted[at:at + MAX_FDS_PER_REQUEST], deadline):
+            for at in range(0, len(wanted) if state.refusal is None else 0, MAX_FDS_PER_REQUEST):
+                try:
+                    files = fetch_files(session, wanted[at:at + MAX_FDS_PER_REQUEST], deadline)
+                except LLMException as exc:
+                    if exc.status_code != S.LLM_FEATURE_NOT_ENABLED:
+                        raise
+                    state.refusal = str(exc)  # the owner passes this link no files: all through cma
+                    break
+                for mapped in files:
                     if listed.get(mapped.cache_id) == mapped.serial:
                         state.maps[(mapped.cache_id, mapped.serial)] = mapped
             spans, held = [], []
@@ -359,6 +366,8 @@ class ShmLink:
     maps: Dict[Tuple[int, int], MappedCache] = field(default_factory=dict)
     spans: Optional[Tuple[Any, Any, List[Tuple[int, int, int]], List[MappedCache]]] = None
     routes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    #: Why the owner refused to pass files on this link (its transfers then all take cma), or None.
+    refusal: Optional[str] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
