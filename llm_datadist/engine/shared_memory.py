@@ -2,7 +2,7 @@
 
 ``allocate_cache`` / ``allocate_blocks_cache`` put each HOST cache (and each DEVICE cache of a
 runtime whose device memory is host memory, ``cpu``) in one new memfd: the ``shm`` data plane
-(``transport/planes/shm.py``) hands that file to a proven same-host peer, which maps it once and
+(``transport/planes/shm/``) hands that file to a proven same-host peer, which maps it once and
 moves bytes with memcpy. One file per cache, made for this allocation only, so that a peer's
 mapping reaches that cache and nothing else: never another cache, never a later allocation (a
 new registration is a new file; the configured pool stays a budget of bytes, not one region).

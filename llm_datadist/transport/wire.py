@@ -44,7 +44,7 @@ bound to the connection's nonces and ids), and the link request and reply state 
 ``pid`` and ``uid``, from which the link's Unix connections must come (``SO_PEERCRED``). A version
 7 peer would take an unsigned reply, so it is refused at the handshake.
 
-Version 9 added the ``shm`` plane (``planes/shm.py``): the TABLE reply's ``shm`` entry lists the
+Version 9 added the ``shm`` plane (``planes/shm/``): the TABLE reply's ``shm`` entry lists the
 owner's caches in memfds of their own (``[[cache id, export id], ...]``, sent only to a proven
 same-host process of the owner's user), and OP_SHM_GET (``{"caches": [cache id, ...]}``, at most
 200) is answered by OP_SHM (``{"caches": [[cache id, export id, base address, bytes], ...]}``)

@@ -1,6 +1,6 @@
 """Allocated host caches live in a sealed memfd each (``engine/shared_memory.py``), which the shm
 plane passes to proven peers: one file per cache, never shared, never resized by whoever holds it;
-and the peer's side refuses a file that is not such a memfd (``planes/shm._map_file``)."""
+and the peer's side refuses a file that is not such a memfd (``planes/shm/files.map_file``)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def test_the_peer_refuses_a_file_that_is_not_a_sealed_memfd_of_the_stated_size()
         for entry, fd in (([1, 1, 0, 8192], unsealed), ([1, 1, 0, good.size + 4096], good.fd),
                           ([1, 1, 0, 0], good.fd)):
             with pytest.raises(LLMException) as refused:
-                shm._map_file(_session(), entry, fd)
+                shm.map_file(_session(), entry, fd)
             assert refused.value.status_code == LLMStatusCode.LLM_LINK_FAILED
-        mapped = shm._map_file(_session(), [1, 1, good.base, good.size], good.fd)
+        mapped = shm.map_file(_session(), [1, 1, good.base, good.size], good.fd)
         assert (mapped.size, mapped.base) == (good.size, good.base) and mapped.local != good.base
     finally:
         os.close(unsealed)

@@ -1,4 +1,4 @@
-"""The ``shm`` plane (``transport/planes/shm.py``): caches the peer allocated, mapped here through
+"""The ``shm`` plane (``transport/planes/shm/``): caches the peer allocated, mapped here through
 the memfd it passes over its Unix connection, moved with memcpy; user memory still through cma.
 Real cluster processes, forced onto ``shm``."""
 
