@@ -109,7 +109,8 @@ class ShmPlane(DataPlane):
             raise ProtocolError("malformed shm request")
         refusal = self.local_peer_refusal(peer) or connection_refusal(fd, peer)
         if refusal is not None:
-            self.files_refused += 1
+            with self._lock:
+                self.files_refused += 1
             return server.reply(fd, wire.OP_SHM, req_id, S.LLM_FEATURE_NOT_ENABLED,
                                 wire.encode_json({"error": f"no shared memory for this peer: {refusal}"}))
         listed, files = [], []
@@ -123,7 +124,9 @@ class ShmPlane(DataPlane):
         payload = wire.encode_json({"caches": listed})
         data = wire.pack_header(wire.OP_SHM, req_id, len(payload), 0) + payload
         sent = send_with_files(fd, data, [shared.fd for shared in files])
-        self.files_passed += len(files) if sent else 0
+        if sent:
+            with self._lock:
+                self.files_passed += len(files)
         return sent
 
     # -- the peer's side -----------------------------------------------------------------------
