@@ -5,6 +5,7 @@
     python bench/report_transport.py --runs 3         # 3 runs (same processes), each + combined
     python bench/report_transport.py --json out.json  # also write every duration measured
     python bench/report_transport.py --profile        # plus cProfile of the 4 KiB cma push
+    python bench/report_transport.py --planes shm,cma # only these planes' clients
 
 Same workload, processes and timing as ``test_bench_transport.py`` (see
 ``llm_datadist/cli/workload.py``). Per case, the measurements are interleaved: every kind (memcpy
@@ -59,7 +60,7 @@ def measure_case(rig: TransportRig, case: Case, repetitions: int) -> dict:
     """``{kind label: [ns, ...]}`` for every kind of ``case``, measured interleaved (plus the
     CPU reference loop for the latency case)."""
     rig.use(case)
-    measured = kinds(case) + ([(None, CPU_REFERENCE)] if case == LATENCY_CASE else [])
+    measured = kinds(case, list(rig.clients)) + ([(None, CPU_REFERENCE)] if case == LATENCY_CASE else [])
     durations = {kind_label(*kind): [] for kind in measured}
     while any(len(d) < repetitions for d in durations.values()):
         for plane, op in measured:
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
                         help="4 KiB transfers per kind and run (default 5000)")
     parser.add_argument("--json", type=Path, help="write every duration and the tables here")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of 20000 4 KiB cma pushes")
+    parser.add_argument("--planes", help="comma-separated planes to measure (default: every one that runs here)")
     args = parser.parse_args(argv)
 
     meta = dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     print(f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start",
           flush=True)
     runs = []
-    with TransportRig() as rig:
+    with TransportRig(args.planes.split(",") if args.planes else None) as rig:
         for run in range(1, args.runs + 1):
             raw = {case.label: measure_case(rig, case, args.repetitions) for case in BULK_CASES}
             raw[LATENCY_CASE.label] = measure_case(rig, LATENCY_CASE, args.latency_repetitions)

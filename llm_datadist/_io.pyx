@@ -590,6 +590,123 @@ cdef class BlockRoute(_Route):
                 f"{len(self.selections)} selections>")
 
 
+cdef class MappedRoute(_Route):
+    """Repeated block transfers between one local blocks cache and one blocks cache of a
+    same-host peer whose memory is mapped here (the shm plane: the peer's memfd of that cache):
+    the copies are memcpy into or out of the mapping, on the calling thread.
+
+    As ``BlockRoute``, ``run`` re-checks per call only what can change between calls (the link is
+    open, the peer's registry generation is the route's, every block id is an exact int inside
+    its cache, the tensor selection was learnt from a checked call) and returns False for anything
+    else, which then takes the checked path. The route keeps the mapping referenced for as long as
+    it lives: a call that passed its checks copies into memory that stays mapped (at worst the
+    old file of a cache the peer dropped meanwhile, which no other cache of the peer uses).
+    """
+
+    cdef const void *word
+    cdef object word_keep
+    cdef object mapping
+    cdef uint64_t shift
+    cdef readonly uint64_t generation
+    cdef readonly object owner
+    cdef bint closed
+    cdef object __weakref__
+
+    def __cinit__(self, owner, generation_word, generation, local, remote, write, mapping,
+                  uint64_t peer_base, uint64_t local_base, uint64_t size):
+        """``owner``: the link (``closed`` read on every call); ``generation_word``: a C-contiguous
+        uint64 array mapping the peer's registry generation, ``generation``: that of the table
+        ``remote`` came from; ``mapping``: what keeps the peer's file mapped here, ``size`` bytes at
+        ``local_base``, which the peer maps at ``peer_base``. Every tensor of ``remote`` must lie
+        inside that file (ValueError otherwise)."""
+        cdef const uint64_t[::1] view = generation_word
+        cdef CacheLayout theirs
+        cdef uint64_t tensor_bytes, offset
+        cdef Py_ssize_t t
+        if view.shape[0] < 1:
+            raise ValueError("the generation word is empty")
+        self._setup(local, remote, write)
+        theirs = remote
+        tensor_bytes = theirs.row_bytes * theirs.num_rows
+        if theirs.num_rows != 0 and tensor_bytes // theirs.num_rows != theirs.row_bytes:
+            raise ValueError("the remote tensors are larger than the address space")
+        for t in range(theirs.num_tensors):
+            offset = <uint64_t>theirs.addrs[t] - peer_base
+            if <uint64_t>theirs.addrs[t] < peer_base or offset > size or tensor_bytes > size - offset:
+                raise ValueError(f"remote tensor {t} lies outside the mapped file")
+        self.shift = local_base - peer_base  # modulo 2**64: a peer address plus shift is ours
+        self.generation = generation
+        self.owner = owner
+        self.mapping = mapping
+        self.word = &view[0]
+        self.word_keep = generation_word
+
+    def close(self):
+        """Every later ``run`` declines (the plane does this when the link ends); the mapping goes
+        with the route. Idempotent."""
+        self.closed = True
+        self.word = NULL
+        self.word_keep = None
+
+    @property
+    def current(self):
+        """Whether the route may still be used: the link is open and the peer's registry has not
+        changed since the route's table was fetched."""
+        return (not self.closed and not self.owner.closed
+                and dd_load_acquire_u64(self.word) == self.generation)
+
+    def run(self, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer):
+        """Move ``src_blocks[k]`` -> ``dst_blocks[k]`` for every tensor pair of the selection;
+        True when done, False when the caller must take the checked path (nothing was moved)."""
+        cdef Py_ssize_t n
+        cdef uint64_t blocks_s[2 * _ROUTE_STACK]
+        cdef uint64_t *lblock
+        cdef uint64_t *rblock
+        cdef void *heap = NULL
+        cdef _Selection sel = self._selection(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        if sel is None:
+            return False
+        n = self._count(src_blocks, dst_blocks, sel.count, _route_max)
+        if n < 0:
+            return False
+        if n <= _ROUTE_STACK:
+            lblock, rblock = blocks_s, blocks_s + _ROUTE_STACK
+        else:
+            heap = malloc(2 * <size_t>n * sizeof(uint64_t))
+            if heap == NULL:
+                return False
+            lblock = <uint64_t *>heap
+            rblock = lblock + n
+        try:
+            if not self._block_ids(src_blocks, dst_blocks, n, lblock, rblock):
+                return False
+            if self.closed or self.owner.closed or dd_load_acquire_u64(self.word) != self.generation:
+                return False
+            self._copy(sel, n, lblock, rblock)
+            return True
+        finally:
+            free(heap)
+
+    cdef void _copy(self, _Selection sel, Py_ssize_t n, const uint64_t *lblock, const uint64_t *rblock) noexcept:
+        cdef size_t t
+        cdef Py_ssize_t k
+        cdef uint64_t lstride = self.local.row_bytes, rstride = self.remote.row_bytes
+        cdef uint64_t nbytes = self.block_bytes, laddr, raddr, shift = self.shift
+        cdef bint write = self.write
+        with nogil:
+            for t in range(sel.count):
+                for k in range(n):
+                    laddr = sel.local_base[t] + lblock[k] * lstride
+                    raddr = sel.remote_base[t] + rblock[k] * rstride + shift
+                    if write:
+                        memcpy(<void *>raddr, <const void *>laddr, nbytes)
+                    else:
+                        memcpy(<void *>laddr, <const void *>raddr, nbytes)
+
+    def __repr__(self):
+        return f"<MappedRoute {'push' if self.write else 'pull'}, {len(self.selections)} selections>"
+
+
 def block_indices(local_blocks, remote_blocks, const int64_t[::1] local_bases not None,
                   const int64_t[::1] remote_bases not None, int64_t local_rows, int64_t remote_rows,
                   int32_t[::1] local_out not None, int32_t[::1] remote_out not None):

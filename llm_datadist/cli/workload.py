@@ -74,9 +74,12 @@ CLIENT_IDS = {plane: 2 + i for i, plane in enumerate(PLANES)}
 def default_planes() -> Tuple[str, ...]:
     """The planes a rig measures unless told: every registered one, less those that serve only
     authenticated links and cannot run on this host (``probe``: nixl without NIXL, or without an
-    RDMA port and ``LLM_DATADIST_NIXL_TCP=1``)."""
+    RDMA port and ``LLM_DATADIST_NIXL_TCP=1``), and less those that move the rig's registered
+    (numpy) memory with another plane (``DataPlane.uses``: shm moves it as cma; its own memory,
+    allocated caches, is ``bench/shm_transport.py``'s)."""
     return tuple(name for name in PLANES
-                 if not _plane_registry.get(name).requires_secret or _plane_registry.get(name).probe()[0])
+                 if (not _plane_registry.get(name).requires_secret or _plane_registry.get(name).probe()[0])
+                 and not _plane_registry.get(name).uses)
 #: Cluster id of the one process of a rig without remote planes.
 LONE_ID = 2
 SEED = 0x7A5F

@@ -24,7 +24,7 @@ from llm_datadist.runtimes import select_runtime
 from llm_datadist._memory import Place, host_view, resolve_addresses
 from llm_datadist._validate import param_invalid
 from llm_datadist.data_type import DataType
-from llm_datadist.engine import copies
+from llm_datadist.engine import copies, shared_memory
 from llm_datadist.engine.layerwise import FINALIZE_JOIN_S, LayerRunner
 from llm_datadist.engine.registry import Registry
 from llm_datadist.engine.routes import BlockRoutes
@@ -335,11 +335,18 @@ class Engine:
             # HOST caches of a device runtime are page-locked memory from it (cudaMallocHost,
             # aclrtMallocHost): what its copies reach at full speed.
             pinned = placement == Place.HOST and not self.runtime.host_addressable
-            allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE, pinned)
-                           for _ in range(num_tensors)]
+            # Host memory of this process's own (a HOST cache of a host runtime, or any cache of
+            # the cpu runtime): one memfd per cache, which the shm plane can hand to a peer.
+            shared = shared_memory.allocate(nbytes, num_tensors) if self.runtime.host_addressable else None
+            if shared is not None:
+                allocations = list(shared.tensors)
+            else:
+                allocations = [_core.Allocation(self.runtime, nbytes, placement == Place.DEVICE, pinned)
+                               for _ in range(num_tensors)]
             record = new_record(num_tensors, shape, nbytes, data_type, placement, kind,
                                 [a.addr for a in allocations], False, -1, batch_dim)
             record.allocations = allocations
+            record.shared = shared
             record.pool_bytes = charged
             return self.registry.commit(record, owner_keys, blocks_model_id)
         except BaseException:

@@ -151,6 +151,8 @@ class CacheRecord:
     registered: bool
     batch_dim: int = 0  # the CacheDesc's batch_dim_index: swap_blocks' blocks are shape[batch_dim]
     allocations: List[Any] = field(default_factory=list)
+    #: The memfd of an allocated cache (``shared_memory.SharedCache``), or None.
+    shared: Any = None
     keepalive: List[Any] = field(default_factory=list)
     #: Tensors of a registered HOST cache page-locked for the device (``Engine._pin_host``).
     pinned_addrs: List[int] = field(default_factory=list)

@@ -90,6 +90,8 @@ class LinkManager:
         self.read_guard, self.write_guard = self.hooks.read_guard, self.hooks.write_guard
         handlers = Requests(engine, lambda: self.planes.all, device_payload, count, self.read_guard,
                             self.write_guard).handlers()
+        for plane in self.planes.all:  # a plane's own requests (DataPlane.requests)
+            handlers.update(plane.requests())
         handlers[wire.OP_NOTIFY] = self.hooks.on_notify
         handlers[wire.OP_UNLINK] = self._on_unlink
         #: Serves the peers' requests on the links' incoming connections.

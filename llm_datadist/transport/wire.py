@@ -43,6 +43,13 @@ Version 8 signs the handshake: with a secret, the AUTH message and the HELLO_REP
 bound to the connection's nonces and ids), and the link request and reply state the sender's
 ``pid`` and ``uid``, from which the link's Unix connections must come (``SO_PEERCRED``). A version
 7 peer would take an unsigned reply, so it is refused at the handshake.
+
+Version 9 added the ``shm`` plane (``planes/shm/``): the TABLE reply's ``shm`` entry lists the
+owner's caches in memfds of their own (``[[cache id, export id], ...]``, sent only to a proven
+same-host process of the owner's user), and OP_SHM_GET (``{"caches": [cache id, ...]}``, at most
+200) is answered by OP_SHM (``{"caches": [[cache id, export id, base address, bytes], ...]}``)
+whose first byte carries one descriptor per listed cache (``SCM_RIGHTS``, Unix connections only).
+A version 8 peer does not know OP_SHM_GET, so it is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 MAGIC = b"LLDD"
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 HEADER = struct.Struct("<4sHHIQQ")
 HEADER_BYTES = HEADER.size
 U64 = struct.Struct("<Q")
@@ -79,9 +86,11 @@ OP_NOTIFY = 13
 OP_NOTIFY_REPLY = 14
 OP_CHALLENGE = 15
 OP_AUTH = 16
+OP_SHM_GET = 17
+OP_SHM = 18
 
 OP_NAMES = {value: name for name, value in globals().items() if name.startswith("OP_")}
-REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE, OP_NOTIFY)
+REQUEST_OPS = (OP_HELLO, OP_TABLE_GET, OP_PUSH, OP_PULL, OP_UNLINK, OP_KEY_DONE, OP_NOTIFY, OP_SHM_GET)
 
 #: Largest JSON payload accepted (cache tables included).
 MAX_CONTROL_BYTES = 16 << 20

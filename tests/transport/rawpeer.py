@@ -1,4 +1,4 @@
-"""A hand-written client of the link protocol (version 8), for tests that play a hostile or
+"""A hand-written client of the link protocol (version 9), for tests that play a hostile or
 broken peer: it speaks the handshake with plain blocking sockets and lets the test send any
 frame afterwards. It shares no code with ``llm_datadist.transport.links`` (only the frame
 constants and the HMAC proof and MAC functions), so a test built on it checks the server against the

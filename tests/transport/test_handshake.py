@@ -192,14 +192,15 @@ def test_a_secret_on_one_side_only_is_refused_by_both(pair, server_secret, clien
     assert admission == handshake.Admission(CLIENT, refused=said, auth_failure=True) and request is None
 
 
-@pytest.mark.parametrize("version", [4, 5, 6, 7, wire.PROTOCOL_VERSION + 1],
+@pytest.mark.parametrize("version", [4, 5, 6, 7, 8, wire.PROTOCOL_VERSION + 1],
                          ids=["v4 (before pull tags)", "v5 (before the nixl table entry)",
-                              "v6 (before link protection)", "v7 (before the signed handshake)", "newer"])
+                              "v6 (before link protection)", "v7 (before the signed handshake)",
+                              "v8 (before the shm plane)", "newer"])
 def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version(pair, version):
     """The server raises the one line naming both versions (the caller logs it and closes), and
     first answers with a refused CHALLENGE in the peer's version carrying that line, which a
     client of any version since 3 reports as ``refused: <line>``."""
-    assert wire.PROTOCOL_VERSION == 8
+    assert wire.PROTOCOL_VERSION == 9
     server_end, client_end = pair
     served = in_thread(lambda: handshake.accept_hello(server_end, SERVER, None, soon()))
     payload = wire.encode_json({"cluster_id": CLIENT, "nonce": auth.new_nonce(), "auth": False})
@@ -207,7 +208,7 @@ def test_a_hello_of_another_protocol_version_is_refused_in_the_peers_own_version
     client_end.sendall(head + payload)
     with pytest.raises(wire.VersionMismatch) as bad:
         served()
-    line = f"protocol version {version}, this side speaks 8"
+    line = f"protocol version {version}, this side speaks 9"
     assert str(bad.value) == line and bad.value.version == version
     select.select([client_end], [], [], 3)
     answer = client_end.recv(1 << 16)
@@ -225,9 +226,9 @@ def test_a_client_answered_in_another_version_fails_with_the_line_naming_both(pa
                                                         soon()))
     select.select([server_end], [], [], 3)
     server_end.recv(1 << 16)
-    payload = wire.encode_json({"error": "protocol version 8, this side speaks 9"})
-    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 9, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
-    with pytest.raises(wire.VersionMismatch, match="^protocol version 9, this side speaks 8$"):
+    payload = wire.encode_json({"error": "protocol version 9, this side speaks 10"})
+    server_end.sendall(wire.HEADER.pack(wire.MAGIC, 10, wire.OP_CHALLENGE, 0, 1, len(payload)) + payload)
+    with pytest.raises(wire.VersionMismatch, match="^protocol version 10, this side speaks 9$"):
         done()
 
 

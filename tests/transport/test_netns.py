@@ -407,7 +407,7 @@ def test_cma_never_writes_to_a_process_that_took_a_dead_peers_pid(pid_namespace,
     client.call("register", seed=6, **args)
     assert client.call("link", remote_id=SERVER_ID, ip="127.0.0.1", port=server.ready["port"],
                        timeout_ms=3000)["status"] == S.LLM_SUCCESS
-    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "cma"
+    assert client.call("plane", remote_id=SERVER_ID)["plane"] == "shm"  # user memory: through cma
     assert client.call("transfer", op="push", remote_id=SERVER_ID, name="c", src=[0], dst=[1])["status"] == 0
     target = server.call("addrs", name="c")
     dead_pid = server.ready["pid"]  # as the namespace sees it

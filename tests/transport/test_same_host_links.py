@@ -86,15 +86,15 @@ def test_a_flood_of_the_unix_socket_cannot_move_a_same_host_link_onto_a_relay():
         stack.callback(middle.close)
         flood(stack, server, 30)
         assert link_through(client, server, middle) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-        assert client.call(link_state, SERVER_ID)[0] and client.call(data_plane, SERVER_ID) == "cma"
+        assert client.call(link_state, SERVER_ID)[0] and client.call(data_plane, SERVER_ID) == "shm"  # same host
         assert client.call(push, SERVER_ID, list(range(8)), list(range(8))) == 0
         assert len(middle.seen) == 1 and middle.flipped == 0
         assert all(server.call(block_bytes, t, b) == client.call(block_bytes, t, b) for t in (0, 1) for b in range(8))
 
 
 def test_honest_same_host_links_keep_the_unix_socket_under_a_flood():
-    """Eight links in a row while the stranger floods: each comes up, on cma (before: on tcp, or
-    failed with LLM_LINK_FAILED)."""
+    """Eight links in a row while the stranger floods: each comes up, on the same-host plane (shm;
+    before: on tcp, or failed with LLM_LINK_FAILED)."""
     needs_another_user()
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, listen=True)
@@ -105,7 +105,7 @@ def test_honest_same_host_links_keep_the_unix_socket_under_a_flood():
             assert client.call(_link, SERVER_ID, *server.address, 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
             planes.append(client.call(data_plane, SERVER_ID))
             assert client.call(_unlink, SERVER_ID) == 0
-        assert planes == ["cma"] * 8
+        assert planes == ["shm"] * 8
         assert server.call(stats)["refused_source"] > 0  # the stranger's connections beyond its share
         child.kill()
 

@@ -476,15 +476,16 @@ def test_forged_table_and_replayed_identity_never_reach_unregistered_memory():
 
 
 def test_same_host_plane_only_towards_the_proven_pid():
-    """Between two real clusters on this host the plane is cma, and each side's proven peer pid
-    is the other process (not a claim)."""
+    """Between two real clusters on this host the plane is the same-host one (shm, which moves
+    user memory through cma), and each side's proven peer pid is the other process (not a
+    claim)."""
     with ExitStack() as stack:
         server = start(stack, SERVER_ID, listen=True)
         client = start(stack, CLIENT_ID)
         assert link(client, server) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         assert client.call(_peer_pid, SERVER_ID) == server.pid
         assert server.call(_peer_pid, CLIENT_ID) == client.pid
-        assert client.call(data_plane, SERVER_ID) == "cma" and server.call(data_plane, CLIENT_ID) == "cma"
+        assert client.call(data_plane, SERVER_ID) == "shm" and server.call(data_plane, CLIENT_ID) == "shm"
 
 
 def _peer_pid(state, remote_id: int) -> int:

@@ -115,6 +115,11 @@ Per engine rather than per link:
 ``shutdown()``
     The engine's links are closing (finalize): release per-engine state (staging: its bounce
     buffers). The default does nothing.
+``requests()``
+    Extra request handlers of the engine's server, opcode -> handler (``server.Handler``:
+    ``(fd, req_id, length, peer) -> goes on``), for a plane whose peers ask it for something on
+    the link's connections (shm: ``OP_SHM_GET``, its memfds passed with ``SCM_RIGHTS``); ``{}``
+    by default. Collected once, when the link manager starts.
 """
 
 from __future__ import annotations
@@ -139,6 +144,9 @@ class DataPlane:
     #: ``offer`` puts there): the link keeps what ``parse_facts`` makes of these (``session.facts``),
     #: nothing else of the reply. A key belongs to one plane.
     facts_keys: ClassVar[Tuple[str, ...]] = ()
+    #: Planes this one moves some transfers with (shm: cma for user memory), named with it in a
+    #: link request or reply when it is forced.
+    uses: ClassVar[Tuple[str, ...]] = ()
     #: Position in the order ``auto`` tries planes (lower first).
     auto_rank: ClassVar[int] = 50
     #: Whether ``auto`` tries it at all (a plane only reachable by forcing it says False).
@@ -198,6 +206,9 @@ class DataPlane:
 
     def shutdown(self) -> None:
         pass
+
+    def requests(self) -> Dict[int, Callable[..., bool]]:
+        return {}
 
     def counters(self) -> Dict[str, int]:
         """This plane's counters for ``LinkManager.link_stats`` (names unique across planes)."""

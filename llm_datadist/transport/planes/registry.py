@@ -81,10 +81,11 @@ def fallbacks() -> Tuple[str, ...]:
 
 def offered(forced: str) -> Tuple[str, ...]:
     """The planes a side names in its link request or reply: all of them under ``auto``, else
-    the forced one and the fallbacks."""
+    the forced one, the planes it works with (``DataPlane.uses``: shm -> cma) and the fallbacks."""
     if forced == AUTO:
         return names()
-    return tuple(p.name for p in _ordered() if p.name == forced or p.fallback)
+    uses = _registry[forced].uses if forced in _registry else ()
+    return tuple(p.name for p in _ordered() if p.name == forced or p.name in uses or p.fallback)
 
 
 def resolve(options: Mapping[str, str]) -> str:
