@@ -328,10 +328,12 @@ def test_transfer_mode_is_checked_and_push_refuses_what_it_does_not_support():
         with pytest.raises(ValueError, match="transfer_mode must be 'pull' or 'push'"):
             Options.parse({"transfer_mode": bad})
     producer = SimpleNamespace(is_kv_producer=True, is_kv_consumer=False)
-    one = SimpleNamespace(tensor_parallel_size=1)
+    one = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     _check_push(producer, one, ())
     with pytest.raises(NotImplementedError, match="without tensor parallelism"):
-        _check_push(producer, SimpleNamespace(tensor_parallel_size=2), ())
+        _check_push(producer, SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1), ())
+    with pytest.raises(NotImplementedError, match="without pipeline parallelism"):
+        _check_push(producer, SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2), ())
     with pytest.raises(NotImplementedError, match="kv_both"):
         _check_push(SimpleNamespace(is_kv_producer=True, is_kv_consumer=True), one, ())
     from llm_datadist.integrations.vllm.groups import Group
