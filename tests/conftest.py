@@ -50,9 +50,22 @@ def pytest_cmdline_main(config):
             option.benchmark_disable = True
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tells each xdist worker the distribution mode chosen here: a worker parses the command line
+    again, so ``pytest_cmdline_main``'s choice of ``loadgroup`` would not reach it, and it would not
+    name its items' groups (``pytest_collection_modifyitems``)."""
+    node.workerinput["llm_datadist_dist"] = node.config.option.dist
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """A vLLM module's tests share the module's engines (module-scoped fixtures): under xdist they
-    run as one group, in one worker, so that no engine is started twice."""
+    run as one group, in one worker, so that no engine is started twice. (First: a worker's xdist
+    plugin names each item's group from these marks in its own hook, which would otherwise run
+    before this one and find none.)"""
+    if getattr(config, "workerinput", {}).get("llm_datadist_dist") == "loadgroup":
+        config.option.loadgroup = True  # (what the worker's xdist reads: ``pytest_configure_node``)
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         if path.startswith("tests/integrations/"):

@@ -45,3 +45,16 @@ def test_the_whole_suite_starts_the_workers():
                          env=dict(os.environ, LLM_DATADIST_TEST_WORKERS="2"))
     assert out.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, out.stdout[-2000:] + out.stderr[-2000:]
     assert "created: 2/2 workers" in out.stdout, out.stdout[-2000:]
+
+
+def test_a_vllm_modules_tests_run_in_one_worker():
+    """``-n 2`` alone (the loadgroup chosen in ``conftest.py``, which the workers parse again): every
+    test of one tests/integrations module runs in the same worker, as the module's engines must."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2",
+                          "tests/integrations/test_vllm_interface.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, pytest.ExitCode.NO_TESTS_COLLECTED), out.stdout[-2000:] + out.stderr[-2000:]
+    ran = [line for line in out.stdout.splitlines() if line.startswith("[gw")]
+    assert ran, out.stdout[-2000:]
+    assert {line.split()[0] for line in ran} in ({"[gw0]"}, {"[gw1]"}), ran
+    assert all("@tests/integrations/test_vllm_interface.py" in line for line in ran), ran
