@@ -244,6 +244,21 @@ def test_a_prompt_takes_only_the_blocks_whose_tokens_it_repeats():
         assert list(prefill.build_connector_meta().reqs_to_ask) == ["marked"]
 
 
+def test_a_prefix_held_by_an_engine_of_another_pipeline_parallel_size_is_computed_not_failed():
+    # (a decode engine of pipeline_parallel_size 2, or a router that says so: this engine's worker
+    # could pull none of it and would report the load failed, which fails the request)
+    with decode_worker() as worker:
+        _, params = finished_decode(scheduler_of(worker, "decode"), "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill", kv_recompute_threshold=16)
+        pp2 = dict(params, pp_size=2, remote_ranks=params["remote_ranks"] * 2)
+        request = next_turn_request("pp2", pp2, TURN1 + [11] * 20, prefill)
+        assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = prefill.build_connector_meta()
+        assert meta.reqs_to_ask == {}
+        spec = meta.reqs_to_recv["pp2"]  # released: every worker of the decode engine frees it now
+        assert not spec.awaiting and spec.next_turn and len(spec.peers(0, 1)) == 2
+
+
 def test_unsupported_engines_say_so_at_start():
     from llm_datadist.integrations.vllm.scheduler import Scheduler
 

@@ -312,6 +312,8 @@ class Scheduler:
         params, req_id = request.kv_transfer_params, request.request_id
         spec = recv_spec(params)
         held, why = bidirectional.held_prefix(params, request.prompt_token_ids, self.block_size)
+        if spec is not None and not why:  # (else this engine's workers pull none of it: a failed load)
+            why = stages.refusal(spec.remote_pp_size, self.pp_size)
         if spec is None or why:
             logger.warning("request %s: the prefix its params name on a decode engine is not pulled (%s); "
                            "computing the prompt", req_id, why or "they are malformed")
