@@ -259,6 +259,33 @@ def test_a_prefix_held_by_an_engine_of_another_pipeline_parallel_size_is_compute
         assert not spec.awaiting and spec.next_turn and len(spec.peers(0, 1)) == 2
 
 
+def test_kv_not_given_by_the_tokens_alone_is_neither_held_nor_pulled():
+    # (a LoRA adapter's KV, an image's: placeholder tokens alike, other KV; a prompt given as
+    # embeddings: its token ids are zeros) the block hashes would match another KV of those tokens
+    from vllm.v1.request import RequestStatus
+
+    lora = SimpleNamespace(lora_name="adapter", lora_path="/adapters/a")
+    image = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=3, length=20))
+    with decode_worker() as worker:
+        decode = scheduler_of(worker, "decode")
+        plain = {"lora_request": None, "mm_features": [], "prompt_token_ids": TURN1[:60]}
+        for n, extra in enumerate(({"lora_request": lora}, {"mm_features": [image]}, {"prompt_token_ids": None})):
+            request = SimpleNamespace(request_id=f"turn1-{n}", kv_transfer_params={"do_remote_prefill": False},
+                                      status=RequestStatus.FINISHED_STOPPED, all_token_ids=list(TURN1),
+                                      num_computed_tokens=len(TURN1) - 1, **dict(plain, **extra))
+            assert decode.request_finished(request, [[7, 8, 9]]) == (False, None)
+        assert decode.build_connector_meta().reqs_to_send == {}
+        _, params = finished_decode(decode, "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill", kv_recompute_threshold=16)
+        for n, extra in enumerate(({"lora_request": lora}, {"mm_features": [image]})):
+            request = next_turn_request(f"turn2-{n}", params, TURN1 + [11] * 20, prefill)
+            for name, value in extra.items():
+                setattr(request, name, value)
+            assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+            meta = prefill.build_connector_meta()
+            assert meta.reqs_to_ask == {} and not meta.reqs_to_recv[f"turn2-{n}"].awaiting  # released
+
+
 def test_unsupported_engines_say_so_at_start():
     from llm_datadist.integrations.vllm.scheduler import Scheduler
 

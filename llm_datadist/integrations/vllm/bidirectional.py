@@ -65,6 +65,19 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> List[str]:
     return out
 
 
+def not_by_tokens(request: Any) -> str:
+    """Why a request's KV is not given by its token ids alone (a LoRA adapter's, an image's whose
+    placeholder tokens another image shares, a prompt given as embeddings whose ids are zeros), so
+    that equal block hashes could name other KV; "" if it is. Such KV is neither held nor pulled."""
+    if getattr(request, "lora_request", None) is not None:
+        return "it runs with a LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "its prompt has multimodal inputs"
+    if getattr(request, "prompt_token_ids", ()) is None:
+        return "its prompt is given as embeddings"
+    return ""
+
+
 def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
                 now: Optional[float] = None) -> Tuple[int, str]:
     """``(tokens, "")``: how many of ``prompt``'s first tokens the decode engine's held blocks
