@@ -286,6 +286,17 @@ def test_kv_not_given_by_the_tokens_alone_is_neither_held_nor_pulled():
             assert meta.reqs_to_ask == {} and not meta.reqs_to_recv[f"turn2-{n}"].awaiting  # released
 
 
+def test_a_token_count_too_large_for_a_float_is_refused_not_raised():
+    # (JSON carries integers of any size: an exception here would end the prefill engine's step)
+    with decode_worker() as worker:
+        _, params = finished_decode(scheduler_of(worker, "decode"), "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill")
+        for n, huge in enumerate((10 ** 400, 2 ** 1030)):
+            request = next_turn_request(f"huge{n}", dict(params, remote_num_tokens=huge), TURN1 + [5] * 80, prefill)
+            assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert not prefill.build_connector_meta().reqs_to_recv[f"huge{n}"].awaiting  # released
+
+
 def test_unsupported_engines_say_so_at_start():
     from llm_datadist.integrations.vllm.scheduler import Scheduler
 

@@ -14,7 +14,6 @@ tokens. This module holds the pure parts: what the params say and what a prompt 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from array import array
 from typing import Any, List, Optional, Sequence, Tuple
@@ -94,7 +93,7 @@ def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
     if not isinstance(blocks, (list, tuple)) or not 0 < len(blocks) <= MAX_HELD_BLOCKS or \
             not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
         return 0, "remote_block_ids is not one list of block ids"
-    if len(blocks) != math.ceil(held / block_size):
+    if len(blocks) != -(-held // block_size):  # (integers: a float overflows on a huge count)
         return 0, f"{len(blocks)} blocks cannot hold {held} tokens of {block_size}"
     size = params.get("remote_block_size", block_size)
     if size != block_size:
@@ -125,4 +124,4 @@ def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
 
 def clip(blocks: List[int], tokens: int, block_size: int) -> List[int]:
     """The held blocks that cover the first ``tokens`` tokens."""
-    return list(blocks[:math.ceil(tokens / block_size)])
+    return list(blocks[:-(-tokens // block_size)])
