@@ -244,6 +244,59 @@ def test_a_prompt_takes_only_the_blocks_whose_tokens_it_repeats():
         assert list(prefill.build_connector_meta().reqs_to_ask) == ["marked"]
 
 
+def test_a_prefix_held_by_an_engine_of_another_pipeline_parallel_size_is_computed_not_failed():
+    # (a decode engine of pipeline_parallel_size 2, or a router that says so: this engine's worker
+    # could pull none of it and would report the load failed, which fails the request)
+    with decode_worker() as worker:
+        _, params = finished_decode(scheduler_of(worker, "decode"), "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill", kv_recompute_threshold=16)
+        pp2 = dict(params, pp_size=2, remote_ranks=params["remote_ranks"] * 2)
+        request = next_turn_request("pp2", pp2, TURN1 + [11] * 20, prefill)
+        assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = prefill.build_connector_meta()
+        assert meta.reqs_to_ask == {}
+        spec = meta.reqs_to_recv["pp2"]  # released: every worker of the decode engine frees it now
+        assert not spec.awaiting and spec.next_turn and len(spec.peers(0, 1)) == 2
+
+
+def test_kv_not_given_by_the_tokens_alone_is_neither_held_nor_pulled():
+    # (a LoRA adapter's KV, an image's: placeholder tokens alike, other KV; a prompt given as
+    # embeddings: its token ids are zeros) the block hashes would match another KV of those tokens
+    from vllm.v1.request import RequestStatus
+
+    lora = SimpleNamespace(lora_name="adapter", lora_path="/adapters/a")
+    image = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=3, length=20))
+    with decode_worker() as worker:
+        decode = scheduler_of(worker, "decode")
+        plain = {"lora_request": None, "mm_features": [], "prompt_token_ids": TURN1[:60]}
+        for n, extra in enumerate(({"lora_request": lora}, {"mm_features": [image]}, {"prompt_token_ids": None})):
+            request = SimpleNamespace(request_id=f"turn1-{n}", kv_transfer_params={"do_remote_prefill": False},
+                                      status=RequestStatus.FINISHED_STOPPED, all_token_ids=list(TURN1),
+                                      num_computed_tokens=len(TURN1) - 1, **dict(plain, **extra))
+            assert decode.request_finished(request, [[7, 8, 9]]) == (False, None)
+        assert decode.build_connector_meta().reqs_to_send == {}
+        _, params = finished_decode(decode, "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill", kv_recompute_threshold=16)
+        for n, extra in enumerate(({"lora_request": lora}, {"mm_features": [image]})):
+            request = next_turn_request(f"turn2-{n}", params, TURN1 + [11] * 20, prefill)
+            for name, value in extra.items():
+                setattr(request, name, value)
+            assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+            meta = prefill.build_connector_meta()
+            assert meta.reqs_to_ask == {} and not meta.reqs_to_recv[f"turn2-{n}"].awaiting  # released
+
+
+def test_a_token_count_too_large_for_a_float_is_refused_not_raised():
+    # (JSON carries integers of any size: an exception here would end the prefill engine's step)
+    with decode_worker() as worker:
+        _, params = finished_decode(scheduler_of(worker, "decode"), "turn1", TURN1, [7, 8, 9])
+        prefill = scheduler_of(worker, "prefill")
+        for n, huge in enumerate((10 ** 400, 2 ** 1030)):
+            request = next_turn_request(f"huge{n}", dict(params, remote_num_tokens=huge), TURN1 + [5] * 80, prefill)
+            assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert not prefill.build_connector_meta().reqs_to_recv[f"huge{n}"].awaiting  # released
+
+
 def test_unsupported_engines_say_so_at_start():
     from llm_datadist.integrations.vllm.scheduler import Scheduler
 

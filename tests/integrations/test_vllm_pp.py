@@ -152,6 +152,19 @@ def test_params_naming_another_count_of_workers_are_malformed():
 
 
 @needs_vllm
+def test_params_naming_more_workers_than_a_tp_size_may_are_malformed():
+    # (a decode engine of another pipeline parallel size releases every worker listed, each a link
+    # and a thread: a router's 256 x 64 forged workers would be 16384 of them for one request)
+    from llm_datadist.integrations.vllm.meta import MAX_TP_SIZE, recv_spec
+
+    assert recv_spec(_params(MAX_TP_SIZE // 4, 4)) is not None
+    assert recv_spec(_params(MAX_TP_SIZE // 4, 8)) is None
+    assert recv_spec(_params(MAX_TP_SIZE, 64)) is None
+    cut = {k: v for k, v in _params(MAX_TP_SIZE, 2).items() if k not in ("remote_ranks", "readers_counted")}
+    assert recv_spec(cut) is None
+
+
+@needs_vllm
 def test_a_pp2_prefill_hands_out_every_worker_and_a_decode_of_another_pp_size_refuses():
     from vllm.v1.request import RequestStatus
 

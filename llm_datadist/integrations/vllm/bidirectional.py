@@ -14,7 +14,6 @@ tokens. This module holds the pure parts: what the params say and what a prompt 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from array import array
 from typing import Any, List, Optional, Sequence, Tuple
@@ -65,6 +64,19 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> List[str]:
     return out
 
 
+def not_by_tokens(request: Any) -> str:
+    """Why a request's KV is not given by its token ids alone (a LoRA adapter's, an image's whose
+    placeholder tokens another image shares, a prompt given as embeddings whose ids are zeros), so
+    that equal block hashes could name other KV; "" if it is. Such KV is neither held nor pulled."""
+    if getattr(request, "lora_request", None) is not None:
+        return "it runs with a LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "its prompt has multimodal inputs"
+    if getattr(request, "prompt_token_ids", ()) is None:
+        return "its prompt is given as embeddings"
+    return ""
+
+
 def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
                 now: Optional[float] = None) -> Tuple[int, str]:
     """``(tokens, "")``: how many of ``prompt``'s first tokens the decode engine's held blocks
@@ -81,7 +93,7 @@ def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
     if not isinstance(blocks, (list, tuple)) or not 0 < len(blocks) <= MAX_HELD_BLOCKS or \
             not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
         return 0, "remote_block_ids is not one list of block ids"
-    if len(blocks) != math.ceil(held / block_size):
+    if len(blocks) != -(-held // block_size):  # (integers: a float overflows on a huge count)
         return 0, f"{len(blocks)} blocks cannot hold {held} tokens of {block_size}"
     size = params.get("remote_block_size", block_size)
     if size != block_size:
@@ -112,4 +124,4 @@ def held_prefix(params: dict, prompt: Optional[Sequence[int]], block_size: int,
 
 def clip(blocks: List[int], tokens: int, block_size: int) -> List[int]:
     """The held blocks that cover the first ``tokens`` tokens."""
-    return list(blocks[:math.ceil(tokens / block_size)])
+    return list(blocks[:-(-tokens // block_size)])

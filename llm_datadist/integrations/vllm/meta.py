@@ -20,7 +20,8 @@ from llm_datadist.integrations.vllm.leases import MAX_RELEASE_ID_BYTES, utf8_len
 #: links to whichever cluster the handshake finds at ``remote_host:remote_port``).
 REMOTE_FIELDS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 
-#: The largest tensor parallel size ``kv_transfer_params`` may name (they come from outside).
+#: The largest tensor parallel size ``kv_transfer_params`` may name (they come from outside), and
+#: the most workers (``tp_size * pp_size``).
 MAX_TP_SIZE = 256
 
 #: The most KV cache groups ``kv_transfer_params`` may name block ids for (hybrid models: one list
@@ -314,7 +315,8 @@ def recv_spec(params: Any) -> Optional[Recv]:
         tp_size, pp_size = params.get("tp_size", 1), params.get("pp_size", 1)
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE:
             return None
-        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= stages.MAX_PP_SIZE:
+        if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= stages.MAX_PP_SIZE or \
+                tp_size * pp_size > MAX_TP_SIZE:  # (each worker listed may be a link and a thread here)
             return None
         if listed is not None:
             # a prefill engine of several workers: every worker's address and lease, by flat rank

@@ -311,7 +311,10 @@ class Scheduler:
         cannot be asked for. Whatever is not pulled is released, so the decode engine frees it now."""
         params, req_id = request.kv_transfer_params, request.request_id
         spec = recv_spec(params)
-        held, why = bidirectional.held_prefix(params, request.prompt_token_ids, self.block_size)
+        why = bidirectional.not_by_tokens(request)
+        held, why = (0, why) if why else bidirectional.held_prefix(params, request.prompt_token_ids, self.block_size)
+        if spec is not None and not why:  # (else this engine's workers pull none of it: a failed load)
+            why = stages.refusal(spec.remote_pp_size, self.pp_size)
         if spec is None or why:
             logger.warning("request %s: the prefix its params name on a decode engine is not pulled (%s); "
                            "computing the prompt", req_id, why or "they are malformed")
@@ -526,6 +529,8 @@ class Scheduler:
         next_turn = not params.get("do_remote_decode")
         if next_turn and not (self.options.bidirectional_kv_xfer and params):
             return False, None
+        if next_turn and bidirectional.not_by_tokens(request):
+            return False, None  # (equal token hashes could name other KV)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted prefill: free its blocks now
         if block_ids and not isinstance(block_ids[0], (list, tuple)):
