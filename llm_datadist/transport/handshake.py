@@ -460,7 +460,9 @@ def connect_tcp(ip: str, port: int, deadline: float) -> socket.socket:
     remaining = dl.left_s(deadline)
     if remaining <= 0:
         raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
-    sock = socket.create_connection((ip, port), timeout=remaining)
+    # An address as bytes: getaddrinfo encodes a str host with the IDNA codec, whose first import
+    # (~2 ms) the first link would pay; an IP address or a plain host name is ASCII either way.
+    sock = socket.create_connection((ip.encode("ascii") if ip.isascii() else ip, port), timeout=remaining)
     try:
         tune(sock)
         sock.setblocking(False)
