@@ -35,10 +35,11 @@ SERVER, CLIENT, MODEL = 1, 2, 9
 TENSORS, BLOCK_BYTES, PUSHED, PUSHES = 64, 16 << 10, 4, 3
 
 
-def register(state, blocks: int, owner: bool) -> None:
-    """A HOST blocks cache of TENSORS x ``blocks`` blocks of BLOCK_BYTES, numpy zeros (untouched)."""
+def register(state, blocks: int, owner: bool, touched: bool = False) -> None:
+    """A HOST blocks cache of TENSORS x ``blocks`` blocks of BLOCK_BYTES, numpy zeros (untouched:
+    its pages are mapped by the first write; ``touched``: written once before)."""
     import llm_datadist as ld
-    arrays = [np.zeros((blocks, BLOCK_BYTES), np.uint8) for _ in range(TENSORS)]
+    arrays = [(np.ones if touched else np.zeros)((blocks, BLOCK_BYTES), np.uint8) for _ in range(TENSORS)]
     state.arrays["cache"] = arrays
     desc = ld.CacheDesc(TENSORS, [blocks, BLOCK_BYTES], ld.DataType.DT_UINT8, ld.Placement.HOST)
     key = ld.BlocksCacheKey(state.cluster_id, MODEL) if owner else None
@@ -102,7 +103,7 @@ def _stats(profiler) -> str:
     return out.getvalue()
 
 
-def one_run(plane: str, blocks: int, profile: bool) -> dict:
+def one_run(plane: str, blocks: int, profile: bool, touched: bool = False) -> dict:
     """Fresh processes: link, then PUSHES pushes; seconds of each, the server's page faults during
     the first push and during the later ones, and the profiles."""
     from llm_datadist.testing import Cluster
@@ -110,7 +111,7 @@ def one_run(plane: str, blocks: int, profile: bool) -> dict:
     client_options = {"remote_cache_accessible": "1", "llm.DataPlane": plane}
     with Cluster(SERVER, "DECODER", listen=True, options=server_options) as server, \
             Cluster(CLIENT, "PROMPT", options=client_options) as client:
-        server.call(register, blocks, True)
+        server.call(register, blocks, True, touched)
         client.call(register, PUSHED, False)
         linked, link_profile = client.call(link, SERVER, *server.address, profile)
         before = server.call(faults)
@@ -129,6 +130,8 @@ def main() -> int:
     parser.add_argument("--planes", default="auto,tcp", help="the prefill side's llm.DataPlane (default auto,tcp)")
     parser.add_argument("--runs", type=int, default=3, help="runs per case, interleaved (default 3)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the first push at this N (one run a plane)")
+    parser.add_argument("--touched", action="store_true",
+                        help="the server writes its cache before the link (no page faults in the first push)")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args()
     os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
@@ -146,7 +149,7 @@ def main() -> int:
     for _ in range(args.runs):
         for n in sizes:
             for plane in planes:
-                rows[(plane, n)].append(one_run(plane, n, False))
+                rows[(plane, n)].append(one_run(plane, n, False, args.touched))
     print("faults: minor page faults of both processes during the first push / the later ones")
     print(f"{'plane':6} {'N':>6} {'descriptors':>11} {'link ms':>16} {'first push ms':>16} "
           f"{'link+first ms':>16} {'next pushes ms':>16} {'faults, first / next':>28}")
