@@ -109,16 +109,20 @@ cdef unsigned int _spin_waits = 0
 cdef uint64_t _spin_hits = 0, _spin_misses = 0, _spin_skipped = 0
 
 # What a receive waits for, which says what its spin's outcome tells: SPIN_REPLY, the answer to
-# something this side just sent (how fast the peer answers: hits and misses move the credit);
-# SPIN_REQUEST, a peer's next request on a connection this side serves (it may never come, so a
-# miss says nothing of the host: it costs no credit, and such a wait only spins while spinning
-# pays, never as a probe); SPIN_OFF, no spin (a handshake, answered from Python: a spin there
-# would only burn CPU, and its misses would turn spinning off before the link's first transfer).
+# something this side just sent (how fast the host lets the peer answer); SPIN_REQUEST, a peer's
+# next request on a connection this side serves (whether the peer sends back to back: an idle
+# link's misses turn these spins off, and say nothing of replies); SPIN_OFF, no spin (a handshake,
+# answered from Python: a spin there would only burn CPU). Each of the two kinds keeps its own
+# credit and probe count, so that neither turns the other off: before, the misses of a link's
+# handshakes and of its new serving threads turned every spin of the process off at each link,
+# and the two sides' probes then missed each other, the peer asleep.
 SPIN_OFF, SPIN_REPLY, SPIN_REQUEST = 0, 1, 2
 cdef enum:
     _SPIN_OFF = 0
     _SPIN_REPLY = 1
     _SPIN_REQUEST = 2
+cdef int _request_credit = 8
+cdef unsigned int _request_waits = 0
 
 
 def spin_stats():
@@ -645,16 +649,21 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, int spin=_SPIN_R
     # (``set_spin_us``; ``spin`` says what it waits for, SPIN_OFF none): polls that do not sleep,
     # until data comes or the spin is over. A spin that the deadline cut short says nothing of
     # whether spinning pays.
-    global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped
+    global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped, _request_credit, _request_waits
     cdef pollfd p
-    cdef int rc, ms
+    cdef int rc, ms, credit
+    cdef unsigned int waits
     cdef int64_t until
     p.fd = fd
     p.events = events
     if spin != _SPIN_OFF and _spin_ns > 0 and events == POLLIN:
         if spin == _SPIN_REPLY:
             _spin_waits += 1
-        if _spin_credit > 0 or (spin == _SPIN_REPLY and _spin_waits % _PROBE_EVERY == 0):
+            credit, waits = _spin_credit, _spin_waits
+        else:
+            _request_waits += 1
+            credit, waits = _request_credit, _request_waits
+        if credit > 0 or waits % _PROBE_EVERY == 0:
             until = _now_ns() + _spin_ns
             if deadline >= 0 and deadline < until:
                 until = deadline
@@ -663,8 +672,12 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, int spin=_SPIN_R
                 rc = poll(&p, 1, 0)
                 if rc > 0:
                     _spin_hits += 1
-                    if _spin_credit < _CREDIT_MAX:
-                        _spin_credit += 1
+                    if credit < _CREDIT_MAX:
+                        credit += 1
+                    if spin == _SPIN_REPLY:
+                        _spin_credit = credit
+                    else:
+                        _request_credit = credit
                     return _status.DD_LLM_SUCCESS
                 if rc < 0 and errno != EINTR:
                     return _status.DD_LLM_FAILED
@@ -676,8 +689,11 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, int spin=_SPIN_R
             if until == deadline:
                 return _status.DD_LLM_TIMEOUT
             _spin_misses += 1
+            credit = credit - _MISS_COST if credit > _MISS_COST else 0
             if spin == _SPIN_REPLY:
-                _spin_credit = _spin_credit - _MISS_COST if _spin_credit > _MISS_COST else 0
+                _spin_credit = credit
+            else:
+                _request_credit = credit
         else:
             _spin_skipped += 1
     while True:
