@@ -22,8 +22,8 @@ from llm_datadist._core cimport CacheLayout, CopyPlan
 from llm_datadist._os cimport (
     CLOCK_MONOTONIC, EAGAIN, ECONNRESET, EFAULT, EINTR, ENOSYS, EPERM, EPIPE, ESRCH,
     EWOULDBLOCK, IOV_MAX, MSG_NOSIGNAL, POLLIN, POLLOUT, clock_gettime, errno, msghdr, poll,
-    pollfd, process_vm_readv, process_vm_writev, recvmsg, sched_yield, sendmsg, setsockopt,
-    SO_RCVLOWAT, SOL_SOCKET, timespec,
+    pollfd, process_vm_readv, process_vm_writev, recvmsg, sendmsg, setsockopt, SO_RCVLOWAT,
+    SOL_SOCKET, timespec,
 )
 from llm_datadist._runtime cimport dd_copy_desc
 
@@ -683,9 +683,6 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, int spin=_SPIN_R
                     return _status.DD_LLM_FAILED
                 if _now_ns() >= until:
                     break
-                # A thread waiting for this core (the peer that is to answer, on a host with
-                # fewer free cores than runnable threads) runs now rather than after the spin.
-                sched_yield()
             if until == deadline:
                 return _status.DD_LLM_TIMEOUT
             _spin_misses += 1

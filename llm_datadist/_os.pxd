@@ -48,10 +48,6 @@ cdef extern from "<poll.h>" nogil:
     enum: POLLHUP
 
 
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
 
