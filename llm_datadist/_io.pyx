@@ -108,6 +108,22 @@ cdef enum:
 cdef unsigned int _spin_waits = 0
 cdef uint64_t _spin_hits = 0, _spin_misses = 0, _spin_skipped = 0
 
+# What a receive waits for, which says what its spin's outcome tells: SPIN_REPLY, the answer to
+# something this side just sent (how fast the host lets the peer answer); SPIN_REQUEST, a peer's
+# next request on a connection this side serves (whether the peer sends back to back: an idle
+# link's misses turn these spins off, and say nothing of replies); SPIN_OFF, no spin (a handshake,
+# answered from Python: a spin there would only burn CPU). Each of the two kinds keeps its own
+# credit and probe count, so that neither turns the other off: before, the misses of a link's
+# handshakes and of its new serving threads turned every spin of the process off at each link,
+# and the two sides' probes then missed each other, the peer asleep.
+SPIN_OFF, SPIN_REPLY, SPIN_REQUEST = 0, 1, 2
+cdef enum:
+    _SPIN_OFF = 0
+    _SPIN_REPLY = 1
+    _SPIN_REQUEST = 2
+cdef int _request_credit = 8
+cdef unsigned int _request_waits = 0
+
 
 def spin_stats():
     """``(hits, misses, skipped)``: receive waits whose spin caught the data, whose spin ended
@@ -745,19 +761,26 @@ def block_indices(local_blocks, remote_blocks, const int64_t[::1] local_bases no
 # TCP: scatter/gather socket I/O
 # ------------------------------------------------------------------------------------------------
 
-cdef unsigned int _wait(int fd, short events, int64_t deadline, bint spin=True) noexcept nogil:
+cdef unsigned int _wait(int fd, short events, int64_t deadline, int spin=_SPIN_REPLY) noexcept nogil:
     # Wait until ``fd`` is ready for ``events`` or the deadline passes; a receive spins first
-    # (``set_spin_us``; not with ``spin`` False): polls that do not sleep, until data comes or the
-    # spin is over. A spin that the deadline cut short says nothing of whether spinning pays.
-    global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped
+    # (``set_spin_us``; ``spin`` says what it waits for, SPIN_OFF none): polls that do not sleep,
+    # until data comes or the spin is over. A spin that the deadline cut short says nothing of
+    # whether spinning pays.
+    global _spin_waits, _spin_credit, _spin_hits, _spin_misses, _spin_skipped, _request_credit, _request_waits
     cdef pollfd p
-    cdef int rc, ms
+    cdef int rc, ms, credit
+    cdef unsigned int waits
     cdef int64_t until
     p.fd = fd
     p.events = events
-    if spin and _spin_ns > 0 and events == POLLIN:
-        _spin_waits += 1
-        if _spin_credit > 0 or _spin_waits % _PROBE_EVERY == 0:
+    if spin != _SPIN_OFF and _spin_ns > 0 and events == POLLIN:
+        if spin == _SPIN_REPLY:
+            _spin_waits += 1
+            credit, waits = _spin_credit, _spin_waits
+        else:
+            _request_waits += 1
+            credit, waits = _request_credit, _request_waits
+        if credit > 0 or waits % _PROBE_EVERY == 0:
             until = _now_ns() + _spin_ns
             if deadline >= 0 and deadline < until:
                 until = deadline
@@ -766,8 +789,12 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, bint spin=True) 
                 rc = poll(&p, 1, 0)
                 if rc > 0:
                     _spin_hits += 1
-                    if _spin_credit < _CREDIT_MAX:
-                        _spin_credit += 1
+                    if credit < _CREDIT_MAX:
+                        credit += 1
+                    if spin == _SPIN_REPLY:
+                        _spin_credit = credit
+                    else:
+                        _request_credit = credit
                     return _status.DD_LLM_SUCCESS
                 if rc < 0 and errno != EINTR:
                     return _status.DD_LLM_FAILED
@@ -776,7 +803,11 @@ cdef unsigned int _wait(int fd, short events, int64_t deadline, bint spin=True) 
             if until == deadline:
                 return _status.DD_LLM_TIMEOUT
             _spin_misses += 1
-            _spin_credit = _spin_credit - _MISS_COST if _spin_credit > _MISS_COST else 0
+            credit = credit - _MISS_COST if credit > _MISS_COST else 0
+            if spin == _SPIN_REPLY:
+                _spin_credit = credit
+            else:
+                _request_credit = credit
         else:
             _spin_skipped += 1
     while True:
@@ -806,7 +837,7 @@ cdef inline void _message(msghdr *msg, iovec *iov, size_t first, size_t count) n
 
 
 cdef unsigned int _stream_iov(int fd, iovec *iov, size_t count, bint sending, int64_t deadline,
-                              int *err, uint64_t *moved) noexcept nogil:
+                              int *err, uint64_t *moved, int spin=_SPIN_REPLY) noexcept nogil:
     # Send (sendmsg) or receive (recvmsg) the whole of iov[0:count], IOV_MAX entries a call,
     # polling the non-blocking socket until the deadline. A receiver waiting for more than
     # _LOWAT_FLOOR bytes raises the socket's low-watermark to min(rest of the stream, _recv_lowat)
@@ -838,7 +869,7 @@ cdef unsigned int _stream_iov(int fd, iovec *iov, size_t count, bint sending, in
                                                     sizeof(int)) == 0:
                         lowat = want
                 # (no spin while the low-watermark holds the wake-up back for a large body)
-                st = _wait(fd, POLLOUT if sending else POLLIN, deadline, lowat == 1)
+                st = _wait(fd, POLLOUT if sending else POLLIN, deadline, spin if lowat == 1 else _SPIN_OFF)
                 if st != _status.DD_LLM_SUCCESS:
                     break
                 continue
@@ -928,9 +959,12 @@ def recv_plan(int fd, CopyPlan plan not None, bint into_src=False, int timeout_m
     return status, err, received
 
 
-def recv_into(int fd, unsigned char[::1] buffer, int timeout_ms=-1):
+def recv_into(int fd, unsigned char[::1] buffer, int timeout_ms=-1, int spin=SPIN_REPLY):
     """Fill ``buffer`` from the socket. Returns ``(status, errno, received)``; a peer that closed
-    at a frame boundary gives ``LINK_FAILED`` with 0 bytes received."""
+    at a frame boundary gives ``LINK_FAILED`` with 0 bytes received. ``spin``: what a wait for
+    the data waits for (``SPIN_REPLY``, ``SPIN_REQUEST`` or ``SPIN_OFF``: how it spins)."""
+    if spin < _SPIN_OFF or spin > _SPIN_REQUEST:
+        raise ValueError(f"spin must be SPIN_OFF, SPIN_REPLY or SPIN_REQUEST, not {spin}")
     cdef iovec iov
     cdef unsigned int status = _status.DD_LLM_SUCCESS
     cdef int err = 0
@@ -941,7 +975,7 @@ def recv_into(int fd, unsigned char[::1] buffer, int timeout_ms=-1):
     iov.iov_base = <void *>&buffer[0]
     iov.iov_len = buffer.shape[0]
     with nogil:
-        status = _stream_iov(fd, &iov, 1, False, deadline, &err, &received)
+        status = _stream_iov(fd, &iov, 1, False, deadline, &err, &received, spin)
     return status, err, received
 
 

@@ -82,13 +82,15 @@ def receive_frame(fd: int, expect: int, deadline: float, what: str) -> Tuple[int
     malformed frame (a wrong magic or protocol version included); LLMException for a closed,
     silent or slow connection."""
     header = bytearray(wire.HEADER_BYTES)
-    st = read_header(fd, header, max(1, dl.left_ms(deadline)))
+    # (no receive spin: the peer answers a handshake from Python, and misses there would turn
+    # spinning off for the link's transfers: ``_io.SPIN_OFF``)
+    st = read_header(fd, header, max(1, dl.left_ms(deadline)), _io.SPIN_OFF)
     if st != 0:
         raise fail(S.LLM_LINK_FAILED, f"no {what} ({status_of(st).name})")
     op, status, _, length = wire.unpack_header(header)
     if op != expect or length > MAX_HANDSHAKE_BYTES:
         raise ProtocolError(f"{wire.OP_NAMES[op]} of {length} bytes instead of a {what}")
-    st, body = read_body(fd, length, max(1, dl.left_ms(deadline)))
+    st, body = read_body(fd, length, max(1, dl.left_ms(deadline)), _io.SPIN_OFF)
     if st != 0:
         raise fail(S.LLM_LINK_FAILED, f"{what} truncated ({status_of(st).name})")
     return status, wire.decode_json(body)
@@ -288,52 +290,85 @@ def client_handshake(sock: socket.socket, cluster_id: int, secret: Optional[byte
     and with a link secret the proofs bind both sides to it as to a given one. ``on_peer(id)``
     runs with the peer's id before anything about this side's purpose is sent (it may raise
     to go no further). ``nonces`` gets (this side's nonce, the server's) once both are known."""
-    fd = sock.fileno()
-    nonce = auth.new_nonce()
-    if not send_frame(fd, wire.OP_HELLO, {"cluster_id": cluster_id, "nonce": nonce, "auth": secret is not None},
-                      deadline):
-        raise fail(S.LLM_LINK_FAILED, "the hello could not be sent")
-    status, challenge = receive_frame(fd, wire.OP_CHALLENGE, deadline, "challenge")
-    if status != 0:
-        raise fail(status, f"refused: {challenge.get('error', '')}")
-    claimed = challenge.get("cluster_id")
-    if remote_id is None:
-        if not is_int(claimed):
+    steps = ClientHandshake(sock, cluster_id, secret, remote_id, request, deadline, self_key, on_peer, nonces)
+    steps.hello()
+    steps.answer()
+    return steps.reply()
+
+
+class ClientHandshake:
+    """``client_handshake`` in its three steps (send the hello; take the challenge and send the
+    authentication; take the reply), so that the handshakes of several connections can be made
+    side by side, each step on all of them before the next (``open_connections``): one round trip
+    for all, where one after another pays one per connection."""
+
+    def __init__(self, sock: socket.socket, cluster_id: int, secret: Optional[bytes], remote_id: Optional[int],
+                 request: Dict[str, Any], deadline: float, self_key: Optional[bytes] = None,
+                 on_peer: Optional[Callable[[int], None]] = None,
+                 nonces: Optional[List[Tuple[str, str]]] = None) -> None:
+        self.fd = sock.fileno()
+        self.cluster_id, self.secret, self.remote_id = cluster_id, secret, remote_id
+        self.request, self.deadline, self.self_key = request, deadline, self_key
+        self.on_peer, self.nonces = on_peer, nonces
+        self.nonce = auth.new_nonce()
+        self.server_nonce: Optional[str] = None
+        self.message: Dict[str, Any] = {}
+
+    def hello(self) -> None:
+        if not send_frame(self.fd, wire.OP_HELLO, {"cluster_id": self.cluster_id, "nonce": self.nonce,
+                                                   "auth": self.secret is not None}, self.deadline):
+            raise fail(S.LLM_LINK_FAILED, "the hello could not be sent")
+
+    def answer(self) -> None:
+        secret, cluster_id, nonce = self.secret, self.cluster_id, self.nonce
+        status, challenge = receive_frame(self.fd, wire.OP_CHALLENGE, self.deadline, "challenge")
+        if status != 0:
+            raise fail(status, f"refused: {challenge.get('error', '')}")
+        claimed = challenge.get("cluster_id")
+        if self.remote_id is None:
+            if not is_int(claimed):
+                raise ProtocolError(f"malformed challenge {brief(challenge)}")
+            self.remote_id = claimed
+        elif claimed != self.remote_id:
+            raise fail(S.LLM_LINK_FAILED, f"expected cluster {self.remote_id}, found cluster {brief(claimed)}")
+        remote_id = self.remote_id
+        server_nonce, wants_auth = challenge.get("nonce"), challenge.get("auth")
+        if not auth.is_nonce(server_nonce) or not isinstance(wants_auth, bool):
             raise ProtocolError(f"malformed challenge {brief(challenge)}")
-        remote_id = claimed
-    elif claimed != remote_id:
-        raise fail(S.LLM_LINK_FAILED, f"expected cluster {remote_id}, found cluster {brief(claimed)}")
-    server_nonce, wants_auth = challenge.get("nonce"), challenge.get("auth")
-    if not auth.is_nonce(server_nonce) or not isinstance(wants_auth, bool):
-        raise ProtocolError(f"malformed challenge {brief(challenge)}")
-    if wants_auth != (secret is not None):
-        raise fail(S.LLM_LINK_FAILED, "the peer requires a link secret" if wants_auth
-                   else "the peer has no link secret, and this cluster requires one")
-    message = dict(request)
-    if secret is not None:
-        if not auth.verify(secret, "server", nonce, server_nonce, cluster_id, remote_id, challenge.get("proof")):
-            raise AuthRefused("the peer does not know the link secret")
-        message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
-        message["mac"] = auth.message_mac(secret, "request", nonce, server_nonce, cluster_id, remote_id, message)
-    if self_key is not None:
-        message["self_proof"] = auth.self_proof(self_key, nonce, server_nonce)
-    if nonces is not None:
-        nonces.append((nonce, server_nonce))
-    if on_peer is not None:
-        on_peer(remote_id)
-    if not send_frame(fd, wire.OP_AUTH, message, deadline):
-        raise fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
-    status, reply = receive_frame(fd, wire.OP_HELLO_REPLY, deadline, "hello reply")
-    mutual = status == S.LLM_ALREADY_LINK and reply.get("mutual") is True
-    if secret is not None and (status == 0 or mutual) and not auth.verify_mac(
-            secret, "reply", nonce, server_nonce, cluster_id, remote_id, reply.get("mac"), reply, message):
-        # Only a refusal may come unsigned: it ends the link, which anyone on the path can do anyway.
-        raise AuthRefused("the peer's reply was changed on the way (its MAC does not verify)")
-    if mutual:
-        raise MutualLink()
-    if status != 0:
-        raise fail(status, f"refused: {reply.get('error', '')}")
-    return reply
+        if wants_auth != (secret is not None):
+            raise fail(S.LLM_LINK_FAILED, "the peer requires a link secret" if wants_auth
+                       else "the peer has no link secret, and this cluster requires one")
+        self.server_nonce = server_nonce
+        message = dict(self.request)
+        if secret is not None:
+            if not auth.verify(secret, "server", nonce, server_nonce, cluster_id, remote_id, challenge.get("proof")):
+                raise AuthRefused("the peer does not know the link secret")
+            message["proof"] = auth.proof(secret, "client", nonce, server_nonce, cluster_id, remote_id)
+            message["mac"] = auth.message_mac(secret, "request", nonce, server_nonce, cluster_id, remote_id, message)
+        if self.self_key is not None:
+            message["self_proof"] = auth.self_proof(self.self_key, nonce, server_nonce)
+        if self.nonces is not None:
+            self.nonces.append((nonce, server_nonce))
+        if self.on_peer is not None:
+            self.on_peer(remote_id)
+        self.message = message
+        if not send_frame(self.fd, wire.OP_AUTH, message, self.deadline):
+            raise fail(S.LLM_LINK_FAILED, "the authentication could not be sent")
+
+    def reply(self) -> Dict[str, Any]:
+        secret = self.secret
+        status, reply = receive_frame(self.fd, wire.OP_HELLO_REPLY, self.deadline, "hello reply")
+        mutual = status == S.LLM_ALREADY_LINK and reply.get("mutual") is True
+        if secret is not None and (status == 0 or mutual) and not auth.verify_mac(
+                secret, "reply", self.nonce, self.server_nonce, self.cluster_id, self.remote_id, reply.get("mac"),
+                reply, self.message):
+            # Only a refusal may come unsigned: it ends the link, which anyone on the path can do anyway.
+            raise AuthRefused("the peer's reply was changed on the way (its MAC does not verify)")
+        if mutual:
+            raise MutualLink()
+        if status != 0:
+            raise fail(status, f"refused: {reply.get('error', '')}")
+        return reply
 
 
 @dataclass(frozen=True)
@@ -434,15 +469,25 @@ def open_connections(ip: str, port: int, cluster_id: int, secret: Optional[bytes
     side's nonce, the server's))``, which returns the socket the link uses instead."""
     made = LinkConnections()
     unix = agreement.unix_name is not None
-    for purpose in ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION:
-        if unix:
-            sock = connect_unix(agreement.unix_name, deadline)
-        else:
-            sock = connect_tcp(ip, port, deadline)
+    purposes = ["forward"] * CONNECTIONS_PER_DIRECTION + ["reverse"] * CONNECTIONS_PER_DIRECTION
+    opened: List[Tuple[str, socket.socket, List[Tuple[str, str]]]] = []
+    steps: List[ClientHandshake] = []
+    # The connections' handshakes side by side, a step on every connection before the next: each
+    # is its own connection, handshake and server thread as before, but the link waits for one
+    # round trip per step rather than one per step and connection.
+    for purpose in purposes:
+        sock = connect_unix(agreement.unix_name, deadline) if unix else connect_tcp(ip, port, deadline)
         sockets.append(sock)
         nonces: List[Tuple[str, str]] = []
-        client_handshake(sock, cluster_id, secret, remote_id, {"purpose": purpose, "token": agreement.token},
-                         deadline, nonces=nonces)
+        opened.append((purpose, sock, nonces))
+        steps.append(ClientHandshake(sock, cluster_id, secret, remote_id,
+                                     {"purpose": purpose, "token": agreement.token}, deadline, nonces=nonces))
+        steps[-1].hello()
+    for step in steps:
+        step.answer()
+    for step in steps:
+        step.reply()
+    for purpose, sock, nonces in opened:
         if not unix and agreement.protection != protection.OFF:
             if seal is None:
                 raise fail(S.LLM_LINK_FAILED, "a protected link without the means to seal it")
@@ -460,7 +505,9 @@ def connect_tcp(ip: str, port: int, deadline: float) -> socket.socket:
     remaining = dl.left_s(deadline)
     if remaining <= 0:
         raise LLMException("link timed out", status_code=S.LLM_LINK_FAILED)
-    sock = socket.create_connection((ip, port), timeout=remaining)
+    # An address as bytes: getaddrinfo encodes a str host with the IDNA codec, whose first import
+    # (~2 ms) the first link would pay; an IP address or a plain host name is ASCII either way.
+    sock = socket.create_connection((ip.encode("ascii") if ip.isascii() else ip, port), timeout=remaining)
     try:
         tune(sock)
         sock.setblocking(False)

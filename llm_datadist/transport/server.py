@@ -200,7 +200,7 @@ class Server:
         why = "the connection was closed"
         try:
             while not self._stopped:
-                st = read_header(fd, header, -1)
+                st = read_header(fd, header, -1, _io.SPIN_REQUEST)  # (the peer's next request, if any)
                 if st != 0:
                     break
                 op, _, req_id, length = wire.unpack_header(header)

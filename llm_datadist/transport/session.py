@@ -34,18 +34,19 @@ MAX_STRIPES = MAX_CONNECTIONS
 
 
 # -- the frame reader ---------------------------------------------------------------------------
-def read_header(fd: int, header: bytearray, timeout_ms: int) -> int:
+def read_header(fd: int, header: bytearray, timeout_ms: int, spin: int = _io.SPIN_REPLY) -> int:
     """Receive one frame header into ``header`` (``wire.HEADER_BYTES``); the receive status (0:
-    all of it; ``timeout_ms`` < 0 waits for ever). ``wire.unpack_header(header)`` reads it."""
-    return _io.recv_into(fd, header, timeout_ms)[0]
+    all of it; ``timeout_ms`` < 0 waits for ever). ``wire.unpack_header(header)`` reads it.
+    ``spin``: what the frame is (``_io.recv_into``), a reply by default."""
+    return _io.recv_into(fd, header, timeout_ms, spin)[0]
 
 
-def read_body(fd: int, length: int, timeout_ms: int) -> Tuple[int, bytearray]:
+def read_body(fd: int, length: int, timeout_ms: int, spin: int = _io.SPIN_REPLY) -> Tuple[int, bytearray]:
     """Receive the ``length`` bytes of a frame body: ``(status, body)``. The caller checks
     ``length`` against its limit first."""
     body = bytearray(length)
     if length:
-        st = _io.recv_into(fd, body, timeout_ms)[0]
+        st = _io.recv_into(fd, body, timeout_ms, spin)[0]
         if st != 0:
             return st, body
     return 0, body

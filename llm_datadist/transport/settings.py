@@ -56,6 +56,9 @@ class LinkSettings:
         plane = plane_registry.resolve(options)
         secret = auth.resolve_secret(options)
         protect = protection.resolve(options, secret)
+        # Every link asks which suites this process runs (handshake.request_link); the first answer
+        # imports cryptography (~11 ms on the development VM), paid here rather than by the first link.
+        protection.suites_here()
         return cls(cluster_id, plane, secret, protect, options.get("llm.EnableRemoteCacheAccessible", "0") == "1",
                    env_int(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_MS),
                    env_int(MAX_LINKS_ENV, DEFAULT_MAX_LINKS),

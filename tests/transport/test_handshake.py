@@ -492,3 +492,44 @@ def test_a_unix_connection_must_come_from_the_process_the_peer_stated(pair):
         handshake.check_process(client_end, (1, me[1]), "cluster 5's")
     with pytest.raises(LLMException, match="not from the peer's own process"):
         handshake.check_process(client_end, (me[0], me[1] + 1), "cluster 5's")
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_the_data_connections_handshakes_run_side_by_side(secret):
+    """``open_connections`` opens all four data connections and sends their HELLOs before it
+    waits for any challenge (one round trip per step for all of them: issue 36's first link):
+    a server that answers nothing until it has accepted all four, each with its HELLO waiting,
+    still makes the link, with two forward and two reverse connections presenting the token."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+
+    def serve():
+        conns = [listener.accept()[0] for _ in range(handshake.CONNECTIONS_PER_DIRECTION * 2)]
+        for conn in conns:
+            assert select.select([conn], [], [], 5)[0], "a HELLO did not come before any challenge"
+        admissions = []
+        for conn in conns:
+            conn.setblocking(False)
+            admission = handshake.accept_hello(conn, SERVER, secret, soon())
+            assert admission.refused is None
+            admissions.append(admission)
+            assert handshake.send_reply(conn, handshake.signed_reply(secret, admission, {"cluster_id": SERVER}),
+                                        0, soon())
+        return conns, admissions
+
+    served = in_thread(serve)
+    agreement = handshake.LinkAgreement("t0ken", "PROMPT", ["tcp"], None, SERVER)
+    sockets = []
+    try:
+        made = handshake.open_connections(*listener.getsockname(), CLIENT, secret, SERVER, agreement, soon(),
+                                          sockets)
+        conns, admissions = served()
+        assert (len(made.forward), len(made.reverse), made.unix) == (2, 2, False)
+        assert [a.purpose for a in admissions] == ["forward", "forward", "reverse", "reverse"]
+        assert {a.request.get("token") for a in admissions} == {"t0ken"}
+        for conn in conns:
+            conn.close()
+    finally:
+        for sock in sockets:
+            sock.close()
+        listener.close()

@@ -124,3 +124,99 @@ def test_spinning_stops_where_it_does_not_pay_and_resumes_where_it_does(spin, pa
     hits3, misses3, skipped3 = _io.spin_stats()
     after = (hits3, misses3, skipped3)
     assert (hits3 + misses3, skipped3) == (resumed[0] + resumed[1] + 1, resumed[2]), (resumed, after)
+
+
+def _spinning_again(a, b, buf) -> None:
+    """Drive the spin back on: waits for data 1 ms away inside a 10 ms spin until one catches it."""
+    _io.set_spin_us(10_000)
+    for _ in range(400):
+        threading.Timer(0.001, lambda: b.send(b"x")).start()
+        hits = _io.spin_stats()[0]
+        assert _io.recv_into(a.fileno(), buf, 5000)[0] == _io.SUCCESS
+        if _io.spin_stats()[0] > hits:
+            return
+    pytest.skip("no spin caught data 1 ms away in 400 tries (an overloaded machine)")
+
+
+def test_an_idle_peer_turns_off_the_spins_of_waits_for_requests_not_of_waits_for_replies(spin, pair):
+    """A serving connection's wait for the peer's next request (SPIN_REQUEST) ends empty for as
+    long as the peer is idle: such misses turn the spins of request waits off (an idle link burns
+    no core) but say nothing of how fast the host answers, so a wait for a reply (SPIN_REPLY)
+    right after them still spins."""
+    a, b = pair
+    buf = bytearray(1)
+    _spinning_again(a, b, buf)
+    spin(200)
+    before = _io.spin_stats()
+    for _ in range(8):  # the next request comes 20 ms later: a spin ends empty
+        sender = threading.Timer(0.02, lambda: b.send(b"x"))
+        sender.start()
+        assert _io.recv_into(a.fileno(), buf, 5000, _io.SPIN_REQUEST)[0] == _io.SUCCESS
+        sender.join()
+    after = _io.spin_stats()
+    spun, skipped = after[0] + after[1] - before[0] - before[1], after[2] - before[2]
+    assert after[1] > before[1] and skipped >= 5 and spun + skipped == 8, (before, after)  # off after a few
+    spin(10_000)
+    sender = threading.Timer(0.001, lambda: b.send(b"x"))
+    sender.start()
+    assert _io.recv_into(a.fileno(), buf, 5000)[0] == _io.SUCCESS
+    sender.join()
+    last = _io.spin_stats()
+    assert last[2] == after[2] and last[0] + last[1] == after[0] + after[1] + 1, (after, last)  # it spun
+
+
+def test_a_wait_that_must_not_spin_neither_spins_nor_counts(spin, pair):
+    """SPIN_OFF (the handshake's waits) blocks at once: no spin, and no hit, miss or skip."""
+    a, b = pair
+    spin(10_000)
+    before = _io.spin_stats()
+    threading.Timer(0.02, lambda: b.send(b"x")).start()
+    started = time.monotonic()
+    assert _io.recv_into(a.fileno(), bytearray(1), 5000, _io.SPIN_OFF)[0] == _io.SUCCESS
+    assert _io.spin_stats() == before
+    cpu_before = time.process_time()
+    threading.Timer(0.02, lambda: b.send(b"x")).start()
+    assert _io.recv_into(a.fileno(), bytearray(1), 5000, _io.SPIN_OFF)[0] == _io.SUCCESS
+    assert time.process_time() - cpu_before < 0.01 and time.monotonic() - started < 5  # slept, did not spin
+
+
+@pytest.mark.parametrize("kind", [-1, 3])
+def test_an_unknown_spin_kind_is_refused(pair, kind):
+    with pytest.raises(ValueError, match="SPIN_OFF, SPIN_REPLY or SPIN_REQUEST"):
+        _io.recv_into(pair[0].fileno(), bytearray(1), 10, kind)
+
+
+def _spin_stats(state):
+    return _io.spin_stats()
+
+
+def _register_and_push(state, owner: bool, push_to=None):
+    import numpy as np
+
+    import llm_datadist as ld
+    if push_to is None:
+        arr = np.zeros((2, 4096), np.uint8)
+        state.arrays["cache"] = arr
+        desc = ld.CacheDesc(1, [2, 4096], ld.DataType.DT_UINT8, ld.Placement.HOST)
+        key = ld.BlocksCacheKey(state.cluster_id, 9) if owner else None
+        state.caches["cache"] = state.cm.register_blocks_cache(desc, [arr.ctypes.data], key)
+        return None
+    state.cm.push_blocks(ld.BlocksCacheKey(push_to, 9), state.caches["cache"], [0], [1])
+    return _io.spin_stats()
+
+
+def test_a_new_link_leaves_spinning_on_for_its_first_transfers(tmp_path):
+    """Linking (handshakes answered from Python, serving threads that wait for requests that do
+    not come) does not turn a process's spinning off: the first pushes over the new link spin on
+    their replies, none is skipped."""
+    from llm_datadist.testing import Cluster, link
+    os.environ.setdefault("LLM_DATADIST_DEVICE", "cpu")
+    with Cluster(1, "PROMPT", listen=True, plane="tcp") as server, Cluster(2, "DECODER", plane="tcp") as client:
+        server.call(_register_and_push, True)
+        client.call(_register_and_push, False)
+        assert link(client, server)[0] == 0
+        linked = client.call(_spin_stats)
+        assert linked[2] == 0, linked  # nothing skipped while linking
+        first = client.call(_register_and_push, False, 1)
+        second = client.call(_register_and_push, False, 1)
+        assert second[2] == 0, (linked, first, second)
