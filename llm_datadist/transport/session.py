@@ -194,9 +194,11 @@ class Channel:
         self._next_id += 1
         return req_id
 
-    def read_reply(self, expect: int, req_id: int, deadline: float, what: str) -> Tuple[int, int]:
-        """``(status, payload length)`` of the reply ``expect`` to request ``req_id`` (lock held)."""
-        st = read_header(self.fd, self.header, dl.left_ms(deadline))
+    def read_reply(self, expect: int, req_id: int, deadline: float, what: str,
+                   spin: int = _io.SPIN_REPLY) -> Tuple[int, int]:
+        """``(status, payload length)`` of the reply ``expect`` to request ``req_id`` (lock held);
+        ``spin``: the kind of wait (``_io.recv_into``)."""
+        st = read_header(self.fd, self.header, dl.left_ms(deadline), spin)
         if st != 0:
             raise self.fault(st, what)
         return self.check_reply(expect, req_id, what)
@@ -231,7 +233,9 @@ class Channel:
                                        dl.left_ms(deadline))
             if st != 0:
                 raise self.fault(st, what)
-            status, length = self.read_reply(reply_op, req_id, deadline, what)
+            # (no receive spin: the peer answers a JSON request from Python, as a handshake, and
+            # misses there would turn spinning off for the link's transfers: ``_io.SPIN_OFF``)
+            status, length = self.read_reply(reply_op, req_id, deadline, what, _io.SPIN_OFF)
             if length > limit:
                 if on_oversized is not None:
                     on_oversized()

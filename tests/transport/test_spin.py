@@ -126,13 +126,14 @@ def test_spinning_stops_where_it_does_not_pay_and_resumes_where_it_does(spin, pa
     assert (hits3 + misses3, skipped3) == (resumed[0] + resumed[1] + 1, resumed[2]), (resumed, after)
 
 
-def _spinning_again(a, b, buf) -> None:
-    """Drive the spin back on: waits for data 1 ms away inside a 10 ms spin until one catches it."""
+def _spinning_again(a, b, buf, kind=_io.SPIN_REPLY) -> None:
+    """Drive the spin of waits of ``kind`` back on: waits for data 1 ms away inside a 10 ms spin
+    until one catches it."""
     _io.set_spin_us(10_000)
     for _ in range(400):
         threading.Timer(0.001, lambda: b.send(b"x")).start()
         hits = _io.spin_stats()[0]
-        assert _io.recv_into(a.fileno(), buf, 5000)[0] == _io.SUCCESS
+        assert _io.recv_into(a.fileno(), buf, 5000, kind)[0] == _io.SUCCESS
         if _io.spin_stats()[0] > hits:
             return
     pytest.skip("no spin caught data 1 ms away in 400 tries (an overloaded machine)")
@@ -146,6 +147,7 @@ def test_an_idle_peer_turns_off_the_spins_of_waits_for_requests_not_of_waits_for
     a, b = pair
     buf = bytearray(1)
     _spinning_again(a, b, buf)
+    _spinning_again(a, b, buf, _io.SPIN_REQUEST)  # (earlier tests of this process may have turned it off)
     spin(200)
     before = _io.spin_stats()
     for _ in range(8):  # the next request comes 20 ms later: a spin ends empty
