@@ -12,6 +12,8 @@ Needs vLLM (``pip install '.[vllm]'``); skipped without it (``tests/integrations
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -313,6 +315,13 @@ LIVE_TTL_S = 20.0
 ANSWER_TOKENS = 30  # turn 1's answer
 NEW_TOKENS = 10  # what turn 2 adds
 MAX_TOKENS = 8
+#: The prefill engine's lease on a finished request's blocks (short: the killed decode engine's
+#: turn is freed at it, and the test waits that long)
+PREFILL_LEASE_S = 10.0
+#: The bound of a next turn's question to a decode engine (docs/vllm.md, "Failures and bounds":
+#: link_timeout_ms + sync_kv_timeout_ms + 10 s with the defaults, and given up 5 s before the
+#: prefix's remote_blocks_expiry_time, LIVE_TTL_S after its turn 1), plus room for the CPU engines' steps
+ASK_BOUND_S = min((10000 + 30000) / 1000 + 10.0, LIVE_TTL_S - 5.0) + 20.0
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +332,7 @@ def two_engines(tmp_path_factory):
              "decoder_kv_blocks_ttl": LIVE_TTL_S, "listen_host": "127.0.0.1"}
     started = []
     try:
-        prefill = Engine(work / "model", "producer", work / "prefill.log", extra)
+        prefill = Engine(work / "model", "producer", work / "prefill.log", dict(extra, kv_lease_s=PREFILL_LEASE_S))
         started.append(prefill)
         decode = Engine(work / "model", "consumer", work / "decode.log", extra)
         started.append(decode)
@@ -339,7 +348,11 @@ def test_a_two_turn_conversation_pulls_turn_ones_prefix_back_from_the_decode_eng
     prefill pulls the prefix they hold (turn 1's prompt and answer) and computes only the new tokens
     (vLLM's own counters), then decodes: the plain engine's greedy tokens both turns. Then: a turn 2
     of a prefix shorter than the threshold is computed and its blocks released; one with a forged
-    token is refused by the decode engine and computed; a turn 2 that never comes is freed at the TTL."""
+    token is refused by the decode engine and computed; a turn 2 that never comes is freed at the TTL.
+    Last, the decode engine that holds a turn 1 is stopped (SIGSTOP) before its turn 2, then,
+    continued, killed (SIGKILL) before another's: the prefill engine's question ends unanswered
+    within its bound (``ASK_BOUND_S``) each time, the prompt is computed there with the plain
+    engine's token, and its own blocks are freed at its lease's end: nothing stays held."""
     prefill, decode = two_engines
     plain = plain_engine.engine()
     first, short, abandoned = prompts_of([50, 6, 60], seed=41)
@@ -407,3 +420,58 @@ def test_a_two_turn_conversation_pulls_turn_ones_prefix_back_from_the_decode_eng
         time.sleep(0.5)
     assert stats["leases_held"] == 0 and stats["expired"] - decode_before["expired"] >= 1
     assert decode.metrics()["vllm:llm_datadist_expired_leases"] >= 1
+
+    # the decode engine holding a turn 1 is stopped (SIGSTOP) before its turn 2; continued, it
+    # holds another and is killed (SIGKILL) before that one's turn 2: each turn 2 asks, gets no
+    # answer within its bound, and its prompt is computed on the prefill engine (the turn 1 prompt's
+    # blocks from its own cache, the rest computed: nothing pulled) with the plain engine's token.
+    # (Each turn 2 comes at once: one within 5 s of the TTL's end would not even ask, and a question
+    # to the stopped engine is given up then, 15 s on, before its own 50 s bound.)
+    leases_before = prefill.stats()["stats"]
+
+    def lost_turn_two(prompt: list, seed: int, stop, answered: int) -> None:
+        answer, held, _ = turn(prompt, ANSWER_TOKENS)
+        second = prompt + answer + prompts_of([NEW_TOKENS], seed=seed)[0]
+        before, asked = prefill.prompt_tokens(), prefill.stats()["stats"]
+        stop()
+        start = time.monotonic()
+        out = prefill.generate([second], 1, [dict(held, do_remote_decode=True)], timeout=ASK_BOUND_S)[0]
+        took = time.monotonic() - start
+        print(f"turn 2 after its decode engine was {stop.__name__}: {took:.1f} s")
+        assert took < ASK_BOUND_S
+        moved = delta(prefill.stats()["stats"], asked)
+        # (asked; a stopped engine's non-answer may come after the request gave up on it)
+        assert moved["ranks_asked"] == 1 and moved["ranks_unanswered"] >= answered, moved
+        assert out["token_ids"] == plain.generate([second], 1)[0]["token_ids"]
+        sources = delta(prefill.prompt_tokens(), before)
+        assert sources["external_kv_transfer"] == 0
+        assert sources["local_compute"] + sources.get("local_cache_hit", 0) == len(second)
+        assert sources["local_compute"] > len(second) - len(prompt)  # (the answer, its new tokens)
+
+    def stopped():
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+
+    def killed():
+        os.kill(decode.proc.pid, signal.SIGKILL)
+        decode.proc.wait(timeout=30)
+
+    lost = prompts_of([50, 55], seed=43)
+    try:
+        lost_turn_two(lost[0], 44, stopped, 0)
+    finally:
+        os.kill(decode.proc.pid, signal.SIGCONT)
+    try:
+        lost_turn_two(lost[1], 45, killed, 1)
+    finally:
+        if decode.proc.poll() is None:
+            killed()
+    ended = time.monotonic()
+    # held on the prefill side: only the two turn 2s' own blocks, for a decode engine that is
+    # gone, freed at their lease's end (a step: leases end at steps; the first's may have ended)
+    moved = delta(prefill.stats()["stats"], leases_before)
+    assert moved["leases_held"] + moved["expired"] == 2, moved
+    time.sleep(max(0.0, PREFILL_LEASE_S + 0.5 - (time.monotonic() - ended)))
+    prefill.generate([[5, 6, 7]], 1)
+    stats = prefill.stats()["stats"]
+    assert stats["leases_held"] == 0 and stats["expired"] - leases_before["expired"] == 2
+    assert prefill.call(op="kv_usage") == {"usage": 0.0, "requests": 0}

@@ -17,6 +17,8 @@ vLLM's OpenAI server behind vLLM's toy proxy, unchanged. Needs vLLM (and the toy
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,9 +36,14 @@ ORDERED = prompts_of([20, 150], seed=31)
 PIPELINED = prompts_of([90, 200], seed=32)
 CACHED = prompts_of([96], seed=33)
 SERVED = prompts_of([130], seed=34)
+ORPHANED = prompts_of([80], seed=36)  # registered with a prefill engine that is then killed
+LEASE_S = 20.0
+#: A decode request's wait for ``push_done``: ``kv_lease_s`` from its grant (docs/vllm.md,
+#: "Failures and bounds"), then ``push_cancel`` (notify, 5 s), plus room for the CPU engines' steps
+PUSH_BOUND_S = LEASE_S + 5.0 + 15.0
 # (the pipelined order registers without a lease token: the prefill engine opts in to matching it
 # by request id; the decode engine ignores the option)
-PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET, "kv_lease_s": 20.0,
+PUSH = {"transfer_mode": "push", "data_plane": "tcp", "link_secret": LINK_SECRET, "kv_lease_s": LEASE_S,
         "push_match_by_request_id": True}
 
 
@@ -48,14 +55,16 @@ def push_engines(tmp_path_factory, plain_engine):
     write_model(work / "model")
     started = []
     try:
-        everything = ORDERED + PIPELINED + CACHED + SERVED
+        everything = ORDERED + PIPELINED + CACHED + SERVED + ORPHANED
         outputs = plain_engine.engine().generate(everything, MAX_TOKENS)
         baseline = {tuple(p): o["token_ids"] for p, o in zip(everything, outputs)}
         # chunked prefill on the prefill side: a 200-token prompt takes two steps
         prefill = Engine(work / "model", "producer", work / "prefill.log", PUSH,
                          {"max_num_batched_tokens": 128, "enable_chunked_prefill": True})
         started.append(prefill)
-        decode = Engine(work / "model", "consumer", work / "decode.log", PUSH)
+        # (recompute: a request whose push never comes is computed here, the test's last case)
+        decode = Engine(work / "model", "consumer", work / "decode.log", PUSH,
+                        {"kv_transfer": {"kv_load_failure_policy": "recompute"}})
         started.append(decode)
         prefill.wait_ready()
         decode.wait_ready()
@@ -196,3 +205,36 @@ def test_served_engines_push_behind_vllms_toy_proxy(push_engines, tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_a_killed_prefill_engine_ends_the_wait_for_its_push_within_the_lease(push_engines):
+    """(Last in this module: it kills the prefill engine.) The decode engine gets a request first
+    (the pipelined order) and registers its blocks with the prefill engine, which is killed
+    (SIGKILL) before it has seen the request, so before it pushes: the decode request ends within
+    ``PUSH_BOUND_S`` of the kill (its grant ends ``kv_lease_s`` after it was made), is recomputed
+    (``kv_load_failure_policy`` ``recompute``) with the baseline's tokens, counts one ``timed_out``,
+    and no block stays granted or held on the decode side."""
+    baseline, prefill, decode = push_engines
+    params = prefill.generate(prompts_of([20], seed=37), 1, [{"do_remote_decode": True}])[0]["kv_transfer_params"]
+    where = {k: params[k] for k in ("remote_host", "remote_port", "remote_cluster_id")}
+    p0, d0 = prefill.stats()["stats"], decode.stats()["stats"]
+    failures = decode.metrics()["vllm:llm_datadist_failures_timed_out"]
+    prompt = ORPHANED[0]
+    _send(decode, op="generate", prompts=[prompt], max_tokens=MAX_TOKENS,
+          params=[dict(where, do_remote_prefill=True, transfer_mode="push")], names=["cmpl-orphaned-0"])
+    deadline = time.monotonic() + 120
+    while prefill.stats()["stats"]["push_regs"] < p0["push_regs"] + 1:  # registered, never pushed
+        assert time.monotonic() < deadline, "the decode engine's registration did not reach the prefill engine"
+        time.sleep(0.1)
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    prefill.proc.wait(timeout=30)
+    start = time.monotonic()
+    got = decode._read(PUSH_BOUND_S + 30)["outputs"]
+    took = time.monotonic() - start
+    print(f"the decode request ended {took:.1f} s after its prefill engine was killed")
+    assert took < PUSH_BOUND_S
+    assert got[0]["token_ids"] == baseline[tuple(prompt)]
+    moved = delta(decode.stats()["stats"], d0)
+    assert moved["push_registered"] == 1 and moved["push_failed"] == 1 and moved["push_received"] == 0, moved
+    assert decode.metrics()["vllm:llm_datadist_failures_timed_out"] == failures + 1
+    assert decode.call(op="kv_usage") == {"usage": 0.0, "requests": 0}
