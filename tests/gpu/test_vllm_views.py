@@ -41,10 +41,10 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE = 3, 8, 16
 PREFILL_ID, DECODE_ID, MODEL_ID = 61, 62, 0
 SECRET = "gpu-vllm-views-link-secret"  # cuda_ipc hands GPU memory only to a peer on a link with a secret
 #: (layout, kernel block size, MLA): registered and moved block for block.
+#: (Several heads under LBNHC are registered as the token-major blocks they hold and move as whole
+#: blocks between engines of that layout: integrations/vllm/kv_layouts.py.)
 REGISTERED = [("LBHNC", None, False), ("LBHNC", 8, False), ("LBHNC", 4, False), ("LBNHC", None, True),
-              ("LBNHC", 8, True)]
-#: Several heads under LBNHC: a layer's view is not one contiguous run; refused.
-REFUSED = [("LBNHC", None, False), ("LBNHC", 8, False)]
+              ("LBNHC", 8, True), ("LBNHC", None, False), ("LBNHC", 8, False)]
 #: Physical order of the logical axes [L, B, H, N, C] (vLLM's KVCacheLayout values).
 STRIDE_ORDER = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4)}
 COPIES = {0: [2], 3: [5]}  # local copy_blocks: block -> blocks
@@ -268,21 +268,7 @@ def test_vllm_views_copy_push_and_pull_byte_exact(engines, layout_name, kernel_b
         dd.cache_manager.unregister_cache(cache.cache_id)
 
 
-@needs_gpu
-@pytest.mark.parametrize("layout_name, kernel_block_size, mla", REFUSED)
-def test_views_of_several_heads_under_lbnhc_are_refused_in_one_line(torch_on_device, layout_name,
-                                                                    kernel_block_size, mla):
-    _, caches = connector_modules()
-    keep: list = []
-    kv = kv_views(device_buffer(RUNTIME, Geometry(mla).nbytes, keep), Geometry(mla), layout_name, kernel_block_size)
-    with pytest.raises(NotImplementedError) as refused:
-        caches.plan(kv, [], NUM_BLOCKS, layout_name)
-    message = str(refused.value)
-    assert "\n" not in message and "is not one contiguous run of blocks" in message
-    assert f"vLLM KV cache layout {layout_name})" in message and "LBHNC" in message
-
-
-@pytest.mark.parametrize("layout_name, kernel_block_size, mla", REGISTERED + REFUSED)
+@pytest.mark.parametrize("layout_name, kernel_block_size, mla", REGISTERED)
 def test_kv_views_are_vllms(layout_name, kernel_block_size, mla):
     """``kv_views`` against vLLM 0.32's ``create_kv_cache_views`` over the same buffer: shapes,
     strides, offsets and dtypes equal. Needs vLLM, no GPU."""
