@@ -9,7 +9,8 @@ new registration is a new file; the configured pool stays a budget of bytes, not
 
 The file is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``):
 a peer holding it cannot truncate it under this process's mapping (which would turn our own
-loads into SIGBUS). Its pages start zeroed, as plain host allocations do.
+loads into SIGBUS). Its pages start zeroed, as plain host allocations do, and are freed when the
+cache is gone here (a hole punched over the file) even while a peer still maps it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class SharedCache:
     ``fd``: the file (closed when the last tensor of the cache and the cache itself are gone);
     ``base``: where it is mapped here; ``size``: its bytes; ``stride``: from one tensor to the next
     (``tensor_bytes`` rounded up to a page); ``tensors``: one ``SharedTensor`` per tensor, which
-    the engine keeps as the cache's allocations (each keeps the mapping alive)."""
+    the engine keeps as the cache's allocations (each keeps the mapping alive; the cache does not
+    hold them, so that the file is released as soon as the last one goes, not at a collection)."""
 
     def __init__(self, tensor_bytes: int, num_tensors: int, name: str = "llm_datadist-cache") -> None:
         stride = max(PAGE_BYTES, -(-tensor_bytes // PAGE_BYTES) * PAGE_BYTES)
@@ -58,15 +60,39 @@ class SharedCache:
         # a copy that still holds a tensor finishes first).
         self._view = np.frombuffer(mapping, dtype=np.uint8)
         self.base = int(self._view.ctypes.data)
-        self._closer = weakref.finalize(self, os.close, fd)
-        self.tensors: List[SharedTensor] = [SharedTensor(self, self.base + i * stride, tensor_bytes)
-                                            for i in range(num_tensors)]
+        self._closer = weakref.finalize(self, _release, fd, size)
+        self.num_tensors = num_tensors
+
+    @property
+    def tensors(self) -> List["SharedTensor"]:
+        return [SharedTensor(self, self.base + i * self.stride, self.tensor_bytes) for i in range(self.num_tensors)]
 
     def offset(self, index: int) -> int:
         return index * self.stride
 
     def __repr__(self) -> str:
-        return f"<SharedCache memfd {self.fd}, {len(self.tensors)} x {self.tensor_bytes} bytes at {self.base:#x}>"
+        return f"<SharedCache memfd {self.fd}, {self.num_tensors} x {self.tensor_bytes} bytes at {self.base:#x}>"
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+_fallocate = None
+
+
+def _release(fd: int, size: int) -> None:
+    """The cache is gone here: free its pages (a hole over the whole file: a peer that still maps
+    it reads zeros and holds none of this process's memory), then close the file."""
+    global _fallocate
+    try:
+        if _fallocate is None:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            _fallocate = libc.fallocate64
+            _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size)
+    except (OSError, AttributeError):
+        pass  # the pages then go with the last mapping
+    finally:
+        os.close(fd)
 
 
 class SharedTensor:

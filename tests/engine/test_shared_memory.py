@@ -79,3 +79,27 @@ def test_the_peer_refuses_a_file_that_is_not_a_sealed_memfd_of_the_stated_size()
         assert (mapped.size, mapped.base) == (good.size, good.base) and mapped.local != good.base
     finally:
         os.close(unsealed)
+
+
+def test_a_dropped_cache_frees_its_memory_though_a_peer_still_maps_its_file():
+    # A peer keeps its mapping of a cache until its next table (a hostile one for ever): the
+    # owner's deallocation must still give the pages back, not leave them to the peer's mapping,
+    # and at once (no wait for a garbage collection), though not while a tensor is still held.
+    import gc
+    cache = shared_memory.SharedCache(1 << 20, 2)
+    tensors = list(cache.tensors)  # what the engine keeps as the cache's allocations
+    cache._view[:] = 7
+    peer_fd = os.dup(cache.fd)  # what the peer was passed
+    gc.disable()
+    try:
+        mapped = shm.map_file(_session(), [1, 1, cache.base, cache.size], peer_fd)
+        size = cache.size
+        assert os.fstat(peer_fd).st_blocks * 512 >= size
+        del cache
+        assert os.fstat(peer_fd).st_blocks * 512 >= size  # a tensor still holds it
+        del tensors
+        assert os.fstat(peer_fd).st_blocks == 0
+        assert not np.any(mapped._view)  # the peer reads zeros, never a fault
+    finally:
+        gc.enable()
+        os.close(peer_fd)

@@ -309,20 +309,28 @@ first.close()
 forward = conns[0]
 send(forward, OP["TABLE_GET"], {}, 2)
 _, _, _, table = recv(forward)
+def proof(entry, pid):
+    # What a process that may ptrace the owner reads at the address its shm entry names.
+    if sys.argv[5] == "none" or not isinstance(entry, dict) or "proof_addr" not in entry:
+        return None
+    with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
+        mem.seek(entry["proof_addr"])
+        value = int.from_bytes(mem.read(8), "little")
+    return value ^ 1 if sys.argv[5] == "wrong" else value
 files = []
-send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[3])}, 3)
+send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[3]), "proof": proof(table.get("shm"), reply["pid"])}, 3)
 op, status, _, answer = recv(forward, files)
 print(json.dumps({"shm_entry": table.get("shm"), "status": status, "answer": answer, "files": len(files),
                   "sizes": [os.fstat(f).st_size for f in files]}), flush=True)
 try:  # a malformed request ends the connection
-    send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[4])}, 4)
+    send(forward, OP["SHM_GET"], {"caches": json.loads(sys.argv[4]), "proof": proof(table.get("shm"), reply["pid"])}, 4)
     print(json.dumps({"after_malformed": recv(forward)[1]}), flush=True)
 except (EOFError, OSError) as exc:
     print(json.dumps({"after_malformed": "closed"}), flush=True)
 """
 
 
-def raw_peer(server: Cluster, ask, malformed, as_user=None) -> list:
+def raw_peer(server: Cluster, ask, malformed, as_user=None, proof="read") -> list:
     import json
     import shutil
     import subprocess
@@ -334,7 +342,7 @@ def raw_peer(server: Cluster, ask, malformed, as_user=None) -> list:
         kwargs["preexec_fn"] = lambda: (os.setgid(as_user.pw_gid), os.setuid(as_user.pw_uid))
     from llm_datadist.transport import wire
     done = subprocess.run([python, "-c", RAW_PEER, str(server.address[1]), str(wire.PROTOCOL_VERSION),
-                           json.dumps(ask), json.dumps(malformed)], capture_output=True, text=True, cwd="/",
+                           json.dumps(ask), json.dumps(malformed), proof], capture_output=True, text=True, cwd="/",
                           env={"PATH": "/usr/bin:/bin"}, timeout=60, **kwargs)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
@@ -352,10 +360,22 @@ def test_a_peer_of_this_user_gets_one_file_per_shared_cache_and_nothing_else(own
     owner.call(ops.register, "user", 1, (BLOCKS, WORDS), "HOST", True)  # numpy memory: not shared
     user_id = owner.call(lambda_cache_id, "user")
     got, after = raw_peer(owner, [cache_id, user_id, 999999], [-1])
-    assert got["shm_entry"] == {"caches": [[cache_id, got["shm_entry"]["caches"][0][1]]]}
+    assert got["shm_entry"]["caches"] == [[cache_id, got["shm_entry"]["caches"][0][1]]]
     assert got["status"] == 0 and got["files"] == 1 and [c[0] for c in got["answer"]["caches"]] == [cache_id]
     assert got["sizes"] == [TENSORS * BLOCKS * WORDS * 4]
     assert after == {"after_malformed": "closed"}
+
+
+@pytest.mark.parametrize("proof", ["none", "wrong"])
+def test_a_peer_of_this_user_that_did_not_read_this_process_gets_no_file(owner, proof):
+    # The owner's memory is what the kernel's ptrace rule guards (cma: process_vm_readv): a
+    # process of this user that it keeps out (Yama ptrace_scope, a non-dumpable owner) must not
+    # get the caches' files by asking. The request carries the word read at the entry's proof_addr.
+    cache_id = owner.call(ops.allocate, "remote", TENSORS, (BLOCKS, WORDS), "HOST", True, (), MODEL)
+    got, _ = raw_peer(owner, [cache_id], [cache_id], proof=proof)
+    assert got["status"] == S.LLM_FEATURE_NOT_ENABLED and got["files"] == 0
+    assert "read" in got["answer"]["error"]
+    assert owner.call(shm_state)["passed"] == 0
 
 
 @pytest.mark.parametrize("malformed", [["x"], [0], list(range(1, 202)), {"caches": 1}],

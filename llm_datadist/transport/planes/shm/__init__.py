@@ -6,8 +6,10 @@ file per cache, never shared by two caches or reused by a later allocation) and 
 caches in its table reply, with an export id new for every registration, only to a peer that
 ``local_peer_refusal`` passes: a process of this host whose pid and uid the kernel proved
 (``SO_PEERCRED``), of this user, not this one, offering the plane. The peer asks for the files it
-needs (``OP_SHM_GET``, on its own Unix connection of the link); the owner checks the asker again
-on that very connection (``SO_PEERCRED``, and ``local_peer_refusal``) and passes the files in the
+needs (``OP_SHM_GET``, on its own Unix connection of the link, with the word it read at the
+owner's ``proof_addr``: only a process the kernel lets ptrace the owner reads it, the reach cma
+would have); the owner checks the asker again on that very connection (``SO_PEERCRED``, and
+``local_peer_refusal``) and that word, and passes the files in the
 reply (``SCM_RIGHTS``; never over TCP: a TCP connection carries no descriptors and is refused).
 The peer checks each file (a memfd sealed against shrinking, as large as the owner says, every
 tensor of the table inside it), maps it once, and keeps the mapping per (cache, export id) in its

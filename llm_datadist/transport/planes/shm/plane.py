@@ -4,6 +4,7 @@ package's docstring."""
 
 from __future__ import annotations
 
+import hmac
 import os
 import threading
 import weakref
@@ -51,6 +52,9 @@ class ShmPlane(DataPlane):
         #: Files passed to peers, and requests refused (``counters``).
         self.files_passed = 0
         self.files_refused = 0
+        #: A word only a process that may ptrace this one can read (its address is in ``offer``):
+        #: a file request must carry it, as cma's reach is the kernel's rule, not the uid alone.
+        self._proof = _io.Word(int.from_bytes(os.urandom(8), "little") | 1)
 
     def counters(self) -> Dict[str, int]:
         return {"shm_files_passed": self.files_passed, "shm_requests_refused": self.files_refused}
@@ -89,7 +93,7 @@ class ShmPlane(DataPlane):
             return {}
         with self._lock:
             caches = [[cache_id, serial] for cache_id, (serial, _) in self._exports.items()]
-        return {_FACTS: {"caches": caches}}
+        return {_FACTS: {"caches": caches, "proof_addr": self._proof.addr}}
 
     def requests(self) -> Dict[int, Any]:
         return {wire.OP_SHM_GET: self.serve_files}
@@ -108,6 +112,10 @@ class ShmPlane(DataPlane):
                 or not all(is_int(c, 1, 2**63 - 1) for c in wanted):
             raise ProtocolError("malformed shm request")
         refusal = self.local_peer_refusal(peer) or connection_refusal(fd, peer)
+        proof = message.get("proof")
+        if refusal is None and not (is_int(proof) and hmac.compare_digest(
+                proof.to_bytes(8, "little"), self._proof.value.to_bytes(8, "little"))):
+            refusal = "it did not read this process's memory (the kernel's ptrace rule keeps it out)"
         if refusal is not None:
             with self._lock:
                 self.files_refused += 1
@@ -206,12 +214,21 @@ class ShmPlane(DataPlane):
             cached = state.spans
             if cached is not None and cached[0] is table and cached[1] is facts:
                 return cached
-            listed = _facts_of(session).caches
+            facts_here = _facts_of(session)
+            listed = facts_here.caches
             wanted = [cache_id for cache_id, serial in listed.items()
                       if (cache_id, serial) not in state.maps and table.caches.get(cache_id) is not None]
+            proof = 0
+            if wanted and state.refusal is None:
+                # What the owner asks for: the word at its proof address, which only a process that
+                # may ptrace it can read.
+                st, err, data = _io.cma_read_bytes(session.pid, facts_here.proof_addr, 8)
+                if st != 0:
+                    state.refusal = f"the owner's memory cannot be read ({os.strerror(err) if err else 'failed'})"
+                proof = int.from_bytes(data, "little") if st == 0 else 0
             for at in range(0, len(wanted) if state.refusal is None else 0, MAX_FDS_PER_REQUEST):
                 try:
-                    files = fetch_files(session, wanted[at:at + MAX_FDS_PER_REQUEST], deadline)
+                    files = fetch_files(session, wanted[at:at + MAX_FDS_PER_REQUEST], deadline, proof)
                 except LLMException as exc:
                     if exc.status_code != S.LLM_FEATURE_NOT_ENABLED:
                         raise
@@ -284,16 +301,18 @@ class ShmPlane(DataPlane):
 @dataclass(frozen=True)
 class ShmFacts:
     """The peer's ``shm`` entry (``ShmPlane.offer``), checked: its shared caches, cache id ->
-    export id."""
+    export id; ``proof_addr``: where in the peer the word its file requests must carry lies."""
 
     caches: Dict[int, int]
+    proof_addr: int = 0
 
     @classmethod
     def parse(cls, value: Any) -> "ShmFacts":
-        """ProtocolError unless ``value`` is ``{"caches": [[cache id, export id], ...]}`` of at
-        most ``MAX_SHARED_CACHES`` positive cache ids, each listed once, and 63-bit export ids."""
+        """ProtocolError unless ``value`` is ``{"caches": [[cache id, export id], ...],
+        "proof_addr": address}`` of at most ``MAX_SHARED_CACHES`` positive cache ids, each listed
+        once, and 63-bit export ids."""
         entries = value.get("caches") if isinstance(value, dict) else None
-        if not isinstance(entries, list) or len(entries) > MAX_SHARED_CACHES:
+        if not isinstance(entries, list) or len(entries) > MAX_SHARED_CACHES or not is_int(value.get("proof_addr"), 1):
             raise ProtocolError("malformed shm entry")
         caches: Dict[int, int] = {}
         for entry in entries:
@@ -301,7 +320,7 @@ class ShmFacts:
                     and is_int(entry[1], 0, 2**63 - 1)) or entry[0] in caches:
                 raise ProtocolError("malformed shm cache entry")
             caches[entry[0]] = entry[1]
-        return cls(caches)
+        return cls(caches, value["proof_addr"])
 
 
 _NO_FACTS = ShmFacts({})
