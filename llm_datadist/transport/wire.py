@@ -47,8 +47,9 @@ bound to the connection's nonces and ids), and the link request and reply state 
 Version 9 added the ``shm`` plane (``planes/shm/``): the TABLE reply's ``shm`` entry lists the
 owner's caches in memfds of their own (``{"caches": [[cache id, export id], ...], "proof_addr":
 address}``, sent only to a proven same-host process of the owner's user), and OP_SHM_GET
-(``{"caches": [cache id, ...], "proof": the word read at proof_addr}``, at most 200) is answered by OP_SHM (``{"caches": [[cache id, export id, base address, bytes], ...]}``)
-whose first byte carries one descriptor per listed cache (``SCM_RIGHTS``, Unix connections only).
+(``{"caches": [cache id, ...], "proof": the word read at proof_addr}``, at most 200) is answered
+by OP_SHM (``{"caches": [[cache id, export id, base address, bytes], ...]}``) whose first byte
+carries one descriptor per listed cache (``SCM_RIGHTS``, Unix connections only).
 A version 8 peer does not know OP_SHM_GET, so it is refused at the handshake.
 """
 

@@ -100,9 +100,9 @@ def _wait(sock: socket.socket, events: int, deadline: float) -> bool:
 
 def fetch_files(session, cache_ids: List[int], deadline: float, proof: int = 0) -> List[MappedCache]:
     """Ask the peer of ``session`` for the files of ``cache_ids`` on the link's outgoing Unix
-    connection, with ``proof`` (the word read at the peer's ``proof_addr``), and map each; what the peer left out is not returned. ``LLM_LINK_FAILED`` for a
-    reply that breaks the protocol (the connection is dropped), ``LLM_FEATURE_NOT_ENABLED`` when
-    the peer refuses."""
+    connection, with ``proof`` (the word read at the peer's ``proof_addr``), and map each; what
+    the peer left out is not returned. ``LLM_LINK_FAILED`` for a reply that breaks the protocol
+    (the connection is dropped), ``LLM_FEATURE_NOT_ENABLED`` when the peer refuses."""
     channel = session.outgoing
     if channel is None:
         raise fail(S.LLM_LINK_FAILED, f"the link to cluster {session.cluster_id} is closed")
