@@ -565,15 +565,8 @@ class Engine:
         head's keys) and each small block is one sub-block of a large one, region by region and run
         by run (``_core.plan_sub_blocks``, which says how the lists pair and what it refuses). From
         the peer's blocks cache of ``model_id`` into the registered cache ``cache_id``, every tensor."""
-        dst = self.lookup(cache_id)
-        src_blocks, dst_blocks = block_array(src_blocks, "src_blocks"), block_array(dst_blocks, "dst_blocks")
-
-        def planner(table):
-            cache, _ = resolve_remote(table, remote_id, BlocksRef(model_id))
-            st, dt = whole_caches(2)(cache.num_tensors, dst.num_tensors)
-            return PlannedTransfer(_core.plan_sub_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks,
-                                                         regions, first), table, cache, 0, st, dt)
-        self._transfer_planned(remote_id, dst, False, planner)
+        self._pull_blocks_planned(remote_id, model_id, cache_id, src_blocks, dst_blocks,
+                                  lambda *args: _core.plan_sub_blocks(*args, regions, first))
 
     def pull_strided_blocks(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
                             regions) -> None:
@@ -583,14 +576,22 @@ class Engine:
         piece, count)`` of every block pair moves as ``count`` strided runs
         (``_core.plan_strided_blocks``, which says what it refuses), from the peer's blocks cache of
         ``model_id`` into the registered cache ``cache_id``, every tensor."""
+        self._pull_blocks_planned(remote_id, model_id, cache_id, src_blocks, dst_blocks,
+                                  lambda *args: _core.plan_strided_blocks(*args, regions))
+
+    def _pull_blocks_planned(self, remote_id: int, model_id: int, cache_id: int, src_blocks, dst_blocks,
+                             plan) -> None:
+        """A pull of every tensor from the peer's blocks cache of ``model_id`` into ``cache_id``,
+        planned by ``plan(src layout, dst layout, src tensors, dst tensors, src blocks, dst blocks)``
+        (``pull_sub_blocks``, ``pull_strided_blocks``)."""
         dst = self.lookup(cache_id)
         src_blocks, dst_blocks = block_array(src_blocks, "src_blocks"), block_array(dst_blocks, "dst_blocks")
 
         def planner(table):
             cache, _ = resolve_remote(table, remote_id, BlocksRef(model_id))
             st, dt = whole_caches(2)(cache.num_tensors, dst.num_tensors)
-            return PlannedTransfer(_core.plan_strided_blocks(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks,
-                                                             regions), table, cache, 0, st, dt)
+            return PlannedTransfer(plan(cache.layout, dst.layout, st, dt, src_blocks, dst_blocks), table, cache, 0,
+                                   st, dt)
         self._transfer_planned(remote_id, dst, False, planner)
 
     def _pull_row(self, remote_id: int, ref: RemoteRef, dst: CacheRecord, tensors, plan_row) -> None:
